@@ -1,0 +1,42 @@
+"""celery_leases: per-resource leases in Redis for Celery tasks.
+
+A task says which resources it touches; before its body runs, the worker takes a lease on each
+of them in Redis, all or nothing; a heartbeat keeps them alive while the body runs; a finalizer
+gives them back however the task ends. A lease whose holder can no longer renew it runs out on
+its own, and a restarted worker clears what its dead predecessor held at once.
+
+    from celery import Celery
+    from celery_leases import Leases
+
+    app = Celery("proj", broker="redis://localhost:6379/0")
+    leases = Leases(app)
+
+    with leases.hold("report:42", ttl=30, wait=10) as lease:
+        write(report, fence=lease.token)
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from ._lease import Lease, Shared
+from .app import Leases
+from .config import LeaseSettings
+from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseError, LeaseLost
+
+try:
+    __version__ = version("celery-leases")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = (
+    "Lease",
+    "LeaseBackendError",
+    "LeaseBusy",
+    "LeaseConfigError",
+    "LeaseError",
+    "LeaseLost",
+    "LeaseSettings",
+    "Leases",
+    "Shared",
+)

@@ -1,0 +1,215 @@
+"""Heartbeat: one daemon thread per process that renews every lease the process holds."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Final
+
+from celery.utils.log import get_logger
+
+from . import signals
+from .exceptions import LeaseError
+
+if TYPE_CHECKING:
+    from ._lease import Held
+    from ._store import LeaseStore
+
+__all__ = ("Heartbeat", "heartbeat")
+
+logger = get_logger(__name__)
+
+#: retry delay after a failed renewal (capped by the renew interval)
+RETRY_AFTER_FAILURE: Final = 1.0
+#: a renewal needs at least this much time before the first deadline to be worth sending
+MIN_BUDGET: Final = 0.005
+
+LostCallback = Callable[["Held"], None]
+
+
+class Heartbeat:
+    """Renews held leases every ``min(ttl) / 3`` with one Redis call per store and owner.
+
+    It records, on the monotonic clock, when each lease was last confirmed (the time the
+    renewal was *sent*, which is no later than when Redis extended it). A lease not confirmed
+    by ``confirmed + horizon`` (``horizon = min(ttl, owner liveness) * (1 - lost_margin)``) is
+    marked lost before Redis could hand it to anyone else; its ``on_lost`` callbacks run and
+    ``lost_callback`` is called. The thread never dies on a Redis error: it logs and tries
+    again.
+
+    Timeline it guards against: t0 A renews; t1 Redis pauses; t2 A's renewal hangs; t3 A's
+    deadline (t0 + horizon) passes, A stops trusting the lease; t4 Redis expires the key
+    (t0 + ttl > t3); t5 B acquires. A learns at t3 < t5 because every renewal is sent with a
+    timeout that ends at the first deadline.
+    """
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        lost_callback: LostCallback | None = None,
+    ) -> None:
+        self._clock = clock
+        self._lost_callback = lost_callback
+        self._held: weakref.WeakKeyDictionary[Held, None] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._next_renew = 0.0
+        self._failing = False
+        self.renewals = 0  # number of renew calls sent (for benchmarks and tests)
+
+    # --- registry --------------------------------------------------------------------------
+    def add(self, held: Held) -> None:
+        """Start renewing ``held``; starts the thread on first use."""
+        with self._lock:
+            self._held[held] = None
+            interval = held.horizon / 3
+            self._next_renew = min(self._next_renew or float("inf"), held.confirmed_at + interval)
+            if self._thread is None or not self._thread.is_alive():
+                self._stopping.clear()
+                self._thread = threading.Thread(
+                    target=self._run, name="celery-leases-heartbeat", daemon=True
+                )
+                self._thread.start()
+        self._wake.set()
+
+    def discard(self, held: Held) -> None:
+        """Stop renewing ``held``."""
+        with self._lock:
+            self._held.pop(held, None)
+
+    def snapshot(self) -> list[Held]:
+        """The leases being renewed now."""
+        with self._lock:
+            return [h for h in self._held if not h.lost and not h.released]
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the thread (leases are no longer renewed) and wait for it."""
+        self._stopping.set()
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    # --- loop ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                delay = self.tick()
+            except Exception:  # the heartbeat must outlive any bug in a callback
+                logger.exception("leases: heartbeat iteration failed")
+                delay = RETRY_AFTER_FAILURE
+            self._wake.wait(delay)
+            self._wake.clear()
+
+    def tick(self) -> float | None:
+        """Do what is due now; return seconds until something is due (None: nothing held)."""
+        now = self._clock()
+        held = self.snapshot()
+        for h in held:
+            if now >= h.deadline:
+                self._lose(h, "not confirmed in time")
+        held = [h for h in held if not h.lost]
+        if not held:
+            return None
+        if now >= self._next_renew:
+            self._renew(held, now)
+            now = self._clock()
+            held = [h for h in held if not h.lost and not h.released]
+            if not held:
+                return None
+        first_deadline = min(h.deadline for h in held)
+        return max(0.0, min(self._next_renew, first_deadline) - now)
+
+    def _renew(self, held: list[Held], now: float) -> None:
+        interval = min(h.horizon for h in held) / 3
+        groups: dict[tuple[int, str], list[Held]] = {}
+        stores: dict[int, LeaseStore] = {}
+        for h in held:
+            groups.setdefault((id(h.store), h.owner), []).append(h)
+            stores[id(h.store)] = h.store
+        ok = True
+        for (store_id, owner), batch in groups.items():
+            store = stores[store_id]
+            budget = min(
+                min(h.deadline for h in batch) - self._clock(), store.settings.socket_timeout
+            )
+            if budget < MIN_BUDGET:
+                continue  # too late to confirm; the deadline check marks them lost
+            sent = self._clock()
+            try:
+                self.renewals += 1
+                lost = store.renew(batch, owner, budget)
+            except LeaseError as exc:
+                ok = False
+                if not self._failing:
+                    logger.error("leases: renewal of %d lease(s) failed: %s", len(batch), exc)
+                else:
+                    logger.debug("leases: renewal still failing: %s", exc)
+                continue
+            logger.debug("leases: renewed %d lease(s) of %s", len(batch), owner)
+            for i, h in enumerate(batch):
+                if i in lost:
+                    self._lose(h, "Redis no longer has it")
+                elif not h.lost:
+                    h.confirmed_at = max(h.confirmed_at, sent)
+        if ok and self._failing:
+            logger.warning("leases: renewals succeed again")
+        self._failing = not ok
+        self._next_renew = now + (interval if ok else min(interval, RETRY_AFTER_FAILURE))
+
+    def _lose(self, held: Held, why: str) -> None:
+        if not held.mark_lost():
+            return
+        self.discard(held)
+        held_for = self._clock() - held.acquired_at
+        logger.warning(
+            "leases: lost %s after %.1fs (%s); the work may overlap with the next holder",
+            held.resource,
+            held_for,
+            why,
+        )
+        for callback in [*held.on_lost, *([self._lost_callback] if self._lost_callback else [])]:
+            try:
+                callback(held)
+            except Exception:
+                logger.exception("leases: on_lost callback for %s failed", held.resource)
+
+
+_instance: Heartbeat | None = None
+_instance_lock = threading.Lock()
+
+
+def _on_lost(held: Held) -> None:
+    signals.lease_lost.send(
+        sender=held.resource,
+        resource=held.resource,
+        token=held.token,
+        owner=held.owner,
+        held_for=time.monotonic() - held.acquired_at,
+        task_id=held.task_id,
+    )
+
+
+def heartbeat() -> Heartbeat:
+    """This process's heartbeat (made on first use, and again in a forked child)."""
+    global _instance
+    with _instance_lock:
+        if _instance is None:
+            _instance = Heartbeat(lost_callback=_on_lost)
+        return _instance
+
+
+def _reset_after_fork() -> None:
+    # the thread did not survive the fork, and the leases it renewed are the parent's
+    global _instance, _instance_lock
+    _instance = None
+    _instance_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)

@@ -1,0 +1,118 @@
+"""Every Redis key and channel name celery_leases uses, built here and nowhere else."""
+
+from __future__ import annotations
+
+import re
+import zlib
+from dataclasses import dataclass
+from typing import Final
+
+__all__ = ("Keyspace", "escape", "unescape")
+
+_UNSAFE: Final = re.compile(r"[%{}\x00-\x20\x7f]")
+
+
+def escape(name: str) -> str:
+    """Make ``name`` safe as the last part of a key, injectively.
+
+    ``%``, braces, white space and control characters become ``%XX`` (of their UTF-8 bytes), so
+    no name can open or close a Redis Cluster hash tag, and two different names never give the
+    same text. Other characters, unicode included, are kept as they are.
+    """
+    return _UNSAFE.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode()), name)
+
+
+def unescape(text: str) -> str:
+    """Invert :func:`escape`."""
+    return re.sub(
+        r"(%[0-9A-F]{2})+",
+        lambda m: bytes.fromhex(m.group().replace("%", "")).decode(),
+        text,
+    )
+
+
+@dataclass(frozen=True)
+class Keyspace:
+    """Key names under one ``key_prefix`` spread over ``slot_groups`` hash-slot groups.
+
+    Every key of group ``g`` starts with the hash tag ``{<prefix>:<g>}``, so all keys one Lua
+    script touches share one slot on a Redis Cluster. Group 0 is the *home* group: it also holds
+    the owner index (liveness) and the per-node owner sets. A resource's group is a CRC32 of its
+    name, the same in every process.
+    """
+
+    prefix: str
+    slot_groups: int = 1
+
+    def group_of(self, resource: str) -> int:
+        """The slot group holding ``resource``'s keys."""
+        if self.slot_groups == 1:
+            return 0
+        return zlib.crc32(resource.encode()) % self.slot_groups
+
+    def tag(self, group: int) -> str:
+        """The hash tag that starts every key of ``group``."""
+        return f"{{{self.prefix}:{group}}}"
+
+    # --- per resource -------------------------------------------------------------------
+    def exclusive(self, resource: str) -> str:
+        """STRING ``"<token> <owner>"`` of the exclusive holder, with the lease's PX."""
+        return f"{self.tag(self.group_of(resource))}:x:{escape(resource)}"
+
+    def shared(self, resource: str) -> str:
+        """ZSET of shared holders ``"<token> <owner>"`` scored by expiry (Redis ms)."""
+        return f"{self.tag(self.group_of(resource))}:s:{escape(resource)}"
+
+    def counter(self, resource: str) -> str:
+        """STRING: the last fencing token granted for ``resource``."""
+        return f"{self.tag(self.group_of(resource))}:n:{escape(resource)}"
+
+    def channel(self, resource: str) -> str:
+        """Pub/Sub channel on which a release of ``resource`` is announced."""
+        return f"{self.tag(self.group_of(resource))}:c:{escape(resource)}"
+
+    def resource_keys(self, resource: str) -> tuple[str, str, str]:
+        """``(exclusive, shared, counter)`` keys of ``resource``."""
+        return self.exclusive(resource), self.shared(resource), self.counter(resource)
+
+    # --- per group ----------------------------------------------------------------------
+    def registry(self, owner: str, group: int) -> str:
+        """SET of ``"<mode> <token> <resource>"`` entries: what ``owner`` holds in ``group``."""
+        return f"{self.tag(group)}:reg:{owner}"
+
+    def epoch(self, group: int) -> str:
+        """STRING: Redis time (ms) when this group was first used; gone after a data loss."""
+        return f"{self.tag(group)}:epoch"
+
+    # --- home group ---------------------------------------------------------------------
+    @property
+    def owners(self) -> str:
+        """ZSET of every owner, scored by the Redis time (ms) its liveness runs out."""
+        return f"{self.tag(0)}:owners"
+
+    def node(self, node: str) -> str:
+        """SET of the owner ids ever registered under ``node`` and not yet cleaned."""
+        return f"{self.tag(0)}:node:{escape(node)}"
+
+    @property
+    def nodes(self) -> str:
+        """SET of escaped node names that have owners (lets tools list nodes without SCAN)."""
+        return f"{self.tag(0)}:nodes"
+
+    def named(self, kind: str, name: str) -> str:
+        """A key for a named object of another part (``once`` receipts, beat claims).
+
+        ``kind`` is a fixed word chosen by the code; ``name`` is user data and is escaped.
+        """
+        group = self.group_of(f"{kind}:{name}")
+        return f"{self.tag(group)}:{kind}:{escape(name)}"
+
+
+def owner_id(node: str, incarnation: str, pid: int) -> str:
+    """The id of one lease-holding process: ``<escaped node>/<incarnation>/<pid>``."""
+    return f"{escape(node)}/{incarnation}/{pid}"
+
+
+def node_of_owner(owner: str) -> str:
+    """The node name inside an owner id."""
+    return unescape(owner.rsplit("/", 2)[0])

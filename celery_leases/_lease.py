@@ -1,0 +1,150 @@
+"""Lease (what a holder gets), Shared (what a caller asks for) and the per-lease state."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from .exceptions import LeaseConfigError, LeaseLost
+
+if TYPE_CHECKING:
+    from ._store import LeaseStore
+
+__all__ = ("Lease", "Shared")
+
+Mode = Literal["x", "s"]
+
+
+@dataclass(frozen=True)
+class Shared:
+    """Ask for a shared lease: compatible with other shared holders, never with an exclusive one.
+
+    ``Shared(name, limit=N)`` admits at most ``N`` holders at once (a counting semaphore).
+    In a task's ``leases=`` list, ``name`` is a template over the task's arguments.
+
+    .. versionadded:: 0.1
+    """
+
+    name: str
+    limit: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            msg = f"Shared() needs a non-empty resource name, got {self.name!r}"
+            raise LeaseConfigError(msg)
+        if self.limit is not None and (
+            isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1
+        ):
+            msg = f"Shared({self.name!r}) limit must be a whole number >= 1, not {self.limit!r}"
+            raise LeaseConfigError(msg)
+
+
+@dataclass(frozen=True)
+class Want:
+    """One resource of an acquire request."""
+
+    resource: str
+    mode: Mode = "x"
+    limit: int = 0
+
+
+def want_of(item: str | Shared) -> Want:
+    """Turn a user's ``"name"`` or ``Shared(...)`` into a :class:`Want`."""
+    if isinstance(item, Shared):
+        return Want(item.name, "s", item.limit or 0)
+    if isinstance(item, str) and item:
+        return Want(item, "x", 0)
+    msg = f"a resource must be a non-empty str or Shared(...), got {item!r}"
+    raise LeaseConfigError(msg)
+
+
+@dataclass(eq=False)
+class Held:
+    """Mutable state of one granted lease, shared by its Lease and the heartbeat."""
+
+    store: LeaseStore
+    owner: str
+    resource: str
+    mode: Mode
+    token: int
+    ttl: float
+    acquired_at: float
+    confirmed_at: float
+    horizon: float  # seconds after a confirmation that the lease counts as held
+    lost: bool = False
+    released: bool = False
+    task_id: str | None = None
+    on_lost: list[Callable[[Held], None]] = field(default_factory=list)
+    _guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def deadline(self) -> float:
+        """Monotonic time at which the lease counts as lost unless confirmed again."""
+        return self.confirmed_at + self.horizon
+
+    @property
+    def group(self) -> int:
+        return self.store.keys.group_of(self.resource)
+
+    def is_lost(self, now: float) -> bool:
+        return self.lost or (not self.released and now >= self.deadline)
+
+    def mark_lost(self) -> bool:
+        """Mark the lease lost; True if this call is the one that did it."""
+        with self._guard:
+            if self.lost or self.released:
+                return False
+            self.lost = True
+            return True
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A granted lease, as the holder sees it.
+
+    Attributes:
+        resource: the rendered resource name.
+        token: the fencing token of this grant. It is larger than every token granted for this
+            resource before (shared grants included), so a store can refuse writes that carry
+            an older token.
+        ttl: seconds the lease lives without renewal.
+        shared: True for a shared lease.
+
+    .. versionadded:: 0.1
+    """
+
+    resource: str
+    token: int
+    ttl: float
+    shared: bool
+    _held: Held = field(repr=False, compare=False)
+
+    @property
+    def expires_in(self) -> float:
+        """Seconds until the lease would run out without another renewal (0 once lost)."""
+        held = self._held
+        if held.released:
+            return 0.0
+        now = time.monotonic()
+        if held.is_lost(now):
+            return 0.0
+        return max(0.0, held.confirmed_at + held.ttl - now)
+
+    @property
+    def lost(self) -> bool:
+        """True once the lease is known or presumed lost."""
+        return self._held.is_lost(time.monotonic())
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLost` if the lease is no longer held.
+
+        It reads local state only (no Redis call): the heartbeat confirms the lease every
+        ``ttl / 3``, and a lease not confirmed in time counts as lost before Redis could hand
+        it to anyone else.
+        """
+        held = self._held
+        if held.is_lost(time.monotonic()) or held.released:
+            raise LeaseLost(held.resource, held_for=time.monotonic() - held.acquired_at)

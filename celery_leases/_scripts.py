@@ -1,0 +1,27 @@
+"""The Lua scripts of ``lua/``, read once from the package as constants."""
+
+from __future__ import annotations
+
+from importlib.resources import files
+from typing import Final
+
+__all__ = ("ACQUIRE", "ALL", "EXPIRED_OWNERS", "FORGET_OWNER", "RELEASE", "RENEW")
+
+
+def _read(name: str) -> str:
+    return (files(__package__) / "lua" / f"{name}.lua").read_text(encoding="utf-8")
+
+
+ACQUIRE: Final = _read("acquire")
+RENEW: Final = _read("renew")
+RELEASE: Final = _read("release")
+EXPIRED_OWNERS: Final = _read("expired_owners")
+FORGET_OWNER: Final = _read("forget_owner")
+
+ALL: Final[dict[str, str]] = {
+    "acquire": ACQUIRE,
+    "renew": RENEW,
+    "release": RELEASE,
+    "expired_owners": EXPIRED_OWNERS,
+    "forget_owner": FORGET_OWNER,
+}

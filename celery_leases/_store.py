@@ -1,0 +1,600 @@
+"""LeaseStore: every Redis call celery_leases makes, and nothing else talks to Redis."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, Final
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from . import _scripts
+from ._identity import Identity
+from ._keys import Keyspace, node_of_owner, unescape
+from ._lease import Held, Want
+from .config import LeaseSettings
+from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError
+
+__all__ = ("CleanupReport", "LeaseStore", "safe_url")
+
+#: how long the last fencing token of a resource is remembered. Tokens never go backwards even
+#: without it (they are at least the Redis clock in microseconds); it covers bursts of grants
+#: that run ahead of the clock and small steps back of the server clock.
+TOKEN_MEMORY_MS: Final = 86_400_000
+#: extra sleep after a holder's expiry before a waiter tries again
+_EXPIRY_SLACK: Final = 0.002
+
+
+class _Acquire(IntEnum):
+    GRACE = -1
+    BUSY = 0
+    GRANTED = 1
+
+
+def safe_url(url: str) -> str:
+    """``url`` without its password, for messages and logs."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable redis url>"
+    if parts.password is None:
+        return url
+    netloc = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{netloc}"
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+@dataclass
+class Busy:
+    """A failed attempt: which resource blocked it and for how long at most."""
+
+    resource: str
+    wait: float  # seconds until the blocking holder runs out unless renewed
+
+
+@dataclass
+class CleanupReport:
+    """What a cleanup pass did.
+
+    Attributes:
+        owners: owner ids looked at.
+        released: ``(owner, resource)`` of leases that were still held and are now free.
+        expired: registry entries whose lease had already run out (removed).
+        kept: registry entries that could not be understood; kept, never dropped silently.
+        errors: ``(owner, message)`` of owners whose cleanup failed; the others went on.
+    """
+
+    owners: list[str] = field(default_factory=list)
+    released: list[tuple[str, str]] = field(default_factory=list)
+    expired: int = 0
+    kept: list[tuple[str, str]] = field(default_factory=list)
+    errors: list[tuple[str, str]] = field(default_factory=list)
+
+    def merge(self, other: CleanupReport) -> None:
+        self.owners += other.owners
+        self.released += other.released
+        self.expired += other.expired
+        self.kept += other.kept
+        self.errors += other.errors
+
+
+@dataclass(frozen=True)
+class Holder:
+    """One holder of a resource, as Redis records it."""
+
+    resource: str
+    mode: str
+    token: int
+    owner: str
+    expires_in: float
+
+    @property
+    def node(self) -> str:
+        return node_of_owner(self.owner)
+
+
+class LeaseStore:
+    """Acquire, renew, release, clean up and inspect leases in one Redis, under one prefix.
+
+    Clients are made lazily in each process and made anew after a fork. Every redis error is
+    raised as :class:`~celery_leases.exceptions.LeaseBackendError`.
+    """
+
+    def __init__(self, settings: LeaseSettings) -> None:
+        self.settings = settings
+        self.keys = Keyspace(settings.key_prefix, settings.slot_groups)
+        self.url = settings.url
+        self._lock = threading.Lock()
+        self._pid = -1
+        self._client: redis.Redis | None = None
+        self._registered: set[str] = set()
+
+    # --- clients --------------------------------------------------------------------------
+    @property
+    def client(self) -> redis.Redis:
+        """This process's client (made on first use, and again after a fork)."""
+        pid = os.getpid()
+        client = self._client
+        if client is not None and self._pid == pid:
+            return client
+        with self._lock:
+            if self._client is None or self._pid != pid:
+                self._client = self._make_client()
+                self._pid = pid
+                self._registered = set()
+                self._register_scripts(self._client)
+            return self._client
+
+    def _make_client(self) -> redis.Redis:
+        s = self.settings
+        try:
+            return redis.Redis.from_url(
+                self.url,
+                decode_responses=True,
+                socket_timeout=s.socket_timeout,
+                socket_connect_timeout=s.socket_connect_timeout,
+                retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+                client_name="celery_leases",
+            )
+        except (ValueError, RedisError) as exc:
+            msg = f"redis_url {safe_url(self.url)!r} is not usable: {exc}"
+            raise LeaseConfigError(msg) from None
+
+    def _register_scripts(self, client: redis.Redis) -> None:
+        # register_script only hashes locally; each store keeps its own Script objects
+        self._acquire = client.register_script(_scripts.ACQUIRE)
+        self._renew = client.register_script(_scripts.RENEW)
+        self._release = client.register_script(_scripts.RELEASE)
+        self._expired_owners = client.register_script(_scripts.EXPIRED_OWNERS)
+        self._forget_owner = client.register_script(_scripts.FORGET_OWNER)
+
+    def close(self) -> None:
+        """Close this process's connections (a new client is made on next use)."""
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None and self._pid == os.getpid():
+            client.close()
+
+    @contextmanager
+    def _backend(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except RedisError as exc:
+            msg = f"redis at {safe_url(self.url)} failed to {what}: {type(exc).__name__}: {exc}"
+            raise LeaseBackendError(msg) from exc
+
+    def ping(self) -> bool:
+        """True if Redis answers."""
+        with self._backend("answer PING"):
+            return bool(self.client.ping())
+
+    def load_scripts(self) -> dict[str, str]:
+        """``SCRIPT LOAD`` every script; returns name -> SHA (proves the wheel ships them)."""
+        with self._backend("load scripts"):
+            return {name: self.client.script_load(src) for name, src in _scripts.ALL.items()}
+
+    # --- acquire --------------------------------------------------------------------------
+    def _ms(self, seconds: float) -> int:
+        return max(1, math.ceil(seconds * 1000))
+
+    def _liveness_ms(self, ttl: float) -> int:
+        return self._ms(max(ttl, self.settings.ttl))
+
+    def horizon(self, ttl: float) -> float:
+        """Seconds after a confirmation that a lease of ``ttl`` counts as held.
+
+        The owner's liveness runs out ``settings.ttl`` after its last renewal, and the orphan
+        reconcile may then free its leases: so a lease counts as held for the shorter of the
+        two, less the safety margin.
+        """
+        return min(ttl, self.settings.ttl) * self.settings.margin_fraction
+
+    def _home_args(self, ident: Identity, ttl: float) -> tuple[list[str], list[str]]:
+        keys = [self.keys.owners, self.keys.node(ident.node), self.keys.nodes]
+        return keys, ["1", str(self._liveness_ms(ttl)), ident.node_key_part]
+
+    def try_acquire(self, wants: Sequence[Want], ident: Identity, ttl: float) -> list[Held] | Busy:
+        """One all-or-nothing attempt at ``wants``; the grants come back in the order given.
+
+        Resources are taken group by group in ascending group order (one script call per
+        group; one call in all with a single slot group). If a later group is busy, the groups
+        already granted are released again, so the caller never holds part of the set.
+        """
+        if len({w.resource for w in wants}) != len(wants):
+            names = [w.resource for w in wants]
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            msg = f"the same resource is asked for twice in one request: {dupes}"
+            raise LeaseConfigError(msg)
+        by_group: dict[int, list[int]] = {}
+        for i, w in enumerate(wants):
+            by_group.setdefault(self.keys.group_of(w.resource), []).append(i)
+        owner = ident.owner
+        if 0 not in by_group and owner not in self._registered:
+            outcome = self._acquire_group(0, [], ident, ttl)
+            if isinstance(outcome, Busy):
+                return outcome
+        out: list[Held | None] = [None] * len(wants)
+        taken: list[Held] = []
+        for group in sorted(by_group):
+            idx = sorted(by_group[group], key=lambda i: wants[i].resource)
+            outcome = self._acquire_group(group, [wants[i] for i in idx], ident, ttl)
+            if isinstance(outcome, Busy):
+                if taken:
+                    self.release(taken)
+                return outcome
+            for i, held in zip(idx, outcome, strict=True):
+                out[i] = held
+                taken.append(held)
+        return [h for h in out if h is not None]
+
+    def _acquire_group(
+        self, group: int, wants: Sequence[Want], ident: Identity, ttl: float
+    ) -> list[Held] | Busy:
+        owner = ident.owner
+        ttl_ms = self._ms(ttl)
+        keys = [self.keys.epoch(group), self.keys.registry(owner, group)]
+        args: list[Any] = [owner, ttl_ms, math.ceil(self.settings.restart_grace * 1000)]
+        if group == 0:
+            home_keys, home_args = self._home_args(ident, ttl)
+            keys += home_keys
+            args += home_args
+        else:
+            args += ["0", "0", ""]
+        args.append(TOKEN_MEMORY_MS)
+        for w in wants:
+            keys.extend(self.keys.resource_keys(w.resource))
+            args += [w.mode, w.limit, w.resource]
+        client = self.client
+        sent = time.monotonic()
+        with self._backend("acquire"):
+            reply = self._acquire(keys, args, client=client)
+        code = _Acquire(int(reply[0]))
+        if code is _Acquire.GRACE:
+            first = wants[0].resource if wants else "(owner registration)"
+            return Busy(first, int(reply[1]) / 1000)
+        if code is _Acquire.BUSY:
+            return Busy(wants[int(reply[1]) - 1].resource, int(reply[2]) / 1000)
+        if group == 0:
+            self._registered.add(owner)
+        return [
+            Held(
+                store=self,
+                owner=owner,
+                resource=w.resource,
+                mode=w.mode,
+                token=int(token),
+                ttl=ttl,
+                acquired_at=sent,
+                confirmed_at=sent,
+                horizon=self.horizon(ttl),
+            )
+            for w, token in zip(wants, reply[1:], strict=True)
+        ]
+
+    def acquire(
+        self, wants: Sequence[Want], ident: Identity, ttl: float, wait: float | None = 0.0
+    ) -> list[Held]:
+        """Acquire all of ``wants`` or none, waiting up to ``wait`` seconds (None: no limit).
+
+        A waiter subscribes to the release channels of every resource it wants, then tries
+        again; it is woken by a release at once (no polling), and by the blocking holder's
+        expiry at the latest, since each failed attempt says when that holder runs out.
+        While it waits it holds none of the resources.
+
+        Raises:
+            LeaseBusy: still busy when the wait ran out; ``.resource`` names the first busy one.
+            LeaseBackendError: Redis failed.
+        """
+        start = time.monotonic()
+        outcome = self.try_acquire(wants, ident, ttl)
+        if not isinstance(outcome, Busy):
+            return outcome
+        if wait is not None and wait <= 0:
+            raise LeaseBusy(outcome.resource, retry_after=outcome.wait)
+        deadline = math.inf if wait is None else start + wait
+        channels = sorted({self.keys.channel(w.resource) for w in wants})
+        with self._backend("wait for a release"):
+            pubsub = self.client.pubsub()  # type: ignore[no-untyped-call]
+            try:
+                pubsub.subscribe(*channels)
+                self._await_subscribed(pubsub, len(channels))
+                while True:
+                    outcome = self.try_acquire(wants, ident, ttl)
+                    if not isinstance(outcome, Busy):
+                        return outcome
+                    now = time.monotonic()
+                    if now >= deadline:
+                        raise LeaseBusy(
+                            outcome.resource, retry_after=outcome.wait, waited=now - start
+                        )
+                    nap = min(deadline - now, outcome.wait + _EXPIRY_SLACK)
+                    if pubsub.get_message(timeout=nap) is not None:
+                        # drain what else came, so one release wakes us once
+                        while pubsub.get_message(timeout=0.0) is not None:
+                            pass
+            finally:
+                pubsub.close()
+
+    def _await_subscribed(self, pubsub: redis.client.PubSub, count: int) -> None:
+        # The subscription must be in force before the next attempt: a release that comes
+        # between a failed attempt and a late SUBSCRIBE would otherwise go unheard.
+        deadline = time.monotonic() + self.settings.socket_timeout
+        confirmed = 0
+        while confirmed < count:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RedisTimeoutError("no SUBSCRIBE confirmation")
+            message = pubsub.get_message(timeout=left)
+            if message is not None and message.get("type") == "subscribe":
+                confirmed += 1
+
+    # --- renew ----------------------------------------------------------------------------
+    def renew(self, held: Sequence[Held], owner: str, timeout: float) -> set[int]:
+        """Renew ``held`` (all of one owner) and refresh the owner's liveness.
+
+        One script call per slot group, sent together in one round trip. The reply must come
+        within ``timeout`` seconds, else :class:`LeaseBackendError` (the heartbeat uses the
+        time left before the first lease would count as lost).
+
+        Returns:
+            the indices (into ``held``) of leases Redis no longer has for us.
+        """
+        by_group: dict[int, list[int]] = {0: []}
+        for i, h in enumerate(held):
+            by_group.setdefault(h.group, []).append(i)
+        longest = max([h.ttl for h in held] + [self.settings.ttl])
+        registry_ms = self._ms(2 * longest)
+        calls: list[tuple[list[int], list[str], list[Any]]] = []
+        for group, idx in sorted(by_group.items()):
+            keys = [self.keys.registry(owner, group)]
+            args: list[Any] = [owner, registry_ms]
+            if group == 0:
+                keys.append(self.keys.owners)
+                args += ["1", self._liveness_ms(longest)]
+            else:
+                args += ["0", 0]
+            for i in idx:
+                h = held[i]
+                keys.append(
+                    self.keys.exclusive(h.resource)
+                    if h.mode == "x"
+                    else self.keys.shared(h.resource)
+                )
+                args += [h.mode, h.token, self._ms(h.ttl), h.resource]
+            calls.append((idx, keys, args))
+        replies = self._call_with_deadline(
+            self._renew.sha, _scripts.RENEW, [(k, a) for _, k, a in calls], timeout
+        )
+        lost: set[int] = set()
+        for (idx, _, _), reply in zip(calls, replies, strict=True):
+            lost.update(idx[int(n) - 1] for n in reply)
+        return lost
+
+    def _call_with_deadline(
+        self, sha: str, source: str, calls: Sequence[tuple[list[str], list[Any]]], timeout: float
+    ) -> list[Any]:
+        """EVALSHA each of ``calls`` on one connection, in one round trip, within ``timeout``.
+
+        redis-py applies one socket timeout to every command of a connection; the heartbeat
+        needs a deadline per call instead, so it drives a pooled connection directly.
+        """
+        pool = self.client.connection_pool
+        with self._backend("renew"):
+            conn = pool.get_connection()
+            try:
+                return self._send_and_read(conn, sha, source, calls, timeout)
+            except BaseException:
+                conn.disconnect()  # type: ignore[no-untyped-call]
+                raise
+            finally:
+                pool.release(conn)
+
+    def _send_and_read(
+        self,
+        conn: Any,
+        sha: str,
+        source: str,
+        calls: Sequence[tuple[list[str], list[Any]]],
+        timeout: float,
+    ) -> list[Any]:
+        end = time.monotonic() + timeout
+        commands = [("EVALSHA", sha, len(k), *k, *a) for k, a in calls]
+        conn.send_packed_command(conn.pack_commands(commands))
+        replies: list[Any] = []
+        missing_script = False
+        for _ in commands:
+            left = end - time.monotonic()
+            if left <= 0 or not conn.can_read(timeout=left):
+                raise RedisTimeoutError(f"no reply within {timeout:.2f}s")
+            try:
+                replies.append(conn.read_response())
+            except NoScriptError:
+                missing_script = True
+                replies.append(None)
+        if missing_script:
+            # Redis restarted or SCRIPT FLUSH ran: load it and send again, same deadline
+            conn.send_command("SCRIPT", "LOAD", source)
+            left = end - time.monotonic()
+            if left <= 0 or not conn.can_read(timeout=left):
+                raise RedisTimeoutError(f"no reply within {timeout:.2f}s")
+            conn.read_response()
+            return self._send_and_read(conn, sha, source, calls, max(0.0, end - time.monotonic()))
+        return replies
+
+    # --- release --------------------------------------------------------------------------
+    def release(self, held: Sequence[Held]) -> list[bool]:
+        """Release ``held`` (any owners); True for each lease that was still ours.
+
+        Idempotent: releasing a lease again, or one that already ran out, returns False and
+        changes nothing but the registry entry.
+        """
+        if not held:
+            return []
+        out: dict[int, bool] = {}
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i, h in enumerate(held):
+            groups.setdefault((h.owner, h.group), []).append(i)
+        for (owner, group), idx in groups.items():
+            entries = [(held[i].mode, held[i].token, held[i].resource) for i in idx]
+            freed = self._release_entries(owner, group, entries)
+            out.update(zip(idx, freed, strict=True))
+        return [out[i] for i in range(len(held))]
+
+    def _release_entries(
+        self, owner: str, group: int, entries: Sequence[tuple[str, int | str, str]]
+    ) -> list[bool]:
+        keys = [self.keys.registry(owner, group)]
+        args: list[Any] = [owner]
+        for mode, token, resource in entries:
+            keys.append(
+                self.keys.exclusive(resource) if mode == "x" else self.keys.shared(resource)
+            )
+            args += [mode, token, resource, self.keys.channel(resource)]
+        client = self.client
+        with self._backend("release"):
+            reply = self._release(keys, args, client=client)
+        return [bool(int(x)) for x in reply]
+
+    # --- cleanup --------------------------------------------------------------------------
+    def cleanup_owner(self, owner: str, *, dead: bool = False) -> CleanupReport:
+        """Release every lease ``owner`` still holds, in O(leases it held).
+
+        Reads the owner's registry in each slot group (one SMEMBERS each), releases what is
+        listed (one script call each), then forgets the owner unless its liveness was
+        refreshed meanwhile; ``dead=True`` forgets it regardless (its node restarted).
+        Registry entries that cannot be parsed are kept and reported, never dropped.
+        """
+        report = CleanupReport(owners=[owner])
+        for group in range(self.settings.slot_groups):
+            key = self.keys.registry(owner, group)
+            with self._backend("read an owner registry"):
+                members = self.client.smembers(key)
+            entries: list[tuple[str, int | str, str]] = []
+            for member in sorted(members):
+                parsed = _parse_entry(str(member))
+                if parsed is None:
+                    report.kept.append((owner, str(member)))
+                else:
+                    entries.append(parsed)
+            if not entries:
+                continue
+            freed = self._release_entries(owner, group, entries)
+            for (_, _, resource), was_held in zip(entries, freed, strict=True):
+                if was_held:
+                    report.released.append((owner, resource))
+                else:
+                    report.expired += 1
+        if not report.kept:
+            node = node_of_owner(owner)
+            with self._backend("forget an owner"):
+                self._forget_owner(
+                    [self.keys.owners, self.keys.node(node), self.keys.nodes],
+                    [owner, owner.rsplit("/", 2)[0], "1" if dead else "0"],
+                    client=self.client,
+                )
+        return report
+
+    def cleanup_node(self, node: str, *, keep_incarnation: str | None = None) -> CleanupReport:
+        """Release every lease of earlier incarnations of ``node`` (a restarted pod).
+
+        A node with no past costs one command (SMEMBERS of its owner set). Each owner is
+        cleaned on its own, so one failure does not stop the others.
+        """
+        with self._backend("list a node's owners"):
+            owners = sorted(str(o) for o in self.client.smembers(self.keys.node(node)))
+        report = CleanupReport()
+        for owner in owners:
+            incarnation = owner.rsplit("/", 2)[1]
+            if incarnation == keep_incarnation:
+                continue
+            report.merge(self._cleanup_isolated(owner, dead=True))
+        return report
+
+    def expired_owners(self, limit: int = 1000) -> list[str]:
+        """Owners whose liveness ran out (by the Redis clock), oldest first."""
+        with self._backend("list expired owners"):
+            reply = self._expired_owners([self.keys.owners], [limit], client=self.client)
+        return [str(o) for o in reply]
+
+    def reconcile(self, limit: int = 1000) -> CleanupReport:
+        """Release the leases of owners whose liveness ran out (orphans), each on its own."""
+        report = CleanupReport()
+        for owner in self.expired_owners(limit):
+            report.merge(self._cleanup_isolated(owner, dead=False))
+        return report
+
+    def _cleanup_isolated(self, owner: str, *, dead: bool) -> CleanupReport:
+        try:
+            return self.cleanup_owner(owner, dead=dead)
+        except LeaseBackendError as exc:
+            return CleanupReport(owners=[owner], errors=[(owner, str(exc))])
+
+    # --- inspect --------------------------------------------------------------------------
+    def holders(self, resource: str) -> list[Holder]:
+        """Who holds ``resource`` now (exclusive holder or live shared holders)."""
+        xkey, skey, _ = self.keys.resource_keys(resource)
+        with self._backend("inspect a resource"):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.get(xkey)
+            pipe.pttl(xkey)
+            pipe.zrange(skey, 0, -1, withscores=True)
+            pipe.time()
+            value, pttl, shared, (sec, usec) = pipe.execute()
+        now_ms = int(sec) * 1000 + int(usec) // 1000
+        out: list[Holder] = []
+        if value is not None:
+            token, _, owner = str(value).partition(" ")
+            out.append(Holder(resource, "x", int(token), owner, max(int(pttl), 0) / 1000))
+        for member, score in shared:
+            if score > now_ms:
+                token, _, owner = str(member).partition(" ")
+                out.append(Holder(resource, "s", int(token), owner, (score - now_ms) / 1000))
+        return out
+
+    def owners(self) -> list[tuple[str, float]]:
+        """Every registered owner and the seconds left on its liveness (negative: dead)."""
+        with self._backend("list owners"):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zrange(self.keys.owners, 0, -1, withscores=True)
+            pipe.time()
+            members, (sec, usec) = pipe.execute()
+        now_ms = int(sec) * 1000 + int(usec) // 1000
+        return [(str(m), (s - now_ms) / 1000) for m, s in members]
+
+    def owned(self, owner: str) -> list[tuple[str, int, str]]:
+        """``(mode, token, resource)`` of what ``owner``'s registries list."""
+        out: list[tuple[str, int, str]] = []
+        with self._backend("read an owner registry"):
+            for group in range(self.settings.slot_groups):
+                for member in self.client.smembers(self.keys.registry(owner, group)):
+                    parsed = _parse_entry(str(member))
+                    if parsed is not None:
+                        out.append((parsed[0], int(parsed[1]), parsed[2]))
+        return sorted(out, key=lambda e: e[2])
+
+    def nodes(self) -> list[str]:
+        """Every node that has registered owners."""
+        with self._backend("list nodes"):
+            return sorted(unescape(str(n)) for n in self.client.smembers(self.keys.nodes))
+
+
+def _parse_entry(member: str) -> tuple[str, int | str, str] | None:
+    mode, _, rest = member.partition(" ")
+    token, _, resource = rest.partition(" ")
+    if mode not in ("x", "s") or not token.isdigit() or not resource:
+        return None
+    return mode, token, resource

@@ -1,0 +1,244 @@
+"""Leases(app): the object a project creates once, next to its Celery app.
+
+Example::
+
+    from celery import Celery
+    from celery_leases import Leases, Shared
+
+    app = Celery("proj", broker="redis://localhost:6379/0")
+    leases = Leases(app, ttl=30)
+
+    with leases.hold("report:42", wait=10) as lease:     # renewed while inside
+        write(report, fence=lease.token)
+
+    with leases.hold(["repo:7", Shared("remote:3")], wait=5) as (repo, remote):
+        ...                                               # all or nothing
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any, overload
+
+from celery.utils.log import get_logger
+
+from . import signals
+from ._heartbeat import heartbeat
+from ._identity import Identity, current_identity
+from ._lease import Held, Lease, Shared, Want, want_of
+from ._store import LeaseStore, safe_url
+from .config import LeaseSettings, resolve_settings, set_settings
+from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseLost
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+__all__ = ("Leases",)
+
+logger = get_logger(__name__)
+
+Resource = str | Shared
+
+
+class Leases:
+    """The celery_leases extension of one Celery app.
+
+    Args:
+        app: the Celery app. Its ``leases_*`` config keys are read as settings.
+        **settings: settings that win over ``app.conf`` and the environment (see
+            :class:`~celery_leases.config.LeaseSettings`).
+
+    Raises:
+        LeaseConfigError: a setting is invalid; the message names it and where it came from.
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(self, app: Celery, **settings: Any) -> None:
+        self.app = app
+        self.settings: LeaseSettings = resolve_settings(app, **settings)
+        set_settings(app, self.settings)
+        self.store = LeaseStore(self.settings)
+        app.leases = self  # type: ignore[attr-defined]
+
+    def __repr__(self) -> str:
+        where = safe_url(self.settings.url)
+        return f"<Leases {self.app.main!r} at {where} prefix={self.settings.key_prefix!r}>"
+
+    # --- identity -----------------------------------------------------------------------
+    def identity(self) -> Identity:
+        """The owner identity of the calling process."""
+        return current_identity(self.settings.node)
+
+    def _ttl(self, ttl: float | None) -> float:
+        if ttl is None:
+            return self.settings.ttl
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0.05 <= ttl <= 86400:
+            msg = f"ttl must be a number of seconds from 0.05 to 86400, not {ttl!r}"
+            raise LeaseConfigError(msg)
+        return float(ttl)
+
+    # --- hold ---------------------------------------------------------------------------
+    @overload
+    def hold(
+        self, resource: Resource, *, ttl: float | None = ..., wait: float | None = ...
+    ) -> AbstractContextManager[Lease]: ...
+    @overload
+    def hold(
+        self,
+        resource: list[Resource] | tuple[Resource, ...],
+        *,
+        ttl: float | None = ...,
+        wait: float | None = ...,
+    ) -> AbstractContextManager[list[Lease]]: ...
+
+    def hold(
+        self,
+        resource: Resource | list[Resource] | tuple[Resource, ...],
+        *,
+        ttl: float | None = None,
+        wait: float | None = 0.0,
+    ) -> AbstractContextManager[Lease] | AbstractContextManager[list[Lease]]:
+        """Hold a lease (or several, all or nothing) while inside the ``with`` block.
+
+        Args:
+            resource: a name, a :class:`Shared`, or a list of them.
+            ttl: seconds the lease lives without renewal (default: the ``ttl`` setting). The
+                heartbeat renews it every ``ttl / 3`` while the block runs.
+            wait: seconds to wait for a busy resource; 0 tries once, None waits without limit.
+                A waiter is woken by the release, not by polling.
+
+        Yields:
+            a :class:`Lease`, or a list of them in the order given.
+
+        Raises:
+            LeaseBusy: still busy when the wait ended; ``.resource`` names the first busy one.
+            LeaseLost: on leaving the block, if a lease was lost while inside (unless the
+                block itself raised).
+            LeaseBackendError: Redis failed.
+        """
+        if isinstance(resource, (str, Shared)):
+            return self._hold_one(resource, ttl, wait)
+        return self._hold_many(list(resource), ttl, wait)
+
+    @contextmanager
+    def _hold_one(
+        self, resource: Resource, ttl: float | None, wait: float | None
+    ) -> Iterator[Lease]:
+        with self._hold_many([resource], ttl, wait) as leases:
+            yield leases[0]
+
+    @contextmanager
+    def _hold_many(
+        self, resources: list[Resource], ttl: float | None, wait: float | None
+    ) -> Iterator[list[Lease]]:
+        if not resources:
+            raise LeaseConfigError("hold() needs at least one resource")
+        leases = self.acquire([want_of(r) for r in resources], ttl=ttl, wait=wait)
+        failed = True
+        try:
+            yield leases
+            failed = False
+        finally:
+            lost = self.release(leases)
+        if lost and not failed:
+            first = lost[0]
+            raise LeaseLost(first.resource, held_for=time.monotonic() - first._held.acquired_at)
+
+    # --- the shared acquire / release path (hold, tasks, once) ---------------------------
+    def acquire(
+        self,
+        wants: Sequence[Want],
+        *,
+        ttl: float | None = None,
+        wait: float | None = 0.0,
+        task_id: str | None = None,
+        on_lost: Callable[[Held], None] | None = None,
+    ) -> list[Lease]:
+        """Acquire ``wants`` all or nothing and start renewing them; see :meth:`hold`."""
+        ttl = self._ttl(ttl)
+        if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float))):
+            msg = f"wait must be a number of seconds or None, not {wait!r}"
+            raise LeaseConfigError(msg)
+        ident = self.identity()
+        try:
+            granted = self.store.acquire(wants, ident, ttl, wait)
+        except LeaseBusy as busy:
+            logger.info(
+                "leases: %s is busy (retry after %.1fs)", busy.resource, busy.retry_after or 0
+            )
+            _send(signals.lease_busy, busy.resource, retry_after=busy.retry_after, task_id=task_id)
+            raise
+        beat = heartbeat()
+        leases = []
+        for held in granted:
+            held.task_id = task_id
+            if on_lost is not None:
+                held.on_lost.append(on_lost)
+            beat.add(held)
+            lease = Lease(held.resource, held.token, held.ttl, held.mode == "s", held)
+            leases.append(lease)
+            logger.info("leases: acquired %s for %.1fs", held.resource, ttl)
+            logger.debug("leases: %s token %d owner %s", held.resource, held.token, held.owner)
+            _send(
+                signals.lease_acquired,
+                held.resource,
+                token=held.token,
+                owner=held.owner,
+                ttl=ttl,
+                shared=held.mode == "s",
+                task_id=task_id,
+            )
+        return leases
+
+    def release(self, leases: Sequence[Lease]) -> list[Lease]:
+        """Stop renewing ``leases`` and give them back; returns those found lost.
+
+        Never raises for Redis trouble: a lease that cannot be given back is logged and runs
+        out by its TTL (and the owner registry lets a cleanup pass free it sooner).
+        """
+        beat = heartbeat()
+        todo: list[Lease] = []
+        lost: list[Lease] = []
+        for lease in leases:
+            held = lease._held
+            beat.discard(held)
+            was_lost = held.is_lost(time.monotonic())
+            with held._guard:
+                if held.released:
+                    continue
+                held.released = True
+            if was_lost:
+                lost.append(lease)
+            todo.append(lease)
+        if not todo:
+            return lost
+        try:
+            freed = self.store.release([lease._held for lease in todo])
+        except LeaseBackendError as exc:
+            logger.error("leases: could not release %d lease(s): %s", len(todo), exc)
+            return lost
+        now = time.monotonic()
+        for lease, ok in zip(todo, freed, strict=True):
+            held = lease._held
+            if not ok and lease not in lost:
+                lost.append(lease)
+            logger.info("leases: released %s", held.resource)
+            _send(
+                signals.lease_released,
+                held.resource,
+                token=held.token,
+                owner=held.owner,
+                held_for=now - held.acquired_at,
+                task_id=held.task_id,
+            )
+        return lost
+
+
+def _send(signal: Any, resource: str, **kwargs: Any) -> None:
+    try:
+        signal.send(sender=resource, resource=resource, **kwargs)
+    except Exception:
+        logger.exception("leases: a receiver of %s failed", signal.name)

@@ -1,0 +1,315 @@
+"""Settings: one pydantic-settings model, resolved once per Celery app.
+
+Every setting can be given in four places; the first that has it wins:
+
+1. keyword arguments: ``Leases(app, ttl=60)``
+2. the Celery config: ``app.conf.leases_ttl = 60``
+3. the environment: ``CELERY_LEASES_TTL=60``
+4. the default below.
+
+An invalid value fails at ``Leases(app)`` (or the first :func:`get_settings`) with a
+:class:`~celery_leases.exceptions.LeaseConfigError` that names the setting and where it came from.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import weakref
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from .exceptions import LeaseConfigError
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+__all__ = ("ENV_PREFIX", "LeaseSettings", "OnBusy", "OnLost", "get_settings", "resolve_settings")
+
+ENV_PREFIX: Final = "CELERY_LEASES_"
+CONF_PREFIX: Final = "leases_"
+DEFAULT_REDIS_URL: Final = "redis://localhost:6379/0"
+
+OnBusy = Literal["retry", "skip", "fail", "wait"]
+OnLost = Literal["interrupt", "log"]
+
+_PREFIX_RE: Final = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
+
+_app_conf: ContextVar[Mapping[str, Any]] = ContextVar(
+    "celery_leases_app_conf", default=MappingProxyType({})
+)
+
+
+class _AppConfSource(PydanticBaseSettingsSource):
+    """Reads ``leases_*`` keys of the Celery app config being resolved."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        conf = _app_conf.get()
+        key = CONF_PREFIX + field_name
+        return conf.get(key), key, False
+
+    def __call__(self) -> dict[str, Any]:
+        return {k.removeprefix(CONF_PREFIX): v for k, v in _app_conf.get().items()}
+
+
+class LeaseSettings(BaseSettings):
+    """Every knob of celery_leases, with its default and its validation.
+
+    Each field is also ``app.conf.leases_<name>`` and the environment variable
+    ``CELERY_LEASES_<NAME>``.
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, frozen=True, extra="forbid", case_sensitive=False
+    )
+
+    redis_url: str | None = Field(
+        None,
+        description=(
+            "Where leases live. Default: the broker URL when it is a redis:// or rediss:// URL, "
+            "else redis://localhost:6379/0."
+        ),
+    )
+    key_prefix: str = Field(
+        "leases",
+        description=(
+            "Every key starts with it, so two apps on one Redis never meet. 1-64 characters "
+            "from A-Z a-z 0-9 _ . : -"
+        ),
+    )
+    ttl: float = Field(
+        30.0,
+        ge=0.05,
+        le=86400.0,
+        description="Seconds a lease lives without renewal; the heartbeat renews every ttl / 3.",
+    )
+    lost_margin: float = Field(
+        0.1,
+        gt=0.0,
+        lt=0.5,
+        description=(
+            "Fraction of the TTL kept as a safety margin: a lease whose last confirmed renewal "
+            "is older than ttl * (1 - lost_margin) counts as lost, before Redis can expire it."
+        ),
+    )
+    on_busy: OnBusy = Field(
+        "retry",
+        description="Default busy policy of LeasedTask: retry, skip, fail or wait.",
+    )
+    on_lost: OnLost = Field(
+        "interrupt",
+        description=(
+            "Default lost policy: interrupt (raise LeaseLost inside the running body) or log."
+        ),
+    )
+    busy_timeout: float = Field(
+        300.0,
+        gt=0.0,
+        description=(
+            "on_busy='retry': seconds after the first busy attempt when retrying stops and "
+            "LeaseBusy is raised."
+        ),
+    )
+    retry_delay: float = Field(
+        1.0, gt=0.0, description="on_busy='retry': countdown of the first lease retry (seconds)."
+    )
+    retry_max_delay: float = Field(
+        30.0,
+        gt=0.0,
+        description="on_busy='retry': cap of the exponential backoff between retries (seconds).",
+    )
+    wait_timeout: float = Field(
+        60.0,
+        ge=0.0,
+        description="on_busy='wait': seconds a task blocks its worker slot waiting for a release.",
+    )
+    socket_timeout: float = Field(
+        5.0, gt=0.0, description="Seconds a Redis command may take before it counts as failed."
+    )
+    socket_connect_timeout: float = Field(
+        2.0, gt=0.0, description="Seconds to open a connection to Redis."
+    )
+    slot_groups: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description=(
+            "Number of hash-slot groups resource keys are spread over. 1 suits a single Redis "
+            "or Sentinel; raise it on Redis Cluster to spread leases over the shards."
+        ),
+    )
+    reconcile_interval: float = Field(
+        60.0,
+        ge=0.0,
+        description=(
+            "Seconds between orphan-reconcile passes in each worker (one worker of the fleet "
+            "runs each pass); 0 turns the periodic pass off."
+        ),
+    )
+    restart_grace: float = Field(
+        0.0,
+        ge=0.0,
+        description=(
+            "Seconds during which no lease is granted after Redis is found empty (restarted "
+            "without persistence). Set it to your longest TTL so that a holder always learns "
+            "of the loss before anyone else is granted the resource. 0 turns it off."
+        ),
+    )
+    node: str | None = Field(
+        None,
+        description=(
+            "Node name used in owner ids. Default: the worker hostname inside a worker, else "
+            "'<program>@<host>'."
+        ),
+    )
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _check_prefix(cls, value: str) -> str:
+        if not _PREFIX_RE.fullmatch(value):
+            msg = f"must be 1-64 characters from A-Z a-z 0-9 _ . : - (got {value!r})"
+            raise ValueError(msg)
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(
+            ("redis://", "rediss://", "unix://", "valkey://", "valkeys://")
+        ):
+            msg = "must be a redis://, rediss:// or unix:// URL"
+            raise ValueError(msg)
+        return value
+
+    @field_validator("node")
+    @classmethod
+    def _check_node(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            msg = "must not be empty"
+            raise ValueError(msg)
+        return value
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> LeaseSettings:
+        if self.retry_max_delay < self.retry_delay:
+            msg = (
+                f"retry_max_delay ({self.retry_max_delay}s) must not be below "
+                f"retry_delay ({self.retry_delay}s)"
+            )
+            raise ValueError(msg)
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, _AppConfSource(settings_cls), env_settings)
+
+    @property
+    def url(self) -> str:
+        """The Redis URL in force (``redis_url`` once resolved)."""
+        return self.redis_url or DEFAULT_REDIS_URL
+
+    @property
+    def margin_fraction(self) -> float:
+        """1 - lost_margin: the part of a TTL a lease may go unconfirmed."""
+        return 1.0 - self.lost_margin
+
+
+@contextmanager
+def _conf_context(conf: Mapping[str, Any]) -> Iterator[None]:
+    token = _app_conf.set(conf)
+    try:
+        yield
+    finally:
+        _app_conf.reset(token)
+
+
+def _describe_source(field: str, kwargs: Mapping[str, Any], conf: Mapping[str, Any]) -> str:
+    if field in kwargs:
+        return f"keyword argument {field}="
+    if CONF_PREFIX + field in conf:
+        return f"app.conf.{CONF_PREFIX}{field}"
+    env = ENV_PREFIX + field.upper()
+    if any(k.upper() == env for k in os.environ):
+        return f"environment variable {env}"
+    return "its default"
+
+
+def _config_error(exc: ValidationError, kwargs: Mapping[str, Any], conf: Mapping[str, Any]) -> str:
+    lines = []
+    for err in exc.errors():
+        field = str(err["loc"][0]) if err["loc"] else ""
+        if err["type"] == "extra_forbidden":
+            where = _describe_source(field, kwargs, conf)
+            lines.append(f"unknown setting {field!r} (from {where})")
+        elif not field:
+            lines.append(str(err["msg"]).removeprefix("Value error, "))
+        else:
+            where = _describe_source(field, kwargs, conf)
+            message = str(err["msg"]).removeprefix("Value error, ")
+            lines.append(f"setting {field!r} from {where}: {message} (got {err['input']!r})")
+    return "invalid celery_leases settings: " + "; ".join(lines)
+
+
+def _conf_of(app: Celery | None) -> dict[str, Any]:
+    if app is None:
+        return {}
+    conf = app.conf
+    return {k: conf[k] for k in list(conf.keys()) if k.startswith(CONF_PREFIX)}
+
+
+def _broker_default(app: Celery | None) -> str:
+    if app is None:
+        return DEFAULT_REDIS_URL
+    broker = app.conf.broker_url
+    if isinstance(broker, str) and broker.startswith(("redis://", "rediss://")):
+        return broker.split(";")[0]
+    return DEFAULT_REDIS_URL
+
+
+def resolve_settings(app: Celery | None = None, **kwargs: Any) -> LeaseSettings:
+    """Build the settings from keyword arguments, ``app.conf``, the environment and defaults.
+
+    Raises:
+        LeaseConfigError: a value is invalid or a ``leases_*`` key is unknown; the message
+            names the setting and the place it came from.
+    """
+    conf = _conf_of(app)
+    try:
+        with _conf_context(conf):
+            settings = LeaseSettings(**kwargs)
+    except ValidationError as exc:
+        raise LeaseConfigError(_config_error(exc, kwargs, conf)) from None
+    if settings.redis_url is None:
+        settings = settings.model_copy(update={"redis_url": _broker_default(app)})
+    return settings
+
+
+_cache: weakref.WeakKeyDictionary[Celery, LeaseSettings] = weakref.WeakKeyDictionary()
+
+
+def get_settings(app: Celery) -> LeaseSettings:
+    """The settings of ``app``: those given to ``Leases(app, ...)``, else resolved now."""
+    try:
+        return _cache[app]
+    except KeyError:
+        settings = _cache[app] = resolve_settings(app)
+        return settings
+
+
+def set_settings(app: Celery, settings: LeaseSettings) -> None:
+    """Remember ``settings`` as the ones of ``app`` (called by ``Leases(app, ...)``)."""
+    _cache[app] = settings

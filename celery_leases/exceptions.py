@@ -1,0 +1,83 @@
+"""The errors celery_leases raises.
+
+Catch :class:`LeaseError` to handle every one of them::
+
+    LeaseError                  root; catch this one
+    ├── LeaseConfigError        also a ValueError: invalid settings or task options
+    ├── LeaseBusy               another holder has it; .resource, .retry_after
+    ├── LeaseLost               our lease expired or was taken over; .resource, .held_for
+    └── LeaseBackendError       Redis failed or could not be reached; raised from the redis error
+
+No raw ``redis`` exception escapes the public API: each is wrapped in
+:class:`LeaseBackendError` with the original as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+__all__ = ("LeaseBackendError", "LeaseBusy", "LeaseConfigError", "LeaseError", "LeaseLost")
+
+
+class LeaseError(Exception):
+    """Root of every error raised by celery_leases."""
+
+
+class LeaseConfigError(LeaseError, ValueError):
+    """A setting or a task's lease option is invalid."""
+
+
+class LeaseBusy(LeaseError):
+    """Another holder has the resource (or the shared limit is reached).
+
+    Attributes:
+        resource: the (first) resource that was busy.
+        retry_after: seconds until the current holder's lease runs out unless renewed; a
+            hint for when trying again could succeed, never a promise.
+    """
+
+    def __init__(self, resource: str, *, retry_after: float | None = None, waited: float = 0.0):
+        msg = f"lease on {resource!r} is held by another owner"
+        if waited > 0:
+            msg += f" (waited {waited:.1f}s)"
+        super().__init__(msg)
+        self.resource = resource
+        self.retry_after = retry_after
+        self.waited = waited
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_busy, (self.resource, self.retry_after, self.waited))
+
+
+class LeaseLost(LeaseError):
+    """The lease expired or was taken over while it was meant to be held.
+
+    Attributes:
+        resource: the resource whose lease was lost.
+        held_for: seconds between the grant and the moment the loss was noticed.
+    """
+
+    def __init__(self, resource: str, *, held_for: float = 0.0) -> None:
+        msg = (
+            f"lease on {resource!r} was lost after {held_for:.1f}s; "
+            "the work may have overlapped with another holder"
+        )
+        super().__init__(msg)
+        self.resource = resource
+        self.held_for = held_for
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_lost, (self.resource, self.held_for))
+
+
+class LeaseBackendError(LeaseError):
+    """Redis failed, timed out or could not be reached.
+
+    The message never contains a password: URLs are shown without credentials.
+    """
+
+
+def _rebuild_busy(resource: str, retry_after: float | None, waited: float) -> LeaseBusy:
+    return LeaseBusy(resource, retry_after=retry_after, waited=waited)
+
+
+def _rebuild_lost(resource: str, held_for: float) -> LeaseLost:
+    return LeaseLost(resource, held_for=held_for)

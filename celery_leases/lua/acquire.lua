@@ -1,0 +1,92 @@
+-- acquire.lua: grant leases on several resources of one slot group, all or nothing.
+-- Exclusive ("x") needs no live holder at all; shared ("s") needs no exclusive holder and, with
+-- a limit, fewer live shared holders than the limit. Each grant gets a fencing token that is
+-- larger than every earlier token of that resource and at least the Redis clock in microseconds,
+-- so tokens keep growing after the lease or counter key expired, and after Redis lost its data.
+-- Every grant is recorded in the owner's registry in this same script.
+--
+-- KEYS[1] epoch of the group      KEYS[2] owner registry in the group
+-- when ARGV[4] == "1" (home group): KEYS[3] owners index  KEYS[4] node's owner set  KEYS[5] node set
+-- then per resource i: exclusive key, shared key, token counter key
+-- ARGV[1] owner id   ARGV[2] ttl in milliseconds   ARGV[3] restart grace in milliseconds
+-- ARGV[4] "1" when the home keys are given   ARGV[5] owner liveness in milliseconds
+-- ARGV[6] escaped node name   ARGV[7] token counter memory in milliseconds
+-- then per resource i: mode ("x" or "s"), limit (0 = none), resource name (for the registry)
+-- returns {1, token_1, ..., token_n}  granted
+--         {0, i, wait_ms}             resource i (1-based) is busy; its blocking holder runs out
+--                                     in wait_ms unless renewed
+--         {-1, wait_ms}               restart grace: Redis lost its data less than grace ago
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local owner, ttl, grace = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local home = ARGV[4] == '1'
+local function num(x) return string.format('%.0f', x) end
+
+local epoch = redis.call('GET', KEYS[1])
+if not epoch then
+  epoch = now
+  redis.call('SET', KEYS[1], num(now))
+else
+  epoch = tonumber(epoch)
+end
+if grace > 0 and now < epoch + grace then
+  return {-1, epoch + grace - now}
+end
+
+local h = home and 5 or 2
+local a = 7
+local n = (#KEYS - h) / 3
+
+-- first pass: every resource must be free for the mode asked; nothing is written but the
+-- removal of shared holders that already ran out
+for i = 0, n - 1 do
+  local xkey, skey = KEYS[h + 3 * i + 1], KEYS[h + 3 * i + 2]
+  local mode, limit = ARGV[a + 3 * i + 1], tonumber(ARGV[a + 3 * i + 2])
+  local xttl = redis.call('PTTL', xkey)
+  if xttl >= 0 then
+    return {0, i + 1, xttl}
+  elseif xttl == -1 then
+    -- a holder without expiry can only come from outside this library: never grant over it
+    return {0, i + 1, ttl}
+  end
+  redis.call('ZREMRANGEBYSCORE', skey, '-inf', num(now))
+  local count = redis.call('ZCARD', skey)
+  if count > 0 and (mode == 'x' or (limit > 0 and count >= limit)) then
+    local first = redis.call('ZRANGE', skey, 0, 0, 'WITHSCORES')
+    return {0, i + 1, math.max(tonumber(first[2]) - now, 1)}
+  end
+end
+
+-- second pass: grant them all
+local tokens = {1}
+for i = 0, n - 1 do
+  local xkey, skey, ckey = KEYS[h + 3 * i + 1], KEYS[h + 3 * i + 2], KEYS[h + 3 * i + 3]
+  local mode, resource = ARGV[a + 3 * i + 1], ARGV[a + 3 * i + 3]
+  local last = tonumber(redis.call('GET', ckey) or '0')
+  local token = math.max(last + 1, now_us)
+  redis.call('SET', ckey, num(token), 'PX', ARGV[7])
+  local holder = num(token) .. ' ' .. owner
+  if mode == 'x' then
+    redis.call('SET', xkey, holder, 'PX', ttl)
+  else
+    redis.call('ZADD', skey, num(now + ttl), holder)
+    if redis.call('PTTL', skey) < ttl then
+      redis.call('PEXPIRE', skey, ttl)
+    end
+  end
+  redis.call('SADD', KEYS[2], mode .. ' ' .. num(token) .. ' ' .. resource)
+  tokens[#tokens + 1] = token
+end
+
+-- the registry outlives every lease it records, so a cleanup always finds them
+if redis.call('PTTL', KEYS[2]) < 2 * ttl then
+  redis.call('PEXPIRE', KEYS[2], 2 * ttl)
+end
+if home then
+  redis.call('ZADD', KEYS[3], num(now + tonumber(ARGV[5])), owner)
+  redis.call('SADD', KEYS[4], owner)
+  redis.call('SADD', KEYS[5], ARGV[6])
+end
+return tokens

@@ -1,0 +1,34 @@
+-- release.lua: give back leases of one owner in one slot group, and wake their waiters.
+-- Only the holder can release: the key must still name our token. A second release of the
+-- same lease is a no-op. The registry entry goes either way, so a cleanup pass can use this
+-- script for leases that already ran out.
+--
+-- KEYS[1] owner registry in the group
+-- then per lease i: its exclusive or shared key
+-- ARGV[1] owner id
+-- then per lease i: mode ("x" or "s"), token, resource name, release channel
+-- returns per lease i: 1 = released now, 0 = was no longer held by us
+
+local owner = ARGV[1]
+local out = {}
+for i = 0, #KEYS - 2 do
+  local key = KEYS[i + 2]
+  local mode, token = ARGV[4 * i + 2], ARGV[4 * i + 3]
+  local resource, channel = ARGV[4 * i + 4], ARGV[4 * i + 5]
+  local holder = token .. ' ' .. owner
+  local freed = 0
+  if mode == 'x' then
+    if redis.call('GET', key) == holder then
+      redis.call('DEL', key)
+      freed = 1
+    end
+  else
+    freed = redis.call('ZREM', key, holder)
+  end
+  redis.call('SREM', KEYS[1], mode .. ' ' .. token .. ' ' .. resource)
+  if freed == 1 then
+    redis.call('PUBLISH', channel, token)
+  end
+  out[#out + 1] = freed
+end
+return out

@@ -1,0 +1,56 @@
+-- renew.lua: extend every lease one owner holds in one slot group, in one call, and refresh
+-- the owner's liveness; report the leases that are no longer held.
+-- A lease is still held only if its key still names our token: an exclusive key whose value
+-- is "<token> <owner>", or a shared member "<token> <owner>" whose score is still in the future.
+--
+-- KEYS[1] owner registry in the group
+-- when ARGV[3] == "1" (home group): KEYS[2] owners index
+-- then per lease i: its exclusive or shared key
+-- ARGV[1] owner id   ARGV[2] registry ttl in milliseconds   ARGV[3] "1" when home keys are given
+-- ARGV[4] owner liveness in milliseconds
+-- then per lease i: mode ("x" or "s"), token, ttl in milliseconds, resource name
+-- returns the 1-based indices of the leases that are no longer held (empty: all renewed)
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local owner = ARGV[1]
+local home = ARGV[3] == '1'
+local function num(x) return string.format('%.0f', x) end
+
+local h = home and 2 or 1
+local a = 4
+local lost = {}
+for i = 0, #KEYS - h - 1 do
+  local key = KEYS[h + i + 1]
+  local mode, token = ARGV[a + 4 * i + 1], ARGV[a + 4 * i + 2]
+  local ttl = tonumber(ARGV[a + 4 * i + 3])
+  local holder = token .. ' ' .. owner
+  local held = false
+  if mode == 'x' then
+    if redis.call('GET', key) == holder then
+      redis.call('PEXPIRE', key, ttl)
+      held = true
+    end
+  else
+    local score = redis.call('ZSCORE', key, holder)
+    if score and tonumber(score) > now then
+      redis.call('ZADD', key, 'XX', num(now + ttl), holder)
+      if redis.call('PTTL', key) < ttl then
+        redis.call('PEXPIRE', key, ttl)
+      end
+      held = true
+    elseif score then
+      redis.call('ZREM', key, holder)
+    end
+  end
+  if not held then
+    redis.call('SREM', KEYS[1], mode .. ' ' .. token .. ' ' .. ARGV[a + 4 * i + 4])
+    lost[#lost + 1] = i + 1
+  end
+end
+
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+if home then
+  redis.call('ZADD', KEYS[2], num(now + tonumber(ARGV[4])), owner)
+end
+return lost

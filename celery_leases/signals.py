@@ -1,0 +1,33 @@
+"""Signals sent by celery_leases, in Celery's style.
+
+Connect a receiver as you would to a Celery signal::
+
+    from celery_leases.signals import lease_lost
+
+    @lease_lost.connect
+    def page_someone(sender=None, resource=None, token=None, owner=None, **kwargs):
+        ...
+
+Every signal is sent with ``sender`` = the resource name and the keyword arguments listed
+below (``task_id`` is None outside a task). Receivers run in the thread that sent
+the signal (``lease_lost``: the heartbeat thread) and must not block for long; an exception in
+a receiver is logged and never stops celery_leases.
+
+- ``lease_acquired``: ``resource``, ``token``, ``owner``, ``ttl``, ``shared``, ``task_id``
+- ``lease_busy``: ``resource``, ``retry_after``, ``task_id``
+- ``lease_released``: ``resource``, ``token``, ``owner``, ``held_for``, ``task_id``
+- ``lease_lost``: ``resource``, ``token``, ``owner``, ``held_for``, ``task_id``
+
+.. versionadded:: 0.1
+"""
+
+from __future__ import annotations
+
+from celery.utils.dispatch import Signal
+
+__all__ = ("lease_acquired", "lease_busy", "lease_lost", "lease_released")
+
+lease_acquired = Signal(name="lease_acquired")
+lease_busy = Signal(name="lease_busy")
+lease_released = Signal(name="lease_released")
+lease_lost = Signal(name="lease_lost")
