@@ -23,6 +23,7 @@ from ._lease import Lease, Shared
 from .app import Leases
 from .config import LeaseSettings
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseError, LeaseLost
+from .task import LeasedTask, current_leases
 
 try:
     __version__ = version("celery-leases")
@@ -30,13 +31,15 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 __all__ = (
+    "current_leases",
     "Lease",
     "LeaseBackendError",
     "LeaseBusy",
     "LeaseConfigError",
+    "LeasedTask",
     "LeaseError",
     "LeaseLost",
-    "LeaseSettings",
     "Leases",
+    "LeaseSettings",
     "Shared",
 )

@@ -537,6 +537,15 @@ class LeaseStore:
             report.merge(self._cleanup_isolated(owner, dead=False))
         return report
 
+    def node_owners(self, node: str) -> list[str]:
+        """The owner ids registered under ``node`` (every incarnation and process)."""
+        with self._backend("list a node's owners"):
+            return sorted(str(o) for o in self.client.smembers(self.keys.node(node)))
+
+    def cleanup_owner_isolated(self, owner: str, *, dead: bool) -> CleanupReport:
+        """:meth:`cleanup_owner`, with a failure reported in the result instead of raised."""
+        return self._cleanup_isolated(owner, dead=dead)
+
     def _cleanup_isolated(self, owner: str, *, dead: bool) -> CleanupReport:
         try:
             return self.cleanup_owner(owner, dead=dead)

@@ -31,6 +31,7 @@ from ._lease import Held, Lease, Shared, Want, want_of
 from ._store import LeaseStore, safe_url
 from .config import LeaseSettings, resolve_settings, set_settings
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseLost
+from .worker import install
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -62,6 +63,7 @@ class Leases:
         set_settings(app, self.settings)
         self.store = LeaseStore(self.settings)
         app.leases = self  # type: ignore[attr-defined]
+        install(self)
 
     def __repr__(self) -> str:
         where = safe_url(self.settings.url)

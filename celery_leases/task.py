@@ -1,0 +1,419 @@
+"""LeasedTask: a Celery task that holds leases on the resources it touches while it runs.
+
+User guide
+==========
+
+Declare the resources as ``str.format`` templates over the task's arguments::
+
+    from celery import Celery
+    from celery_leases import Leases, LeasedTask, Shared, current_leases
+
+    app = Celery("proj", broker="redis://localhost:6379/0")
+    leases = Leases(app)
+
+    @app.task(base=LeasedTask, lease="analysis:{analysis_id}:step:{step}")
+    def run_step(analysis_id, step="align"):
+        (lease,) = current_leases()
+        store.write(result, fence=lease.token)     # a store can refuse older tokens
+
+    @app.task(base=LeasedTask,
+              leases=["repo:{repo_id}", Shared("remote:{remote_id}"), Shared("api:{key}", limit=3)],
+              lease_ttl=60, on_busy="retry")
+    def sync(repo_id, remote_id, key): ...
+
+Before the body runs, the worker takes every lease all or nothing (in one fixed order, so two
+tasks that want the same set never deadlock); a heartbeat renews them every ``ttl / 3``; they
+are released however the task ends.
+
+Options (each also an app-wide setting, see the configuration reference):
+
+- ``lease`` / ``leases``: one template, or a list of templates and :class:`Shared` ones. A field
+  that is not a parameter of the task is an error when the task is declared.
+- ``lease_ttl``: seconds a lease lives without renewal (setting ``ttl``).
+- ``on_busy``: ``"retry"`` (default: retry with exponential backoff and jitter, without using
+  the task's own ``max_retries``, until ``busy_timeout`` has passed, then fail with
+  :class:`LeaseBusy`), ``"skip"`` (return ``None`` without running the body), ``"fail"`` (raise
+  :class:`LeaseBusy`), ``"wait"`` (block the worker slot up to ``wait_timeout``, woken by the
+  release).
+- ``on_lost``: ``"interrupt"`` (default: :class:`LeaseLost` is raised inside the running body,
+  as Celery raises ``SoftTimeLimitExceeded``) or ``"log"``.
+
+What happens on each way a task can end:
+
+======================================  =================================================
+success, exception, ``self.retry``       released in the task's own ``finally``
+soft time limit                          released in the ``finally`` (the body got the error)
+hard time limit, ``revoke(terminate)``   the child's ``finally`` runs on SIGTERM; if the child
+                                         is killed first, the worker's main process frees the
+                                         dead child's leases through the owner registry
+child killed with SIGKILL                the main process frees them when it replaces the child
+whole worker killed                      freed when a worker with the same name starts again,
+                                         or by the orphan reconcile, or by the TTL
+======================================  =================================================
+
+.. versionadded:: 0.1
+"""
+
+from __future__ import annotations
+
+import ctypes
+import inspect
+import random
+import signal
+import string
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
+from types import FrameType
+from typing import Any, ClassVar, Final, get_args
+
+from celery import Task
+from celery.exceptions import Retry
+from celery.utils.log import get_logger
+
+from ._lease import Held, Lease, Shared, Want
+from .app import Leases
+from .config import OnBusy, OnLost, get_settings
+from .exceptions import LeaseBusy, LeaseConfigError, LeaseLost
+
+__all__ = ("LeasedTask", "current_leases")
+
+logger = get_logger(__name__)
+
+#: message header carrying when a task first found its leases busy (Unix time)
+BUSY_SINCE_HEADER: Final = "lease_busy_since"
+BUSY_ATTEMPT_HEADER: Final = "lease_busy_attempt"
+
+_current: ContextVar[tuple[Lease, ...]] = ContextVar("celery_leases_current", default=())
+
+
+def current_leases() -> tuple[Lease, ...]:
+    """The leases of the running leased task, in declaration order (empty outside one).
+
+    Correct under every pool: under ``--pool threads`` each thread sees its own task's leases.
+
+    .. versionadded:: 0.1
+    """
+    return _current.get()
+
+
+class _Template:
+    """A resource template checked against a task signature once, at declaration."""
+
+    __slots__ = ("fields", "limit", "mode", "text")
+
+    def __init__(self, task_name: str, item: object, params: Mapping[str, inspect.Parameter]):
+        if isinstance(item, Shared):
+            text, self.mode, self.limit = item.name, "s", item.limit or 0
+        elif isinstance(item, str) and item:
+            text, self.mode, self.limit = item, "x", 0
+        else:
+            msg = (
+                f"task {task_name!r}: a lease must be a non-empty str or Shared(...), not {item!r}"
+            )
+            raise LeaseConfigError(msg)
+        self.text = text
+        try:
+            parsed = list(string.Formatter().parse(text))
+        except ValueError as exc:
+            msg = f"task {task_name!r}: lease template {text!r} is malformed: {exc}"
+            raise LeaseConfigError(msg) from None
+        accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        fields: list[str] = []
+        for _, field, _, _ in parsed:
+            if field is None:
+                continue
+            root = field.split(".", 1)[0].split("[", 1)[0]
+            if not root or root.isdigit():
+                msg = (
+                    f"task {task_name!r}: lease template {text!r} has a positional field "
+                    f"{{{field}}}; name the argument instead, e.g. {{analysis_id}}"
+                )
+                raise LeaseConfigError(msg)
+            param = params.get(root)
+            if param is None and not accepts_any:
+                msg = (
+                    f"task {task_name!r}: lease template {text!r} names {{{root}}}, which is not "
+                    f"a parameter of the task (parameters: {', '.join(params) or 'none'})"
+                )
+                raise LeaseConfigError(msg)
+            if param is not None and param.kind is inspect.Parameter.VAR_POSITIONAL:
+                msg = f"task {task_name!r}: lease template {text!r} cannot name *{root}"
+                raise LeaseConfigError(msg)
+            fields.append(root)
+        self.fields = tuple(fields)
+
+    def render(self, task_name: str, bound: Mapping[str, Any]) -> Want:
+        try:
+            name = self.text.format_map(bound)
+        except (KeyError, AttributeError, IndexError, ValueError, TypeError) as exc:
+            msg = f"task {task_name!r}: cannot render lease {self.text!r}: {exc!r}"
+            raise LeaseConfigError(msg) from None
+        return Want(name, "x" if self.mode == "x" else "s", self.limit)
+
+
+def _check_choice(task_name: str, option: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value is not None and value not in allowed:
+        msg = f"task {task_name!r}: {option}={value!r} is not one of {', '.join(allowed)}"
+        raise LeaseConfigError(msg)
+
+
+def _check_seconds(task_name: str, option: str, value: object, *, zero_ok: bool) -> None:
+    if value is None:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or value < 0 or (value == 0 and not zero_ok):  # type: ignore[operator]
+        msg = f"task {task_name!r}: {option} must be a positive number of seconds, not {value!r}"
+        raise LeaseConfigError(msg)
+
+
+class _Interrupter:
+    """Raises LeaseLost inside the thread running a task body, once, only while it runs.
+
+    In the main thread (prefork child, solo) a signal interrupts even a blocking call, as
+    Celery's soft time limit does; in another thread (threads pool) an asynchronous exception
+    arrives at the next bytecode. Timeline it guards: t0 heartbeat decides the lease is lost;
+    t1 the body returns; t2 the finalizer runs — the exception must not land in the finalizer,
+    so it is only raised while ``running`` and a pending one is cancelled at t1.
+    """
+
+    SIGNAL: ClassVar[int] = signal.SIGUSR2
+
+    def __init__(self) -> None:
+        self.thread_id = threading.get_ident()
+        self.main = threading.current_thread() is threading.main_thread()
+        self.running = False
+        self.fired: LeaseLost | None = None
+        self._lock = threading.Lock()
+        self._old_handler: Any = None
+
+    def __enter__(self) -> _Interrupter:
+        if self.main:
+            self._old_handler = signal.signal(self.SIGNAL, self._on_signal)
+        with self._lock:
+            self.running = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self.running = False
+            if self.fired is not None and not self.main:
+                # cancel an asynchronous exception that did not land yet
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
+        if self.main:
+            signal.signal(self.SIGNAL, self._old_handler or signal.SIG_DFL)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        with self._lock:
+            fired, running = self.fired, self.running
+        if running and fired is not None:
+            raise fired
+
+    def __call__(self, held: Held) -> None:
+        with self._lock:
+            if not self.running or self.fired is not None:
+                return
+            self.fired = LeaseLost(held.resource, held_for=time.monotonic() - held.acquired_at)
+            if self.main:
+                signal.pthread_kill(self.thread_id, self.SIGNAL)
+            else:
+                # an asynchronous exception is instantiated without arguments: give it a
+                # class that knows its details
+                fired = self.fired
+                detailed = type(
+                    "LeaseLost",
+                    (LeaseLost,),
+                    {
+                        "__init__": lambda exc: LeaseLost.__init__(
+                            exc, fired.resource, held_for=fired.held_for
+                        ),
+                        "__module__": LeaseLost.__module__,
+                    },
+                )
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(self.thread_id), ctypes.py_object(detailed)
+                )
+
+
+class LeasedTask(Task[Any, Any]):
+    """A task that holds a lease on each resource it names while its body runs.
+
+    See the module documentation for the options and policies.
+
+    .. versionadded:: 0.1
+    """
+
+    lease: str | Shared | None = None
+    leases: Sequence[str | Shared] | None = None
+    lease_ttl: float | None = None
+    on_busy: OnBusy | None = None
+    on_lost: OnLost | None = None
+    busy_timeout: float | None = None
+    wait_timeout: float | None = None
+
+    _lease_templates: ClassVar[tuple[_Template, ...]] = ()
+    _lease_signature: ClassVar[inspect.Signature | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._declare_leases()
+
+    @classmethod
+    def _declare_leases(cls) -> None:
+        name = cls.__dict__.get("name") or cls.__qualname__
+        if cls.lease is not None and cls.leases is not None:
+            msg = f"task {name!r}: give either lease= or leases=, not both"
+            raise LeaseConfigError(msg)
+        _check_choice(name, "on_busy", cls.on_busy, get_args(OnBusy))
+        _check_choice(name, "on_lost", cls.on_lost, get_args(OnLost))
+        _check_seconds(name, "lease_ttl", cls.lease_ttl, zero_ok=False)
+        _check_seconds(name, "busy_timeout", cls.busy_timeout, zero_ok=False)
+        _check_seconds(name, "wait_timeout", cls.wait_timeout, zero_ok=True)
+        if cls.lease is not None:
+            items: Sequence[object] = [cls.lease]
+        elif cls.leases is not None:
+            if isinstance(cls.leases, (str, Shared)) or not isinstance(cls.leases, Sequence):
+                msg = f"task {name!r}: leases= must be a list, not {cls.leases!r}"
+                raise LeaseConfigError(msg)
+            items = list(cls.leases)
+            if not items:
+                msg = f"task {name!r}: leases= is empty"
+                raise LeaseConfigError(msg)
+        else:
+            cls._lease_templates = ()
+            return
+        signature = cls._run_signature()
+        cls._lease_signature = signature
+        cls._lease_templates = tuple(_Template(name, i, signature.parameters) for i in items)
+
+    @classmethod
+    def _run_signature(cls) -> inspect.Signature:
+        run = cls.__dict__.get("run") or getattr(cls, "run", None)
+        if isinstance(run, staticmethod):
+            return inspect.signature(run.__func__)
+        if run is None:
+            return inspect.Signature()
+        signature = inspect.signature(run)
+        params = list(signature.parameters.values())
+        # a bound task's run (bind=True) and a class-based task's run take self first
+        return signature.replace(parameters=params[1:]) if params else signature
+
+    # --- per call -----------------------------------------------------------------------
+    def _render_leases(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Want]:
+        signature = self._lease_signature or inspect.Signature()
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            msg = f"task {self.name!r}: arguments do not fit the task: {exc}"
+            raise LeaseConfigError(msg) from None
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        for param in signature.parameters.values():
+            if param.kind is inspect.Parameter.VAR_KEYWORD:
+                values.update(values.pop(param.name, {}))
+        return [t.render(self.name, values) for t in self._lease_templates]
+
+    def _extension(self) -> Leases:
+        ext = getattr(self.app, "leases", None)
+        if isinstance(ext, Leases):
+            return ext
+        logger.warning(
+            "leases: Leases(app) was never created for app %r; creating it now. Create it "
+            "next to the app so the worker lifecycle (start-up cleanup, reconcile) runs too.",
+            self.app.main,
+        )
+        return Leases(self.app)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._lease_templates:
+            return super().__call__(*args, **kwargs)
+        wants = self._render_leases(args, kwargs)
+        ext = self._extension()
+        settings = get_settings(self.app)
+        on_busy = self.on_busy or settings.on_busy
+        on_lost = self.on_lost or settings.on_lost
+        wait: float | None = 0.0
+        if on_busy == "wait":
+            wait = self.wait_timeout if self.wait_timeout is not None else settings.wait_timeout
+        task_id = self.request.id
+        interrupter = _Interrupter() if on_lost == "interrupt" else None
+        try:
+            leases = ext.acquire(
+                wants, ttl=self.lease_ttl, wait=wait, task_id=task_id, on_lost=interrupter
+            )
+        except LeaseBusy as busy:
+            return self._busy(busy, on_busy, args, kwargs)
+        token = _current.set(tuple(leases))
+        try:
+            if interrupter is None:
+                return super().__call__(*args, **kwargs)
+            with interrupter:
+                return super().__call__(*args, **kwargs)
+        finally:
+            _current.reset(token)
+            ext.release(leases)
+
+    # --- busy policies --------------------------------------------------------------------
+    def _busy(
+        self, busy: LeaseBusy, policy: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        if policy == "skip":
+            logger.info("leases: %s[%s] skipped: %s", self.name, self.request.id, busy)
+            return None
+        if policy in ("fail", "wait"):
+            raise busy
+        return self._retry_busy(busy, args, kwargs)
+
+    def _retry_busy(self, busy: LeaseBusy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        settings = get_settings(self.app)
+        request = self.request
+        if request.is_eager or request.called_directly:
+            raise busy
+        headers = _headers(request)
+        since = float(headers.get(BUSY_SINCE_HEADER) or time.time())
+        attempt = int(headers.get(BUSY_ATTEMPT_HEADER) or 0)
+        limit = self.busy_timeout if self.busy_timeout is not None else settings.busy_timeout
+        if time.time() - since >= limit:
+            logger.info(
+                "leases: %s[%s] gives up: %s stayed busy for %.0fs (busy_timeout)",
+                self.name,
+                request.id,
+                busy.resource,
+                time.time() - since,
+            )
+            raise busy
+        delay = min(settings.retry_max_delay, settings.retry_delay * 2**attempt)
+        countdown = delay / 2 + random.uniform(0, delay / 2)  # "equal jitter"
+        countdown = min(countdown, max(0.0, since + limit - time.time()) + 0.01)
+        options = {BUSY_SINCE_HEADER: since, BUSY_ATTEMPT_HEADER: attempt + 1}
+        # not self.retry(): that would count against the task's own max_retries
+        sig = self.signature_from_request(
+            request,
+            args,
+            kwargs,
+            countdown=countdown,
+            retries=request.retries,
+            headers={**headers, **options},
+        )
+        sig.apply_async()
+        logger.info(
+            "leases: %s[%s] retries in %.1fs: %s is busy",
+            self.name,
+            request.id,
+            countdown,
+            busy.resource,
+        )
+        raise Retry(exc=busy, when=countdown, sig=sig)
+
+
+def _headers(request: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    raw = getattr(request, "headers", None)
+    if isinstance(raw, Mapping):
+        out.update(raw)
+    for name in (BUSY_SINCE_HEADER, BUSY_ATTEMPT_HEADER):
+        value = getattr(request, name, None)
+        if value is not None:
+            out[name] = value
+    return {k: v for k, v in out.items() if k in (BUSY_SINCE_HEADER, BUSY_ATTEMPT_HEADER)}

@@ -1,0 +1,297 @@
+"""The worker lifecycle: LeaseBootstep and the signal handlers that ``Leases(app)`` installs.
+
+- At start-up, before the first task is consumed, the bootstep releases every lease that
+  earlier incarnations of the same node name held (a pod restarted under the same name), in
+  O(leases they held). A node with no past pays one command.
+- A reaper in the main process frees the leases of pool children that died without running
+  their finalizers (SIGKILL, hard time limit, ``revoke(terminate=True, signal="SIGKILL")``): at
+  once when Celery reports such an end, and every ``ttl / 3`` seconds otherwise.
+- A periodic reconcile releases the leases of owners whose liveness ran out anywhere in the
+  fleet (a node that never came back), one worker of the fleet at a time.
+- Warm shutdown releases what the node still holds; cold shutdown leaves it to the next start.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import TYPE_CHECKING, Any, Final
+
+from celery import bootsteps, signals
+from celery.utils.log import get_logger
+
+from ._identity import set_node
+from ._lease import Want
+from ._store import CleanupReport
+from .exceptions import LeaseError
+
+if TYPE_CHECKING:
+    from .app import Leases
+
+__all__ = ("LeaseBootstep", "install")
+
+logger = get_logger(__name__)
+
+#: the resource whose lease makes one worker of the fleet the one that reconciles
+RECONCILE_RESOURCE: Final = "celery_leases:reconcile"
+#: exceptions with which Celery's main process reports a child that ended without finalizers
+_CHILD_DEATHS: Final = ("WorkerLostError", "TimeLimitExceeded", "Terminated")
+#: delay before looking again for a child killed after a hard time limit (billiard sends
+#: SIGTERM first and SIGKILL about 0.1 s later)
+_REAP_AGAIN_AFTER: Final = 1.0
+
+_active: LeaseBootstep | None = None
+
+
+def _pid_alive(pid: int) -> bool:
+    """True if ``pid`` is a live process (a zombie counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def _log_report(what: str, report: CleanupReport) -> None:
+    if report.released:
+        logger.info(
+            "leases: %s released %d lease(s): %s",
+            what,
+            len(report.released),
+            ", ".join(sorted({r for _, r in report.released})),
+        )
+    for owner, entry in report.kept:
+        logger.error("leases: %s kept an unreadable registry entry of %s: %r", what, owner, entry)
+    for owner, error in report.errors:
+        logger.error("leases: %s could not clean owner %s: %s", what, owner, error)
+
+
+class LeaseBootstep(bootsteps.StartStopStep):
+    """Worker bootstep: start-up cleanup, the dead-child reaper and the periodic reconcile.
+
+    ``start`` runs in the worker's main process after the pool and before the consumer, so the
+    start-up cleanup is done before any task is received.
+
+    .. versionadded:: 0.1
+    """
+
+    label = "Leases"
+    requires = ("celery.worker.components:Timer", "celery.worker.components:Pool")
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        ext = getattr(worker.app, "leases", None)
+        self.enabled = ext is not None
+        self.ext: Leases | None = ext
+        self.pid = os.getpid()
+        self.worker = worker
+        self._timers: list[Any] = []
+        self._lock = threading.Lock()
+        if ext is not None and ext.settings.node is None:
+            set_node(worker.hostname)
+
+    # --- lifecycle ----------------------------------------------------------------------
+    def start(self, worker: Any) -> None:
+        global _active
+        ext = self.ext
+        if ext is None:
+            return
+        _active = self
+        ident = ext.identity()
+        try:
+            report = ext.store.cleanup_node(ident.node, keep_incarnation=ident.incarnation)
+        except LeaseError as exc:
+            logger.error("leases: start-up cleanup of node %s failed: %s", ident.node, exc)
+        else:
+            _log_report(f"start-up cleanup of earlier incarnations of {ident.node}", report)
+        timer = getattr(worker, "timer", None)
+        if timer is None:
+            return
+        reap_every = max(0.5, ext.settings.ttl / 3)
+        self._timers.append(timer.call_repeatedly(reap_every, self.reap, priority=10))
+        if ext.settings.reconcile_interval > 0:
+            self._timers.append(
+                timer.call_repeatedly(ext.settings.reconcile_interval, self.reconcile, priority=10)
+            )
+
+    def stop(self, worker: Any) -> None:
+        global _active
+        for tref in self._timers:
+            try:
+                tref.cancel()
+            except Exception:
+                logger.debug("leases: could not cancel a timer", exc_info=True)
+        self._timers = []
+        if _active is self:
+            _active = None
+
+    def terminate(self, worker: Any) -> None:
+        """Cold shutdown: stop the timers; what the node holds is left to the next start."""
+        self.stop(worker)
+
+    def shutdown(self, worker: Any) -> None:
+        self.stop(worker)
+
+    # --- periodic work ------------------------------------------------------------------
+    def reap(self) -> CleanupReport:
+        """Free the leases of this incarnation's processes that are gone (dead children)."""
+        report = CleanupReport()
+        ext = self.ext
+        if ext is None or os.getpid() != self.pid:
+            return report
+        ident = ext.identity()
+        with self._lock:
+            try:
+                owners = ext.store.node_owners(ident.node)
+            except LeaseError as exc:
+                logger.error("leases: reaper could not list owners: %s", exc)
+                return report
+            for owner in owners:
+                _, incarnation, pid = owner.rsplit("/", 2)
+                if incarnation != ident.incarnation or not pid.isdigit():
+                    continue
+                if int(pid) == self.pid or _pid_alive(int(pid)):
+                    continue
+                report.merge(ext.store.cleanup_owner_isolated(owner, dead=True))
+        _log_report("reaper (dead pool process)", report)
+        return report
+
+    def reconcile(self) -> CleanupReport | None:
+        """Release the leases of owners whose liveness ran out, if no other worker is at it.
+
+        Returns None when another worker holds the reconcile lease.
+        """
+        ext = self.ext
+        if ext is None or os.getpid() != self.pid:
+            return None
+        return run_reconcile(ext)
+
+    def final_release(self) -> CleanupReport:
+        """Release everything this incarnation of the node still holds (warm shutdown)."""
+        report = CleanupReport()
+        ext = self.ext
+        if ext is None:
+            return report
+        ident = ext.identity()
+        try:
+            owners = ext.store.node_owners(ident.node)
+        except LeaseError as exc:
+            logger.error("leases: shutdown could not list owners: %s", exc)
+            return report
+        for owner in owners:
+            if owner.rsplit("/", 2)[1] == ident.incarnation:
+                report.merge(ext.store.cleanup_owner_isolated(owner, dead=True))
+        _log_report(f"warm shutdown of {ident.node}", report)
+        return report
+
+    def reap_soon(self) -> None:
+        """Reap now, and once more shortly (a child may still be exiting)."""
+        self.reap()
+        timer = getattr(self.worker, "timer", None)
+        if timer is not None:
+            try:
+                timer.call_after(_REAP_AGAIN_AFTER, self.reap)
+            except Exception:
+                logger.debug("leases: could not schedule a reaper run", exc_info=True)
+
+
+def run_reconcile(ext: Leases) -> CleanupReport | None:
+    """One orphan-reconcile pass under the fleet-wide reconcile lease.
+
+    Returns the report, or None when another process holds the reconcile lease.
+    """
+    ident = ext.identity()
+    ttl = max(60.0, ext.settings.reconcile_interval)
+    try:
+        got = ext.store.try_acquire([Want(RECONCILE_RESOURCE)], ident, ttl)
+    except LeaseError as exc:
+        logger.error("leases: reconcile could not start: %s", exc)
+        return None
+    if not isinstance(got, list):
+        logger.debug("leases: another worker is reconciling")
+        return None
+    try:
+        report = ext.store.reconcile()
+        _log_report("orphan reconcile", report)
+        return report
+    except LeaseError as exc:
+        logger.error("leases: reconcile failed: %s", exc)
+        return CleanupReport(errors=[("*", str(exc))])
+    finally:
+        try:
+            ext.store.release(got)
+        except LeaseError as exc:
+            logger.error("leases: could not release the reconcile lease: %s", exc)
+
+
+# --- signal handlers (connected by install) ---------------------------------------------
+def on_task_failure(exception: BaseException | None = None, **kwargs: Any) -> None:
+    """Main process: a child died or hit the hard time limit; free what it held."""
+    try:
+        step = _active
+        if step is None or os.getpid() != step.pid:
+            return
+        if type(exception).__name__ in _CHILD_DEATHS:
+            step.reap_soon()
+    except Exception:
+        logger.exception("leases: task_failure handler failed")
+
+
+def on_task_revoked(terminated: bool = False, **kwargs: Any) -> None:
+    """Main process: a task was terminated; its child may have died without finalizers."""
+    try:
+        step = _active
+        if step is not None and terminated and os.getpid() == step.pid:
+            step.reap_soon()
+    except Exception:
+        logger.exception("leases: task_revoked handler failed")
+
+
+def on_worker_before_create_process(**kwargs: Any) -> None:
+    """Main process, prefork: a child is being (re)placed; the one it replaces may be dead."""
+    try:
+        step = _active
+        if step is not None and os.getpid() == step.pid:
+            step.reap()
+    except Exception:
+        logger.exception("leases: worker_before_create_process handler failed")
+
+
+def on_worker_shutdown(**kwargs: Any) -> None:
+    """Main process, warm shutdown only: give back what the node still holds."""
+    try:
+        step = _active
+        if step is not None and os.getpid() == step.pid:
+            step.final_release()
+    except Exception:
+        logger.exception("leases: worker_shutdown handler failed")
+
+
+_install_lock = threading.Lock()
+
+
+def install(ext: Leases) -> None:
+    """Add the bootstep to ``ext.app`` and connect the signal handlers (idempotent)."""
+    with _install_lock:
+        steps = ext.app.steps["worker"]
+        if LeaseBootstep not in steps:
+            steps.add(LeaseBootstep)
+        handlers = {
+            "task_failure": on_task_failure,
+            "task_revoked": on_task_revoked,
+            "worker_before_create_process": on_worker_before_create_process,
+            "worker_shutdown": on_worker_shutdown,
+        }
+        for name, handler in handlers.items():
+            getattr(signals, name).connect(
+                handler, weak=False, dispatch_uid=f"celery_leases.{name}"
+            )
