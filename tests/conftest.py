@@ -1,0 +1,18 @@
+"""Shared test set-up: our own pytest plugin, and the integration marker by directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["celery_leases.pytest_plugin"]
+
+_HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        parts = Path(str(item.fspath)).relative_to(_HERE).parts
+        if parts and parts[0] == "integration":
+            item.add_marker(pytest.mark.integration)

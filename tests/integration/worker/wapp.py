@@ -1,0 +1,193 @@
+"""The Celery app that the worker integration tests run in real ``celery worker`` processes.
+
+Configured from the environment so that each test gets its own queue, key prefix and TTL:
+``LEASES_TEST_BROKER``, ``LEASES_TEST_BACKEND``, ``LEASES_TEST_QUEUE``, plus every
+``CELERY_LEASES_*`` setting. Tasks record what they do in a ledger in Redis
+(``{<prefix>:ledger}:...``), so a test can count overlaps and check fencing tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+from celery.exceptions import SoftTimeLimitExceeded
+
+from celery_leases import LeasedTask, LeaseLost, Leases, Shared, current_leases
+
+BROKER = os.environ.get("LEASES_TEST_BROKER", "redis://127.0.0.1:6379/15")
+BACKEND = os.environ.get("LEASES_TEST_BACKEND", BROKER)
+QUEUE = os.environ.get("LEASES_TEST_QUEUE", "leases-tests")
+PREFIX = os.environ.get("CELERY_LEASES_KEY_PREFIX", "leases-tests")
+LEDGER_URL = os.environ.get("LEASES_TEST_LEDGER", BACKEND)
+
+app = Celery("wapp", broker=BROKER, backend=BACKEND)
+app.conf.update(
+    task_default_queue=QUEUE,
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+    result_expires=600,
+    worker_prefetch_multiplier=1,
+)
+leases = Leases(app)
+
+_ledger: redis.Redis | None = None
+_ledger_pid = -1
+
+
+def ledger() -> redis.Redis:
+    """A per-process client for the ledger (never the store under test)."""
+    global _ledger, _ledger_pid
+    if _ledger is None or _ledger_pid != os.getpid():
+        _ledger = redis.Redis.from_url(LEDGER_URL, decode_responses=True)
+        _ledger_pid = os.getpid()
+    return _ledger
+
+
+def ledger_key(*parts: object) -> str:
+    return f"{{{PREFIX}:ledger}}:" + ":".join(str(p) for p in parts)
+
+
+def _enter(resource: str, token: int) -> None:
+    r = ledger()
+    now = r.incr(ledger_key("active", resource))
+    pipe = r.pipeline(transaction=False)
+    if now > 1:
+        pipe.incr(ledger_key("overlaps"))
+    pipe.rpush(ledger_key("tokens", resource), token)
+    pipe.incr(ledger_key("runs"))
+    pipe.execute()
+
+
+def _leave(resource: str) -> None:
+    ledger().decr(ledger_key("active", resource))
+
+
+def _record(name: str, value: Any) -> None:
+    ledger().rpush(ledger_key("events", name), str(value))
+
+
+def _guarded(seconds: float) -> dict[str, Any]:
+    held = current_leases()
+    for lease in held:
+        _enter(lease.resource, lease.token)
+    try:
+        if seconds:
+            time.sleep(seconds)
+    finally:
+        for lease in held:
+            _leave(lease.resource)
+    return {
+        "pid": os.getpid(),
+        "leases": [[lease.resource, lease.token] for lease in held],
+    }
+
+
+@app.task(base=LeasedTask, lease="res:{rid}")
+def guarded(rid: str, seconds: float = 0.0) -> dict[str, Any]:
+    """Hold res:<rid> for ``seconds`` (on_busy from the settings: retry by default)."""
+    return _guarded(seconds)
+
+
+@app.task(base=LeasedTask, lease="res:{rid}", on_busy="skip")
+def busy_skip(rid: str, seconds: float = 0.0) -> dict[str, Any]:
+    return _guarded(seconds)
+
+
+@app.task(base=LeasedTask, lease="res:{rid}", on_busy="fail")
+def busy_fail(rid: str, seconds: float = 0.0) -> dict[str, Any]:
+    return _guarded(seconds)
+
+
+@app.task(base=LeasedTask, lease="res:{rid}", on_busy="wait", wait_timeout=30)
+def busy_wait(rid: str, seconds: float = 0.0) -> dict[str, Any]:
+    return _guarded(seconds)
+
+
+@app.task(base=LeasedTask, lease="res:{rid}", on_busy="retry", busy_timeout=3)
+def busy_retry_short(rid: str, seconds: float = 0.0) -> dict[str, Any]:
+    return _guarded(seconds)
+
+
+@app.task(base=LeasedTask, bind=True, lease="res:{rid}", max_retries=1)
+def retry_in_body(self: Any, rid: str, countdown: float = 2.0) -> dict[str, Any]:
+    """Retries itself once (the lease must be free during the countdown), then succeeds."""
+    _record(f"retry_in_body:{rid}", f"{self.request.retries}:{time.time()}")
+    if self.request.retries == 0:
+        raise self.retry(countdown=countdown)
+    return _guarded(0)
+
+
+@app.task(base=LeasedTask, lease="res:{rid}")
+def fails(rid: str) -> None:
+    raise ValueError(f"failing on purpose for {rid}")
+
+
+@app.task(base=LeasedTask, lease="res:{rid}", soft_time_limit=1, time_limit=20)
+def soft_limited(rid: str) -> str:
+    try:
+        time.sleep(10)
+    except SoftTimeLimitExceeded:
+        _record(f"soft:{rid}", "caught")
+        raise
+    return "not reached"
+
+
+@app.task(base=LeasedTask, lease="res:{rid}", time_limit=2)
+def hard_limited(rid: str) -> str:
+    time.sleep(30)
+    return "not reached"
+
+
+@app.task(base=LeasedTask, lease="res:{rid}")
+def sleeper(rid: str, seconds: float = 30.0) -> dict[str, Any]:
+    """Announce it runs (ledger event), then sleep: for revoke, kill -9 and restart tests."""
+    _record(f"started:{rid}", os.getpid())
+    return _guarded(seconds)
+
+
+@app.task(base=LeasedTask, lease="res:{rid}", acks_late=True, reject_on_worker_lost=True)
+def late(rid: str, seconds: float = 2.0) -> dict[str, Any]:
+    _record(f"started:{rid}", os.getpid())
+    return _guarded(seconds)
+
+
+@app.task(base=LeasedTask, lease="res:{rid}", on_lost="interrupt")
+def interrupted(rid: str, seconds: float = 30.0) -> str:
+    """Sleeps in small steps until LeaseLost arrives; reports what it caught."""
+    _record(f"started:{rid}", os.getpid())
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            time.sleep(0.05)
+    except LeaseLost as exc:
+        _record(f"lost:{rid}", exc.resource)
+        return f"lost:{exc.resource}"
+    return "not interrupted"
+
+
+@app.task(base=LeasedTask, lease="res:{rid}", on_lost="log")
+def logged(rid: str, seconds: float = 5.0) -> str:
+    _record(f"started:{rid}", os.getpid())
+    time.sleep(seconds)
+    return "finished"
+
+
+@app.task(
+    base=LeasedTask,
+    leases=["multi:{a}", Shared("shared:{b}"), Shared("limited:{c}", limit=2)],
+)
+def multi(a: str, b: str, c: str = "x", seconds: float = 0.0) -> dict[str, Any]:
+    return {
+        "pid": os.getpid(),
+        "leases": [[lease.resource, lease.token, lease.shared] for lease in current_leases()],
+        "slept": seconds and time.sleep(seconds),
+    }
+
+
+@app.task
+def plain(x: int) -> int:
+    return x
