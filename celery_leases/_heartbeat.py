@@ -51,9 +51,12 @@ class Heartbeat:
         *,
         clock: Callable[[], float] = time.monotonic,
         lost_callback: LostCallback | None = None,
+        autostart: bool = True,
     ) -> None:
         self._clock = clock
         self._lost_callback = lost_callback
+        # False: add() starts no thread and the owner drives tick() (tests with a fake clock)
+        self._autostart = autostart
         self._held: weakref.WeakKeyDictionary[Held, None] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -70,7 +73,7 @@ class Heartbeat:
             self._held[held] = None
             interval = held.horizon / 3
             self._next_renew = min(self._next_renew or float("inf"), held.confirmed_at + interval)
-            if self._thread is None or not self._thread.is_alive():
+            if self._autostart and (self._thread is None or not self._thread.is_alive()):
                 self._stopping.clear()
                 self._thread = threading.Thread(
                     target=self._run, name="celery-leases-heartbeat", daemon=True

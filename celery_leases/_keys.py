@@ -99,6 +99,22 @@ class Keyspace:
         """SET of escaped node names that have owners (lets tools list nodes without SCAN)."""
         return f"{self.tag(0)}:nodes"
 
+    def once_resource(self, name: str) -> str:
+        """The resource whose exclusive lease guards ``once(name, ...)``."""
+        return f"celery_leases:once:{name}"
+
+    def receipt(self, name: str) -> str:
+        """STRING (JSON) receipt of ``once(name, ...)``, in the slot group of its lease."""
+        group = self.group_of(self.once_resource(name))
+        return f"{self.tag(group)}:receipt:{escape(name)}"
+
+    def beat_claim(self, entry: str, kind: str) -> str:
+        """STRING ``"<run id> <replica>"``: the last claimed run of a beat entry.
+
+        ``kind`` is ``"cron"`` (run id = due time in ms) or ``"every"`` (Redis-time bucket).
+        """
+        return self.named(f"beat-{kind}", entry)
+
     def named(self, kind: str, name: str) -> str:
         """A key for a named object of another part (``once`` receipts, beat claims).
 

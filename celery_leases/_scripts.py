@@ -5,7 +5,16 @@ from __future__ import annotations
 from importlib.resources import files
 from typing import Final
 
-__all__ = ("ACQUIRE", "ALL", "EXPIRED_OWNERS", "FORGET_OWNER", "RELEASE", "RENEW")
+__all__ = (
+    "ACQUIRE",
+    "ALL",
+    "BEAT_CLAIM",
+    "COMMIT_RECEIPT",
+    "EXPIRED_OWNERS",
+    "FORGET_OWNER",
+    "RELEASE",
+    "RENEW",
+)
 
 
 def _read(name: str) -> str:
@@ -17,6 +26,8 @@ RENEW: Final = _read("renew")
 RELEASE: Final = _read("release")
 EXPIRED_OWNERS: Final = _read("expired_owners")
 FORGET_OWNER: Final = _read("forget_owner")
+COMMIT_RECEIPT: Final = _read("commit_receipt")
+BEAT_CLAIM: Final = _read("beat_claim")
 
 ALL: Final[dict[str, str]] = {
     "acquire": ACQUIRE,
@@ -24,4 +35,6 @@ ALL: Final[dict[str, str]] = {
     "release": RELEASE,
     "expired_owners": EXPIRED_OWNERS,
     "forget_owner": FORGET_OWNER,
+    "commit_receipt": COMMIT_RECEIPT,
+    "beat_claim": BEAT_CLAIM,
 }

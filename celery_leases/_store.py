@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -44,18 +45,26 @@ class _Acquire(IntEnum):
 
 
 def safe_url(url: str) -> str:
-    """``url`` without its password, for messages and logs."""
+    """``url`` without its password (in the user info or a ``password=`` query), for logs."""
     try:
         parts = urlsplit(url)
+        port = parts.port
     except ValueError:
         return "<unparsable redis url>"
-    if parts.password is None:
-        return url
-    netloc = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{netloc}"
-    if parts.port:
-        netloc += f":{parts.port}"
-    return urlunsplit(parts._replace(netloc=netloc))
+    netloc = parts.netloc
+    if parts.password is not None:
+        host = parts.hostname or ""
+        if ":" in host:  # IPv6: keep the brackets, or the port reads as part of the address
+            host = f"[{host}]"
+        netloc = f"{parts.username or ''}:***@{host}"
+        if port:
+            netloc += f":{port}"
+    # redis-py also takes the password as a query argument: redis://host/0?password=...
+    query = _QUERY_PASSWORD.sub(r"\1=***", parts.query)
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+_QUERY_PASSWORD: Final = re.compile(r"(?i)(?<![^&;])(password)=[^&;]*")
 
 
 @dataclass
@@ -119,9 +128,12 @@ class LeaseStore:
         self.keys = Keyspace(settings.key_prefix, settings.slot_groups)
         self.url = settings.url
         self._lock = threading.Lock()
-        self._pid = -1
-        self._client: redis.Redis | None = None
         self._registered: set[str] = set()
+        # the client object connects lazily; made now so a bad URL fails at start-up, and so
+        # the scripts are registered before any method can reach for them
+        self._client: redis.Redis | None = self._make_client()
+        self._pid = os.getpid()
+        self._register_scripts(self._client)
 
     # --- clients --------------------------------------------------------------------------
     @property
@@ -161,6 +173,8 @@ class LeaseStore:
         self._release = client.register_script(_scripts.RELEASE)
         self._expired_owners = client.register_script(_scripts.EXPIRED_OWNERS)
         self._forget_owner = client.register_script(_scripts.FORGET_OWNER)
+        self._commit_receipt = client.register_script(_scripts.COMMIT_RECEIPT)
+        self._beat_claim = client.register_script(_scripts.BEAT_CLAIM)
 
     def close(self) -> None:
         """Close this process's connections (a new client is made on next use)."""
@@ -599,6 +613,59 @@ class LeaseStore:
         """Every node that has registered owners."""
         with self._backend("list nodes"):
             return sorted(unescape(str(n)) for n in self.client.smembers(self.keys.nodes))
+
+    # --- once receipts -------------------------------------------------------------------
+    def get_receipt(self, name: str) -> str | None:
+        """The stored receipt (JSON text) of ``once(name)``, or None."""
+        with self._backend("read a receipt"):
+            value = self.client.get(self.keys.receipt(name))
+        return None if value is None else str(value)
+
+    def commit_receipt(self, name: str, held: Held, receipt: str, ttl: float | None) -> bool:
+        """Store ``receipt`` if ``held`` (the once-lease) is still ours; False if it is not."""
+        keys = [self.keys.exclusive(held.resource), self.keys.receipt(name)]
+        args: list[Any] = [
+            f"{held.token} {held.owner}",
+            receipt,
+            0 if ttl is None else self._ms(ttl),
+        ]
+        client = self.client  # first: it registers the scripts in this process
+        with self._backend("store a receipt"):
+            return bool(int(self._commit_receipt(keys, args, client=client)))
+
+    def delete_receipt(self, name: str) -> bool:
+        """Delete the receipt of ``once(name)``; True if there was one."""
+        with self._backend("delete a receipt"):
+            return bool(self.client.delete(self.keys.receipt(name)))
+
+    # --- beat -------------------------------------------------------------------------------
+    def beat_claim(
+        self, entry: str, *, due_ms: int | None, bucket: float | None, replica: str, keep: float
+    ) -> tuple[bool, int, int, str]:
+        """Claim one due run of beat entry ``entry``.
+
+        Args:
+            due_ms: the run's due time in ms (crontab), or None to claim the current bucket
+                of ``bucket`` seconds on the Redis clock (interval schedules).
+            replica: the claimant's name, recorded with the claim.
+            keep: seconds the claim is remembered after it was made.
+
+        Returns:
+            ``(won, run id, Redis time in ms, winner of that run)``.
+        """
+        kind = "every" if due_ms is None else "cron"
+        args: list[Any] = [
+            "" if due_ms is None else str(due_ms),
+            self._ms(bucket or 1.0),
+            self._ms(keep),
+            replica,
+        ]
+        client = self.client  # first: it registers the scripts in this process
+        with self._backend("claim a beat run"):
+            won, run, now, winner = self._beat_claim(
+                [self.keys.beat_claim(entry, kind)], args, client=client
+            )
+        return bool(int(won)), int(run), int(now), str(winner)
 
 
 def _parse_entry(member: str) -> tuple[str, int | str, str] | None:

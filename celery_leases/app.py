@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 from celery.utils.log import get_logger
 
+from . import once as _once
 from . import signals
 from ._heartbeat import heartbeat
 from ._identity import Identity, current_identity
@@ -148,6 +149,44 @@ class Leases:
         if lost and not failed:
             first = lost[0]
             raise LeaseLost(first.resource, held_for=time.monotonic() - first._held.acquired_at)
+
+    # --- once ---------------------------------------------------------------------------
+    def once(
+        self,
+        name: str,
+        fn: Callable[[], object],
+        *,
+        ttl: float | None = None,
+        wait: float | None = None,
+        receipt_ttl: float | None = None,
+    ) -> Any:
+        """Run ``fn`` in exactly one caller at a time across the fleet; return its receipt.
+
+        The first caller runs ``fn`` under an exclusive lease and stores its JSON-serialisable
+        return value as the receipt of ``name``; every other caller waits (woken by the
+        release) and gets that receipt. See :mod:`celery_leases.once`.
+
+        Args:
+            name: the receipt's name, e.g. ``"analysis:42:input"``.
+            fn: the initializer, called without arguments.
+            ttl: the initializer's lease TTL (renewed while ``fn`` runs).
+            wait: seconds to wait for another initializer; None waits without limit.
+            receipt_ttl: seconds to keep the receipt (default: the ``receipt_ttl`` setting).
+
+        Raises:
+            LeaseBusy: still initialised by another caller when ``wait`` ran out.
+            LeaseLost: the lease was lost while ``fn`` ran; nothing was stored.
+            TypeError: the return value is not JSON-serialisable; nothing was stored.
+        """
+        return _once.once(self, name, fn, ttl=ttl, wait=wait, receipt_ttl=receipt_ttl)
+
+    def receipt(self, name: str) -> Any:
+        """The receipt of ``once(name, ...)``, or None when there is none."""
+        return _once.receipt(self, name)
+
+    def forget(self, name: str) -> bool:
+        """Delete the receipt of ``once(name, ...)`` (the next ``once`` runs again)."""
+        return _once.forget(self, name)
 
     # --- the shared acquire / release path (hold, tasks, once) ---------------------------
     def acquire(

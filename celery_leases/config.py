@@ -162,6 +162,23 @@ class LeaseSettings(BaseSettings):
             "of the loss before anyone else is granted the resource. 0 turns it off."
         ),
     )
+    receipt_ttl: float | None = Field(
+        None,
+        gt=0.0,
+        description=("Seconds a once() receipt is kept; None keeps it until leases.forget(name)."),
+    )
+    beat_mode: Literal["claim", "leader"] = Field(
+        "claim",
+        description=(
+            "LeasedScheduler: 'claim' lets every replica tick and the first to claim a due run "
+            "send it; 'leader' lets only the replica holding the leader lease send."
+        ),
+    )
+    beat_claim_keep: float = Field(
+        86400.0,
+        gt=0.0,
+        description="Seconds a beat entry's last claimed run is remembered in Redis.",
+    )
     node: str | None = Field(
         None,
         description=(

@@ -1,0 +1,140 @@
+"""Init-once with receipts: run a function in exactly one caller at a time across the fleet.
+
+Example — every analysis step needs the analysis's input downloaded and unpacked, once::
+
+    @app.task(base=LeasedTask, lease="analysis:{analysis_id}:step:{step}")
+    def run_step(analysis_id, step):
+        receipt = leases.once(
+            f"analysis:{analysis_id}:input",
+            lambda: download_and_extract(analysis_id),   # returns e.g. {"path": ..., "files": 12}
+            ttl=60,        # the initializer's lease, renewed while it runs
+            wait=600,      # how long the others wait for it
+        )
+        process(receipt["path"], step)
+
+The first caller takes an exclusive lease on ``celery_leases:once:<name>``, runs the function,
+stores its JSON return value as the **receipt** (only while the lease is still its own), and
+releases the lease. Every other caller waits for that release (a pub/sub wake, not polling),
+then finds the receipt and returns it without running anything. The initializer gets the
+same plain value (the JSON round trip of what it returned).
+
+- The function raises: no receipt, the error reaches its caller, the next waiter tries again.
+- The initializer dies (kill -9): its lease runs out after ``ttl`` and the next waiter runs
+  the function. Make the function idempotent with respect to partial work (e.g. unpack into a
+  temporary directory and rename).
+- The value is not JSON-serialisable: ``TypeError`` naming the receipt, and nothing is stored.
+- ``receipt_ttl`` (or the ``receipt_ttl`` setting) makes receipts expire; by default they stay
+  until ``forget(name)``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from celery.utils.log import get_logger
+
+from ._lease import Want
+from .exceptions import LeaseBusy, LeaseConfigError, LeaseLost
+
+if TYPE_CHECKING:
+    from .app import Leases
+
+__all__ = ("forget", "once", "receipt")
+
+logger = get_logger(__name__)
+
+T = TypeVar("T")
+
+
+def _decode(name: str, text: str) -> Any:
+    return json.loads(text)["value"]
+
+
+def _encode(name: str, value: object, owner: str, token: int) -> str:
+    try:
+        return json.dumps(
+            {"value": value, "created_at": time.time(), "owner": owner, "token": token},
+            allow_nan=False,
+            separators=(",", ":"),
+        )
+    except (TypeError, ValueError) as exc:
+        msg = (
+            f"once({name!r}): the initializer's return value cannot be stored as a JSON "
+            f"receipt ({exc}); nothing was stored"
+        )
+        raise TypeError(msg) from exc
+
+
+def receipt(ext: Leases, name: str) -> Any:
+    """The receipt of ``once(name, ...)``, or None when there is none."""
+    _check_name(name)
+    text = ext.store.get_receipt(name)
+    return None if text is None else _decode(name, text)
+
+
+def forget(ext: Leases, name: str) -> bool:
+    """Delete the receipt of ``once(name, ...)``; True if there was one."""
+    _check_name(name)
+    return ext.store.delete_receipt(name)
+
+
+def _check_name(name: object) -> None:
+    if not isinstance(name, str) or not name:
+        msg = f"once() needs a non-empty str name, not {name!r}"
+        raise LeaseConfigError(msg)
+
+
+def once(
+    ext: Leases,
+    name: str,
+    fn: Callable[[], object],
+    *,
+    ttl: float | None = None,
+    wait: float | None = None,
+    receipt_ttl: float | None = None,
+) -> Any:
+    """Run ``fn`` once across the fleet and return its receipt (see the module docs).
+
+    Raises:
+        LeaseBusy: another caller still initialises after ``wait`` seconds.
+        LeaseLost: the lease was lost while ``fn`` ran, so the receipt was not stored (the
+            next caller runs ``fn`` again).
+        TypeError: ``fn`` returned something that is not JSON-serialisable.
+    """
+    _check_name(name)
+    if not callable(fn):
+        msg = f"once({name!r}, fn): fn must be callable, not {fn!r}"
+        raise LeaseConfigError(msg)
+    if receipt_ttl is None:
+        receipt_ttl = ext.settings.receipt_ttl
+    text = ext.store.get_receipt(name)
+    if text is not None:
+        return _decode(name, text)
+    deadline = None if wait is None else time.monotonic() + wait
+    resource = ext.store.keys.once_resource(name)
+    while True:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            (lease,) = ext.acquire([Want(resource)], ttl=ttl, wait=left)
+        except LeaseBusy as busy:
+            msg_wait = f" after waiting {busy.waited:.1f}s" if busy.waited else ""
+            logger.info("leases: once(%s) is still being initialised%s", name, msg_wait)
+            raise
+        try:
+            # someone may have finished while we waited for the lease
+            text = ext.store.get_receipt(name)
+            if text is not None:
+                return _decode(name, text)
+            logger.info("leases: once(%s) initialising", name)
+            value = fn()
+            encoded = _encode(name, value, lease._held.owner, lease.token)
+            lease.check()
+            if not ext.store.commit_receipt(name, lease._held, encoded, receipt_ttl):
+                raise LeaseLost(lease.resource, held_for=time.monotonic() - lease._held.acquired_at)
+            logger.info("leases: once(%s) stored its receipt", name)
+            return _decode(name, encoded)
+        finally:
+            ext.release([lease])

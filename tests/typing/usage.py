@@ -1,0 +1,47 @@
+"""Usage examples that mypy checks (never run): the public interface must type-check."""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from celery_leases import (
+    Lease,
+    LeaseBusy,
+    LeasedTask,
+    LeaseLost,
+    Leases,
+    Shared,
+    current_leases,
+)
+
+app = Celery("typing", broker="redis://localhost:6379/0")
+leases = Leases(app, ttl=30.0, key_prefix="typing")
+
+
+@app.task(base=LeasedTask, lease="analysis:{analysis_id}:init")
+def init_analysis(analysis_id: int) -> int:
+    held: tuple[Lease, ...] = current_leases()
+    return held[0].token
+
+
+def one() -> int:
+    with leases.hold("report:42", ttl=30, wait=10) as lease:
+        lease.check()
+        remaining: float = lease.expires_in
+        return lease.token + int(remaining)
+
+
+def many() -> list[str]:
+    with leases.hold(["repo:7", Shared("remote:3"), Shared("api:k", limit=3)], wait=5) as held:
+        return [lease.resource for lease in held]
+
+
+def errors() -> str:
+    try:
+        with leases.hold("x"):
+            pass
+    except LeaseBusy as busy:
+        return busy.resource
+    except LeaseLost as lost:
+        return f"{lost.resource} {lost.held_for}"
+    return ""
