@@ -1,0 +1,1 @@
+"""A small analysis pipeline that uses celery_leases (see demo.py)."""
