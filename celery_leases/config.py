@@ -96,7 +96,8 @@ class LeaseSettings(BaseSettings):
         lt=0.5,
         description=(
             "Fraction of the TTL kept as a safety margin: a lease whose last confirmed renewal "
-            "is older than ttl * (1 - lost_margin) counts as lost, before Redis can expire it."
+            "is older than min(lease ttl, the ttl setting) * (1 - lost_margin) counts as lost, "
+            "before Redis can expire it or a reconcile can free it."
         ),
     )
     on_busy: OnBusy = Field(
