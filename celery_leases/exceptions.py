@@ -32,19 +32,25 @@ class LeaseBusy(LeaseError):
         resource: the (first) resource that was busy.
         retry_after: seconds until the current holder's lease runs out unless renewed; a
             hint for when trying again could succeed, never a promise.
+        waited: seconds spent waiting before giving up.
+
+    The details are kept in ``args`` (not just in the message), so the exception survives
+    Celery's JSON result serialisation, which rebuilds an exception as ``cls(*args)``.
     """
 
-    def __init__(self, resource: str, *, retry_after: float | None = None, waited: float = 0.0):
-        msg = f"lease on {resource!r} is held by another owner"
-        if waited > 0:
-            msg += f" (waited {waited:.1f}s)"
-        super().__init__(msg)
+    def __init__(
+        self, resource: str, retry_after: float | None = None, waited: float = 0.0
+    ) -> None:
+        super().__init__(resource, retry_after, waited)
         self.resource = resource
         self.retry_after = retry_after
         self.waited = waited
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild_busy, (self.resource, self.retry_after, self.waited))
+    def __str__(self) -> str:
+        msg = f"lease on {self.resource!r} is held by another owner"
+        if self.waited > 0:
+            msg += f" (waited {self.waited:.1f}s)"
+        return msg
 
 
 class LeaseLost(LeaseError):
@@ -53,19 +59,21 @@ class LeaseLost(LeaseError):
     Attributes:
         resource: the resource whose lease was lost.
         held_for: seconds between the grant and the moment the loss was noticed.
+
+    Like :class:`LeaseBusy`, the details live in ``args`` so Celery's JSON result backend
+    rebuilds it intact.
     """
 
-    def __init__(self, resource: str, *, held_for: float = 0.0) -> None:
-        msg = (
-            f"lease on {resource!r} was lost after {held_for:.1f}s; "
-            "the work may have overlapped with another holder"
-        )
-        super().__init__(msg)
+    def __init__(self, resource: str, held_for: float = 0.0) -> None:
+        super().__init__(resource, held_for)
         self.resource = resource
         self.held_for = held_for
 
-    def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild_lost, (self.resource, self.held_for))
+    def __str__(self) -> str:
+        return (
+            f"lease on {self.resource!r} was lost after {self.held_for:.1f}s; "
+            "the work may have overlapped with another holder"
+        )
 
 
 class LeaseBackendError(LeaseError):
@@ -73,11 +81,3 @@ class LeaseBackendError(LeaseError):
 
     The message never contains a password: URLs are shown without credentials.
     """
-
-
-def _rebuild_busy(resource: str, retry_after: float | None, waited: float) -> LeaseBusy:
-    return LeaseBusy(resource, retry_after=retry_after, waited=waited)
-
-
-def _rebuild_lost(resource: str, held_for: float) -> LeaseLost:
-    return LeaseLost(resource, held_for=held_for)

@@ -124,15 +124,14 @@ class LeaseBootstep(bootsteps.StartStopStep):
             )
 
     def stop(self, worker: Any) -> None:
-        global _active
         for tref in self._timers:
             try:
                 tref.cancel()
             except Exception:
                 logger.debug("leases: could not cancel a timer", exc_info=True)
         self._timers = []
-        if _active is self:
-            _active = None
+        # _active stays set: Celery sends worker_shutdown after the steps stopped, and the
+        # final release needs this step (on_worker_shutdown clears it)
 
     def terminate(self, worker: Any) -> None:
         """Cold shutdown: stop the timers; what the node holds is left to the next start."""
@@ -268,9 +267,11 @@ def on_worker_before_create_process(**kwargs: Any) -> None:
 
 def on_worker_shutdown(**kwargs: Any) -> None:
     """Main process, warm shutdown only: give back what the node still holds."""
+    global _active
     try:
         step = _active
         if step is not None and os.getpid() == step.pid:
+            _active = None
             step.final_release()
     except Exception:
         logger.exception("leases: worker_shutdown handler failed")
