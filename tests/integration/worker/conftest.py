@@ -297,3 +297,22 @@ def amqp_url() -> str:
 
 
 __all__ = ["WorkerProc", "children_of", "url_answers", "wait_until"]
+
+
+# --- restart/fault tests ---
+def kill_whole_worker(worker: WorkerProc) -> None:
+    """SIGKILL a worker's main process, then its pool children; wait until all are gone.
+
+    The main process goes first: alive, it would see a child die and reap its leases itself.
+    """
+    kids = worker.children()
+    os.kill(worker.pid, signal.SIGKILL)
+    for kid in kids:
+        try:
+            os.kill(kid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue  # already gone with its parent
+    assert worker.proc is not None
+    worker.proc.wait(10)
+    for kid in kids:
+        wait_until(lambda k=kid: not Path(f"/proc/{k}").exists() or _zombie(k), 10, f"{kid} to die")

@@ -191,3 +191,119 @@ def multi(a: str, b: str, c: str = "x", seconds: float = 0.0) -> dict[str, Any]:
 @app.task
 def plain(x: int) -> int:
     return x
+
+
+# --- restart/fault tests ---
+@app.task(base=LeasedTask, lease="res:{rid}", lease_ttl=60)
+def long_lease(rid: str, seconds: float = 30.0) -> dict[str, Any]:
+    """Like ``sleeper`` but its lease lives 60 s, far longer than the node's liveness."""
+    _record(f"started:{rid}", os.getpid())
+    return _guarded(seconds)
+
+
+@app.task(base=LeasedTask, lease="tiny:{rid}")
+def leased_tiny(rid: str) -> str:
+    """The leased counterpart of ``plain`` for the task-throughput benchmark."""
+    return rid
+
+
+def _trace_reconcile(pause: float) -> None:
+    """Record every orphan-reconcile pass and every bid for the reconcile lease in the ledger.
+
+    A pass bumps ``reconcile:active`` while it runs (and ``reconcile:overlaps`` when it finds
+    another pass running) and stays open ``pause`` seconds after the real pass, so that two
+    passes not kept apart would overlap. Only wraps the real store calls; Redis is real.
+    """
+    from celery_leases.worker import RECONCILE_RESOURCE
+
+    store = leases.store
+    real_reconcile, real_try_acquire = store.reconcile, store.try_acquire
+
+    def node() -> str:
+        return leases.identity().node
+
+    def reconcile(limit: int = 1000) -> Any:
+        r = ledger()
+        if r.incr(ledger_key("reconcile", "active")) > 1:
+            r.incr(ledger_key("reconcile", "overlaps"))
+        try:
+            r.rpush(ledger_key("reconcile", "passes"), node())
+            report = real_reconcile(limit)
+            time.sleep(pause)
+            return report
+        finally:
+            r.decr(ledger_key("reconcile", "active"))
+
+    def try_acquire(wants: Any, ident: Any, ttl: float) -> Any:
+        outcome = real_try_acquire(wants, ident, ttl)
+        if [w.resource for w in wants] == [RECONCILE_RESOURCE]:
+            won = "won" if isinstance(outcome, list) else "busy"
+            ledger().rpush(ledger_key("reconcile", "bids"), f"{node()} {won}")
+        return outcome
+
+    store.reconcile = reconcile  # type: ignore[method-assign]
+    store.try_acquire = try_acquire  # type: ignore[method-assign]
+
+
+if os.environ.get("LEASES_TEST_TRACE_RECONCILE"):
+    _trace_reconcile(float(os.environ["LEASES_TEST_TRACE_RECONCILE"]))
+
+
+# --- policies/endings tests ---
+def _stamp(task: Any) -> dict[str, Any]:
+    """What a bound leased task saw: when its body started, its own retries, its leases."""
+    return {
+        "pid": os.getpid(),
+        "started": time.time(),
+        "retries": task.request.retries,
+        "leases": [[lease.resource, lease.token] for lease in current_leases()],
+    }
+
+
+@app.task(base=LeasedTask, bind=True, lease="res:{rid}", on_busy="wait", wait_timeout=30)
+def wait_stamped(self: Any, rid: str) -> dict[str, Any]:
+    """on_busy="wait"; reports when its body started."""
+    return _stamp(self)
+
+
+@app.task(base=LeasedTask, bind=True, lease="res:{rid}", on_busy="retry", max_retries=0)
+def retry_no_budget(self: Any, rid: str) -> dict[str, Any]:
+    """on_busy="retry" on a task allowed no retries of its own: busy retries must not count."""
+    return _stamp(self)
+
+
+@app.task(base=LeasedTask, leases=["p:{a}", Shared("k:{b}"), "d:{c}"])
+def declared_order(a: str, b: str, c: str = "dflt") -> list[list[Any]]:
+    """Reports current_leases(); the declared order is the reverse of the sorted one."""
+    out = []
+    for lease in current_leases():
+        lease.check()
+        out.append([lease.resource, lease.token, lease.shared, lease.expires_in, lease.ttl])
+    return out
+
+
+@app.task
+def unleased_view() -> list[str]:
+    """A plain task: it must see no leases, even in a process that ran leased tasks."""
+    return [lease.resource for lease in current_leases()]
+
+
+@app.task(base=LeasedTask, lease="cc:{rid}")
+def sees_own(rid: str, n: int, timeout: float = 20.0) -> dict[str, Any]:
+    """Waits (up to ``timeout``) until ``n`` of its kind run at once, then reports its leases."""
+    import threading
+
+    r = ledger()
+    r.incr(ledger_key("sees_own"))
+    deadline = time.monotonic() + timeout
+    together = False
+    while time.monotonic() < deadline:
+        if int(r.get(ledger_key("sees_own")) or 0) >= n:
+            together = True
+            break
+        time.sleep(0.02)
+    return {
+        "thread": threading.current_thread().name,
+        "together": together,
+        "leases": [lease.resource for lease in current_leases()],
+    }

@@ -1,0 +1,436 @@
+"""Task-throughput benchmark: a leased tiny task against a plain one, on the same worker.
+
+    python -m bench.tasks              # solo and prefork -c 2, 5 rounds x 1000 tasks each kind
+    python -m bench.tasks --quick      # 2 rounds x 300
+    python -m bench.tasks --help
+
+It is a benchmark, not a test: it prints tasks/s and the ratio leased/plain per pool, marks the
+target (leased >= 0.9 x plain) PASS or MISS, and exits 0 either way.
+
+Each pool gets one real ``celery worker`` subprocess running the worker-test app
+(``tests.integration.worker.wapp``): ``plain(x)`` returns its argument; ``leased_tiny(rid)``
+does the same under an exclusive lease on ``tiny:<rid>``, every rid distinct, so no task ever
+waits for another. Rounds interleave the two kinds on the same worker (plain, leased, then
+leased, plain, ...), so a slow spell of the machine hits both alike.
+
+A round measures the worker alone: its messages are published to a fresh queue that no one
+consumes, then the worker is told to consume it (remote control ``add_consumer``), so it never
+waits for the publisher. The rate is ``(n - 1) / (last date_done - first date_done)`` from the
+results the worker stored. By default a private redis-server on a free loopback port holds
+broker, result backend and leases, so the numbers are ours alone.
+
+The table goes to stdout and ``bench/results/tasks.md``, and replaces the ``## Task
+throughput`` section of ``docs/benchmarks.md`` (appended if there is none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Final
+
+import redis
+
+from ._common import machine_info, median, redis_target
+
+REPO: Final = Path(__file__).resolve().parents[1]
+RESULTS_DIR: Final = REPO / "bench" / "results"
+DOCS: Final = REPO / "docs" / "benchmarks.md"
+SECTION: Final = "## Task throughput"
+APP: Final = "tests.integration.worker.wapp"
+TARGET: Final = 0.9  # leased >= 0.9 x plain
+POOLS: Final = {"solo": 1, "prefork": 2}
+START_TIMEOUT: Final = 60.0
+ROUND_TIMEOUT: Final = 300.0
+
+
+def progress(message: str) -> None:
+    print(f"[bench.tasks] {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Worker:
+    """One ``celery worker`` subprocess of the benchmark."""
+
+    pool: str
+    concurrency: int
+    hostname: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+
+def worker_env(url: str, prefix: str, idle_queue: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_LEASES_")}
+    env.update(
+        {
+            "LEASES_TEST_BROKER": url,
+            "LEASES_TEST_BACKEND": url,
+            "LEASES_TEST_LEDGER": url,
+            "LEASES_TEST_QUEUE": idle_queue,
+            "CELERY_LEASES_REDIS_URL": url,
+            "CELERY_LEASES_KEY_PREFIX": prefix,
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+def load_app(env: dict[str, str]) -> ModuleType:
+    """Import the worker-test app in this process, configured like the workers."""
+    for key in ("LEASES_TEST_BROKER", "LEASES_TEST_BACKEND", "LEASES_TEST_LEDGER"):
+        os.environ[key] = env[key]
+    os.environ["LEASES_TEST_QUEUE"] = env["LEASES_TEST_QUEUE"]
+    os.environ["CELERY_LEASES_KEY_PREFIX"] = env["CELERY_LEASES_KEY_PREFIX"]
+    os.environ["CELERY_LEASES_REDIS_URL"] = env["CELERY_LEASES_REDIS_URL"]
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    import tests.integration.worker.wapp as wapp
+
+    return wapp
+
+
+def start_worker(
+    wapp: ModuleType, pool: str, concurrency: int, env: dict[str, str], run_id: str, log_dir: Path
+) -> Worker:
+    hostname = f"bench-{pool}-{run_id}@{socket.gethostname()}"
+    log_path = log_dir / f"tasks-worker-{pool}-{run_id}.log"
+    argv = [
+        sys.executable, "-m", "celery", "-A", APP, "worker",
+        "-P", pool, "-c", str(concurrency), "-n", hostname,
+        "--without-gossip", "--without-mingle", "--without-heartbeat",
+        "-l", "warning",
+    ]  # fmt: skip
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    worker = Worker(pool, concurrency, hostname, proc, log_path)
+    deadline = time.monotonic() + START_TIMEOUT
+    while not wapp.app.control.ping(destination=[hostname], timeout=0.5):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            worker.stop()
+            raise SystemExit(f"worker {hostname} did not come up:\n{worker.log_tail()}")
+    return worker
+
+
+def total_calls(admin: redis.Redis) -> tuple[int, int]:
+    """Commands the server has run so far (INFO commandstats), and how many were EVALSHA.
+
+    The total counts the commands that scripts run too.
+    """
+    stats = admin.info("commandstats")
+    total = sum(int(v.get("calls", 0)) for v in stats.values() if isinstance(v, dict))
+    return total, int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def run_round(
+    wapp: ModuleType, worker: Worker, kind: str, n: int, tag: str, admin: redis.Redis | None
+) -> tuple[float, float, float]:
+    """Publish ``n`` tasks to a fresh queue and let the worker drain it.
+
+    Returns tasks/s (by the results' date_done) and, with ``admin`` (a private server), the
+    Redis commands (those run by scripts included) and the EVALSHA calls that the whole round
+    cost per task, publishing and collecting included.
+    """
+    app = wapp.app
+    queue = f"bench-{tag}"
+    results = []
+    with app.producer_or_acquire() as producer:
+        for i in range(n):
+            if kind == "plain":
+                results.append(wapp.plain.apply_async((i,), queue=queue, producer=producer))
+            else:
+                rid = f"{tag}-{i}"
+                results.append(wapp.leased_tiny.apply_async((rid,), queue=queue, producer=producer))
+    before = total_calls(admin) if admin is not None else (0, 0)
+    replies = app.control.add_consumer(queue, destination=[worker.hostname], reply=True)
+    if not replies:
+        raise SystemExit(f"worker {worker.hostname} did not answer add_consumer")
+    deadline = time.monotonic() + ROUND_TIMEOUT
+    backend = app.backend
+    ids = [r.id for r in results]
+    done: dict[str, Any] = {}
+    while len(done) < n:
+        if worker.proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"round {tag} did not finish:\n{worker.log_tail()}")
+        todo = [i for i in ids if i not in done]
+        metas = backend.client.mget([backend.get_key_for_task(i) for i in todo])
+        for task_id, raw in zip(todo, metas, strict=True):
+            if raw is not None:
+                meta = backend.decode_result(raw)
+                if meta["status"] == "SUCCESS":
+                    done[task_id] = meta
+                elif meta["status"] in ("FAILURE", "REVOKED"):
+                    raise SystemExit(f"{kind} task {task_id} ended {meta['status']}: {meta}")
+        if len(done) < n:
+            time.sleep(0.1)  # polling the backend slowly keeps its load off the measurement
+    app.control.cancel_consumer(queue, destination=[worker.hostname], reply=True)
+    after = total_calls(admin) if admin is not None else (0, 0)
+    calls, scripts = ((a - b) / n for a, b in zip(after, before, strict=True))
+    if admin is None:
+        calls = scripts = float("nan")
+    for r in results:
+        r.forget()
+    stamps = sorted(_stamp(meta["date_done"]) for meta in done.values())
+    span = stamps[-1] - stamps[0]
+    return ((n - 1) / span if span > 0 else float("inf")), calls, scripts
+
+
+def _stamp(value: Any) -> float:
+    if isinstance(value, datetime):
+        return value.timestamp()
+    return datetime.fromisoformat(str(value)).timestamp()
+
+
+@dataclass
+class PoolResult:
+    pool: str
+    concurrency: int
+    plain: list[float]
+    leased: list[float]
+    plain_calls: list[float]
+    leased_calls: list[float]
+    leased_scripts: list[float]
+
+    @property
+    def ratio(self) -> float:
+        return median(self.leased) / median(self.plain)
+
+
+def bench_pool(
+    wapp: ModuleType,
+    worker: Worker,
+    rounds: int,
+    n: int,
+    warmup: int,
+    run_id: str,
+    admin: redis.Redis | None,
+) -> PoolResult:
+    out = PoolResult(worker.pool, worker.concurrency, [], [], [], [], [])
+    for kind in ("plain", "leased"):  # warm-up: imports, script loading, heartbeat threads
+        run_round(wapp, worker, kind, warmup, f"{run_id}-{worker.pool}-warm-{kind}", admin)
+    for r in range(rounds):
+        order = ("plain", "leased") if r % 2 == 0 else ("leased", "plain")
+        for kind in order:
+            tag = f"{run_id}-{worker.pool}-{r}-{kind}"
+            rate, calls, scripts = run_round(wapp, worker, kind, n, tag, admin)
+            getattr(out, kind).append(rate)
+            getattr(out, f"{kind}_calls").append(calls)
+            if kind == "leased":
+                out.leased_scripts.append(scripts)
+            progress(
+                f"{worker.pool} round {r + 1}/{rounds} {kind:6s} {rate:8.0f} tasks/s"
+                f"  {calls:5.1f} Redis commands/task"
+            )
+    return out
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def render(results: Sequence[PoolResult], header: Sequence[str], markdown: bool) -> str:
+    rows = [
+        (
+            f"{r.pool} (-c {r.concurrency})",
+            f"{median(r.plain):,.0f}",
+            f"{median(r.leased):,.0f}",
+            f"{r.ratio:.2f}",
+            f">= {TARGET}",
+            verdict(r.ratio >= TARGET),
+            " / ".join(f"{lp:.2f}" for lp in _pair_ratios(r)),
+            _calls(r),
+        )
+        for r in results
+    ]
+    heads = (
+        "pool",
+        "plain tasks/s",
+        "leased tasks/s",
+        "leased/plain",
+        "target",
+        "verdict",
+        "per-round ratios",
+        "Redis cmds/task plain / leased",
+    )
+    if markdown:
+        lines = [*(f"- {line}" for line in header), ""]
+        lines += ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        return "\n".join(lines)
+    table = [heads, *rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(heads))]
+    text = [*header, ""]
+    for k, line in enumerate(table):
+        text.append("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
+        if k == 0:
+            text.append("  ".join("-" * w for w in widths))
+    return "\n".join(text)
+
+
+def _calls(r: PoolResult) -> str:
+    plain, leased = median(r.plain_calls), median(r.leased_calls)
+    if math.isnan(plain) or math.isnan(leased):
+        return "n/a (shared server)"
+    return f"{plain:.1f} / {leased:.1f} ({median(r.leased_scripts):.1f} EVALSHA)"
+
+
+def _pair_ratios(r: PoolResult) -> list[float]:
+    return [lease / plain for plain, lease in zip(r.plain, r.leased, strict=True)]
+
+
+ABOUT: Final = (
+    "`python -m bench.tasks` (`--quick` for a short run) measures what a lease costs a task. One "
+    "real worker per pool (solo, prefork `-c 2`) runs `plain(x)` and `leased_tiny(rid)` from the "
+    "worker-test app `tests/integration/worker/wapp.py`: the same trivial body, the second under "
+    "an exclusive lease, every rid distinct so that no task waits for another. Rounds interleave "
+    "the two kinds on the same worker (plain, leased, then leased, plain, ...). A round (1,000 "
+    "tasks by default) publishes its tasks to a fresh queue first and then tells the worker to "
+    "consume it (remote control `add_consumer`), so the worker never waits for the publisher; "
+    "the rate is `(n - 1) / (last - first date_done)` of the stored results. Workers run with "
+    "`-l warning`, results stored. By default a private redis-server holds broker, backend and "
+    "leases, so `INFO commandstats` counts our commands only: the last column is the commands a "
+    "whole round cost per task (publish, consume, store and collect the result; for leased tasks "
+    "also acquire and release), the commands that Lua scripts run included, and in brackets the "
+    "EVALSHA calls per leased task. The value is the median of the rounds (5 by default); the "
+    "target is leased >= 0.9 x plain. Results also go to `bench/results/tasks.md`. A lease adds "
+    "two round trips to every task (the acquire and the release scripts): where one process does "
+    "all of a task's Redis work (solo) they weigh the most; under prefork the children run them "
+    "while the main process does the broker and result work."
+)
+
+
+def docs_section(body: str) -> str:
+    about = textwrap.fill(ABOUT, 100, break_on_hyphens=False, break_long_words=False)
+    return "\n".join([SECTION, "", about, "", body, ""])
+
+
+def update_docs(path: Path, section: str) -> None:
+    """Replace the ``## Task throughput`` section of ``path``, or append it."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip("\n") + "\n"
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.tasks",
+        description=__doc__,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="2 rounds x 300 tasks")
+    parser.add_argument("--rounds", type=int, default=0, help="rounds per pool (default 5)")
+    parser.add_argument("--tasks", type=int, default=0, help="tasks per round (default 1000)")
+    parser.add_argument(
+        "--pools", default="solo,prefork", help="comma-separated: solo, prefork (default both)"
+    )
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help="a loopback Redis to use instead of a private server (others' load then counts)",
+    )
+    parser.add_argument("--out-dir", default=str(RESULTS_DIR), help="where tasks.md goes")
+    parser.add_argument("--docs", default=str(DOCS), help="the docs page to update")
+    parser.add_argument("--no-docs", action="store_true", help="do not touch the docs page")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    rounds = args.rounds or (2 if args.quick else 5)
+    n = args.tasks or (300 if args.quick else 1000)
+    warmup = max(50, n // 5)
+    pools = [p.strip() for p in args.pools.split(",") if p.strip()]
+    unknown = [p for p in pools if p not in POOLS]
+    if unknown:
+        raise SystemExit(f"unknown pool(s) {unknown}; choose from {sorted(POOLS)}")
+    run_id = secrets.token_hex(4)
+    prefix = f"bench-tasks-{run_id}"
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    results: list[PoolResult] = []
+    with redis_target(args.redis_url) as (url, private):
+        progress(f"redis at {url} ({'private server' if private else 'given by --redis-url'})")
+        admin = redis.Redis.from_url(url)
+        machine = machine_info(admin)
+        env = worker_env(url, prefix, f"bench-{run_id}-idle")
+        wapp = load_app(env)
+        try:
+            for pool in pools:
+                worker = start_worker(wapp, pool, POOLS[pool], env, run_id, out_dir)
+                progress(f"{pool} worker up ({worker.hostname})")
+                try:
+                    counter = admin if private else None
+                    results.append(bench_pool(wapp, worker, rounds, n, warmup, run_id, counter))
+                finally:
+                    worker.stop()
+                    worker.log_path.unlink(missing_ok=True)
+        finally:
+            wapp.app.close()
+            wapp.leases.store.close()
+            if not private:  # leave nothing behind on somebody else's server
+                for pattern in (f"*{prefix}*", f"*bench-{run_id}*"):
+                    for key in admin.scan_iter(match=pattern, count=1000):
+                        admin.unlink(key)
+            admin.close()
+    elapsed = time.monotonic() - started
+    header = [
+        f"machine: {machine['cpus']} cores, {machine['cpu_model']}; {machine['platform']}",
+        f"python {machine['python']}, redis-py {machine['redis_py']}, "
+        f"server {machine['server']} ({'private' if private else 'shared'})",
+        f"run: {rounds} rounds x {n} tasks per kind and pool (+{warmup} warm-up), "
+        f"{elapsed:.0f} s, {machine['date']}",
+    ]
+    summary = "target leased/plain >= 0.9: " + ", ".join(
+        f"{r.pool} {verdict(r.ratio >= TARGET)}" for r in results
+    )
+    print(render(results, header, markdown=False))
+    print()
+    print(summary)
+    body = render(results, header, markdown=True) + "\n\n" + summary
+    tmp = out_dir / "tasks.md.tmp"
+    tmp.write_text(f"# Task throughput results\n\n{body}\n")
+    os.replace(tmp, out_dir / "tasks.md")
+    if not args.no_docs:
+        update_docs(Path(args.docs), docs_section(body))
+    progress(f"wrote {out_dir / 'tasks.md'}" + ("" if args.no_docs else f" and {args.docs}"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
