@@ -17,7 +17,8 @@ its own, and a restarted worker clears what its dead predecessor held at once.
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
+from importlib.metadata import version as _version
 
 from ._lease import Lease, Shared
 from .app import Leases
@@ -26,8 +27,8 @@ from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseErr
 from .task import LeasedTask, current_leases
 
 try:
-    __version__ = version("celery-leases")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = _version("celery-leases")
+except _PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 __all__ = (

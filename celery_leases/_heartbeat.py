@@ -137,11 +137,19 @@ class Heartbeat:
             groups.setdefault((id(h.store), h.owner), []).append(h)
             stores[id(h.store)] = h.store
         ok = True
-        for (store_id, owner), batch in groups.items():
+        # Batches go in deadline order, and one may use only its share of the time left before
+        # the next batches' deadlines. Timeline: t0 Redis A freezes; t1 the renewal of A's
+        # batch waits for A's deadline; t2 that is also the deadline of B's batch, on a healthy
+        # Redis, so B is lost for A's sake. With shares, A gives up in time for B.
+        jobs = sorted(groups.items(), key=lambda job: min(h.deadline for h in job[1]))
+        for n, ((store_id, owner), batch) in enumerate(jobs):
             store = stores[store_id]
-            budget = min(
-                min(h.deadline for h in batch) - self._clock(), store.settings.socket_timeout
-            )
+            start = self._clock()
+            budget = min(min(h.deadline for h in batch) - start, store.settings.socket_timeout)
+            later = jobs[n + 1 :]
+            if later:
+                next_deadline = min(h.deadline for _, other in later for h in other)
+                budget = min(budget, (next_deadline - start) / (len(later) + 1))
             if budget < MIN_BUDGET:
                 continue  # too late to confirm; the deadline check marks them lost
             sent = self._clock()

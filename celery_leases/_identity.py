@@ -8,6 +8,7 @@ import socket
 import sys
 import threading
 from dataclasses import dataclass
+from functools import cached_property
 
 from ._keys import escape, owner_id
 
@@ -28,12 +29,12 @@ class Identity:
     incarnation: str
     pid: int
 
-    @property
+    @cached_property
     def owner(self) -> str:
         """The owner id recorded with every lease this process holds."""
         return owner_id(self.node, self.incarnation, self.pid)
 
-    @property
+    @cached_property
     def node_key_part(self) -> str:
         """The node name as it appears in key names."""
         return escape(self.node)
@@ -55,6 +56,16 @@ def set_node(node: str, *, new_incarnation: bool = False) -> None:
             _incarnation = secrets.token_hex(6)
 
 
+_cache: dict[tuple[str | None, str | None, str, int], Identity] = {}
+
+
 def current_identity(node: str | None = None) -> Identity:
     """The identity of the calling process; ``node`` overrides the process-wide node name."""
-    return Identity(node or _node or default_node(), _incarnation, os.getpid())
+    pid = os.getpid()
+    key = (node, _node, _incarnation, pid)
+    ident = _cache.get(key)
+    if ident is None:
+        if len(_cache) > 64:
+            _cache.clear()
+        ident = _cache[key] = Identity(node or _node or default_node(), _incarnation, pid)
+    return ident

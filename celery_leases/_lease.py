@@ -50,6 +50,16 @@ class Want:
     mode: Mode = "x"
     limit: int = 0
 
+    def __post_init__(self) -> None:
+        # Redis keys are bytes: a name that has no UTF-8 form (a lone surrogate, e.g. from a
+        # badly decoded argument) would escape as a raw UnicodeEncodeError from redis-py
+        try:
+            if isinstance(self.resource, str):
+                self.resource.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            msg = f"resource name {self.resource!r} cannot be encoded as UTF-8: {exc.reason}"
+            raise LeaseConfigError(msg) from None
+
 
 def want_of(item: str | Shared) -> Want:
     """Turn a user's ``"name"`` or ``Shared(...)`` into a :class:`Want`."""

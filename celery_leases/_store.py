@@ -128,7 +128,11 @@ class LeaseStore:
         self.keys = Keyspace(settings.key_prefix, settings.slot_groups)
         self.url = settings.url
         self._lock = threading.Lock()
-        self._registered: set[str] = set()
+        # owner -> monotonic time its home registration was last sent (see try_acquire)
+        self._registered: dict[str, float] = {}
+        self._renew_lock = threading.Lock()
+        self._renew_conn: Any = None  # see _renewal_connection
+        self._renew_pid = -1
         # the client object connects lazily; made now so a bad URL fails at start-up, and so
         # the scripts are registered before any method can reach for them
         self._client: redis.Redis | None = self._make_client()
@@ -147,7 +151,7 @@ class LeaseStore:
             if self._client is None or self._pid != pid:
                 self._client = self._make_client()
                 self._pid = pid
-                self._registered = set()
+                self._registered = {}
                 self._register_scripts(self._client)
             return self._client
 
@@ -180,8 +184,11 @@ class LeaseStore:
         """Close this process's connections (a new client is made on next use)."""
         with self._lock:
             client, self._client = self._client, None
+            conn, self._renew_conn = self._renew_conn, None
         if client is not None and self._pid == os.getpid():
             client.close()
+        if conn is not None and self._renew_pid == os.getpid():
+            conn.disconnect()
 
     @contextmanager
     def _backend(self, what: str) -> Iterator[None]:
@@ -205,8 +212,13 @@ class LeaseStore:
     def _ms(self, seconds: float) -> int:
         return max(1, math.ceil(seconds * 1000))
 
-    def _liveness_ms(self, ttl: float) -> int:
-        return self._ms(max(ttl, self.settings.ttl))
+    def _liveness_ms(self) -> int:
+        # The liveness is settings.ttl, whatever the leases' own TTLs: it is how soon the orphan
+        # reconcile frees the leases of a dead owner. (It was max(ttl, settings.ttl): a lease of
+        # ttl=3600 kept its dead owner "alive" for an hour, so reconcile could never free a
+        # lease before the lease ran out by itself.) horizon() counts a lease lost within
+        # settings.ttl of its last confirmation, so no live holder is reconciled away.
+        return self._ms(self.settings.ttl)
 
     def horizon(self, ttl: float) -> float:
         """Seconds after a confirmation that a lease of ``ttl`` counts as held.
@@ -217,9 +229,9 @@ class LeaseStore:
         """
         return min(ttl, self.settings.ttl) * self.settings.margin_fraction
 
-    def _home_args(self, ident: Identity, ttl: float) -> tuple[list[str], list[str]]:
+    def _home_args(self, ident: Identity) -> tuple[list[str], list[str]]:
         keys = [self.keys.owners, self.keys.node(ident.node), self.keys.nodes]
-        return keys, ["1", str(self._liveness_ms(ttl)), ident.node_key_part]
+        return keys, ["1", str(self._liveness_ms()), ident.node_key_part]
 
     def try_acquire(self, wants: Sequence[Want], ident: Identity, ttl: float) -> list[Held] | Busy:
         """One all-or-nothing attempt at ``wants``; the grants come back in the order given.
@@ -237,7 +249,15 @@ class LeaseStore:
         for i, w in enumerate(wants):
             by_group.setdefault(self.keys.group_of(w.resource), []).append(i)
         owner = ident.owner
-        if 0 not in by_group and owner not in self._registered:
+        # The home call registers the owner under its node and refreshes its liveness. It can
+        # be skipped only while that liveness surely runs: t0 the owner registers; t1 it idles
+        # past its liveness and a reconcile forgets it (off the node's owner set); t2 it takes a
+        # lease outside the home group; t3 its node restarts and must find that lease.
+        registered = self._registered.get(owner)
+        fresh = registered is not None and (
+            time.monotonic() - registered < self.settings.ttl * self.settings.margin_fraction
+        )
+        if 0 not in by_group and not fresh:
             outcome = self._acquire_group(0, [], ident, ttl)
             if isinstance(outcome, Busy):
                 return outcome
@@ -263,7 +283,7 @@ class LeaseStore:
         keys = [self.keys.epoch(group), self.keys.registry(owner, group)]
         args: list[Any] = [owner, ttl_ms, math.ceil(self.settings.restart_grace * 1000)]
         if group == 0:
-            home_keys, home_args = self._home_args(ident, ttl)
+            home_keys, home_args = self._home_args(ident)
             keys += home_keys
             args += home_args
         else:
@@ -283,7 +303,7 @@ class LeaseStore:
         if code is _Acquire.BUSY:
             return Busy(wants[int(reply[1]) - 1].resource, int(reply[2]) / 1000)
         if group == 0:
-            self._registered.add(owner)
+            self._registered[owner] = sent
         return [
             Held(
                 store=self,
@@ -378,7 +398,7 @@ class LeaseStore:
             args: list[Any] = [owner, registry_ms]
             if group == 0:
                 keys.append(self.keys.owners)
-                args += ["1", self._liveness_ms(longest)]
+                args += ["1", self._liveness_ms()]
             else:
                 args += ["0", 0]
             for i in idx:
@@ -404,18 +424,43 @@ class LeaseStore:
         """EVALSHA each of ``calls`` on one connection, in one round trip, within ``timeout``.
 
         redis-py applies one socket timeout to every command of a connection; the heartbeat
-        needs a deadline per call instead, so it drives a pooled connection directly.
+        needs a deadline per call instead, so it drives a connection of its own directly.
         """
-        pool = self.client.connection_pool
+        end = time.monotonic() + timeout
         with self._backend("renew"):
-            conn = pool.get_connection()
+            if not self._renew_lock.acquire(timeout=timeout):
+                raise RedisTimeoutError(f"another renewal still runs after {timeout:.2f}s")
             try:
-                return self._send_and_read(conn, sha, source, calls, timeout)
-            except BaseException:
-                conn.disconnect()  # type: ignore[no-untyped-call]
-                raise
+                conn = self._renewal_connection(timeout)
+                try:
+                    left = max(0.0, end - time.monotonic())
+                    return self._send_and_read(conn, sha, source, calls, left)
+                except BaseException:
+                    conn.disconnect()
+                    raise
             finally:
-                pool.release(conn)
+                self._renew_lock.release()
+
+    def _renewal_connection(self, timeout: float) -> Any:
+        """This process's renewal connection, opened (if it is not) within ``timeout``.
+
+        Not a pooled one: t0 Redis freezes while every pooled connection is in use; t1 the
+        renewal needs a new connection, and redis-py's handshake (CLIENT SETNAME, ...) waits
+        for the full socket timeout; t2 the lease's deadline passes unnoticed; t3 Redis
+        expires the lease and hands it on, and only then is the holder told. Its own
+        connection, opened with the renewal's deadline as its timeouts, cannot stall so.
+        """
+        pid = os.getpid()
+        conn = self._renew_conn
+        if conn is None or self._renew_pid != pid:
+            pool = self.client.connection_pool
+            kwargs = {**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0)}
+            conn = self._renew_conn = pool.connection_class(**kwargs)
+            self._renew_pid = pid
+        if getattr(conn, "_sock", None) is None:
+            conn.socket_connect_timeout = conn.socket_timeout = max(timeout, 0.001)
+            conn.connect()
+        return conn
 
     def _send_and_read(
         self,
@@ -484,15 +529,22 @@ class LeaseStore:
         return [bool(int(x)) for x in reply]
 
     # --- cleanup --------------------------------------------------------------------------
-    def cleanup_owner(self, owner: str, *, dead: bool = False) -> CleanupReport:
+    def cleanup_owner(
+        self, owner: str, *, dead: bool = False, granted_before_us: int | None = None
+    ) -> CleanupReport:
         """Release every lease ``owner`` still holds, in O(leases it held).
 
         Reads the owner's registry in each slot group (one SMEMBERS each), releases what is
         listed (one script call each), then forgets the owner unless its liveness was
         refreshed meanwhile; ``dead=True`` forgets it regardless (its node restarted).
         Registry entries that cannot be parsed are kept and reported, never dropped.
+
+        With ``granted_before_us`` (Redis time in microseconds), only leases granted before
+        it are released: a token is at least the Redis clock of its grant, so an entry with
+        a token from then on was granted later, to an owner that is alive again.
         """
         report = CleanupReport(owners=[owner])
+        spared = False
         for group in range(self.settings.slot_groups):
             key = self.keys.registry(owner, group)
             with self._backend("read an owner registry"):
@@ -502,6 +554,8 @@ class LeaseStore:
                 parsed = _parse_entry(str(member))
                 if parsed is None:
                     report.kept.append((owner, str(member)))
+                elif granted_before_us is not None and int(parsed[1]) >= granted_before_us:
+                    spared = True
                 else:
                     entries.append(parsed)
             if not entries:
@@ -512,7 +566,7 @@ class LeaseStore:
                     report.released.append((owner, resource))
                 else:
                     report.expired += 1
-        if not report.kept:
+        if not report.kept and not spared:
             node = node_of_owner(owner)
             with self._backend("forget an owner"):
                 self._forget_owner(
@@ -540,15 +594,27 @@ class LeaseStore:
 
     def expired_owners(self, limit: int = 1000) -> list[str]:
         """Owners whose liveness ran out (by the Redis clock), oldest first."""
+        return [owner for owner, _ in self._expired_owner_times(limit)]
+
+    def _expired_owner_times(self, limit: int) -> list[tuple[str, int]]:
+        """``(owner, Redis time in ms its liveness ran out)``, oldest first."""
         with self._backend("list expired owners"):
             reply = self._expired_owners([self.keys.owners], [limit], client=self.client)
-        return [str(o) for o in reply]
+        return [(str(reply[i]), int(float(reply[i + 1]))) for i in range(0, len(reply), 2)]
 
     def reconcile(self, limit: int = 1000) -> CleanupReport:
-        """Release the leases of owners whose liveness ran out (orphans), each on its own."""
+        """Release the leases of owners whose liveness ran out (orphans), each on its own.
+
+        Only leases granted before the owner's liveness ran out are released. Timeline: t0 an
+        idle process's liveness runs out (it holds nothing, so nothing renews it); t1 this
+        pass lists it; t2 the process takes a lease, alive again; t3 this pass reaches it and
+        must not free the lease of t2.
+        """
         report = CleanupReport()
-        for owner in self.expired_owners(limit):
-            report.merge(self._cleanup_isolated(owner, dead=False))
+        for owner, expired_ms in self._expired_owner_times(limit):
+            report.merge(
+                self._cleanup_isolated(owner, dead=False, granted_before_us=expired_ms * 1000)
+            )
         return report
 
     def node_owners(self, node: str) -> list[str]:
@@ -560,9 +626,11 @@ class LeaseStore:
         """:meth:`cleanup_owner`, with a failure reported in the result instead of raised."""
         return self._cleanup_isolated(owner, dead=dead)
 
-    def _cleanup_isolated(self, owner: str, *, dead: bool) -> CleanupReport:
+    def _cleanup_isolated(
+        self, owner: str, *, dead: bool, granted_before_us: int | None = None
+    ) -> CleanupReport:
         try:
-            return self.cleanup_owner(owner, dead=dead)
+            return self.cleanup_owner(owner, dead=dead, granted_before_us=granted_before_us)
         except LeaseBackendError as exc:
             return CleanupReport(owners=[owner], errors=[(owner, str(exc))])
 

@@ -278,8 +278,16 @@ def _config_error(exc: ValidationError, kwargs: Mapping[str, Any], conf: Mapping
         else:
             where = _describe_source(field, kwargs, conf)
             message = str(err["msg"]).removeprefix("Value error, ")
-            lines.append(f"setting {field!r} from {where}: {message} (got {err['input']!r})")
+            shown = err["input"]
+            if field == "redis_url" and isinstance(shown, str):
+                shown = _redact_url(shown)
+            lines.append(f"setting {field!r} from {where}: {message} (got {shown!r})")
     return "invalid celery_leases settings: " + "; ".join(lines)
+
+
+def _redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (settings errors must not leak it)."""
+    return re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", re.sub(r"(password=)[^&]*", r"\1***", url))
 
 
 def _conf_of(app: Celery | None) -> dict[str, Any]:

@@ -2,9 +2,10 @@
 --
 -- KEYS[1] owners index (home group)
 -- ARGV[1] how many owners at most
--- returns the owner ids, oldest expiry first
+-- returns {owner_1, expiry_ms_1, owner_2, expiry_ms_2, ...}, oldest expiry first (the Redis time
+--         each owner's liveness ran out)
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 return redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', string.format('%.0f', now),
-  'LIMIT', 0, tonumber(ARGV[1]))
+  'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[1]))

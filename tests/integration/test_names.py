@@ -1,0 +1,141 @@
+"""Resource names are user data: any text is its own lease, and its keys stay in the prefix."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from celery import Celery
+
+from celery_leases import LeaseBusy, LeaseConfigError, Leases, Shared
+from celery_leases._identity import Identity
+from celery_leases._lease import Want
+from celery_leases._store import Busy
+
+NAMES = [
+    "plain",
+    "a:b",
+    "a:b:",
+    ":a:b",
+    "a",
+    "{a}",
+    "%7Ba%7D",
+    "%257Ba%257D",
+    "}{",
+    "%7D%7B",
+    "{",
+    "}",
+    "a b",
+    "a%20b",
+    "a  b",
+    "a\nb",
+    "a%0Ab",
+    "a\r\nb",
+    "a\tb",
+    " a",
+    "a ",
+    "ключ",
+    "锁🔒",
+    "é",
+    "e\u0301",
+    "x" * 5000,
+    "x" * 4999,
+    "%",
+    "%%",
+    "x:1}:x:a",
+    "{leases:0}:x:a",
+]
+
+
+def hash_tag(key: str) -> str:
+    start = key.find("{")
+    if start != -1:
+        end = key.find("}", start + 1)
+        if end > start + 1:
+            return key[start + 1 : end]
+    return key
+
+
+def test_the_names_are_distinct():
+    assert len(set(NAMES)) == len(NAMES)
+
+
+def test_every_name_is_its_own_lease(leases: Leases):
+    # all at once: if two names shared a key, the list would be busy with itself
+    with leases.hold(NAMES, ttl=10) as got:
+        assert [lease.resource for lease in got] == NAMES
+        for name in NAMES:
+            (holder,) = leases.store.holders(name)
+            assert holder.resource == name
+            with pytest.raises(LeaseBusy) as info, leases.hold(name):
+                pass
+            assert info.value.resource == name
+    for name in NAMES:
+        assert leases.store.holders(name) == []
+
+
+@pytest.mark.parametrize("name", NAMES, ids=range(len(NAMES)))
+def test_holding_one_name_leaves_every_other_free(leases: Leases, name: str):
+    rival = Identity("rival", "inc", 1)
+    others = [Want(n) for n in NAMES if n != name]
+    with leases.hold(name, ttl=10):
+        got = leases.store.try_acquire(others, rival, 10.0)
+        assert isinstance(got, list)
+        leases.store.release(got)
+        assert isinstance(leases.store.try_acquire([Want(name)], rival, 10.0), Busy)
+
+
+def test_names_round_trip_through_the_registry(leases: Leases):
+    store = leases.store
+    owner = leases.identity().owner
+    with leases.hold([*NAMES[:-3], Shared(NAMES[-1])], ttl=10):
+        owned = store.owned(owner)
+        assert sorted(resource for _, _, resource in owned) == sorted([*NAMES[:-3], NAMES[-1]])
+    report = store.cleanup_owner(owner)
+    assert report.kept == []
+    assert report.released == []  # all were released on leaving the block
+
+
+def test_every_key_lives_under_the_prefix_hash_tag(make_redis_server):
+    server = make_redis_server()
+    prefixes = ["names", "names:1"]
+    made = [
+        Leases(Celery(f"names-{p}", set_as_current=False), redis_url=server.url, key_prefix=p)
+        for p in prefixes
+    ]
+    grouped = Leases(
+        Celery("names-grouped", set_as_current=False),
+        redis_url=server.url,
+        key_prefix="grouped",
+        slot_groups=8,
+    )
+    client = redis.Redis.from_url(server.url, decode_responses=True)
+    try:
+        for leases in made:
+            with leases.hold(NAMES, ttl=10), leases.hold(Shared("shared {x}"), ttl=10):
+                pass
+            store = leases.store
+            store.cleanup_owner(leases.identity().owner)
+            with leases.hold(NAMES[:5], ttl=10):
+                pass
+        with grouped.hold(NAMES, ttl=10):
+            keys = client.keys("*")
+        allowed = {f"{p}:0" for p in prefixes} | {f"grouped:{g}" for g in range(8)}
+        assert keys
+        for key in keys:
+            assert key.startswith("{"), key
+            assert hash_tag(key) in allowed, key
+        grouped_tags = {hash_tag(k) for k in keys if k.startswith("{grouped:")}
+        assert len(grouped_tags) > 2  # the slot groups really were used
+    finally:
+        client.close()
+        for leases in [*made, grouped]:
+            leases.store.close()
+
+
+@pytest.mark.parametrize("name", ["a\ud800b", "\udfff"])
+def test_a_name_without_a_utf8_form_is_a_config_error(leases: Leases, name: str):
+    # not a raw UnicodeEncodeError from redis-py: the public API raises LeaseError kinds only
+    with pytest.raises(LeaseConfigError, match="UTF-8"), leases.hold(name):
+        pass
+    with pytest.raises(LeaseConfigError), leases.hold(Shared(name)):
+        pass

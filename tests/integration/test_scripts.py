@@ -1,0 +1,124 @@
+"""Every Lua file loads into a real Redis, and a flushed script cache is recovered from."""
+
+from __future__ import annotations
+
+import hashlib
+from importlib.resources import files
+
+import redis
+
+from celery_leases import _scripts
+from celery_leases._identity import Identity
+from celery_leases._lease import Want
+from celery_leases._store import LeaseStore
+from celery_leases.config import resolve_settings
+
+
+def shipped_lua_files() -> dict[str, str]:
+    folder = files("celery_leases") / "lua"
+    return {
+        entry.name.removesuffix(".lua"): entry.read_text(encoding="utf-8")
+        for entry in folder.iterdir()
+        if entry.name.endswith(".lua")
+    }
+
+
+def test_every_lua_file_is_a_script_constant():
+    shipped = shipped_lua_files()
+    assert shipped
+    assert shipped == _scripts.ALL
+
+
+def test_every_script_has_the_documented_header():
+    for name, source in _scripts.ALL.items():
+        first = source.splitlines()[0]
+        assert first.startswith(f"-- {name}.lua: ")
+        assert "KEYS[1]" in source
+        assert "returns" in source
+
+
+def test_script_load_of_every_file(leases_store: LeaseStore, leases_redis: redis.Redis):
+    shas = leases_store.load_scripts()
+    assert set(shas) == set(_scripts.ALL)
+    for name, sha in shas.items():
+        assert sha == hashlib.sha1(_scripts.ALL[name].encode()).hexdigest()
+    assert leases_redis.script_exists(*shas.values()) == [True] * len(shas)
+
+
+def _store_on(url: str, prefix: str) -> LeaseStore:
+    return LeaseStore(resolve_settings(None, redis_url=url, key_prefix=prefix))
+
+
+def test_acquire_and_release_recover_from_script_flush(make_redis_server):
+    server = make_redis_server()
+    admin = redis.Redis.from_url(server.url)
+    store = _store_on(server.url, "flush")
+    ident = Identity("node", "inc", 1)
+    try:
+        first = store.try_acquire([Want("r1")], ident, 5.0)
+        assert isinstance(first, list)
+        assert admin.script_flush() is True
+        assert admin.script_exists(store._acquire.sha) == [False]
+
+        second = store.try_acquire([Want("r2")], ident, 5.0)
+
+        assert isinstance(second, list)
+        assert second[0].token > first[0].token
+        assert admin.script_exists(store._acquire.sha) == [True]
+        admin.script_flush()
+        assert store.release(first + second) == [True, True]
+        assert store.holders("r1") == store.holders("r2") == []
+    finally:
+        store.close()
+        admin.close()
+
+
+def test_renew_recovers_from_script_flush(make_redis_server):
+    server = make_redis_server()
+    admin = redis.Redis.from_url(server.url, decode_responses=True)
+    store = _store_on(server.url, "flush")
+    ident = Identity("node", "inc", 1)
+    try:
+        held = store.try_acquire([Want("a"), Want("b", "s")], ident, 0.5)
+        assert isinstance(held, list)
+        # renew once so the pooled connection and the script are warm, then flush
+        assert store.renew(held, ident.owner, timeout=2.0) == set()
+        admin.script_flush()
+        assert admin.script_exists(store._renew.sha) == [False]
+        before = admin.pttl(store.keys.exclusive("a"))
+
+        lost = store.renew(held, ident.owner, timeout=2.0)
+
+        assert lost == set()
+        assert admin.script_exists(store._renew.sha) == [True]
+        # the renewal really ran: the lease's TTL was pushed back up
+        assert admin.pttl(store.keys.exclusive("a")) >= before
+        assert [h.owner for h in store.holders("a")] == [ident.owner]
+        assert [h.mode for h in store.holders("b")] == ["s"]
+    finally:
+        store.close()
+        admin.close()
+
+
+def test_renew_recovers_from_script_flush_with_several_slot_groups(make_redis_server):
+    server = make_redis_server()
+    admin = redis.Redis.from_url(server.url)
+    store = LeaseStore(
+        resolve_settings(None, redis_url=server.url, key_prefix="flush", slot_groups=8)
+    )
+    ident = Identity("node", "inc", 1)
+    names = [f"res-{i}" for i in range(12)]
+    try:
+        assert len({store.keys.group_of(n) for n in names}) > 2
+        held = store.try_acquire([Want(n) for n in names], ident, 5.0)
+        assert isinstance(held, list)
+        admin.script_flush()
+
+        assert store.renew(held, ident.owner, timeout=2.0) == set()
+        # and a lease that is gone is still reported after the reload
+        admin.delete(store.keys.exclusive(names[3]))
+        admin.script_flush()
+        assert store.renew(held, ident.owner, timeout=2.0) == {3}
+    finally:
+        store.close()
+        admin.close()

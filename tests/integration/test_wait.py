@@ -1,0 +1,219 @@
+"""Waiting for a busy resource: bounded, woken by a release or an expiry, holding nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+
+from celery_leases import LeaseBusy, Leases
+from celery_leases._identity import Identity
+from celery_leases._lease import Want
+
+
+def poll(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def subscribers(client: redis.Redis, leases: Leases, resource: str) -> int:
+    ((_, count),) = client.pubsub_numsub(leases.store.keys.channel(resource))
+    return int(count)
+
+
+class Waiter(threading.Thread):
+    """Runs ``leases.hold(resource, wait=...)`` in a thread and records what happened."""
+
+    def __init__(self, leases: Leases, resource: Any, wait: float | None, ttl: float = 10):
+        super().__init__(daemon=True)
+        self.leases, self.resource, self.wait, self.ttl = leases, resource, wait, ttl
+        self.granted_at: float | None = None
+        self.got: list[str] = []
+        self.error: BaseException | None = None
+        self.started_at = time.monotonic()
+
+    def run(self) -> None:
+        try:
+            with self.leases.hold(self.resource, wait=self.wait, ttl=self.ttl) as got:
+                self.granted_at = time.monotonic()
+                leases = got if isinstance(got, list) else [got]
+                self.got = [lease.resource for lease in leases]
+        except BaseException as exc:
+            self.error = exc
+
+    def finish(self, timeout: float) -> None:
+        self.join(timeout)
+        assert not self.is_alive(), "the waiter never returned"
+
+
+def test_wait_zero_is_busy_at_once(leases: Leases, leases_redis):
+    ttl = 30.0
+    with leases.hold("r", ttl=ttl):
+        start = time.monotonic()
+        with pytest.raises(LeaseBusy) as info, leases.hold("r", wait=0):
+            pass
+        elapsed = time.monotonic() - start
+    assert info.value.resource == "r"
+    assert info.value.waited == 0.0
+    assert info.value.retry_after is not None
+    assert 0 < info.value.retry_after <= ttl
+    assert elapsed < ttl / 100
+    assert subscribers(leases_redis, leases, "r") == 0  # it never subscribed
+
+
+def test_busy_names_the_first_busy_resource_of_a_list(leases: Leases):
+    with (
+        leases.hold("second"),
+        pytest.raises(LeaseBusy) as info,
+        leases.hold(["first", "second", "third"], wait=0),
+    ):
+        pass
+    assert info.value.resource == "second"
+
+
+def test_wait_n_raises_after_about_n(leases: Leases):
+    wait = 0.6
+    with leases.hold("r", ttl=30):
+        start = time.monotonic()
+        with pytest.raises(LeaseBusy) as info, leases.hold("r", wait=wait):
+            pass
+        elapsed = time.monotonic() - start
+    assert info.value.resource == "r"
+    assert wait <= info.value.waited <= elapsed
+    assert elapsed < 2 * wait
+    assert f"waited {info.value.waited:.1f}s" in str(info.value)
+
+
+def test_a_waiter_is_woken_by_the_release(leases: Leases, leases_redis):
+    ttl = 4.0
+    holder = Identity("holder", "inc", 1)
+    held = leases.store.try_acquire([Want("r")], holder, ttl)  # not renewed: a fixed expiry
+    assert isinstance(held, list)
+    waiter = Waiter(leases, "r", wait=3 * ttl)
+    waiter.start()
+    poll(lambda: subscribers(leases_redis, leases, "r"), ttl, "the waiter to subscribe")
+
+    remaining = leases_redis.pttl(leases.store.keys.exclusive("r")) / 1000
+    released_at = time.monotonic()
+    assert leases.store.release(held) == [True]
+    waiter.finish(3 * ttl)
+
+    assert waiter.error is None
+    assert waiter.granted_at is not None
+    assert remaining > ttl / 2
+    assert waiter.granted_at - released_at < remaining / 2
+
+
+def test_a_waiter_gets_the_lease_of_a_killed_holder_after_its_ttl(leases: Leases, leases_redis):
+    ttl = 1.0
+    child = textwrap.dedent(
+        """
+        import sys, time
+        from celery import Celery
+        from celery_leases import Leases
+
+        leases = Leases(Celery("holder", set_as_current=False),
+                        redis_url=sys.argv[1], key_prefix=sys.argv[2], node="doomed")
+        with leases.hold("r", ttl=float(sys.argv[3])) as lease:
+            print(leases.identity().owner, lease.token, flush=True)
+            time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child, leases.settings.url, leases.settings.key_prefix, str(ttl)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        owner, token = proc.stdout.readline().split()
+        # let the holder's heartbeat renew a few times, so the kill lands mid-lease
+        time.sleep(ttl / 2)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        killed_at = time.monotonic()
+        remaining = leases_redis.pttl(leases.store.keys.exclusive("r")) / 1000
+        assert remaining > 0, "the lease should outlive its killed holder for a while"
+
+        with leases.hold("r", wait=10 * ttl) as lease:
+            granted_at = time.monotonic()
+            assert lease.token > int(token)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+    # nobody released it: the dead holder's registry entry is still there
+    registry = leases_redis.smembers(leases.store.keys.registry(owner, 0))
+    assert f"x {token} r" in registry
+    waited = granted_at - killed_at
+    assert waited >= remaining * 0.9
+    assert waited < remaining + ttl
+
+
+def test_a_wait_longer_than_the_socket_timeout(make_leases):
+    leases = make_leases()
+    wait = 7.0
+    assert wait > leases.settings.socket_timeout
+    with leases.hold("r", ttl=10):  # renewed: its expiry never ends the wait
+        start = time.monotonic()
+        with pytest.raises(LeaseBusy) as info, leases.hold("r", wait=wait):
+            pass
+        elapsed = time.monotonic() - start
+    assert info.value.waited >= wait
+    assert elapsed < wait + leases.settings.socket_timeout
+
+
+def test_wait_none_waits_until_the_release(make_leases, leases_redis):
+    # a short socket timeout, so the wait outlasts it several times in little time
+    leases = make_leases(socket_timeout=0.5)
+    hold_for = 4 * leases.settings.socket_timeout
+    with leases.hold("r", ttl=10):
+        waiter = Waiter(leases, "r", wait=None)
+        waiter.start()
+        poll(lambda: subscribers(leases_redis, leases, "r"), 5, "the waiter to subscribe")
+        time.sleep(hold_for)  # the time passing is the point: the waiter must outlast it
+        assert waiter.is_alive()
+        released_at = time.monotonic()
+    waiter.finish(10)
+    assert waiter.error is None
+    assert waiter.got == ["r"]
+    assert waiter.granted_at is not None
+    assert waiter.granted_at >= released_at
+    assert waiter.granted_at - waiter.started_at >= hold_for
+
+
+def test_a_waiting_list_holds_none_of_its_members(leases: Leases, leases_redis):
+    rival = Identity("rival", "inc", 1)
+    with leases.hold("b", ttl=10):
+        waiter = Waiter(leases, ["a", "b", "c"], wait=10)
+        waiter.start()
+        poll(lambda: subscribers(leases_redis, leases, "b"), 5, "the waiter to subscribe")
+        for _ in range(3):
+            assert leases.store.holders("a") == []
+            assert leases.store.holders("c") == []
+            # another owner can take and give back the free members meanwhile (each release
+            # wakes the waiter, which tries again and must let go of everything again)
+            got = leases.store.try_acquire([Want("a"), Want("c")], rival, 10.0)
+            assert isinstance(got, list)
+            assert leases.store.release(got) == [True, True]
+        assert waiter.is_alive()
+        assert leases.store.holders("a") == []
+    waiter.finish(10)
+    assert waiter.error is None
+    assert waiter.got == ["a", "b", "c"]
