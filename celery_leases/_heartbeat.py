@@ -63,23 +63,34 @@ class Heartbeat:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._next_renew = 0.0
+        # clock time at which the thread looks again (inf: it waits for add(); None: it is
+        # looking now, or about to, so add() must wake it)
+        self._planned: float | None = None
         self._failing = False
         self.renewals = 0  # number of renew calls sent (for benchmarks and tests)
 
     # --- registry --------------------------------------------------------------------------
     def add(self, held: Held) -> None:
-        """Start renewing ``held``; starts the thread on first use."""
+        """Start renewing ``held``; starts the thread on first use.
+
+        The thread is woken only when the new lease needs a renewal sooner than the thread
+        planned to look again: waking it for every acquire would cost more than the acquire.
+        """
         with self._lock:
+            idle = len(self._held) == 0  # released and lost leases are discarded
             self._held[held] = None
-            interval = held.horizon / 3
-            self._next_renew = min(self._next_renew or float("inf"), held.confirmed_at + interval)
+            due = held.confirmed_at + held.horizon / 3
+            # with nothing held, an old _next_renew is meaningless
+            self._next_renew = due if idle else min(self._next_renew, due)
             if self._autostart and (self._thread is None or not self._thread.is_alive()):
                 self._stopping.clear()
                 self._thread = threading.Thread(
                     target=self._run, name="celery-leases-heartbeat", daemon=True
                 )
                 self._thread.start()
-        self._wake.set()
+            wake = self._planned is None or self._next_renew < self._planned
+        if wake:
+            self._wake.set()
 
     def discard(self, held: Held) -> None:
         """Stop renewing ``held``."""
@@ -107,8 +118,13 @@ class Heartbeat:
             except Exception:  # the heartbeat must outlive any bug in a callback
                 logger.exception("leases: heartbeat iteration failed")
                 delay = RETRY_AFTER_FAILURE
+            with self._lock:
+                self._planned = float("inf") if delay is None else self._clock() + delay
+            # an add() between tick() and here sees the new plan, or already set _wake
             self._wake.wait(delay)
-            self._wake.clear()
+            with self._lock:
+                self._wake.clear()
+                self._planned = None
 
     def tick(self) -> float | None:
         """Do what is due now; return seconds until something is due (None: nothing held)."""

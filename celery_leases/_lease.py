@@ -97,7 +97,7 @@ class Held:
 
     @property
     def group(self) -> int:
-        return self.store.keys.group_of(self.resource)
+        return self.store.resource_keys(self.resource).group
 
     def is_lost(self, now: float) -> bool:
         return self.lost or (not self.released and now >= self.deadline)

@@ -10,7 +10,6 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Any, Final
 from urllib.parse import urlsplit, urlunsplit
 
@@ -38,10 +37,24 @@ TOKEN_MEMORY_MS: Final = 86_400_000
 _EXPIRY_SLACK: Final = 0.002
 
 
-class _Acquire(IntEnum):
-    GRACE = -1
-    BUSY = 0
-    GRANTED = 1
+#: acquire.lua reply codes
+_GRACE: Final = -1
+_BUSY: Final = 0
+#: resources whose key names are cached per store
+_KEY_CACHE_SIZE: Final = 4096
+#: idle subscriber connections a store keeps per process for waiters
+_IDLE_SUBSCRIBERS: Final = 4
+
+
+@dataclass(frozen=True)
+class ResourceKeys:
+    """The key names of one resource, and its slot group."""
+
+    exclusive: str
+    shared: str
+    counter: str
+    channel: str
+    group: int
 
 
 def safe_url(url: str) -> str:
@@ -130,6 +143,15 @@ class LeaseStore:
         self._lock = threading.Lock()
         # owner -> monotonic time its home registration was last sent (see try_acquire)
         self._registered: dict[str, float] = {}
+        # (owner, group) -> monotonic time until which that registry surely exists
+        self._registry_until: dict[tuple[str, int], float] = {}
+        # hot-path caches: key names of recently used resources and registries
+        self._rkeys: dict[str, ResourceKeys] = {}
+        self._regkeys: dict[tuple[str, int], str] = {}
+        self._grace_ms = math.ceil(settings.restart_grace * 1000)
+        self._pubsubs: list[redis.client.PubSub] = []  # idle subscribers of this process
+        self._pubsub_pid = os.getpid()
+        self._liveness = str(self._ms(settings.ttl))
         self._renew_lock = threading.Lock()
         self._renew_conn: Any = None  # see _renewal_connection
         self._renew_pid = -1
@@ -185,18 +207,25 @@ class LeaseStore:
         with self._lock:
             client, self._client = self._client, None
             conn, self._renew_conn = self._renew_conn, None
+            pubsubs, self._pubsubs = self._pubsubs, []
+        if self._pubsub_pid == os.getpid():
+            for pubsub in pubsubs:
+                pubsub.close()
         if client is not None and self._pid == os.getpid():
             client.close()
         if conn is not None and self._renew_pid == os.getpid():
             conn.disconnect()
+
+    def _backend_error(self, what: str, exc: RedisError) -> LeaseBackendError:
+        msg = f"redis at {safe_url(self.url)} failed to {what}: {type(exc).__name__}: {exc}"
+        return LeaseBackendError(msg)
 
     @contextmanager
     def _backend(self, what: str) -> Iterator[None]:
         try:
             yield
         except RedisError as exc:
-            msg = f"redis at {safe_url(self.url)} failed to {what}: {type(exc).__name__}: {exc}"
-            raise LeaseBackendError(msg) from exc
+            raise self._backend_error(what, exc) from exc
 
     def ping(self) -> bool:
         """True if Redis answers."""
@@ -208,17 +237,52 @@ class LeaseStore:
         with self._backend("load scripts"):
             return {name: self.client.script_load(src) for name, src in _scripts.ALL.items()}
 
+    # --- key caches -----------------------------------------------------------------------
+    def resource_keys(self, resource: str) -> ResourceKeys:
+        """The key names of ``resource`` (cached: escaping is the costly part)."""
+        keys = self._rkeys.get(resource)
+        if keys is None:
+            if len(self._rkeys) >= _KEY_CACHE_SIZE:
+                self._rkeys.clear()
+            k = self.keys
+            keys = self._rkeys[resource] = ResourceKeys(
+                k.exclusive(resource),
+                k.shared(resource),
+                k.counter(resource),
+                k.channel(resource),
+                k.group_of(resource),
+            )
+        return keys
+
+    def _registry_key(self, owner: str, group: int) -> str:
+        key = self._regkeys.get((owner, group))
+        if key is None:
+            if len(self._regkeys) >= _KEY_CACHE_SIZE:
+                self._regkeys.clear()
+            key = self._regkeys[(owner, group)] = self.keys.registry(owner, group)
+        return key
+
+    def _registry_expiry(self, owner: str, group: int, ttl: float, now: float) -> float:
+        """Seconds to (re)set the registry's expiry to, or 0 when it surely lives long enough.
+
+        A registry must outlive every lease it records (2 x the longest TTL), so a cleanup can
+        always find them; it is set to 4 x TTL, and not touched again while at least 2 x TTL is
+        left, which keeps the call off the hot path.
+        """
+        left = self._registry_until.get((owner, group), 0.0) - now
+        if left >= 2 * ttl:
+            return 0.0
+        return max(4 * ttl, left)
+
     # --- acquire --------------------------------------------------------------------------
     def _ms(self, seconds: float) -> int:
         return max(1, math.ceil(seconds * 1000))
 
-    def _liveness_ms(self) -> int:
-        # The liveness is settings.ttl, whatever the leases' own TTLs: it is how soon the orphan
-        # reconcile frees the leases of a dead owner. (It was max(ttl, settings.ttl): a lease of
-        # ttl=3600 kept its dead owner "alive" for an hour, so reconcile could never free a
-        # lease before the lease ran out by itself.) horizon() counts a lease lost within
-        # settings.ttl of its last confirmation, so no live holder is reconciled away.
-        return self._ms(self.settings.ttl)
+    # The liveness is settings.ttl, whatever the leases' own TTLs: it is how soon the orphan
+    # reconcile frees the leases of a dead owner. (It was max(ttl, settings.ttl): a lease of
+    # ttl=3600 kept its dead owner "alive" for an hour, so reconcile could never free a lease
+    # before the lease ran out by itself.) horizon() counts a lease lost within settings.ttl of
+    # its last confirmation, so no live holder is reconciled away.
 
     def horizon(self, ttl: float) -> float:
         """Seconds after a confirmation that a lease of ``ttl`` counts as held.
@@ -229,10 +293,6 @@ class LeaseStore:
         """
         return min(ttl, self.settings.ttl) * self.settings.margin_fraction
 
-    def _home_args(self, ident: Identity) -> tuple[list[str], list[str]]:
-        keys = [self.keys.owners, self.keys.node(ident.node), self.keys.nodes]
-        return keys, ["1", str(self._liveness_ms()), ident.node_key_part]
-
     def try_acquire(self, wants: Sequence[Want], ident: Identity, ttl: float) -> list[Held] | Busy:
         """One all-or-nothing attempt at ``wants``; the grants come back in the order given.
 
@@ -240,32 +300,42 @@ class LeaseStore:
         group; one call in all with a single slot group). If a later group is busy, the groups
         already granted are released again, so the caller never holds part of the set.
         """
-        if len({w.resource for w in wants}) != len(wants):
-            names = [w.resource for w in wants]
-            dupes = sorted({n for n in names if names.count(n) > 1})
-            msg = f"the same resource is asked for twice in one request: {dupes}"
-            raise LeaseConfigError(msg)
-        by_group: dict[int, list[int]] = {}
-        for i, w in enumerate(wants):
-            by_group.setdefault(self.keys.group_of(w.resource), []).append(i)
+        if len(wants) == 1:
+            by_group = {self.resource_keys(wants[0].resource).group: [0]}
+        else:
+            if len({w.resource for w in wants}) != len(wants):
+                names = [w.resource for w in wants]
+                dupes = sorted({n for n in names if names.count(n) > 1})
+                msg = f"the same resource is asked for twice in one request: {dupes}"
+                raise LeaseConfigError(msg)
+            by_group = {}
+            for i, w in enumerate(wants):
+                by_group.setdefault(self.resource_keys(w.resource).group, []).append(i)
         owner = ident.owner
         # The home call registers the owner under its node and refreshes its liveness. It can
         # be skipped only while that liveness surely runs: t0 the owner registers; t1 it idles
         # past its liveness and a reconcile forgets it (off the node's owner set); t2 it takes a
-        # lease outside the home group; t3 its node restarts and must find that lease.
+        # lease; t3 its node restarts and must find that lease.
         registered = self._registered.get(owner)
         fresh = registered is not None and (
             time.monotonic() - registered < self.settings.ttl * self.settings.margin_fraction
         )
         if 0 not in by_group and not fresh:
-            outcome = self._acquire_group(0, [], ident, ttl)
+            outcome = self._acquire_group(0, [], ident, ttl, True)
             if isinstance(outcome, Busy):
                 return outcome
+            fresh = True
+        if len(by_group) == 1:
+            group, idx = next(iter(by_group.items()))
+            if len(idx) == 1:
+                return self._acquire_group(group, wants, ident, ttl, not fresh)
         out: list[Held | None] = [None] * len(wants)
         taken: list[Held] = []
         for group in sorted(by_group):
             idx = sorted(by_group[group], key=lambda i: wants[i].resource)
-            outcome = self._acquire_group(group, [wants[i] for i in idx], ident, ttl)
+            outcome = self._acquire_group(
+                group, [wants[i] for i in idx], ident, ttl, not fresh and group == 0
+            )
             if isinstance(outcome, Busy):
                 if taken:
                     self.release(taken)
@@ -276,34 +346,42 @@ class LeaseStore:
         return [h for h in out if h is not None]
 
     def _acquire_group(
-        self, group: int, wants: Sequence[Want], ident: Identity, ttl: float
+        self, group: int, wants: Sequence[Want], ident: Identity, ttl: float, home: bool
     ) -> list[Held] | Busy:
         owner = ident.owner
-        ttl_ms = self._ms(ttl)
-        keys = [self.keys.epoch(group), self.keys.registry(owner, group)]
-        args: list[Any] = [owner, ttl_ms, math.ceil(self.settings.restart_grace * 1000)]
-        if group == 0:
-            home_keys, home_args = self._home_args(ident)
-            keys += home_keys
-            args += home_args
+        now = time.monotonic()
+        registry_s = self._registry_expiry(owner, group, ttl, now) if wants else 0.0
+        keys = [self.keys.epoch(group), self._registry_key(owner, group)]
+        args: list[Any] = [owner, self._ms(ttl), self._grace_ms]
+        home = home and group == 0
+        if home:
+            keys += [self.keys.owners, self.keys.node(ident.node), self.keys.nodes]
+            args += ["1", self._liveness, ident.node_key_part]
         else:
             args += ["0", "0", ""]
-        args.append(TOKEN_MEMORY_MS)
+        args += [TOKEN_MEMORY_MS, self._ms(registry_s) if registry_s else 0]
+        rkeys = []
         for w in wants:
-            keys.extend(self.keys.resource_keys(w.resource))
-            args += [w.mode, w.limit, w.resource]
+            rk = self.resource_keys(w.resource)
+            rkeys.append(rk)
+            keys += (rk.exclusive, rk.shared, rk.counter)
+            args += (w.mode, w.limit, w.resource)
         client = self.client
-        sent = time.monotonic()
-        with self._backend("acquire"):
+        try:
             reply = self._acquire(keys, args, client=client)
-        code = _Acquire(int(reply[0]))
-        if code is _Acquire.GRACE:
+        except RedisError as exc:
+            raise self._backend_error("acquire", exc) from exc
+        code = int(reply[0])
+        if code == _GRACE:
             first = wants[0].resource if wants else "(owner registration)"
             return Busy(first, int(reply[1]) / 1000)
-        if code is _Acquire.BUSY:
+        if code == _BUSY:
             return Busy(wants[int(reply[1]) - 1].resource, int(reply[2]) / 1000)
-        if group == 0:
-            self._registered[owner] = sent
+        if home:
+            self._registered[owner] = now
+        if registry_s:
+            self._registry_until[(owner, group)] = now + registry_s
+        horizon = self.horizon(ttl)
         return [
             Held(
                 store=self,
@@ -312,9 +390,9 @@ class LeaseStore:
                 mode=w.mode,
                 token=int(token),
                 ttl=ttl,
-                acquired_at=sent,
-                confirmed_at=sent,
-                horizon=self.horizon(ttl),
+                acquired_at=now,
+                confirmed_at=now,
+                horizon=horizon,
             )
             for w, token in zip(wants, reply[1:], strict=True)
         ]
@@ -340,41 +418,74 @@ class LeaseStore:
         if wait is not None and wait <= 0:
             raise LeaseBusy(outcome.resource, retry_after=outcome.wait)
         deadline = math.inf if wait is None else start + wait
-        channels = sorted({self.keys.channel(w.resource) for w in wants})
+        channels = sorted({self.resource_keys(w.resource).channel for w in wants})
         with self._backend("wait for a release"):
-            pubsub = self.client.pubsub()  # type: ignore[no-untyped-call]
+            pubsub = self._take_pubsub()
+            healthy = False
             try:
                 pubsub.subscribe(*channels)
-                self._await_subscribed(pubsub, len(channels))
+                self._await_subscribed(pubsub, channels)
                 while True:
                     outcome = self.try_acquire(wants, ident, ttl)
                     if not isinstance(outcome, Busy):
+                        healthy = True
                         return outcome
                     now = time.monotonic()
                     if now >= deadline:
+                        healthy = True
                         raise LeaseBusy(
                             outcome.resource, retry_after=outcome.wait, waited=now - start
                         )
-                    nap = min(deadline - now, outcome.wait + _EXPIRY_SLACK)
-                    if pubsub.get_message(timeout=nap) is not None:
-                        # drain what else came, so one release wakes us once
-                        while pubsub.get_message(timeout=0.0) is not None:
-                            pass
+                    # woken by a release, or by the blocking holder's expiry at the latest;
+                    # a message of an earlier wait on this connection costs one extra attempt
+                    pubsub.get_message(timeout=min(deadline - now, outcome.wait + _EXPIRY_SLACK))
             finally:
-                pubsub.close()
+                if healthy:
+                    self._give_back_pubsub(pubsub, channels)
+                else:
+                    pubsub.close()
 
-    def _await_subscribed(self, pubsub: redis.client.PubSub, count: int) -> None:
+    def _take_pubsub(self) -> redis.client.PubSub:
+        """An idle subscriber connection of this process, or a new one.
+
+        Waiters keep their connections: opening one costs redis-py's handshake (several round
+        trips), which a waiter would otherwise pay on every wait.
+        """
+        client = self.client
+        with self._lock:
+            if self._pubsub_pid == self._pid and self._pubsubs:
+                return self._pubsubs.pop()
+        pubsub: redis.client.PubSub = client.pubsub()  # type: ignore[no-untyped-call]
+        return pubsub
+
+    def _give_back_pubsub(self, pubsub: redis.client.PubSub, channels: list[str]) -> None:
+        # UNSUBSCRIBE is sent, not waited for: its confirmations (and any late message) are
+        # skipped by the next waiter's _await_subscribed
+        try:
+            pubsub.unsubscribe(*channels)  # type: ignore[no-untyped-call]
+        except RedisError:
+            pubsub.close()
+            return
+        with self._lock:
+            if self._pubsub_pid != self._pid:
+                self._pubsubs, self._pubsub_pid = [], self._pid
+            if len(self._pubsubs) < _IDLE_SUBSCRIBERS:
+                self._pubsubs.append(pubsub)
+                return
+        pubsub.close()
+
+    def _await_subscribed(self, pubsub: redis.client.PubSub, channels: list[str]) -> None:
         # The subscription must be in force before the next attempt: a release that comes
         # between a failed attempt and a late SUBSCRIBE would otherwise go unheard.
         deadline = time.monotonic() + self.settings.socket_timeout
-        confirmed = 0
-        while confirmed < count:
+        waiting = set(channels)
+        while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RedisTimeoutError("no SUBSCRIBE confirmation")
             message = pubsub.get_message(timeout=left)
             if message is not None and message.get("type") == "subscribe":
-                confirmed += 1
+                waiting.discard(str(message.get("channel")))
 
     # --- renew ----------------------------------------------------------------------------
     def renew(self, held: Sequence[Held], owner: str, timeout: float) -> set[int]:
@@ -391,23 +502,23 @@ class LeaseStore:
         for i, h in enumerate(held):
             by_group.setdefault(h.group, []).append(i)
         longest = max([h.ttl for h in held] + [self.settings.ttl])
-        registry_ms = self._ms(2 * longest)
+        registry_s = 4 * longest
+        registry_ms = self._ms(registry_s)
+        sent = time.monotonic()
         calls: list[tuple[list[int], list[str], list[Any]]] = []
         for group, idx in sorted(by_group.items()):
-            keys = [self.keys.registry(owner, group)]
+            keys = [self._registry_key(owner, group)]
             args: list[Any] = [owner, registry_ms]
             if group == 0:
-                keys.append(self.keys.owners)
-                args += ["1", self._liveness_ms()]
+                node = owner.rsplit("/", 2)[0]
+                keys += [self.keys.owners, self.keys.node(unescape(node)), self.keys.nodes]
+                args += ["1", self._liveness, node]
             else:
-                args += ["0", 0]
+                args += ["0", 0, ""]
             for i in idx:
                 h = held[i]
-                keys.append(
-                    self.keys.exclusive(h.resource)
-                    if h.mode == "x"
-                    else self.keys.shared(h.resource)
-                )
+                rk = self.resource_keys(h.resource)
+                keys.append(rk.exclusive if h.mode == "x" else rk.shared)
                 args += [h.mode, h.token, self._ms(h.ttl), h.resource]
             calls.append((idx, keys, args))
         replies = self._call_with_deadline(
@@ -416,6 +527,10 @@ class LeaseStore:
         lost: set[int] = set()
         for (idx, _, _), reply in zip(calls, replies, strict=True):
             lost.update(idx[int(n) - 1] for n in reply)
+        # this call refreshed the owner's liveness and its registries' expiry
+        self._registered[owner] = max(self._registered.get(owner, sent), sent)
+        for group in by_group:
+            self._registry_until[(owner, group)] = sent + registry_s
         return lost
 
     def _call_with_deadline(
@@ -503,6 +618,9 @@ class LeaseStore:
         """
         if not held:
             return []
+        if len(held) == 1:
+            h = held[0]
+            return self._release_entries(h.owner, h.group, [(h.mode, h.token, h.resource)])
         out: dict[int, bool] = {}
         groups: dict[tuple[str, int], list[int]] = {}
         for i, h in enumerate(held):
@@ -516,17 +634,18 @@ class LeaseStore:
     def _release_entries(
         self, owner: str, group: int, entries: Sequence[tuple[str, int | str, str]]
     ) -> list[bool]:
-        keys = [self.keys.registry(owner, group)]
+        keys = [self._registry_key(owner, group)]
         args: list[Any] = [owner]
         for mode, token, resource in entries:
-            keys.append(
-                self.keys.exclusive(resource) if mode == "x" else self.keys.shared(resource)
-            )
-            args += [mode, token, resource, self.keys.channel(resource)]
+            rk = self.resource_keys(resource)
+            keys.append(rk.exclusive if mode == "x" else rk.shared)
+            args += (mode, token, resource, rk.channel)
         client = self.client
-        with self._backend("release"):
+        try:
             reply = self._release(keys, args, client=client)
-        return [bool(int(x)) for x in reply]
+        except RedisError as exc:
+            raise self._backend_error("release", exc) from exc
+        return [x == 1 for x in reply]
 
     # --- cleanup --------------------------------------------------------------------------
     def cleanup_owner(

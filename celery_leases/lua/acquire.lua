@@ -8,9 +8,12 @@
 -- KEYS[1] epoch of the group      KEYS[2] owner registry in the group
 -- when ARGV[4] == "1" (home group): KEYS[3] owners index  KEYS[4] node's owner set  KEYS[5] node set
 -- then per resource i: exclusive key, shared key, token counter key
--- ARGV[1] owner id   ARGV[2] ttl in milliseconds   ARGV[3] restart grace in milliseconds
--- ARGV[4] "1" when the home keys are given   ARGV[5] owner liveness in milliseconds
--- ARGV[6] escaped node name   ARGV[7] token counter memory in milliseconds
+-- ARGV[1] owner id   ARGV[2] ttl in milliseconds
+-- ARGV[3] restart grace in milliseconds (0: the epoch is not even read)
+-- ARGV[4] "1" when the home keys are given (register the owner, refresh its liveness)
+-- ARGV[5] owner liveness in milliseconds   ARGV[6] escaped node name
+-- ARGV[7] token counter memory in milliseconds
+-- ARGV[8] registry expiry to set in milliseconds (0: the caller knows it is long enough)
 -- then per resource i: mode ("x" or "s"), limit (0 = none), resource name (for the registry)
 -- returns {1, token_1, ..., token_n}  granted
 --         {0, i, wait_ms}             resource i (1-based) is busy; its blocking holder runs out
@@ -24,38 +27,43 @@ local owner, ttl, grace = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local home = ARGV[4] == '1'
 local function num(x) return string.format('%.0f', x) end
 
-local epoch = redis.call('GET', KEYS[1])
-if not epoch then
-  epoch = now
-  redis.call('SET', KEYS[1], num(now))
-else
-  epoch = tonumber(epoch)
-end
-if grace > 0 and now < epoch + grace then
-  return {-1, epoch + grace - now}
+if grace > 0 then
+  local epoch = redis.call('GET', KEYS[1])
+  if not epoch then
+    epoch = now
+    redis.call('SET', KEYS[1], num(now))
+  else
+    epoch = tonumber(epoch)
+  end
+  if now < epoch + grace then
+    return {-1, epoch + grace - now}
+  end
 end
 
 local h = home and 5 or 2
-local a = 7
+local a = 8
 local n = (#KEYS - h) / 3
 
 -- first pass: every resource must be free for the mode asked; nothing is written but the
 -- removal of shared holders that already ran out
 for i = 0, n - 1 do
   local xkey, skey = KEYS[h + 3 * i + 1], KEYS[h + 3 * i + 2]
-  local mode, limit = ARGV[a + 3 * i + 1], tonumber(ARGV[a + 3 * i + 2])
-  local xttl = redis.call('PTTL', xkey)
-  if xttl >= 0 then
-    return {0, i + 1, xttl}
-  elseif xttl == -1 then
-    -- a holder without expiry can only come from outside this library: never grant over it
-    return {0, i + 1, ttl}
-  end
-  redis.call('ZREMRANGEBYSCORE', skey, '-inf', num(now))
-  local count = redis.call('ZCARD', skey)
-  if count > 0 and (mode == 'x' or (limit > 0 and count >= limit)) then
-    local first = redis.call('ZRANGE', skey, 0, 0, 'WITHSCORES')
-    return {0, i + 1, math.max(tonumber(first[2]) - now, 1)}
+  -- the common case, a free resource, costs one call
+  if redis.call('EXISTS', xkey, skey) > 0 then
+    local mode, limit = ARGV[a + 3 * i + 1], tonumber(ARGV[a + 3 * i + 2])
+    local xttl = redis.call('PTTL', xkey)
+    if xttl >= 0 then
+      return {0, i + 1, xttl}
+    elseif xttl == -1 then
+      -- a holder without expiry can only come from outside this library: never grant over it
+      return {0, i + 1, ttl}
+    end
+    redis.call('ZREMRANGEBYSCORE', skey, '-inf', num(now))
+    local count = redis.call('ZCARD', skey)
+    if count > 0 and (mode == 'x' or (limit > 0 and count >= limit)) then
+      local first = redis.call('ZRANGE', skey, 0, 0, 'WITHSCORES')
+      return {0, i + 1, math.max(tonumber(first[2]) - now, 1)}
+    end
   end
 end
 
@@ -64,9 +72,14 @@ local tokens = {1}
 for i = 0, n - 1 do
   local xkey, skey, ckey = KEYS[h + 3 * i + 1], KEYS[h + 3 * i + 2], KEYS[h + 3 * i + 3]
   local mode, resource = ARGV[a + 3 * i + 1], ARGV[a + 3 * i + 3]
-  local last = tonumber(redis.call('GET', ckey) or '0')
-  local token = math.max(last + 1, now_us)
-  redis.call('SET', ckey, num(token), 'PX', ARGV[7])
+  -- one call in the common case: store the clock, and look at what was there
+  local token = now_us
+  local last = tonumber(redis.call('SET', ckey, num(token), 'PX', ARGV[7], 'GET') or '0')
+  if last >= token then
+    -- granted twice in one microsecond, or the server clock stepped back: stay above
+    token = last + 1
+    redis.call('SET', ckey, num(token), 'PX', ARGV[7])
+  end
   local holder = num(token) .. ' ' .. owner
   if mode == 'x' then
     redis.call('SET', xkey, holder, 'PX', ttl)
@@ -81,8 +94,8 @@ for i = 0, n - 1 do
 end
 
 -- the registry outlives every lease it records, so a cleanup always finds them
-if redis.call('PTTL', KEYS[2]) < 2 * ttl then
-  redis.call('PEXPIRE', KEYS[2], 2 * ttl)
+if ARGV[8] ~= '0' then
+  redis.call('PEXPIRE', KEYS[2], ARGV[8])
 end
 if home then
   redis.call('ZADD', KEYS[3], num(now + tonumber(ARGV[5])), owner)

@@ -4,10 +4,11 @@
 -- is "<token> <owner>", or a shared member "<token> <owner>" whose score is still in the future.
 --
 -- KEYS[1] owner registry in the group
--- when ARGV[3] == "1" (home group): KEYS[2] owners index
+-- when ARGV[3] == "1" (home group): KEYS[2] owners index  KEYS[3] node's owner set
+--                                   KEYS[4] node set
 -- then per lease i: its exclusive or shared key
 -- ARGV[1] owner id   ARGV[2] registry ttl in milliseconds   ARGV[3] "1" when home keys are given
--- ARGV[4] owner liveness in milliseconds
+-- ARGV[4] owner liveness in milliseconds   ARGV[5] escaped node name
 -- then per lease i: mode ("x" or "s"), token, ttl in milliseconds, resource name
 -- returns the 1-based indices of the leases that are no longer held (empty: all renewed)
 
@@ -17,8 +18,8 @@ local owner = ARGV[1]
 local home = ARGV[3] == '1'
 local function num(x) return string.format('%.0f', x) end
 
-local h = home and 2 or 1
-local a = 4
+local h = home and 4 or 1
+local a = 5
 local lost = {}
 for i = 0, #KEYS - h - 1 do
   local key = KEYS[h + i + 1]
@@ -51,6 +52,10 @@ end
 
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 if home then
+  -- re-registering costs little and heals an owner that a reconcile forgot while it could not
+  -- renew (its leases are reported lost above)
   redis.call('ZADD', KEYS[2], num(now + tonumber(ARGV[4])), owner)
+  redis.call('SADD', KEYS[3], owner)
+  redis.call('SADD', KEYS[4], ARGV[5])
 end
 return lost

@@ -1,0 +1,140 @@
+"""``LeasedMemoryScheduler`` in this process against the real Redis (no beat subprocess).
+
+Two scheduler instances on one app and one key prefix stand for two beat replicas. Each runs
+``tick()`` as ``celery beat`` does (reserve the entry, then ``apply_entry``); the send itself,
+``Scheduler.apply_async``, is replaced by a recorder. Claims go to Redis as in production.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.beat import ScheduleEntry, Scheduler
+from celery.schedules import crontab, schedule
+
+from celery_leases import Leases
+from celery_leases.beat import LeasedMemoryScheduler
+
+#: a schedule that no tick() in these tests reaches twice
+HOUR = timedelta(hours=1)
+
+
+@pytest.fixture
+def sent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Scheduler, str, datetime]]:
+    """Every send of any scheduler: (scheduler, entry name, the entry's last_run_at)."""
+    record: list[tuple[Scheduler, str, datetime]] = []
+
+    def apply_async(
+        self: Scheduler, entry: ScheduleEntry, producer: Any = None, advance: bool = True, **_: Any
+    ) -> None:
+        record.append((self, str(entry.name), entry.last_run_at))
+
+    monkeypatch.setattr(Scheduler, "apply_async", apply_async)
+    return record
+
+
+def _app(entries: dict[str, Any]) -> Celery:
+    app = Celery("beat-unit", set_as_current=False)
+    app.conf.update(result_expires=None, timezone="UTC", beat_schedule=entries)
+    return app
+
+
+def _scheduler(app: Celery, last_run_at: datetime) -> LeasedMemoryScheduler:
+    s = LeasedMemoryScheduler(app)
+    s.producer = object()  # apply_async is replaced: no broker connection
+    for entry in s.schedule.values():
+        entry.last_run_at = last_run_at
+    return s
+
+
+def _claim(leases: Leases, entry: str, kind: str) -> tuple[int, str]:
+    value = leases.store.client.get(leases.store.keys.beat_claim(entry, kind))
+    assert value is not None
+    run, replica = str(value).split(" ", 1)
+    return int(run), replica
+
+
+def test_same_crontab_run_is_sent_by_one_replica_and_the_other_advances(
+    make_leases: Callable[..., Leases], sent: list[tuple[Scheduler, str, datetime]]
+) -> None:
+    app = _app({"cron": {"task": "unit.cron", "schedule": crontab()}})
+    leases = make_leases(app)
+    # both replicas last ran the entry at the same moment, so both find the same slot due now
+    last = app.now() - timedelta(seconds=150)
+    a, b = _scheduler(app, last), _scheduler(app, last)
+    start, delta, _ = crontab(app=app).remaining_delta(last)
+    slot_ms = round((start + delta).timestamp() * 1000)
+
+    assert a.tick() == 0  # 0: it ran the due entry
+    assert b.tick() == 0
+    assert [(s, name, at) for s, name, at in sent] == [(a, "cron", last)]
+    assert _claim(leases, "cron", "cron") == (slot_ms, a.replica)
+
+    # the loser advanced its entry as reserve() does, without sending
+    for s in (a, b):
+        entry = s.schedule["cron"]
+        assert entry.total_run_count == 1
+        assert entry.last_run_at > last + timedelta(seconds=120)
+        assert entry.is_due().is_due is False
+    assert b.tick() > 0
+    assert len(sent) == 1
+    a.close()
+    b.close()
+
+
+def test_an_older_crontab_run_than_the_last_claimed_is_not_sent(
+    make_leases: Callable[..., Leases], sent: list[tuple[Scheduler, str, datetime]]
+) -> None:
+    """A replica that lags (its entry last ran a slot earlier) cannot send an older slot."""
+    app = _app({"cron": {"task": "unit.cron", "schedule": crontab()}})
+    make_leases(app)
+    now = app.now()
+    ahead = _scheduler(app, now - timedelta(seconds=90))
+    behind = _scheduler(app, now - timedelta(seconds=150))
+    ahead.tick()
+    behind.tick()
+    assert [s for s, _, _ in sent] == [ahead]
+    assert behind.schedule["cron"].total_run_count == 1
+    ahead.close()
+    behind.close()
+
+
+@pytest.mark.parametrize("skew", [0.0, 7.0, -5.0])
+def test_interval_run_sent_once_and_both_replicas_aligned_on_the_redis_clock(
+    skew: float, make_leases: Callable[..., Leases], sent: list[tuple[Scheduler, str, datetime]]
+) -> None:
+    """Both replicas claim the same Redis-time bucket; one sends; both are next due in the
+    middle of the next bucket on the Redis clock, whatever their own clock says."""
+    app = _app({})
+    leases = make_leases(app)
+    off = timedelta(seconds=skew)
+    replicas = []
+    for _ in range(2):
+        # a clock of its own per replica (skewed by ``skew``), as beat reads it
+        every = schedule(HOUR, nowfun=lambda: app.now() + off, app=app)
+        app.conf.beat_schedule = {"hourly": {"task": "unit.hourly", "schedule": every}}
+        replicas.append(_scheduler(app, app.now() + off - 2 * HOUR))
+    a, b = replicas
+
+    a.tick()
+    b.tick()
+    assert [s for s, _, _ in sent] == [a]
+    bucket, winner = _claim(leases, "hourly", "every")
+    assert winner == a.replica
+    sec, _ = leases.store.client.time()
+    assert bucket == int(sec) // 3600
+
+    middle_of_next = (bucket + 1.5) * 3600  # on the Redis clock
+    for s in (a, b):
+        entry = s.schedule["hourly"]
+        next_due = (entry.last_run_at + HOUR).timestamp() - skew  # on the Redis clock
+        assert next_due == pytest.approx(middle_of_next, abs=0.25)
+        assert entry.is_due().is_due is False
+    assert b.tick() > 0
+    assert len(sent) == 1
+    a.close()
+    b.close()
