@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -22,7 +22,7 @@ from redis.retry import Retry
 
 from . import _scripts
 from ._identity import Identity
-from ._keys import Keyspace, node_of_owner, unescape
+from ._keys import Keyspace, escape, node_of_owner, unescape
 from ._lease import Held, Want
 from .config import LeaseSettings
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError
@@ -293,7 +293,9 @@ class LeaseStore:
         """
         return min(ttl, self.settings.ttl) * self.settings.margin_fraction
 
-    def try_acquire(self, wants: Sequence[Want], ident: Identity, ttl: float) -> list[Held] | Busy:
+    def try_acquire(
+        self, wants: Sequence[Want], ident: Identity, ttl: float, task_id: str | None = None
+    ) -> list[Held] | Busy:
         """One all-or-nothing attempt at ``wants``; the grants come back in the order given.
 
         Resources are taken group by group in ascending group order (one script call per
@@ -321,20 +323,20 @@ class LeaseStore:
             time.monotonic() - registered < self.settings.ttl * self.settings.margin_fraction
         )
         if 0 not in by_group and not fresh:
-            outcome = self._acquire_group(0, [], ident, ttl, True)
+            outcome = self._acquire_group(0, [], ident, ttl, True, task_id)
             if isinstance(outcome, Busy):
                 return outcome
             fresh = True
         if len(by_group) == 1:
             group, idx = next(iter(by_group.items()))
             if len(idx) == 1:
-                return self._acquire_group(group, wants, ident, ttl, not fresh)
+                return self._acquire_group(group, wants, ident, ttl, not fresh, task_id)
         out: list[Held | None] = [None] * len(wants)
         taken: list[Held] = []
         for group in sorted(by_group):
             idx = sorted(by_group[group], key=lambda i: wants[i].resource)
             outcome = self._acquire_group(
-                group, [wants[i] for i in idx], ident, ttl, not fresh and group == 0
+                group, [wants[i] for i in idx], ident, ttl, not fresh and group == 0, task_id
             )
             if isinstance(outcome, Busy):
                 if taken:
@@ -346,7 +348,13 @@ class LeaseStore:
         return [h for h in out if h is not None]
 
     def _acquire_group(
-        self, group: int, wants: Sequence[Want], ident: Identity, ttl: float, home: bool
+        self,
+        group: int,
+        wants: Sequence[Want],
+        ident: Identity,
+        ttl: float,
+        home: bool,
+        task_id: str | None = None,
     ) -> list[Held] | Busy:
         owner = ident.owner
         now = time.monotonic()
@@ -359,7 +367,11 @@ class LeaseStore:
             args += ["1", self._liveness, ident.node_key_part]
         else:
             args += ["0", "0", ""]
-        args += [TOKEN_MEMORY_MS, self._ms(registry_s) if registry_s else 0]
+        args += [
+            TOKEN_MEMORY_MS,
+            self._ms(registry_s) if registry_s else 0,
+            escape(task_id) if task_id else "-",
+        ]
         rkeys = []
         for w in wants:
             rk = self.resource_keys(w.resource)
@@ -393,12 +405,18 @@ class LeaseStore:
                 acquired_at=now,
                 confirmed_at=now,
                 horizon=horizon,
+                task_id=task_id,
             )
             for w, token in zip(wants, reply[1:], strict=True)
         ]
 
     def acquire(
-        self, wants: Sequence[Want], ident: Identity, ttl: float, wait: float | None = 0.0
+        self,
+        wants: Sequence[Want],
+        ident: Identity,
+        ttl: float,
+        wait: float | None = 0.0,
+        task_id: str | None = None,
     ) -> list[Held]:
         """Acquire all of ``wants`` or none, waiting up to ``wait`` seconds (None: no limit).
 
@@ -412,7 +430,7 @@ class LeaseStore:
             LeaseBackendError: Redis failed.
         """
         start = time.monotonic()
-        outcome = self.try_acquire(wants, ident, ttl)
+        outcome = self.try_acquire(wants, ident, ttl, task_id)
         if not isinstance(outcome, Busy):
             return outcome
         if wait is not None and wait <= 0:
@@ -426,7 +444,7 @@ class LeaseStore:
                 pubsub.subscribe(*channels)
                 self._await_subscribed(pubsub, channels)
                 while True:
-                    outcome = self.try_acquire(wants, ident, ttl)
+                    outcome = self.try_acquire(wants, ident, ttl, task_id)
                     if not isinstance(outcome, Busy):
                         healthy = True
                         return outcome
@@ -519,7 +537,12 @@ class LeaseStore:
                 h = held[i]
                 rk = self.resource_keys(h.resource)
                 keys.append(rk.exclusive if h.mode == "x" else rk.shared)
-                args += [h.mode, h.token, self._ms(h.ttl), h.resource]
+                args += [
+                    h.mode,
+                    h.token,
+                    self._ms(h.ttl),
+                    entry_text(h.mode, h.token, h.task_id, h.resource),
+                ]
             calls.append((idx, keys, args))
         replies = self._call_with_deadline(
             self._renew.sha, _scripts.RENEW, [(k, a) for _, k, a in calls], timeout
@@ -620,26 +643,27 @@ class LeaseStore:
             return []
         if len(held) == 1:
             h = held[0]
-            return self._release_entries(h.owner, h.group, [(h.mode, h.token, h.resource)])
+            entry = Entry(h.mode, h.token, h.task_id, h.resource)
+            return self._release_entries(h.owner, h.group, [entry])
         out: dict[int, bool] = {}
         groups: dict[tuple[str, int], list[int]] = {}
         for i, h in enumerate(held):
             groups.setdefault((h.owner, h.group), []).append(i)
         for (owner, group), idx in groups.items():
-            entries = [(held[i].mode, held[i].token, held[i].resource) for i in idx]
+            entries = [
+                Entry(held[i].mode, held[i].token, held[i].task_id, held[i].resource) for i in idx
+            ]
             freed = self._release_entries(owner, group, entries)
             out.update(zip(idx, freed, strict=True))
         return [out[i] for i in range(len(held))]
 
-    def _release_entries(
-        self, owner: str, group: int, entries: Sequence[tuple[str, int | str, str]]
-    ) -> list[bool]:
+    def _release_entries(self, owner: str, group: int, entries: Sequence[Entry]) -> list[bool]:
         keys = [self._registry_key(owner, group)]
         args: list[Any] = [owner]
-        for mode, token, resource in entries:
-            rk = self.resource_keys(resource)
-            keys.append(rk.exclusive if mode == "x" else rk.shared)
-            args += (mode, token, resource, rk.channel)
+        for e in entries:
+            rk = self.resource_keys(e.resource)
+            keys.append(rk.exclusive if e.mode == "x" else rk.shared)
+            args += (e.mode, e.token, e.text, rk.channel)
         client = self.client
         try:
             reply = self._release(keys, args, client=client)
@@ -668,21 +692,21 @@ class LeaseStore:
             key = self.keys.registry(owner, group)
             with self._backend("read an owner registry"):
                 members = self.client.smembers(key)
-            entries: list[tuple[str, int | str, str]] = []
+            entries: list[Entry] = []
             for member in sorted(members):
                 parsed = _parse_entry(str(member))
                 if parsed is None:
                     report.kept.append((owner, str(member)))
-                elif granted_before_us is not None and int(parsed[1]) >= granted_before_us:
+                elif granted_before_us is not None and parsed.token >= granted_before_us:
                     spared = True
                 else:
                     entries.append(parsed)
             if not entries:
                 continue
             freed = self._release_entries(owner, group, entries)
-            for (_, _, resource), was_held in zip(entries, freed, strict=True):
+            for entry, was_held in zip(entries, freed, strict=True):
                 if was_held:
-                    report.released.append((owner, resource))
+                    report.released.append((owner, entry.resource))
                 else:
                     report.expired += 1
         if not report.kept and not spared:
@@ -787,14 +811,21 @@ class LeaseStore:
 
     def owned(self, owner: str) -> list[tuple[str, int, str]]:
         """``(mode, token, resource)`` of what ``owner``'s registries list."""
-        out: list[tuple[str, int, str]] = []
+        return [(e.mode, e.token, e.resource) for e in self.entries(owner)]
+
+    def entries(self, owner: str) -> list[Entry]:
+        """The registry entries of ``owner`` (every slot group), by resource name."""
+        out: list[Entry] = []
         with self._backend("read an owner registry"):
+            pipe = self.client.pipeline(transaction=False)
             for group in range(self.settings.slot_groups):
-                for member in self.client.smembers(self.keys.registry(owner, group)):
+                pipe.smembers(self.keys.registry(owner, group))
+            for members in pipe.execute():
+                for member in members:
                     parsed = _parse_entry(str(member))
                     if parsed is not None:
-                        out.append((parsed[0], int(parsed[1]), parsed[2]))
-        return sorted(out, key=lambda e: e[2])
+                        out.append(parsed)
+        return sorted(out, key=lambda e: (e.resource, e.token))
 
     def nodes(self) -> list[str]:
         """Every node that has registered owners."""
@@ -855,9 +886,29 @@ class LeaseStore:
         return bool(int(won)), int(run), int(now), str(winner)
 
 
-def _parse_entry(member: str) -> tuple[str, int | str, str] | None:
+class Entry(NamedTuple):
+    """One owner-registry entry: what a lease holder recorded at the grant."""
+
+    mode: str
+    token: int
+    task_id: str | None
+    resource: str
+
+    @property
+    def text(self) -> str:
+        """The entry as stored in the registry set."""
+        return entry_text(self.mode, self.token, self.task_id, self.resource)
+
+
+def entry_text(mode: str, token: int | str, task_id: str | None, resource: str) -> str:
+    """``"<mode> <token> <task> <resource>"``, as acquire.lua writes it."""
+    return f"{mode} {token} {escape(task_id) if task_id else '-'} {resource}"
+
+
+def _parse_entry(member: str) -> Entry | None:
     mode, _, rest = member.partition(" ")
-    token, _, resource = rest.partition(" ")
-    if mode not in ("x", "s") or not token.isdigit() or not resource:
+    token, _, rest = rest.partition(" ")
+    task, _, resource = rest.partition(" ")
+    if mode not in ("x", "s") or not token.isdigit() or not task or not resource:
         return None
-    return mode, token, resource
+    return Entry(mode, int(token), None if task == "-" else unescape(task), resource)

@@ -205,7 +205,7 @@ class Leases:
             raise LeaseConfigError(msg)
         ident = self.identity()
         try:
-            granted = self.store.acquire(wants, ident, ttl, wait)
+            granted = self.store.acquire(wants, ident, ttl, wait, task_id)
         except LeaseBusy as busy:
             logger.info(
                 "leases: %s is busy (retry after %.1fs)", busy.resource, busy.retry_after or 0
@@ -215,7 +215,6 @@ class Leases:
         beat = heartbeat()
         leases = []
         for held in granted:
-            held.task_id = task_id
             if on_lost is not None:
                 held.on_lost.append(on_lost)
             beat.add(held)

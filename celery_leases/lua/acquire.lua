@@ -14,6 +14,7 @@
 -- ARGV[5] owner liveness in milliseconds   ARGV[6] escaped node name
 -- ARGV[7] token counter memory in milliseconds
 -- ARGV[8] registry expiry to set in milliseconds (0: the caller knows it is long enough)
+-- ARGV[9] the holding task's id, escaped, or "-" (recorded in the registry for operators)
 -- then per resource i: mode ("x" or "s"), limit (0 = none), resource name (for the registry)
 -- returns {1, token_1, ..., token_n}  granted
 --         {0, i, wait_ms}             resource i (1-based) is busy; its blocking holder runs out
@@ -41,7 +42,7 @@ if grace > 0 then
 end
 
 local h = home and 5 or 2
-local a = 8
+local a = 9
 local n = (#KEYS - h) / 3
 
 -- first pass: every resource must be free for the mode asked; nothing is written but the
@@ -89,7 +90,8 @@ for i = 0, n - 1 do
       redis.call('PEXPIRE', skey, ttl)
     end
   end
-  redis.call('SADD', KEYS[2], mode .. ' ' .. num(token) .. ' ' .. resource)
+  -- the registry entry: "<mode> <token> <task> <resource>" (the resource last: it may hold spaces)
+  redis.call('SADD', KEYS[2], mode .. ' ' .. num(token) .. ' ' .. ARGV[9] .. ' ' .. resource)
   tokens[#tokens + 1] = token
 end
 

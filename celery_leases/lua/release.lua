@@ -6,7 +6,7 @@
 -- KEYS[1] owner registry in the group
 -- then per lease i: its exclusive or shared key
 -- ARGV[1] owner id
--- then per lease i: mode ("x" or "s"), token, resource name, release channel
+-- then per lease i: mode ("x" or "s"), token, registry entry, release channel
 -- returns per lease i: 1 = released now, 0 = was no longer held by us
 
 local owner = ARGV[1]
@@ -14,7 +14,7 @@ local out = {}
 for i = 0, #KEYS - 2 do
   local key = KEYS[i + 2]
   local mode, token = ARGV[4 * i + 2], ARGV[4 * i + 3]
-  local resource, channel = ARGV[4 * i + 4], ARGV[4 * i + 5]
+  local entry, channel = ARGV[4 * i + 4], ARGV[4 * i + 5]
   local holder = token .. ' ' .. owner
   local freed = 0
   if mode == 'x' then
@@ -25,7 +25,7 @@ for i = 0, #KEYS - 2 do
   else
     freed = redis.call('ZREM', key, holder)
   end
-  redis.call('SREM', KEYS[1], mode .. ' ' .. token .. ' ' .. resource)
+  redis.call('SREM', KEYS[1], entry)
   if freed == 1 then
     redis.call('PUBLISH', channel, token)
   end

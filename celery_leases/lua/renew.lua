@@ -9,7 +9,7 @@
 -- then per lease i: its exclusive or shared key
 -- ARGV[1] owner id   ARGV[2] registry ttl in milliseconds   ARGV[3] "1" when home keys are given
 -- ARGV[4] owner liveness in milliseconds   ARGV[5] escaped node name
--- then per lease i: mode ("x" or "s"), token, ttl in milliseconds, resource name
+-- then per lease i: mode ("x" or "s"), token, ttl in milliseconds, registry entry
 -- returns the 1-based indices of the leases that are no longer held (empty: all renewed)
 
 local t = redis.call('TIME')
@@ -45,7 +45,7 @@ for i = 0, #KEYS - h - 1 do
     end
   end
   if not held then
-    redis.call('SREM', KEYS[1], mode .. ' ' .. token .. ' ' .. ARGV[a + 4 * i + 4])
+    redis.call('SREM', KEYS[1], ARGV[a + 4 * i + 4])
     lost[#lost + 1] = i + 1
   end
 end

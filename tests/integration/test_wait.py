@@ -160,7 +160,7 @@ def test_a_waiter_gets_the_lease_of_a_killed_holder_after_its_ttl(leases: Leases
 
     # nobody released it: the dead holder's registry entry is still there
     registry = leases_redis.smembers(leases.store.keys.registry(owner, 0))
-    assert f"x {token} r" in registry
+    assert f"x {token} - r" in registry
     waited = granted_at - killed_at
     assert waited >= remaining * 0.9
     assert waited < remaining + ttl

@@ -1,0 +1,40 @@
+"""The owner registry: what it records per grant, and entries it cannot read."""
+
+from __future__ import annotations
+
+from celery_leases import Leases
+from celery_leases._lease import Want
+
+
+def test_registry_records_mode_token_task_and_resource(leases: Leases):
+    owner = leases.identity().owner
+    (lease,) = leases.acquire([Want("a b:{c}")], task_id="task 1/é")
+    try:
+        (entry,) = leases.store.entries(owner)
+        assert entry.mode == "x"
+        assert entry.token == lease.token
+        assert entry.task_id == "task 1/é"
+        assert entry.resource == "a b:{c}"
+    finally:
+        leases.release([lease])
+    assert leases.store.entries(owner) == []
+
+
+def test_unreadable_entries_are_kept_and_reported(leases: Leases, leases_redis):
+    store = leases.store
+    owner = leases.identity().owner
+    (lease,) = leases.acquire([Want("r")])
+    leases.release([])  # nothing
+    registry = store.keys.registry(owner, 0)
+    leases_redis.sadd(registry, "garbage entry", "x notanumber - r2")
+
+    report = store.cleanup_owner(owner, dead=True)
+
+    assert report.released == [(owner, "r")]
+    assert sorted(entry for _, entry in report.kept) == ["garbage entry", "x notanumber - r2"]
+    assert leases_redis.smembers(registry) == {"garbage entry", "x notanumber - r2"}
+    # kept entries keep the owner registered, so a later pass can look again
+    assert owner in store.node_owners(leases.identity().node)
+    assert store.holders("r") == []
+    leases.release([lease])  # already freed by the cleanup: nothing left to do
+    leases_redis.delete(registry)
