@@ -24,6 +24,8 @@ logger = get_logger(__name__)
 
 #: retry delay after a failed renewal (capped by the renew interval)
 RETRY_AFTER_FAILURE: Final = 1.0
+#: seconds between two looks of an idle heartbeat (no Redis call: it only checks its registry)
+IDLE_LOOK: Final = 1.0
 #: a renewal needs at least this much time before the first deadline to be worth sending
 MIN_BUDGET: Final = 0.005
 
@@ -63,8 +65,8 @@ class Heartbeat:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._next_renew = 0.0
-        # clock time at which the thread looks again (inf: it waits for add(); None: it is
-        # looking now, or about to, so add() must wake it)
+        # clock time at which the thread looks again (None: it is looking now, or about to,
+        # so add() must wake it)
         self._planned: float | None = None
         self._failing = False
         self.renewals = 0  # number of renew calls sent (for benchmarks and tests)
@@ -118,8 +120,13 @@ class Heartbeat:
             except Exception:  # the heartbeat must outlive any bug in a callback
                 logger.exception("leases: heartbeat iteration failed")
                 delay = RETRY_AFTER_FAILURE
+            if delay is None:
+                # Nothing held: look again after a while rather than sleep until add() wakes
+                # us. Waking the thread for every acquire costs a thread switch per acquire
+                # (it ran after the release, found nothing, slept, was woken again...).
+                delay = IDLE_LOOK
             with self._lock:
-                self._planned = float("inf") if delay is None else self._clock() + delay
+                self._planned = self._clock() + delay
             # an add() between tick() and here sees the new plan, or already set _wake
             self._wake.wait(delay)
             with self._lock:

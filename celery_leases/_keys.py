@@ -99,6 +99,11 @@ class Keyspace:
         """SET of escaped node names that have owners (lets tools list nodes without SCAN)."""
         return f"{self.tag(0)}:nodes"
 
+    @property
+    def audit(self) -> str:
+        """LIST of JSON records of operators' releases (``celery leases release``), newest first."""
+        return f"{self.tag(0)}:audit"
+
     def once_resource(self, name: str) -> str:
         """The resource whose exclusive lease guards ``once(name, ...)``."""
         return f"celery_leases:once:{name}"

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
@@ -44,6 +45,10 @@ _BUSY: Final = 0
 _KEY_CACHE_SIZE: Final = 4096
 #: idle subscriber connections a store keeps per process for waiters
 _IDLE_SUBSCRIBERS: Final = 4
+#: commands per pipeline of the operations calls (a fleet may have thousands of owners)
+_OPS_BATCH: Final = 1000
+#: records the audit list keeps (the newest)
+AUDIT_KEEP: Final = 1000
 
 
 @dataclass(frozen=True)
@@ -776,6 +781,130 @@ class LeaseStore:
             return self.cleanup_owner(owner, dead=dead, granted_before_us=granted_before_us)
         except LeaseBackendError as exc:
             return CleanupReport(owners=[owner], errors=[(owner, str(exc))])
+
+    # --- operations (cli) -----------------------------------------------------------------
+    # Read and repair calls for operators (``celery leases ...``). Each walks the owners index
+    # and the owners' registries, never the keyspace, and batches its commands in pipelines.
+
+    def read_registries(self, owners: Sequence[str]) -> dict[str, list[Entry]]:
+        """The registry entries of each of ``owners`` (every slot group), by resource name.
+
+        Pipelined: one round trip per :data:`_OPS_BATCH` registries. Unreadable entries are
+        left out here; a cleanup keeps and reports them.
+        """
+        out: dict[str, list[Entry]] = {owner: [] for owner in owners}
+        keys = [
+            (owner, self.keys.registry(owner, group))
+            for owner in out
+            for group in range(self.settings.slot_groups)
+        ]
+        with self._backend("read owner registries"):
+            for start in range(0, len(keys), _OPS_BATCH):
+                chunk = keys[start : start + _OPS_BATCH]
+                pipe = self.client.pipeline(transaction=False)
+                for _, key in chunk:
+                    pipe.smembers(key)
+                for (owner, _), members in zip(chunk, pipe.execute(), strict=True):
+                    for member in members:
+                        parsed = _parse_entry(str(member))
+                        if parsed is not None:
+                            out[owner].append(parsed)
+        for entries in out.values():
+            entries.sort(key=lambda e: (e.resource, e.token))
+        return out
+
+    def check_entries(self, items: Sequence[tuple[str, Entry]]) -> list[float | None]:
+        """For each ``(owner, entry)``: the seconds left on that lease, or None if it is gone.
+
+        A lease is there while its key still names the entry's token and owner (the test
+        renew.lua makes); None means it ran out, was released or was taken over since, and
+        the registry entry is stale.
+        """
+        out: list[float | None] = []
+        with self._backend("inspect leases"):
+            for start in range(0, len(items), _OPS_BATCH):
+                chunk = items[start : start + _OPS_BATCH]
+                pipe = self.client.pipeline(transaction=False)
+                for owner, entry in chunk:
+                    rk = self.resource_keys(entry.resource)
+                    if entry.mode == "x":
+                        pipe.get(rk.exclusive)
+                        pipe.pttl(rk.exclusive)
+                    else:
+                        pipe.zscore(rk.shared, f"{entry.token} {owner}")
+                pipe.time()
+                replies = pipe.execute()
+                sec, usec = replies.pop()
+                now_ms = int(sec) * 1000 + int(usec) // 1000
+                replies.reverse()
+                for owner, entry in chunk:
+                    if entry.mode == "x":
+                        value, pttl = replies.pop(), replies.pop()
+                        held = value is not None and str(value) == f"{entry.token} {owner}"
+                        out.append(max(int(pttl), 0) / 1000 if held else None)
+                    else:
+                        score = replies.pop()
+                        held = score is not None and float(score) > now_ms
+                        out.append((float(score) - now_ms) / 1000 if held else None)
+        return out
+
+    def read_liveness(self, owners: Sequence[str]) -> dict[str, float | None]:
+        """Seconds left on each owner's liveness (negative: it ran out; None: not registered)."""
+        out: dict[str, float | None] = {}
+        unique = list(dict.fromkeys(owners))
+        with self._backend("read owner liveness"):
+            for start in range(0, len(unique), _OPS_BATCH):
+                chunk = unique[start : start + _OPS_BATCH]
+                pipe = self.client.pipeline(transaction=False)
+                pipe.zmscore(self.keys.owners, chunk)
+                pipe.time()
+                scores, (sec, usec) = pipe.execute()
+                now_ms = int(sec) * 1000 + int(usec) // 1000
+                for owner, score in zip(chunk, scores, strict=True):
+                    out[owner] = None if score is None else (float(score) - now_ms) / 1000
+        return out
+
+    def force_release(self, resource: str, holder: Holder) -> bool:
+        """Release ``holder``'s lease on ``resource``, whoever holds it; True if it was held.
+
+        Only that grant goes: the key must still name the holder's token and owner, so a lease
+        granted to someone else in between is never touched. The registry entry goes too, and
+        waiters are woken. A live holder learns of it at its next renewal (``LeaseLost``).
+        """
+        task_id = next(
+            (
+                e.task_id
+                for e in self.entries(holder.owner)
+                if (e.resource, e.mode, e.token) == (resource, holder.mode, holder.token)
+            ),
+            None,
+        )
+        entry = Entry(holder.mode, holder.token, task_id, resource)
+        return self._release_entries(holder.owner, self.resource_keys(resource).group, [entry])[0]
+
+    def audit(self, record: Mapping[str, object]) -> None:
+        """Append ``record`` (JSON-serialisable) to the audit list; the newest are kept."""
+        text = json.dumps(dict(record), sort_keys=True)
+        with self._backend("write the audit log"):
+            pipe = self.client.pipeline(transaction=True)
+            pipe.lpush(self.keys.audit, text)
+            pipe.ltrim(self.keys.audit, 0, AUDIT_KEEP - 1)
+            pipe.execute()
+
+    def audit_log(self, n: int) -> list[dict[str, Any]]:
+        """The last ``n`` audit records, newest first (an unreadable one as ``{"raw": text}``)."""
+        if n <= 0:
+            return []
+        with self._backend("read the audit log"):
+            texts = self.client.lrange(self.keys.audit, 0, n - 1)
+        out: list[dict[str, Any]] = []
+        for text in texts:
+            try:
+                record = json.loads(text)
+            except ValueError:
+                record = None
+            out.append(record if isinstance(record, dict) else {"raw": str(text)})
+        return out
 
     # --- inspect --------------------------------------------------------------------------
     def holders(self, resource: str) -> list[Holder]:

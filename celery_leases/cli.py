@@ -1,0 +1,631 @@
+"""``celery leases``: see who holds what, and free what a dead holder left behind.
+
+The commands run against the ``-A`` app's settings (its ``Leases(app)``, or one made from
+``app.conf.leases_*``, ``CELERY_LEASES_*`` and the defaults)::
+
+    celery -A proj leases ls [--owner NODE] [--resource PATTERN] [--json]
+    celery -A proj leases show RESOURCE [--json]
+    celery -A proj leases release RESOURCE [--force] [--yes]
+    celery -A proj leases owners [--json]
+    celery -A proj leases reconcile [--json]
+    celery -A proj leases stats [--json]
+    celery -A proj leases audit [-n N] [--json]
+
+- ``ls``: every held lease, found through the owners index and each owner's registry (never a
+  keyspace scan): resource, mode (``exclusive``/``shared``), fencing token, owner, node, the
+  holding task's id, seconds left on the lease, and whether its owner is alive. Registry
+  entries whose lease already ran out (or was released or taken over) are left out: they hold
+  nothing, and the next reconcile or cleanup removes them; ``stats`` counts them. ``--owner``
+  takes a node name (a worker hostname such as ``celery@pod-7``) or one full owner id;
+  ``--resource`` an ``fnmatch`` pattern, case-sensitive (``'repo:*'``). ``--json`` prints a
+  list of objects with ``resource``, ``mode``, ``token``, ``owner``, ``node``, ``task_id``,
+  ``expires_in``, ``alive`` and ``liveness``.
+- ``show RESOURCE``: the holders of one resource, read from its own keys, with each owner's
+  liveness and the task id from that owner's registry entry.
+- ``release RESOURCE``: frees the resource's leases whose owner is dead (its liveness ran out,
+  or it is no longer registered). If any holder is alive it changes nothing and exits 1, naming
+  the live owner, unless ``--force``; ``--force`` asks before freeing a live owner's lease
+  unless ``--yes``. A live holder learns of it at its next renewal (``LeaseLost``, interrupting
+  a task body by default). Every release is logged (a forced one at WARNING, through celery's
+  logger) and appended to the audit list in Redis, ``forced`` telling whether the owner was
+  alive.
+- ``owners``: every registered owner by node, the seconds left on its liveness (negative: it
+  ran out) and the number of leases it holds. An owner whose liveness ran out is dead, or alive
+  but idle: a process holding nothing does not renew its liveness; a reconcile forgets it.
+- ``reconcile``: one orphan-reconcile pass now (what workers do every ``reconcile_interval``):
+  frees the leases of owners whose liveness ran out, and reports them.
+- ``stats``: owners alive and dead, leases held (exclusive, shared), stale registry entries,
+  per node.
+- ``audit``: the last ``N`` releases made with ``release`` (default 20; the list keeps 1000).
+
+``--force`` and ``--yes`` are never read from the environment (celery's CLI would otherwise
+take ``CELERY_LEASES_RELEASE_FORCE``), nor is any other option of these commands.
+
+Exit status: 0 done; 1 refused, nothing held, aborted, or a reconcile that could not clean
+every owner; 2 bad usage; 69 Redis could not be reached or failed; 75 another process is
+reconciling (try again); 78 invalid settings. Errors are one line on stderr, URLs without
+their password.
+
+.. versionadded:: 0.1
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import logging
+import socket
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING, Any, Final, TypeVar
+
+import click
+from celery._state import get_current_app
+from celery.bin.base import CeleryCommand, CLIContext
+from celery.utils.log import get_logger
+
+from ._identity import set_node
+from ._keys import node_of_owner
+from ._store import AUDIT_KEEP, Entry, Holder, LeaseStore
+from .app import Leases
+from .exceptions import LeaseBackendError, LeaseConfigError, LeaseError
+from .worker import RECONCILE_RESOURCE, run_reconcile
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+__all__ = ("leases",)
+
+logger = get_logger(__name__)
+
+#: exit statuses (sysexits.h) beyond click's 1 (failure) and 2 (usage)
+EX_UNAVAILABLE: Final = 69
+EX_TEMPFAIL: Final = 75
+EX_CONFIG: Final = 78
+
+_MODES: Final = {"x": "exclusive", "s": "shared"}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+# --- plumbing -------------------------------------------------------------------------------
+class _Failure(click.ClickException):
+    """One line on stderr (``Error: ...``) and a non-zero exit, never a traceback."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))
+
+
+class _ConfigFailure(_Failure):
+    exit_code = EX_CONFIG
+
+
+class _BackendFailure(_Failure):
+    exit_code = EX_UNAVAILABLE
+
+
+class _TryAgain(_Failure):
+    exit_code = EX_TEMPFAIL
+
+
+class _Command(CeleryCommand):
+    """A ``celery leases`` sub-command: library errors become one line and an exit status."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except LeaseConfigError as exc:
+            raise _ConfigFailure(str(exc)) from None
+        except LeaseBackendError as exc:
+            raise _BackendFailure(str(exc)) from None
+        except LeaseError as exc:
+            raise _Failure(str(exc)) from None
+
+
+def _json_option(f: F) -> F:
+    return click.option(
+        "--json", "as_json", is_flag=True, allow_from_autoenv=False, help="Print JSON."
+    )(f)
+
+
+def _app(ctx: click.Context) -> Celery:
+    obj = ctx.find_object(CLIContext)
+    return obj.app if obj is not None else get_current_app()
+
+
+def _ext(ctx: click.Context) -> Leases:
+    """The app's ``Leases`` (made by the app module), or one made now from its settings."""
+    app = _app(ctx)
+    ext = getattr(app, "leases", None)
+    if isinstance(ext, Leases):
+        return ext
+    return Leases(app)
+
+
+def _echo_json(value: object) -> None:
+    click.echo(json.dumps(value, indent=2))
+
+
+def _table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """An aligned plain-text table (two spaces between columns)."""
+    cells = [list(headers), *([str(c) for c in row] for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    )
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def _liveness_text(liveness: float | None) -> str:
+    if liveness is None:
+        return "dead (not registered)"
+    if liveness > 0:
+        return f"alive ({liveness:.1f}s left)"
+    return f"dead ({-liveness:.1f}s ago)"
+
+
+def _non_empty(what: str, value: str | None) -> None:
+    if value is not None and not value.strip():
+        raise click.UsageError(f"{what} must not be empty")
+
+
+def _operator() -> str:
+    try:
+        user = getpass.getuser()
+    except Exception:  # no login name in the environment or the password database
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One held lease, as the commands show it."""
+
+    resource: str
+    mode: str  # "x" or "s"
+    token: int
+    owner: str
+    task_id: str | None
+    expires_in: float
+    liveness: float | None  # seconds left on the owner's liveness; None: not registered
+
+    @property
+    def node(self) -> str:
+        return node_of_owner(self.owner)
+
+    @property
+    def alive(self) -> bool:
+        return self.liveness is not None and self.liveness > 0
+
+    @property
+    def holder(self) -> Holder:
+        return Holder(self.resource, self.mode, self.token, self.owner, self.expires_in)
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "resource": self.resource,
+            "mode": _MODES[self.mode],
+            "token": self.token,
+            "owner": self.owner,
+            "node": self.node,
+            "task_id": self.task_id,
+            "expires_in": _round(self.expires_in),
+            "alive": self.alive,
+            "liveness": _round(self.liveness),
+        }
+
+    def cells(self) -> list[object]:
+        return [
+            self.resource,
+            _MODES[self.mode],
+            self.token,
+            f"{self.expires_in:.1f}s",
+            self.node,
+            self.owner,
+            _liveness_text(self.liveness),
+            self.task_id or "-",
+        ]
+
+
+_ROW_HEADERS: Final = (
+    "RESOURCE",
+    "MODE",
+    "TOKEN",
+    "EXPIRES_IN",
+    "NODE",
+    "OWNER",
+    "LIVENESS",
+    "TASK_ID",
+)
+
+
+@dataclass
+class _Census:
+    """Every registered owner, its liveness, and what its registry lists (held or stale)."""
+
+    liveness: dict[str, float | None]
+    held: list[_Row]
+    stale: dict[str, int]  # owner -> registry entries whose lease is gone
+
+
+def _census(store: LeaseStore, *, owner: str | None = None, pattern: str | None = None) -> _Census:
+    """Walk the owners index and the owners' registries (never the keyspace)."""
+    liveness: dict[str, float | None] = dict(store.owners())
+    owners = sorted(liveness)
+    if owner is not None:
+        owners = [o for o in owners if owner in (o, node_of_owner(o))]
+        # an owner listed under its node but gone from the index still shows (as dead)
+        for o in store.node_owners(owner):
+            if o not in liveness:
+                liveness[o] = None
+                owners.append(o)
+    registries = store.read_registries(owners)
+    items: list[tuple[str, Entry]] = [
+        (o, e)
+        for o in owners
+        for e in registries[o]
+        if pattern is None or fnmatchcase(e.resource, pattern)
+    ]
+    held: list[_Row] = []
+    stale: dict[str, int] = {}
+    for (o, e), expires_in in zip(items, store.check_entries(items), strict=True):
+        if expires_in is None:
+            stale[o] = stale.get(o, 0) + 1
+        else:
+            held.append(_Row(e.resource, e.mode, e.token, o, e.task_id, expires_in, liveness[o]))
+    held.sort(key=lambda r: (r.resource, r.token, r.owner))
+    return _Census({o: liveness[o] for o in owners}, held, stale)
+
+
+def _holder_rows(store: LeaseStore, resource: str) -> list[_Row]:
+    """The holders of ``resource``, with their owners' liveness and task ids."""
+    holders = store.holders(resource)
+    if not holders:
+        raise _Failure(f"no lease is held on {resource!r}")
+    owners = sorted({h.owner for h in holders})
+    liveness = store.read_liveness(owners)
+    registries = store.read_registries(owners)
+    rows = []
+    for h in holders:
+        task_id = next(
+            (
+                e.task_id
+                for e in registries[h.owner]
+                if (e.resource, e.mode, e.token) == (resource, h.mode, h.token)
+            ),
+            None,
+        )
+        rows.append(
+            _Row(resource, h.mode, h.token, h.owner, task_id, h.expires_in, liveness[h.owner])
+        )
+    return rows
+
+
+# --- the commands ---------------------------------------------------------------------------
+@click.group(name="leases")
+def leases() -> None:
+    """Inspect leases and free those of dead holders (celery_leases)."""
+    if not logging.root.handlers:
+        # celery's loggers end in a NullHandler outside a worker: without this, the WARNING
+        # of a forced release (and a reconcile's errors) would reach no one
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+
+
+@leases.command("ls", cls=_Command)
+@click.option(
+    "--owner",
+    metavar="NODE",
+    allow_from_autoenv=False,
+    help="Only leases of owners on this node (a worker hostname), or of this owner id.",
+)
+@click.option(
+    "--resource",
+    "pattern",
+    metavar="PATTERN",
+    allow_from_autoenv=False,
+    help="Only resources matching this fnmatch pattern (case-sensitive), e.g. 'repo:*'.",
+)
+@_json_option
+@click.pass_context
+def ls(ctx: click.Context, owner: str | None, pattern: str | None, as_json: bool) -> None:
+    """List every held lease.
+
+    Found through the owners index and the owners' registries; leases that already ran out
+    are left out.
+    """
+    _non_empty("--owner", owner)
+    _non_empty("--resource", pattern)
+    census = _census(_ext(ctx).store, owner=owner, pattern=pattern)
+    if as_json:
+        _echo_json([row.as_json() for row in census.held])
+    elif not census.held:
+        click.echo("no leases held")
+    else:
+        click.echo(_table(_ROW_HEADERS, (row.cells() for row in census.held)))
+
+
+@leases.command("show", cls=_Command)
+@click.argument("resource")
+@_json_option
+@click.pass_context
+def show(ctx: click.Context, resource: str, as_json: bool) -> None:
+    """Show who holds RESOURCE.
+
+    Each holder with its owner's liveness and the id of the task that holds it.
+    """
+    _non_empty("RESOURCE", resource)
+    rows = _holder_rows(_ext(ctx).store, resource)
+    if as_json:
+        _echo_json([row.as_json() for row in rows])
+    else:
+        click.echo(_table(_ROW_HEADERS, (row.cells() for row in rows)))
+
+
+@leases.command("release", cls=_Command)
+@click.argument("resource")
+@click.option(
+    "--force",
+    is_flag=True,
+    allow_from_autoenv=False,
+    help="Also free a lease whose owner is alive (it learns of it at its next renewal).",
+)
+@click.option(
+    "--yes",
+    "-y",
+    is_flag=True,
+    allow_from_autoenv=False,
+    help="With --force: do not ask for confirmation.",
+)
+@click.pass_context
+def release(ctx: click.Context, resource: str, force: bool, yes: bool) -> None:
+    """Free the leases on RESOURCE of dead owners.
+
+    A lease whose owner is alive is refused (exit 1) unless --force; --force asks before
+    freeing it unless --yes. Every release is recorded in the audit list.
+    """
+    _non_empty("RESOURCE", resource)
+    store = _ext(ctx).store
+    rows = _holder_rows(store, resource)
+    live = [row for row in rows if row.alive]
+    if live:
+        who = "; ".join(
+            f"{row.owner} (liveness {row.liveness or 0:.1f}s left, task {row.task_id or '-'})"
+            for row in live
+        )
+        if not force:
+            msg = (
+                f"refusing to release {resource!r}: held by live owner {who}; "
+                "use --force to release it anyway"
+            )
+            raise _Failure(msg)
+        if not yes:
+            click.confirm(
+                f"{resource!r} is held by live owner {who}. It loses the lease at its next "
+                "renewal. Release it anyway?",
+                abort=True,
+            )
+    by = _operator()
+    for row in rows:
+        freed = store.force_release(resource, row.holder)
+        if row.alive:
+            logger.warning(
+                "leases: forced release of %s held by live owner %s (task %s), by %s",
+                resource,
+                row.owner,
+                row.task_id,
+                by,
+            )
+        else:
+            logger.info("leases: released %s of dead owner %s, by %s", resource, row.owner, by)
+        store.audit(
+            {
+                "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "by": by,
+                "resource": resource,
+                "mode": _MODES[row.mode],
+                "owner": row.owner,
+                "token": row.token,
+                "task_id": row.task_id,
+                "forced": row.alive,
+                "released": freed,
+            }
+        )
+        state = "live" if row.alive else "dead"
+        if freed:
+            click.echo(f"released {resource} ({_MODES[row.mode]}) of {state} owner {row.owner}")
+        else:
+            click.echo(f"{resource} of {row.owner} was no longer held (released meanwhile)")
+
+
+@leases.command("owners", cls=_Command)
+@_json_option
+@click.pass_context
+def owners(ctx: click.Context, as_json: bool) -> None:
+    """List the owners by node.
+
+    With the seconds left on each one's liveness (negative: it ran out) and the number of
+    leases it holds.
+    """
+    census = _census(_ext(ctx).store)
+    counts: dict[str, int] = {}
+    for row in census.held:
+        counts[row.owner] = counts.get(row.owner, 0) + 1
+    listed = sorted(census.liveness, key=lambda o: (node_of_owner(o), o))
+    if as_json:
+        out = []
+        for owner in listed:
+            _, incarnation, pid = owner.rsplit("/", 2)
+            liveness = census.liveness[owner]
+            out.append(
+                {
+                    "node": node_of_owner(owner),
+                    "owner": owner,
+                    "incarnation": incarnation,
+                    "pid": int(pid) if pid.isdigit() else pid,
+                    "liveness": _round(liveness),
+                    "alive": liveness is not None and liveness > 0,
+                    "leases": counts.get(owner, 0),
+                }
+            )
+        _echo_json(out)
+    elif not listed:
+        click.echo("no owners registered")
+    else:
+        rows = (
+            [
+                node_of_owner(owner),
+                owner,
+                _liveness_text(census.liveness[owner]),
+                counts.get(owner, 0),
+            ]
+            for owner in listed
+        )
+        click.echo(_table(("NODE", "OWNER", "LIVENESS", "LEASES"), rows))
+
+
+@leases.command("reconcile", cls=_Command)
+@_json_option
+@click.pass_context
+def reconcile(ctx: click.Context, as_json: bool) -> None:
+    """Free the leases of dead owners now.
+
+    One orphan-reconcile pass, as workers run every reconcile_interval: releases the leases
+    of owners whose liveness ran out.
+    """
+    ext = _ext(ctx)
+    store = ext.store
+    store.ping()  # a Redis that does not answer is an error, not "someone else reconciles"
+    if ext.settings.node is None:
+        # this process takes the reconcile lease as an owner of its own, not as "celery@host"
+        set_node(f"celery-leases-cli@{socket.gethostname()}")
+    try:
+        report = run_reconcile(ext)
+    finally:
+        try:  # drop this process's own registration again; it holds nothing now
+            store.cleanup_owner(ext.identity().owner, dead=True)
+        except LeaseError as exc:
+            logger.debug("leases: could not forget the cli's owner: %s", exc)
+    if report is None:
+        holders = store.holders(RECONCILE_RESOURCE)
+        if not holders:
+            raise _BackendFailure("the reconcile could not start (see the error above)")
+        by = ", ".join(h.owner for h in holders)
+        raise _TryAgain(f"another process is reconciling ({by}); try again later")
+    if as_json:
+        _echo_json(
+            {
+                "owners": report.owners,
+                "released": [{"owner": o, "resource": r} for o, r in report.released],
+                "expired": report.expired,
+                "kept": [{"owner": o, "entry": e} for o, e in report.kept],
+                "errors": [{"owner": o, "error": e} for o, e in report.errors],
+            }
+        )
+    else:
+        click.echo(
+            f"reconciled {len(report.owners)} owner(s) whose liveness ran out: released "
+            f"{len(report.released)} lease(s), removed {report.expired} stale registry "
+            f"entr{'y' if report.expired == 1 else 'ies'}"
+        )
+        for owner, resource in report.released:
+            click.echo(f"  released {resource} of {owner}")
+        for owner, entry in report.kept:
+            click.echo(f"  kept an unreadable registry entry of {owner}: {entry!r}")
+        for owner, error in report.errors:
+            click.echo(f"  could not clean {owner}: {error}", err=True)
+    if report.errors:
+        ctx.exit(1)
+
+
+@leases.command("stats", cls=_Command)
+@_json_option
+@click.pass_context
+def stats(ctx: click.Context, as_json: bool) -> None:
+    """Count owners and leases, per node.
+
+    Owners alive and dead, leases held (exclusive, shared) and stale registry entries.
+    """
+    census = _census(_ext(ctx).store)
+    nodes: dict[str, dict[str, int]] = {}
+
+    def node(owner: str) -> dict[str, int]:
+        return nodes.setdefault(
+            node_of_owner(owner),
+            {"owners_alive": 0, "owners_dead": 0, "exclusive": 0, "shared": 0, "stale": 0},
+        )
+
+    for owner, liveness in census.liveness.items():
+        node(owner)["owners_alive" if liveness is not None and liveness > 0 else "owners_dead"] += 1
+    for row in census.held:
+        node(row.owner)["exclusive" if row.mode == "x" else "shared"] += 1
+    for owner, n in census.stale.items():
+        node(owner)["stale"] += n
+    total = {k: sum(n[k] for n in nodes.values()) for k in ("owners_alive", "owners_dead")}
+    exclusive = sum(n["exclusive"] for n in nodes.values())
+    shared = sum(n["shared"] for n in nodes.values())
+    stale = sum(census.stale.values())
+    if as_json:
+        _echo_json(
+            {
+                "owners": {"alive": total["owners_alive"], "dead": total["owners_dead"]},
+                "leases": {"held": exclusive + shared, "exclusive": exclusive, "shared": shared},
+                "stale_entries": stale,
+                "nodes": dict(sorted(nodes.items())),
+            }
+        )
+        return
+    click.echo(f"owners: {total['owners_alive']} alive, {total['owners_dead']} dead")
+    click.echo(
+        f"leases: {exclusive + shared} held ({exclusive} exclusive, {shared} shared), "
+        f"{stale} stale registry entr{'y' if stale == 1 else 'ies'}"
+    )
+    if nodes:
+        click.echo("")
+        rows = (
+            [name, n["owners_alive"], n["owners_dead"], n["exclusive"], n["shared"], n["stale"]]
+            for name, n in sorted(nodes.items())
+        )
+        headers = ("NODE", "ALIVE", "DEAD", "EXCLUSIVE", "SHARED", "STALE")
+        click.echo(_table(headers, rows))
+
+
+@leases.command("audit", cls=_Command)
+@click.option(
+    "-n",
+    "--last",
+    "last",
+    type=click.IntRange(1, AUDIT_KEEP),
+    default=20,
+    show_default=True,
+    allow_from_autoenv=False,
+    help="How many of the newest records to show.",
+)
+@_json_option
+@click.pass_context
+def audit(ctx: click.Context, last: int, as_json: bool) -> None:
+    """Show the last releases made with `release`.
+
+    Newest first; `forced` says the owner was alive when it was released.
+    """
+    records = _ext(ctx).store.audit_log(last)
+    if as_json:
+        _echo_json(records)
+    elif not records:
+        click.echo("no releases recorded")
+    else:
+        keys = ("at", "by", "resource", "owner", "task_id", "forced", "released")
+        rows = ([_cell(record.get(k)) for k in keys] for record in records)
+        click.echo(_table([k.upper() for k in keys], rows))
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
