@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from celery import bootsteps, signals
@@ -143,25 +144,32 @@ class LeaseBootstep(bootsteps.StartStopStep):
     # --- periodic work ------------------------------------------------------------------
     def reap(self) -> CleanupReport:
         """Free the leases of this incarnation's processes that are gone (dead children)."""
+        if os.getpid() != self.pid:
+            return CleanupReport()
+
+        def dead(pid: int) -> bool:
+            return pid != self.pid and not _pid_alive(pid)
+
+        return self._clean_own("reaper (dead pool process)", dead)
+
+    def _clean_own(self, what: str, select: Callable[[int], bool]) -> CleanupReport:
+        """Clean the owners of this node's current incarnation whose pid ``select`` picks."""
         report = CleanupReport()
         ext = self.ext
-        if ext is None or os.getpid() != self.pid:
+        if ext is None:
             return report
         ident = ext.identity()
         with self._lock:
             try:
                 owners = ext.store.node_owners(ident.node)
             except LeaseError as exc:
-                logger.error("leases: reaper could not list owners: %s", exc)
+                logger.error("leases: %s could not list owners: %s", what, exc)
                 return report
             for owner in owners:
                 _, incarnation, pid = owner.rsplit("/", 2)
-                if incarnation != ident.incarnation or not pid.isdigit():
-                    continue
-                if int(pid) == self.pid or _pid_alive(int(pid)):
-                    continue
-                report.merge(ext.store.cleanup_owner_isolated(owner, dead=True))
-        _log_report("reaper (dead pool process)", report)
+                if incarnation == ident.incarnation and pid.isdigit() and select(int(pid)):
+                    report.merge(ext.store.cleanup_owner_isolated(owner, dead=True))
+        _log_report(what, report)
         return report
 
     def reconcile(self) -> CleanupReport | None:
@@ -176,21 +184,8 @@ class LeaseBootstep(bootsteps.StartStopStep):
 
     def final_release(self) -> CleanupReport:
         """Release everything this incarnation of the node still holds (warm shutdown)."""
-        report = CleanupReport()
-        ext = self.ext
-        if ext is None:
-            return report
-        ident = ext.identity()
-        try:
-            owners = ext.store.node_owners(ident.node)
-        except LeaseError as exc:
-            logger.error("leases: shutdown could not list owners: %s", exc)
-            return report
-        for owner in owners:
-            if owner.rsplit("/", 2)[1] == ident.incarnation:
-                report.merge(ext.store.cleanup_owner_isolated(owner, dead=True))
-        _log_report(f"warm shutdown of {ident.node}", report)
-        return report
+        node = self.ext.identity().node if self.ext is not None else ""
+        return self._clean_own(f"warm shutdown of {node}", lambda pid: True)
 
     def reap_soon(self) -> None:
         """Reap now, and once more shortly (a child may still be exiting)."""

@@ -16,18 +16,13 @@ import redis
 
 from celery_leases import LeaseLost
 from celery_leases.signals import lease_lost
+from tests.polling import wait_until
 
 TTL = 1.0
 
 
 def poll(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
+    return wait_until(condition, timeout, what, step=0.005)
 
 
 class LostLog:

@@ -18,16 +18,11 @@ import redis
 from celery_leases import LeaseBusy, Leases
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
+from tests.polling import wait_until
 
 
 def poll(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
+    return wait_until(condition, timeout, what, step=0.01)
 
 
 def subscribers(client: redis.Redis, leases: Leases, resource: str) -> int:

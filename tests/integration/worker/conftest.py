@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,22 +23,11 @@ import redis
 
 from celery_leases import Leases
 from celery_leases._redis_server import url_answers
+from tests.polling import wait_until
 
 REPO = Path(__file__).resolve().parents[3]
 APP = "tests.integration.worker.wapp"
 READY_TIMEOUT = 30.0
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, step: float = 0.05) -> Any:
-    """Poll ``predicate`` until it returns something truthy, or fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(step)
 
 
 def children_of(pid: int) -> list[int]:
