@@ -737,7 +737,7 @@ class LeaseStore:
             incarnation = owner.rsplit("/", 2)[1]
             if incarnation == keep_incarnation:
                 continue
-            report.merge(self._cleanup_isolated(owner, dead=True))
+            report.merge(self.cleanup_owner_isolated(owner, dead=True))
         return report
 
     def expired_owners(self, limit: int = 1000) -> list[str]:
@@ -761,7 +761,7 @@ class LeaseStore:
         report = CleanupReport()
         for owner, expired_ms in self._expired_owner_times(limit):
             report.merge(
-                self._cleanup_isolated(owner, dead=False, granted_before_us=expired_ms * 1000)
+                self.cleanup_owner_isolated(owner, dead=False, granted_before_us=expired_ms * 1000)
             )
         return report
 
@@ -770,13 +770,10 @@ class LeaseStore:
         with self._backend("list a node's owners"):
             return sorted(str(o) for o in self.client.smembers(self.keys.node(node)))
 
-    def cleanup_owner_isolated(self, owner: str, *, dead: bool) -> CleanupReport:
-        """:meth:`cleanup_owner`, with a failure reported in the result instead of raised."""
-        return self._cleanup_isolated(owner, dead=dead)
-
-    def _cleanup_isolated(
+    def cleanup_owner_isolated(
         self, owner: str, *, dead: bool, granted_before_us: int | None = None
     ) -> CleanupReport:
+        """:meth:`cleanup_owner`, with a failure reported in the result instead of raised."""
         try:
             return self.cleanup_owner(owner, dead=dead, granted_before_us=granted_before_us)
         except LeaseBackendError as exc:

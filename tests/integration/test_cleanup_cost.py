@@ -229,7 +229,7 @@ def test_reconcile_spares_a_lease_taken_after_its_owner_was_found_expired(server
             assert time.monotonic() < deadline, "the idle owner's liveness never ran out"
             time.sleep(0.05)
 
-        original = store._cleanup_isolated
+        original = store.cleanup_owner_isolated
         taken = []
 
         def racing(owner: str, **kwargs: object) -> object:
@@ -239,7 +239,7 @@ def test_reconcile_spares_a_lease_taken_after_its_owner_was_found_expired(server
                 taken.extend(got)
             return original(owner, **kwargs)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(store, "_cleanup_isolated", racing)
+        monkeypatch.setattr(store, "cleanup_owner_isolated", racing)
         report = store.reconcile()
 
         assert taken, "reconcile never looked at the idle owner"
