@@ -201,12 +201,14 @@ class _Interrupter:
             if self.fired is not None and not self.main:
                 # cancel an asynchronous exception that did not land yet
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
-        if self.main:
+        if self.main and self.fired is None:
             signal.signal(self.SIGNAL, self._old_handler or signal.SIG_DFL)
+        # After a fired interrupt our handler stays, inert (running is False): restoring the
+        # default action could let a signal still in flight terminate the process.
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        with self._lock:
-            fired, running = self.fired, self.running
+        # No lock here: the handler runs in the main thread, which may hold it in __exit__.
+        fired, running = self.fired, self.running
         if running and fired is not None:
             raise fired
 

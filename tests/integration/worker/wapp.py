@@ -234,8 +234,8 @@ def _trace_reconcile(pause: float) -> None:
         finally:
             r.decr(ledger_key("reconcile", "active"))
 
-    def try_acquire(wants: Any, ident: Any, ttl: float) -> Any:
-        outcome = real_try_acquire(wants, ident, ttl)
+    def try_acquire(wants: Any, ident: Any, ttl: float, *args: Any) -> Any:
+        outcome = real_try_acquire(wants, ident, ttl, *args)
         if [w.resource for w in wants] == [RECONCILE_RESOURCE]:
             won = "won" if isinstance(outcome, list) else "busy"
             ledger().rpush(ledger_key("reconcile", "bids"), f"{node()} {won}")
