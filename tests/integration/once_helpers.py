@@ -26,6 +26,7 @@ import redis
 from celery import Celery
 
 from celery_leases import Leases
+from tests.perprocess import PerProcessClient
 
 BROKER = os.environ.get("ONCE_TEST_BROKER", "redis://127.0.0.1:6379/15")
 QUEUE = os.environ.get("ONCE_TEST_QUEUE", "leases-once-tests")
@@ -41,17 +42,8 @@ app.conf.update(
 )
 leases = Leases(app)
 
-_ledger: redis.Redis | None = None
-_ledger_pid = -1
-
-
-def ledger() -> redis.Redis:
-    """A per-process client for the ledger (never the store under test)."""
-    global _ledger, _ledger_pid
-    if _ledger is None or _ledger_pid != os.getpid():
-        _ledger = redis.Redis.from_url(LEDGER_URL, decode_responses=True)
-        _ledger_pid = os.getpid()
-    return _ledger
+#: a per-process client for the ledger (never the store under test)
+ledger = PerProcessClient(LEDGER_URL)
 
 
 def ledger_key(prefix: str, *parts: object) -> str:
