@@ -14,7 +14,8 @@ redis-server on a free loopback port, so INFO commandstats counts our commands o
 (b) handoff delay: a holder in another process releases, a blocked waiter here takes over
 (c) heartbeat cost: Redis calls per second while one process holds 1, 10, 100, 1000 leases
 
-The table goes to stdout, bench/results/engine.md and bench/results/engine.json.
+The table goes to stdout, bench/results/engine.md and bench/results/engine.json; the plot
+docs/img/benchmarks.svg is redrawn from them (bench/plot.py, best effort).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from celery import Celery
 from celery_leases import LeaseLost, Leases
 from celery_leases._heartbeat import heartbeat
 
+from . import plot
 from ._common import (
     CommandStats,
     Row,
@@ -709,6 +711,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
     )
     progress(f"wrote {out_dir / 'engine.md'} and {out_dir / 'engine.json'}")
+    plot.refresh(out_dir)
     return 0
 
 

@@ -19,7 +19,8 @@ waits for the publisher. The rate is ``(n - 1) / (last date_done - first date_do
 results the worker stored. By default a private redis-server on a free loopback port holds
 broker, result backend and leases, so the numbers are ours alone.
 
-The table goes to stdout and ``bench/results/tasks.md``, and replaces the ``## Task
+The table goes to stdout and ``bench/results/tasks.md`` (raw samples: ``tasks.json``), the plot
+``docs/img/benchmarks.svg`` is redrawn (``bench/plot.py``), and the run replaces the ``## Task
 throughput`` section of ``docs/benchmarks.md`` (appended if there is none).
 """
 
@@ -45,7 +46,8 @@ from typing import Any, Final
 
 import redis
 
-from ._common import machine_info, median, redis_target
+from . import plot
+from ._common import machine_info, median, redis_target, write_json
 
 REPO: Final = Path(__file__).resolve().parents[1]
 RESULTS_DIR: Final = REPO / "bench" / "results"
@@ -302,6 +304,27 @@ def _calls(r: PoolResult) -> str:
     return f"{plain:.1f} / {leased:.1f} ({median(r.leased_scripts):.1f} EVALSHA)"
 
 
+def _pool_json(r: PoolResult) -> dict[str, Any]:
+    """One pool's raw samples and medians; NaN (no counts on a shared server) becomes null."""
+
+    def clean(values: list[float]) -> list[float | None]:
+        return [None if math.isnan(v) else v for v in values]
+
+    return {
+        "pool": r.pool,
+        "concurrency": r.concurrency,
+        "plain": r.plain,
+        "leased": r.leased,
+        "plain_median": median(r.plain),
+        "leased_median": median(r.leased),
+        "ratio": r.ratio,
+        "pass": r.ratio >= TARGET,
+        "plain_calls_per_task": clean(r.plain_calls),
+        "leased_calls_per_task": clean(r.leased_calls),
+        "leased_evalsha_per_task": clean(r.leased_scripts),
+    }
+
+
 def _pair_ratios(r: PoolResult) -> list[float]:
     return [lease / plain for plain, lease in zip(r.plain, r.leased, strict=True)]
 
@@ -363,7 +386,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="a loopback Redis to use instead of a private server (others' load then counts)",
     )
-    parser.add_argument("--out-dir", default=str(RESULTS_DIR), help="where tasks.md goes")
+    parser.add_argument(
+        "--out-dir", default=str(RESULTS_DIR), help="where tasks.md and tasks.json go"
+    )
     parser.add_argument("--docs", default=str(DOCS), help="the docs page to update")
     parser.add_argument("--no-docs", action="store_true", help="do not touch the docs page")
     return parser.parse_args(argv)
@@ -426,9 +451,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     tmp = out_dir / "tasks.md.tmp"
     tmp.write_text(f"# Task throughput results\n\n{body}\n")
     os.replace(tmp, out_dir / "tasks.md")
+    write_json(
+        str(out_dir / "tasks.json"),
+        {
+            "machine": machine,
+            "config": {
+                "rounds": rounds,
+                "tasks": n,
+                "warmup": warmup,
+                "quick": bool(args.quick),
+                "private_server": private,
+            },
+            "elapsed_s": elapsed,
+            "target": TARGET,
+            "pools": [_pool_json(r) for r in results],
+        },
+    )
     if not args.no_docs:
         update_docs(Path(args.docs), docs_section(body))
-    progress(f"wrote {out_dir / 'tasks.md'}" + ("" if args.no_docs else f" and {args.docs}"))
+    progress(
+        f"wrote {out_dir / 'tasks.md'}, {out_dir / 'tasks.json'}"
+        + ("" if args.no_docs else f" and {args.docs}")
+    )
+    plot.refresh(out_dir)
     return 0
 
 

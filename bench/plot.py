@@ -1,0 +1,435 @@
+"""Plot the benchmark results as one self-contained SVG (no plotting library needed).
+
+    python -m bench.plot                       # bench/results/*.json -> docs/img/benchmarks.svg
+    python -m bench.plot --results DIR --out X.svg
+
+Reads ``engine.json`` (parts a, b and c, whichever were run) and, if present, ``tasks.json``
+(or, failing that, the table of ``tasks.md``). Panels:
+
+1. (a) acquire+release cycles/s per contender, ratio to the raw floor, the 0.9x floor target;
+2. (b) median handoff delay with a p99 whisker, on a log scale (redis-py's Lock polls);
+3. (c) heartbeat calls/s against the number of leases held, with the +-10% band;
+4. plain against leased tasks/s per worker pool, when task results exist.
+
+``bench/engine.py`` and ``bench/tasks.py`` call :func:`refresh` at the end of a run; a failure
+there prints a warning and never fails the benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from html import escape
+from pathlib import Path
+from typing import Any, Final
+
+REPO: Final = Path(__file__).resolve().parents[1]
+RESULTS_DIR: Final = REPO / "bench" / "results"
+SVG_PATH: Final = REPO / "docs" / "img" / "benchmarks.svg"
+
+WIDTH: Final = 900
+MARGIN: Final = 24
+LABEL_W: Final = 250  # left column of bar labels
+VALUE_W: Final = 230  # right column of values
+FONT: Final = "DejaVu Sans, Verdana, Helvetica, Arial, sans-serif"
+INK: Final = "#1f2937"
+MUTED: Final = "#6b7280"
+GRID: Final = "#e5e7eb"
+OURS: Final = "#2563eb"
+OTHER: Final = "#9ca3af"
+FLOOR: Final = "#4b5563"
+TARGET_INK: Final = "#dc2626"
+PASS_INK: Final = "#15803d"
+
+CONTENDERS_A: Final = (
+    ("hold", "celery_leases hold()"),
+    ("floor", "raw floor (SET NX PX + CAD)"),
+    ("redis-py", "redis-py Lock"),
+    ("prl", "python-redis-lock"),
+)
+CONTENDERS_B: Final = (
+    ("hold", "celery_leases hold(wait=10)"),
+    ("prl", "python-redis-lock (BLPOP)"),
+    ("redis-py", "redis-py Lock (poll 0.1 s)"),
+)
+
+
+# --- SVG building -------------------------------------------------------------------------------
+@dataclass
+class Canvas:
+    """SVG elements of one panel, drawn from y=0; placed later with a translate."""
+
+    height: float = 0.0
+    parts: list[str] = field(default_factory=list)
+
+    def text(
+        self,
+        x: float,
+        y: float,
+        s: str,
+        size: float = 13,
+        anchor: str = "start",
+        fill: str = INK,
+        weight: str = "normal",
+    ) -> None:
+        bold = ' font-weight="bold"' if weight != "normal" else ""
+        self.parts.append(
+            f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}" '
+            f'fill="{fill}"{bold}>{escape(s)}</text>'
+        )
+
+    def rect(self, x: float, y: float, w: float, h: float, fill: str, extra: str = "") -> None:
+        self.parts.append(
+            f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(w, 0):.1f}" height="{h:.1f}" '
+            f'fill="{fill}"{extra}/>'
+        )
+
+    def line(
+        self,
+        x1: float,
+        y1: float,
+        x2: float,
+        y2: float,
+        stroke: str = INK,
+        width: float = 1,
+        dash: str = "",
+    ) -> None:
+        dashed = f' stroke-dasharray="{dash}"' if dash else ""
+        self.parts.append(
+            f'<line x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}" '
+            f'stroke="{stroke}" stroke-width="{width}"{dashed}/>'
+        )
+
+    def title(self, heading: str, *subs: str) -> float:
+        self.text(MARGIN, 22, heading, size=16, weight="bold")
+        for k, sub in enumerate(subs):
+            self.text(MARGIN, 42 + 17 * k, sub, size=12, fill=MUTED)
+        return 42 + 17 * len(subs)
+
+
+def nice_ticks(top: float, count: int = 5) -> list[float]:
+    """Round tick values from 0 to at least ``top``."""
+    raw = top / count
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    return [step * i for i in range(math.ceil(top / step) + 1)]
+
+
+def fmt(value: float) -> str:
+    if value >= 100:
+        return f"{value:,.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def fmt_ms(value: float) -> str:
+    return f"{value:.0f} ms" if value >= 10 else f"{value:.2f} ms"
+
+
+def fmt_tick(value: float) -> str:
+    return f"{value:,.0f}" if value == int(value) else f"{value:g}"
+
+
+# --- panels -------------------------------------------------------------------------------------
+def panel_cycles(a: dict[str, Any]) -> Canvas | None:
+    floor = a.get("floor", {}).get("median")
+    items = [(key, label, a[key]) for key, label in CONTENDERS_A if key in a]
+    if not items:
+        return None
+    c = Canvas()
+    sub = "one thread, uncontended; bar = median of rounds, thin line = slowest to fastest round"
+    y = c.title("(a) Acquire + release cycles per second (higher is better)", sub)
+    x0, x1 = MARGIN + LABEL_W, WIDTH - MARGIN - VALUE_W
+    top = max(max(d.get("rates") or [d["median"]]) for _, _, d in items)
+    ticks = nice_ticks(top)
+    scale = (x1 - x0) / ticks[-1]
+    bar_h, gap = 24, 14
+    plot_top = y + 8
+    plot_bottom = plot_top + len(items) * (bar_h + gap) - gap + 8
+    for t in ticks:
+        x = x0 + t * scale
+        c.line(x, plot_top - 4, x, plot_bottom, GRID)
+        c.text(x, plot_bottom + 16, fmt_tick(t), size=11, anchor="middle", fill=MUTED)
+    for i, (key, label, d) in enumerate(items):
+        by = plot_top + 4 + i * (bar_h + gap)
+        colour = OURS if key == "hold" else FLOOR if key == "floor" else OTHER
+        c.text(x0 - 10, by + bar_h / 2 + 5, label, size=13, anchor="end")
+        c.rect(x0, by, d["median"] * scale, bar_h, colour)
+        rates = d.get("rates") or []
+        if len(rates) > 1:
+            mid = by + bar_h / 2
+            lo, hi = x0 + min(rates) * scale, x0 + max(rates) * scale
+            c.line(lo, mid, hi, mid, INK, 1.5)
+            c.line(lo, mid - 5, lo, mid + 5, INK, 1.5)
+            c.line(hi, mid - 5, hi, mid + 5, INK, 1.5)
+        ratio = f" \u00b7 {d['median'] / floor:.2f}x floor" if floor else ""
+        rt = d.get("round_trips_per_cycle")
+        rts = f" \u00b7 {rt:.0f} RT" if rt else ""
+        c.text(x1 + 16, by + bar_h / 2 + 5, f"{d['median']:,.0f}/s{ratio}{rts}", size=12)
+    if floor:
+        tx = x0 + 0.9 * floor * scale
+        c.line(tx, plot_top - 6, tx, plot_bottom, TARGET_INK, 2, "6 4")
+        verdict = ""
+        if "hold" in a and "pass" in a["hold"]:
+            verdict = ": PASS" if a["hold"]["pass"] else ": MISS"
+        c.text(tx, plot_bottom + 32, f"target 0.9x floor{verdict}", 12, "middle", TARGET_INK)
+    c.text((x0 + x1) / 2, plot_bottom + 50, "cycles/s", size=12, anchor="middle", fill=MUTED)
+    c.height = plot_bottom + 62
+    return c
+
+
+def panel_handoff(b: dict[str, Any]) -> Canvas | None:
+    items = [(key, label, b[key]) for key, label in CONTENDERS_B if key in b]
+    if not items:
+        return None
+    c = Canvas()
+    sub = "holder in another process releases, waiter here takes over; log scale; whisker = p99"
+    y = c.title("(b) Handoff delay, median ms (lower is better)", sub)
+    x0, x1 = MARGIN + LABEL_W, WIDTH - MARGIN - VALUE_W
+    values = [v for _, _, d in items for v in (d["median_ms"], d["p99_ms"]) if v > 0]
+    lo = 10 ** math.floor(math.log10(min(values)))
+    hi = 10 ** math.ceil(math.log10(max(values)))
+    span = math.log10(hi) - math.log10(lo)
+
+    def xs(v: float) -> float:
+        return x0 + (math.log10(max(v, lo)) - math.log10(lo)) / span * (x1 - x0)
+
+    bar_h, gap = 24, 14
+    plot_top = y + 8
+    plot_bottom = plot_top + len(items) * (bar_h + gap) - gap + 8
+    decade = lo
+    while decade <= hi * 1.0001:
+        x = xs(decade)
+        c.line(x, plot_top - 4, x, plot_bottom, GRID)
+        c.text(x, plot_bottom + 16, fmt_tick(decade) + " ms", size=11, anchor="middle", fill=MUTED)
+        for k in range(2, 10):
+            if decade * k < hi:
+                xm = xs(decade * k)
+                c.line(xm, plot_bottom - 4, xm, plot_bottom, GRID)
+        decade *= 10
+    base = b.get("prl", {}).get("median_ms")
+    for i, (key, label, d) in enumerate(items):
+        by = plot_top + 4 + i * (bar_h + gap)
+        mid = by + bar_h / 2
+        colour = OURS if key == "hold" else OTHER
+        c.text(x0 - 10, mid + 5, label, size=13, anchor="end")
+        c.rect(x0, by, xs(d["median_ms"]) - x0, bar_h, colour)
+        xm, xp = xs(d["median_ms"]), xs(d["p99_ms"])
+        c.line(xm, mid, xp, mid, INK, 1.5)
+        c.line(xp, mid - 6, xp, mid + 6, INK, 1.5)
+        ratio = f" \u00b7 {d['median_ms'] / base:.2f}x prl" if base else ""
+        note = f"{fmt_ms(d['median_ms'])} \u00b7 p99 {fmt_ms(d['p99_ms'])}{ratio}"
+        c.text(x1 + 16, mid + 5, note, size=12)
+    c.height = plot_bottom + 30
+    return c
+
+
+def panel_heartbeat(cdata: dict[str, Any], private: bool) -> Canvas | None:
+    if not cdata:
+        return None
+    counts = sorted(cdata, key=int)
+    key = "calls_per_s" if private else "writes_per_s"
+    rates = [cdata[n].get(key, cdata[n].get("calls_per_s", 0.0)) for n in counts]
+    expected = cdata[counts[0]].get("expected_per_s") or rates[0]
+    base = rates[0]
+    c = Canvas()
+    what = "EVALSHA calls the server saw" if private else "heartbeat socket writes"
+    sub = f"{what}, per second; grey label = server time of one renewal call"
+    sub2 = (
+        f"dashed = 1 call per renew interval ({expected:.2f}/s); "
+        "shaded = \u00b110% of the 1-lease rate (the target band)"
+    )
+    y = c.title("(c) Heartbeat calls per second vs leases held (flat is the goal)", sub, sub2)
+    x0, x1 = MARGIN + 70, WIDTH - MARGIN - 60
+    plot_top, plot_bottom = y + 14, y + 214
+    top = max(max(rates), expected) * 1.5
+    ticks = nice_ticks(top, 4)
+    yscale = (plot_bottom - plot_top) / ticks[-1]
+
+    def ys(v: float) -> float:
+        return plot_bottom - v * yscale
+
+    for t in ticks:
+        c.line(x0, ys(t), x1, ys(t), GRID)
+        c.text(x0 - 8, ys(t) + 4, fmt_tick(t), size=11, anchor="end", fill=MUTED)
+    c.rect(x0, ys(base * 1.1), x1 - x0, ys(base * 0.9) - ys(base * 1.1), "#dcfce7")
+    c.line(x0, ys(expected), x1, ys(expected), PASS_INK, 1.5, "6 4")
+    step = (x1 - x0) / max(len(counts), 1)
+    pts = [(x0 + step * (i + 0.5), ys(r)) for i, r in enumerate(rates)]
+    path = " ".join(f"{'M' if i == 0 else 'L'}{px:.1f},{py:.1f}" for i, (px, py) in enumerate(pts))
+    c.parts.append(f'<path d="{path}" fill="none" stroke="{OURS}" stroke-width="2.5"/>')
+    for n, (px, py), r in zip(counts, pts, rates, strict=True):
+        c.parts.append(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="5" fill="{OURS}"/>')
+        c.text(px, py - 12, f"{r:.2f}/s", size=12, anchor="middle")
+        us = cdata[n].get("server_us_per_call")
+        if us is not None:
+            c.text(px, py + 24, f"server {us:,.0f} us/call", size=11, anchor="middle", fill=MUTED)
+        label = f"{int(n):,} lease" + ("" if int(n) == 1 else "s")
+        c.text(px, plot_bottom + 18, label, size=12, anchor="middle")
+    c.line(x0, plot_bottom, x1, plot_bottom, MUTED)
+    c.text(x0 - 50, plot_top - 6, "calls/s", size=11, fill=MUTED)
+    c.height = plot_bottom + 36
+    return c
+
+
+def panel_tasks(pools: Sequence[dict[str, Any]], target: float) -> Canvas | None:
+    if not pools:
+        return None
+    c = Canvas()
+    sub = f"one worker per pool; median of rounds; dashed = target {target}x plain"
+    y = c.title("Task throughput: plain vs leased tasks per second (higher is better)", sub)
+    x0, x1 = MARGIN + LABEL_W, WIDTH - MARGIN - VALUE_W
+    top = max(max(p["plain"], p["leased"]) for p in pools)
+    ticks = nice_ticks(top)
+    scale = (x1 - x0) / ticks[-1]
+    bar_h, inner, gap = 22, 4, 22
+    group_h = 2 * bar_h + inner
+    plot_top = y + 8
+    plot_bottom = plot_top + len(pools) * (group_h + gap) - gap + 8
+    for t in ticks:
+        x = x0 + t * scale
+        c.line(x, plot_top - 4, x, plot_bottom, GRID)
+        c.text(x, plot_bottom + 16, fmt_tick(t), size=11, anchor="middle", fill=MUTED)
+    for i, p in enumerate(pools):
+        gy = plot_top + 4 + i * (group_h + gap)
+        ratio = p["leased"] / p["plain"] if p["plain"] else float("nan")
+        c.text(x0 - 10, gy + group_h / 2 - 2, p["label"], size=13, anchor="end", weight="bold")
+        verdict = "PASS" if ratio >= target else "MISS"
+        c.text(x0 - 10, gy + group_h / 2 + 14, f"leased/plain {ratio:.2f}: {verdict}", 11, "end")
+        c.rect(x0, gy, p["plain"] * scale, bar_h, OTHER)
+        c.text(x1 + 16, gy + bar_h / 2 + 5, f"plain {p['plain']:,.0f}/s", 12)
+        ly = gy + bar_h + inner
+        c.rect(x0, ly, p["leased"] * scale, bar_h, OURS)
+        c.text(x1 + 16, ly + bar_h / 2 + 5, f"leased {p['leased']:,.0f}/s", 12)
+        tx = x0 + target * p["plain"] * scale
+        c.line(tx, ly - 2, tx, ly + bar_h + 2, TARGET_INK, 2, "4 3")
+    c.text((x0 + x1) / 2, plot_bottom + 34, "tasks/s", size=12, anchor="middle", fill=MUTED)
+    c.height = plot_bottom + 46
+    return c
+
+
+# --- data ---------------------------------------------------------------------------------------
+def load_tasks(results: Path) -> tuple[list[dict[str, Any]], float, str]:
+    """Per pool: label, plain and leased tasks/s (medians); the target; the date line."""
+    path = results / "tasks.json"
+    if path.exists():
+        data = json.loads(path.read_text())
+        pools = [
+            {
+                "label": f"{p['pool']} (-c {p['concurrency']})",
+                "plain": p["plain_median"],
+                "leased": p["leased_median"],
+            }
+            for p in data.get("pools", [])
+        ]
+        return pools, float(data.get("target", 0.9)), data.get("machine", {}).get("date", "")
+    md = results / "tasks.md"
+    if not md.exists():
+        return [], 0.9, ""
+    pools = []
+    row = re.compile(r"^\| ([^|]+?) \| ([\d,.]+) \| ([\d,.]+) \|")
+    for line in md.read_text().splitlines():
+        m = row.match(line)
+        if m:
+            plain, leased = (float(g.replace(",", "")) for g in m.group(2, 3))
+            pools.append({"label": m.group(1), "plain": plain, "leased": leased})
+    date = re.search(r"(\d{4}-\d\d-\d\d \d\d:\d\d UTC)", md.read_text())
+    return pools, 0.9, date.group(1) if date else ""
+
+
+def render(results: Path = RESULTS_DIR) -> str:
+    """The SVG text for the results in ``results``."""
+    engine_path = results / "engine.json"
+    engine: dict[str, Any] = (
+        json.loads(engine_path.read_text(encoding="utf-8")) if engine_path.exists() else {}
+    )
+    raw = engine.get("results", {})
+    private = bool(engine.get("config", {}).get("private_server", True))
+    pools, target, tasks_date = load_tasks(results)
+    panels = [
+        panel_cycles(raw.get("a", {})),
+        panel_handoff(raw.get("b", {})),
+        panel_heartbeat(raw.get("c", {}), private),
+        panel_tasks(pools, target),
+    ]
+    drawn = [p for p in panels if p is not None]
+    if not drawn:
+        raise FileNotFoundError(f"no benchmark results in {results}")
+    m = engine.get("machine", {})
+    head = Canvas()
+    head.text(MARGIN, 30, "celery_leases benchmarks", size=20, weight="bold")
+    if m:
+        info = (
+            f"{m.get('cpus')} cores, {m.get('cpu_model')}; Python {m.get('python')}, "
+            f"redis-py {m.get('redis_py')}, Redis {str(m.get('server', '?')).split()[0]}"
+        )
+        head.text(MARGIN, 52, info, size=12, fill=MUTED)
+        dates = f"engine run {m.get('date')}" + (f"; tasks run {tasks_date}" if tasks_date else "")
+        head.text(MARGIN, 70, dates, size=12, fill=MUTED)
+    head.height = 84
+    body: list[str] = []
+    y = 0.0
+    for k, canvas in enumerate([head, *drawn]):
+        if k > 1:
+            body.append(f'<line x1="{MARGIN}" y1="{y - 8:.1f}" x2="{WIDTH - MARGIN}" '
+                        f'y2="{y - 8:.1f}" stroke="{GRID}"/>')  # fmt: skip
+        body.append(f'<g transform="translate(0,{y:.1f})">')
+        body += canvas.parts
+        body.append("</g>")
+        y += canvas.height + 16
+    height = math.ceil(y)
+    return "\n".join(
+        [
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
+            f'viewBox="0 0 {WIDTH} {height}" font-family="{FONT}" role="img">',
+            "<title>celery_leases benchmarks</title>",
+            f'<rect width="{WIDTH}" height="{height}" fill="#ffffff"/>',
+            *body,
+            "</svg>",
+            "",
+        ]
+    )
+
+
+def write_plot(results: Path = RESULTS_DIR, out: Path = SVG_PATH) -> Path:
+    """Write the SVG for ``results`` to ``out`` (atomically) and return ``out``."""
+    svg = render(results)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".svg.tmp")
+    tmp.write_text(svg, encoding="utf-8")
+    tmp.replace(out)
+    return out
+
+
+def refresh(results: Path) -> None:
+    """Best effort, for the end of a benchmark run: a failure prints a warning, never raises.
+
+    Results in the default directory update ``docs/img/benchmarks.svg``; results written
+    elsewhere (``--out-dir``) get their plot next to them, so the docs keep the canonical run.
+    """
+    try:
+        default = results.resolve() == RESULTS_DIR.resolve()
+        out = write_plot(results, SVG_PATH if default else results / "benchmarks.svg")
+        print(f"[bench.plot] wrote {out}", file=sys.stderr, flush=True)
+    except Exception as exc:
+        print(f"[bench.plot] warning: no plot written: {exc!r}", file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.plot", description=__doc__)
+    parser.add_argument("--results", default=str(RESULTS_DIR), help="engine.json/tasks.json dir")
+    parser.add_argument("--out", default=str(SVG_PATH), help="the SVG to write")
+    args = parser.parse_args(argv)
+    out = write_plot(Path(args.results), Path(args.out))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
