@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ._lease import Held
     from ._store import LeaseStore
 
-__all__ = ("Heartbeat", "heartbeat")
+__all__ = ("Heartbeat", "RenewObserver", "heartbeat", "renew_observers")
 
 logger = get_logger(__name__)
 
@@ -30,6 +30,12 @@ IDLE_LOOK: Final = 1.0
 MIN_BUDGET: Final = 0.005
 
 LostCallback = Callable[["Held"], None]
+#: ``observer(seconds, ok, count)``: one renew call of ``count`` leases took ``seconds``
+RenewObserver = Callable[[float, bool, int], None]
+
+#: called after every renew call (celery_leases.metrics adds one); an observer must be cheap,
+#: it runs in the heartbeat thread between two batches. Its exceptions are logged.
+renew_observers: Final[list[RenewObserver]] = []
 
 
 class Heartbeat:
@@ -181,11 +187,13 @@ class Heartbeat:
                 lost = store.renew(batch, owner, budget)
             except LeaseError as exc:
                 ok = False
+                _observe_renew(self._clock() - sent, False, len(batch))
                 if not self._failing:
                     logger.error("leases: renewal of %d lease(s) failed: %s", len(batch), exc)
                 else:
                     logger.debug("leases: renewal still failing: %s", exc)
                 continue
+            _observe_renew(self._clock() - sent, True, len(batch))
             logger.debug("leases: renewed %d lease(s) of %s", len(batch), owner)
             for i, h in enumerate(batch):
                 if i in lost:
@@ -213,6 +221,15 @@ class Heartbeat:
                 callback(held)
             except Exception:
                 logger.exception("leases: on_lost callback for %s failed", held.resource)
+
+
+def _observe_renew(seconds: float, ok: bool, count: int) -> None:
+    # a copy: install() or uninstall() in another thread may change the list meanwhile
+    for observer in tuple(renew_observers):
+        try:
+            observer(seconds, ok, count)
+        except Exception:
+            logger.exception("leases: a renew observer failed")
 
 
 _instance: Heartbeat | None = None

@@ -204,6 +204,7 @@ class Leases:
             msg = f"wait must be a number of seconds or None, not {wait!r}"
             raise LeaseConfigError(msg)
         ident = self.identity()
+        started = time.monotonic()
         try:
             granted = self.store.acquire(wants, ident, ttl, wait, task_id)
         except LeaseBusy as busy:
@@ -212,6 +213,7 @@ class Leases:
             )
             _send(signals.lease_busy, busy.resource, retry_after=busy.retry_after, task_id=task_id)
             raise
+        elapsed = time.monotonic() - started
         beat = heartbeat()
         leases = []
         for held in granted:
@@ -230,6 +232,7 @@ class Leases:
                 ttl=ttl,
                 shared=held.mode == "s",
                 task_id=task_id,
+                elapsed=elapsed,
             )
         return leases
 

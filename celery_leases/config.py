@@ -199,9 +199,7 @@ class LeaseSettings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _check_url(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(
-            ("redis://", "rediss://", "unix://", "valkey://", "valkeys://")
-        ):
+        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
             msg = "must be a redis://, rediss:// or unix:// URL"
             raise ValueError(msg)
         return value

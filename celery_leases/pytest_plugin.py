@@ -11,8 +11,9 @@ unless the ``CI`` environment variable is set, where they fail. Every test gets 
 prefix; at the end of the session only keys under this run's prefixes are deleted
 (``SCAN`` + ``UNLINK``), never a ``FLUSHDB``.
 
-Fixtures: ``leases_redis_url``, ``leases_redis``, ``leases_prefix``, ``leases_settings``,
-``make_leases_store``, ``leases_store``, ``make_leases``, ``leases``, ``make_redis_server``.
+Fixtures: ``leases_redis_url``, ``leases_run_prefix``, ``leases_redis``, ``leases_prefix``,
+``leases_settings``, ``make_leases_store``, ``leases_store``, ``make_leases``, ``leases``,
+``make_redis_server``.
 
 .. versionadded:: 0.1
 """

@@ -13,10 +13,16 @@ below (``task_id`` is None outside a task). Receivers run in the thread that sen
 the signal (``lease_lost``: the heartbeat thread) and must not block for long; an exception in
 a receiver is logged and never stops celery_leases.
 
-- ``lease_acquired``: ``resource``, ``token``, ``owner``, ``ttl``, ``shared``, ``task_id``
+- ``lease_acquired``: ``resource``, ``token``, ``owner``, ``ttl``, ``shared``, ``task_id``,
+  ``elapsed`` (seconds the acquire took, waiting included; the same value for every lease of
+  one all-or-nothing acquire)
 - ``lease_busy``: ``resource``, ``retry_after``, ``task_id``
 - ``lease_released``: ``resource``, ``token``, ``owner``, ``held_for``, ``task_id``
 - ``lease_lost``: ``resource``, ``token``, ``owner``, ``held_for``, ``task_id``
+
+``lease_released`` is sent once per lease given back by ``release()``, also for a lease that
+was lost before (its ``lease_lost`` was sent already), and not at all when Redis could not be
+reached to give it back.
 
 .. versionadded:: 0.1
 """

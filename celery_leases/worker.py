@@ -41,6 +41,13 @@ _CHILD_DEATHS: Final = ("WorkerLostError", "TimeLimitExceeded", "Terminated")
 #: SIGTERM first and SIGKILL about 0.1 s later)
 _REAP_AGAIN_AFTER: Final = 1.0
 
+#: ``observer(kind, report)`` after a cleanup pass; kind is "startup", "reaper", "reconcile" or
+#: "shutdown"
+CleanupObserver = Callable[[str, CleanupReport], None]
+#: called after every cleanup pass (celery_leases.metrics adds one); exceptions are logged.
+#: An internal hook, not in __all__: not a public API.
+cleanup_observers: Final[list[CleanupObserver]] = []
+
 _active: LeaseBootstep | None = None
 
 
@@ -62,7 +69,12 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def _log_report(what: str, report: CleanupReport) -> None:
+def _log_report(kind: str, what: str, report: CleanupReport) -> None:
+    for observer in tuple(cleanup_observers):
+        try:
+            observer(kind, report)
+        except Exception:
+            logger.exception("leases: a cleanup observer failed")
     if report.released:
         logger.info(
             "leases: %s released %d lease(s): %s",
@@ -113,7 +125,9 @@ class LeaseBootstep(bootsteps.StartStopStep):
         except LeaseError as exc:
             logger.error("leases: start-up cleanup of node %s failed: %s", ident.node, exc)
         else:
-            _log_report(f"start-up cleanup of earlier incarnations of {ident.node}", report)
+            _log_report(
+                "startup", f"start-up cleanup of earlier incarnations of {ident.node}", report
+            )
         timer = getattr(worker, "timer", None)
         if timer is None:
             return
@@ -150,9 +164,9 @@ class LeaseBootstep(bootsteps.StartStopStep):
         def dead(pid: int) -> bool:
             return pid != self.pid and not _pid_alive(pid)
 
-        return self._clean_own("reaper (dead pool process)", dead)
+        return self._clean_own("reaper", "reaper (dead pool process)", dead)
 
-    def _clean_own(self, what: str, select: Callable[[int], bool]) -> CleanupReport:
+    def _clean_own(self, kind: str, what: str, select: Callable[[int], bool]) -> CleanupReport:
         """Clean the owners of this node's current incarnation whose pid ``select`` picks."""
         report = CleanupReport()
         ext = self.ext
@@ -169,7 +183,7 @@ class LeaseBootstep(bootsteps.StartStopStep):
                 _, incarnation, pid = owner.rsplit("/", 2)
                 if incarnation == ident.incarnation and pid.isdigit() and select(int(pid)):
                     report.merge(ext.store.cleanup_owner_isolated(owner, dead=True))
-        _log_report(what, report)
+        _log_report(kind, what, report)
         return report
 
     def reconcile(self) -> CleanupReport | None:
@@ -185,7 +199,7 @@ class LeaseBootstep(bootsteps.StartStopStep):
     def final_release(self) -> CleanupReport:
         """Release everything this incarnation of the node still holds (warm shutdown)."""
         node = self.ext.identity().node if self.ext is not None else ""
-        return self._clean_own(f"warm shutdown of {node}", lambda pid: True)
+        return self._clean_own("shutdown", f"warm shutdown of {node}", lambda pid: True)
 
     def reap_soon(self) -> None:
         """Reap now, and once more shortly (a child may still be exiting)."""
@@ -215,7 +229,7 @@ def run_reconcile(ext: Leases) -> CleanupReport | None:
         return None
     try:
         report = ext.store.reconcile()
-        _log_report("orphan reconcile", report)
+        _log_report("reconcile", "orphan reconcile", report)
         return report
     except LeaseError as exc:
         logger.error("leases: reconcile failed: %s", exc)

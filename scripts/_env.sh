@@ -2,7 +2,7 @@
 #
 # In:  LEASES_DB        database number to use on the chosen Redis (default 15)
 #      REDIS_URL        Redis to use if it answers (default redis://127.0.0.1:6379)
-# Out: the repo root as working directory, .venv active with '.[dev]' installed, and
+# Out: the repo root as working directory, .venv active with '.[dev,docs]' installed, and
 #      LEASES_REDIS_URL: REDIS_URL with its database replaced by LEASES_DB, or a private
 #      server started here and stopped when the sourcing script exits (trap EXIT).
 
@@ -27,8 +27,8 @@ if [[ ! -f .venv/bin/activate ]]; then
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
-echo "==> pip install -e '.[dev]'"
-python -m pip install -q --disable-pip-version-check -e '.[dev]'
+echo "==> pip install -e '.[dev,docs]'"
+python -m pip install -q --disable-pip-version-check -e '.[dev,docs]'
 
 _leases_redact() { sed -E 's#//[^@/]*@#//***@#' <<<"$1"; }
 
