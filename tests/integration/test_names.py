@@ -10,6 +10,7 @@ from celery_leases import LeaseBusy, LeaseConfigError, Leases, Shared
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
 from celery_leases._store import Busy
+from tests.cluster import hash_tag
 
 NAMES = [
     "plain",
@@ -44,15 +45,6 @@ NAMES = [
     "x:1}:x:a",
     "{leases:0}:x:a",
 ]
-
-
-def hash_tag(key: str) -> str:
-    start = key.find("{")
-    if start != -1:
-        end = key.find("}", start + 1)
-        if end > start + 1:
-            return key[start + 1 : end]
-    return key
 
 
 def test_the_names_are_distinct():

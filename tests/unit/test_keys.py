@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from celery_leases._keys import Keyspace, escape, node_of_owner, owner_id, unescape
+from tests.cluster import hash_tag
 
 # no example database written into the work tree, and no per-example deadline on slow CI
 settings.register_profile("celery_leases_keys", database=None, deadline=None)
@@ -60,16 +61,6 @@ TRICKY = [
 text_names = st.text(max_size=60)
 tricky_alphabet = st.text(alphabet=st.sampled_from("{}%:7BbDd0A2 \n\x00é/"), max_size=30)
 names = st.one_of(text_names, tricky_alphabet, st.sampled_from(TRICKY))
-
-
-def hash_tag(key: str) -> str:
-    """The part of ``key`` Redis Cluster hashes (CLUSTER KEYSLOT's rule)."""
-    start = key.find("{")
-    if start != -1:
-        end = key.find("}", start + 1)
-        if end > start + 1:
-            return key[start + 1 : end]
-    return key
 
 
 def all_keys(ks: Keyspace, name: str) -> list[str]:
