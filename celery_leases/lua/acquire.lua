@@ -100,7 +100,8 @@ if ARGV[8] ~= '0' then
   redis.call('PEXPIRE', KEYS[2], ARGV[8])
 end
 if home then
-  redis.call('ZADD', KEYS[3], num(now + tonumber(ARGV[5])), owner)
+  -- GT: a liveness only grows; a caller with a shorter one never cuts another's short
+  redis.call('ZADD', KEYS[3], 'GT', num(now + tonumber(ARGV[5])), owner)
   redis.call('SADD', KEYS[4], owner)
   redis.call('SADD', KEYS[5], ARGV[6])
 end

@@ -54,7 +54,7 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 if home then
   -- re-registering costs little and heals an owner that a reconcile forgot while it could not
   -- renew (its leases are reported lost above)
-  redis.call('ZADD', KEYS[2], num(now + tonumber(ARGV[4])), owner)
+  redis.call('ZADD', KEYS[2], 'GT', num(now + tonumber(ARGV[4])), owner)
   redis.call('SADD', KEYS[3], owner)
   redis.call('SADD', KEYS[4], ARGV[5])
 end

@@ -38,3 +38,15 @@ def test_unreadable_entries_are_kept_and_reported(leases: Leases, leases_redis):
     assert store.holders("r") == []
     leases.release([lease])  # already freed by the cleanup: nothing left to do
     leases_redis.delete(registry)
+
+
+def test_a_shorter_liveness_never_cuts_a_longer_one(make_leases, leases_prefix):
+    # two Leases on one prefix in one process share the owner id; the one with the shorter
+    # ttl setting must not make the owner look dead sooner than the longer one promised
+    long_lived = make_leases(ttl=60.0)
+    short_lived = make_leases(ttl=2.0)
+    owner = long_lived.identity().owner
+    assert short_lived.identity().owner == owner
+    with long_lived.hold("long"), short_lived.hold("short"):
+        left = dict(long_lived.store.owners())[owner]
+        assert left > 30.0, f"liveness was cut to {left:.1f}s"
