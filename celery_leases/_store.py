@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -25,7 +23,7 @@ from . import _scripts
 from ._identity import Identity
 from ._keys import Keyspace, escape, node_of_owner, unescape
 from ._lease import Held, Want
-from .config import LeaseSettings
+from .config import LeaseSettings, safe_url
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError
 
 __all__ = ("CleanupReport", "LeaseStore", "safe_url")
@@ -60,29 +58,6 @@ class ResourceKeys:
     counter: str
     channel: str
     group: int
-
-
-def safe_url(url: str) -> str:
-    """``url`` without its password (in the user info or a ``password=`` query), for logs."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        return "<unparsable redis url>"
-    netloc = parts.netloc
-    if parts.password is not None:
-        host = parts.hostname or ""
-        if ":" in host:  # IPv6: keep the brackets, or the port reads as part of the address
-            host = f"[{host}]"
-        netloc = f"{parts.username or ''}:***@{host}"
-        if port:
-            netloc += f":{port}"
-    # redis-py also takes the password as a query argument: redis://host/0?password=...
-    query = _QUERY_PASSWORD.sub(r"\1=***", parts.query)
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
-
-
-_QUERY_PASSWORD: Final = re.compile(r"(?i)(?<![^&;])(password)=[^&;]*")
 
 
 @dataclass
@@ -906,7 +881,8 @@ class LeaseStore:
     # --- inspect --------------------------------------------------------------------------
     def holders(self, resource: str) -> list[Holder]:
         """Who holds ``resource`` now (exclusive holder or live shared holders)."""
-        xkey, skey, _ = self.keys.resource_keys(resource)
+        rk = self.resource_keys(resource)
+        xkey, skey = rk.exclusive, rk.shared
         with self._backend("inspect a resource"):
             pipe = self.client.pipeline(transaction=False)
             pipe.get(xkey)
@@ -967,7 +943,7 @@ class LeaseStore:
 
     def commit_receipt(self, name: str, held: Held, receipt: str, ttl: float | None) -> bool:
         """Store ``receipt`` if ``held`` (the once-lease) is still ours; False if it is not."""
-        keys = [self.keys.exclusive(held.resource), self.keys.receipt(name)]
+        keys = [self.resource_keys(held.resource).exclusive, self.keys.receipt(name)]
         args: list[Any] = [
             f"{held.token} {held.owner}",
             receipt,

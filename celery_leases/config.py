@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -278,14 +279,32 @@ def _config_error(exc: ValidationError, kwargs: Mapping[str, Any], conf: Mapping
             message = str(err["msg"]).removeprefix("Value error, ")
             shown = err["input"]
             if field == "redis_url" and isinstance(shown, str):
-                shown = _redact_url(shown)
+                shown = safe_url(shown)
             lines.append(f"setting {field!r} from {where}: {message} (got {shown!r})")
     return "invalid celery_leases settings: " + "; ".join(lines)
 
 
-def _redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (settings errors must not leak it)."""
-    return re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", re.sub(r"(password=)[^&]*", r"\1***", url))
+def safe_url(url: str) -> str:
+    """``url`` without its password (in the user info or a ``password=`` query), for logs."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return "<unparsable redis url>"
+    netloc = parts.netloc
+    if parts.password is not None:
+        host = parts.hostname or ""
+        if ":" in host:  # IPv6: keep the brackets, or the port reads as part of the address
+            host = f"[{host}]"
+        netloc = f"{parts.username or ''}:***@{host}"
+        if port:
+            netloc += f":{port}"
+    # redis-py also takes the password as a query argument: redis://host/0?password=...
+    query = _QUERY_PASSWORD.sub(r"\1=***", parts.query)
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+_QUERY_PASSWORD: Final = re.compile(r"(?i)(?<![^&;])(password)=[^&;]*")
 
 
 def _conf_of(app: Celery | None) -> dict[str, Any]:
