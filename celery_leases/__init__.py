@@ -23,7 +23,14 @@ from importlib.metadata import version as _version
 from ._lease import Lease, Shared
 from .app import Leases
 from .config import LeaseSettings
-from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseError, LeaseLost
+from .exceptions import (
+    DuplicateTask,
+    LeaseBackendError,
+    LeaseBusy,
+    LeaseConfigError,
+    LeaseError,
+    LeaseLost,
+)
 from .task import LeasedTask, current_leases
 
 try:
@@ -33,6 +40,7 @@ except _PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = (
     "current_leases",
+    "DuplicateTask",
     "Lease",
     "LeaseBackendError",
     "LeaseBusy",

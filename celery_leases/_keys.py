@@ -7,9 +7,11 @@ import zlib
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ("Keyspace", "escape", "unescape")
+__all__ = ("UNIQUE_PREFIX", "Keyspace", "escape", "unescape")
 
 _UNSAFE: Final = re.compile(r"[%{}\x00-\x20\x7f]")
+#: the resource name of a unique claim is this prefix + the rendered unique key
+UNIQUE_PREFIX: Final = "celery_leases:unique:"
 
 
 def escape(name: str) -> str:
@@ -107,6 +109,18 @@ class Keyspace:
     def once_resource(self, name: str) -> str:
         """The resource whose exclusive lease guards ``once(name, ...)``."""
         return f"celery_leases:once:{name}"
+
+    def unique_resource(self, key: str) -> str:
+        """The resource whose exclusive lease is the claim of unique key ``key``.
+
+        Queued, its key holds ``"<token> %queued/<task id>"`` and no owner records it; once a
+        worker took it over it is an ordinary lease of that worker process.
+        """
+        return UNIQUE_PREFIX + key
+
+    def unique_queued(self, group: int) -> str:
+        """ZSET of the claim resources queued in ``group``, scored by expiry (Redis ms)."""
+        return f"{self.tag(group)}:unique-queued"
 
     def receipt(self, name: str) -> str:
         """STRING (JSON) receipt of ``once(name, ...)``, in the slot group of its lease."""

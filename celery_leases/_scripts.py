@@ -14,6 +14,10 @@ __all__ = (
     "FORGET_OWNER",
     "RELEASE",
     "RENEW",
+    "UNIQUE_CLAIM",
+    "UNIQUE_HANDOVER",
+    "UNIQUE_REQUEUE",
+    "UNIQUE_UNCLAIM",
 )
 
 
@@ -28,6 +32,10 @@ EXPIRED_OWNERS: Final = _read("expired_owners")
 FORGET_OWNER: Final = _read("forget_owner")
 COMMIT_RECEIPT: Final = _read("commit_receipt")
 BEAT_CLAIM: Final = _read("beat_claim")
+UNIQUE_CLAIM: Final = _read("unique_claim")
+UNIQUE_HANDOVER: Final = _read("unique_handover")
+UNIQUE_REQUEUE: Final = _read("unique_requeue")
+UNIQUE_UNCLAIM: Final = _read("unique_unclaim")
 
 ALL: Final[dict[str, str]] = {
     "acquire": ACQUIRE,
@@ -37,4 +45,8 @@ ALL: Final[dict[str, str]] = {
     "forget_owner": FORGET_OWNER,
     "commit_receipt": COMMIT_RECEIPT,
     "beat_claim": BEAT_CLAIM,
+    "unique_claim": UNIQUE_CLAIM,
+    "unique_handover": UNIQUE_HANDOVER,
+    "unique_requeue": UNIQUE_REQUEUE,
+    "unique_unclaim": UNIQUE_UNCLAIM,
 }

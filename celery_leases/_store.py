@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Final, NamedTuple
+from typing import Any, Final, Literal, NamedTuple
 
 import redis
 from redis.backoff import NoBackoff
@@ -21,12 +21,12 @@ from redis.retry import Retry
 
 from . import _scripts
 from ._identity import Identity
-from ._keys import Keyspace, escape, node_of_owner, unescape
+from ._keys import UNIQUE_PREFIX, Keyspace, escape, node_of_owner, unescape
 from ._lease import Held, Want
 from .config import LeaseSettings, safe_url
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError
 
-__all__ = ("CleanupReport", "LeaseStore", "safe_url")
+__all__ = ("ClaimHolder", "Claimed", "CleanupReport", "LeaseStore", "safe_url")
 
 #: how long the last fencing token of a resource is remembered. Tokens never go backwards even
 #: without it (they are at least the Redis clock in microseconds); it covers bursts of grants
@@ -181,6 +181,10 @@ class LeaseStore:
         self._forget_owner = client.register_script(_scripts.FORGET_OWNER)
         self._commit_receipt = client.register_script(_scripts.COMMIT_RECEIPT)
         self._beat_claim = client.register_script(_scripts.BEAT_CLAIM)
+        self._unique_claim = client.register_script(_scripts.UNIQUE_CLAIM)
+        self._unique_handover = client.register_script(_scripts.UNIQUE_HANDOVER)
+        self._unique_requeue = client.register_script(_scripts.UNIQUE_REQUEUE)
+        self._unique_unclaim = client.register_script(_scripts.UNIQUE_UNCLAIM)
 
     def close(self) -> None:
         """Close this process's connections (a new client is made on next use)."""
@@ -987,6 +991,267 @@ class LeaseStore:
             )
         return bool(int(won)), int(run), int(now), str(winner)
 
+    # --- unique claims ----------------------------------------------------------------------
+    # A task declared with ``unique=`` has at most one copy queued or running per rendered
+    # key. The claim is the exclusive lease of ``Keyspace.unique_resource(key)``: the producer
+    # takes it with the queue TTL before publishing (queued: ``"<token> %queued/<task id>"``,
+    # in no owner's registry); the worker that starts the task takes it over (running: an
+    # ordinary lease of that process, renewed and cleaned up like every other); the task's
+    # finalizer releases it with release.lua (token-checked), and so does any cleanup of a
+    # dead owner. All the keys of one claim are in the claim resource's slot group.
+
+    def unique_claim(self, key: str, task_id: str, ttl: float) -> Claimed | ClaimHolder:
+        """Claim ``key`` for ``task_id``, about to be published, for ``ttl`` seconds.
+
+        Returns:
+            :class:`Claimed` (``again`` when it was already queued for this task id), or the
+            :class:`ClaimHolder` that has it.
+        """
+        resource = self.keys.unique_resource(key)
+        Want(resource)  # a name without a UTF-8 form is a LeaseConfigError, not a redis one
+        rk = self.resource_keys(resource)
+        keys = [rk.exclusive, rk.counter, self.keys.unique_queued(rk.group)]
+        args: list[Any] = [escape(task_id), self._ms(ttl), TOKEN_MEMORY_MS, resource]
+        client = self.client  # first: it registers the scripts in this process
+        with self._backend("claim a unique key"):
+            reply = self._unique_claim(keys, args, client=client)
+        code = int(reply[0])
+        if code:
+            return Claimed(key, task_id, int(reply[1]), again=code == 2)
+        return self._claim_holder(key, resource, str(reply[1]), int(reply[2]))
+
+    def unique_handover(
+        self, key: str, task_id: str, ident: Identity, ttl: float
+    ) -> Held | ClaimHolder:
+        """One attempt to take over ``key``'s claim for ``task_id`` as a lease of ``ident``.
+
+        It succeeds when the claim is queued for ``task_id`` or when there is none.
+        """
+        resource = self.keys.unique_resource(key)
+        Want(resource)
+        rk = self.resource_keys(resource)
+        group, owner = rk.group, ident.owner
+        registered = self._registered.get(owner)
+        fresh = registered is not None and (
+            time.monotonic() - registered < self.settings.ttl * self.settings.margin_fraction
+        )
+        if not fresh:
+            # register the owner first (as try_acquire does for a lease outside the home
+            # group): a lease in the registry of an unregistered owner is invisible to the
+            # start-up cleanup of its node and to the reconcile
+            home = self._acquire_group(0, [], ident, ttl, True, task_id)
+            if isinstance(home, Busy):
+                return ClaimHolder(key, "grace", None, 0, None, home.wait)
+        now = time.monotonic()
+        registry_s = self._registry_expiry(owner, group, ttl, now)
+        keys = [
+            self.keys.epoch(group),
+            self._registry_key(owner, group),
+            rk.exclusive,
+            rk.counter,
+            self.keys.unique_queued(group),
+        ]
+        args: list[Any] = [
+            owner,
+            self._ms(ttl),
+            self._grace_ms,
+            TOKEN_MEMORY_MS,
+            self._ms(registry_s) if registry_s else 0,
+            escape(task_id),
+            resource,
+        ]
+        client = self.client
+        with self._backend("take over a unique claim"):
+            reply = self._unique_handover(keys, args, client=client)
+        code = int(reply[0])
+        if code == _GRACE:
+            return ClaimHolder(key, "grace", None, 0, None, int(reply[1]) / 1000)
+        if code == _BUSY:
+            return self._claim_holder(key, resource, str(reply[1]), int(reply[2]))
+        if registry_s:
+            self._registry_until[(owner, group)] = now + registry_s
+        return Held(
+            store=self,
+            owner=owner,
+            resource=resource,
+            mode="x",
+            token=int(reply[1]),
+            ttl=ttl,
+            acquired_at=now,
+            confirmed_at=now,
+            horizon=self.horizon(ttl),
+            task_id=task_id,
+        )
+
+    def unique_take(
+        self, key: str, task_id: str, ident: Identity, ttl: float, wait: float
+    ) -> Held | ClaimHolder:
+        """Take over ``key``'s claim for ``task_id``, waiting where waiting can help.
+
+        While the claim is held by a run of this same task id in another process (a
+        redelivered message; the first run may be dead and its lease about to be freed) or
+        Redis is in its restart grace, wait up to ``wait`` seconds, woken by the claim's
+        release (no polling) or the holder's expiry. A claim of another task id is answered
+        at once: waiting cannot make it ours.
+        """
+        start = time.monotonic()
+        outcome = self.unique_handover(key, task_id, ident, ttl)
+        if isinstance(outcome, Held) or not outcome.waits_for(task_id) or wait <= 0:
+            return outcome
+        deadline = start + wait
+        channel = self.resource_keys(self.keys.unique_resource(key)).channel
+        with self._backend("wait for a unique claim"):
+            pubsub = self._take_pubsub()
+            healthy = False
+            try:
+                pubsub.subscribe(channel)
+                self._await_subscribed(pubsub, [channel])
+                while True:
+                    outcome = self.unique_handover(key, task_id, ident, ttl)
+                    now = time.monotonic()
+                    if isinstance(outcome, Held) or not outcome.waits_for(task_id):
+                        healthy = True
+                        return outcome
+                    if now >= deadline:
+                        healthy = True
+                        return outcome
+                    pause = deadline - now
+                    if outcome.expires_in is not None:
+                        pause = min(pause, outcome.expires_in + _EXPIRY_SLACK)
+                    pubsub.get_message(timeout=pause)
+            finally:
+                if healthy:
+                    self._give_back_pubsub(pubsub, [channel])
+                else:
+                    pubsub.close()
+
+    def unique_requeue(self, held: Held, ttl: float) -> bool:
+        """Put a running claim (``held``) back in the queued state for its task, for ``ttl``.
+
+        Returns False, changing nothing, when ``held`` no longer has the claim.
+        """
+        rk = self.resource_keys(held.resource)
+        keys = [
+            rk.exclusive,
+            self._registry_key(held.owner, rk.group),
+            self.keys.unique_queued(rk.group),
+        ]
+        args: list[Any] = [
+            f"{held.token} {held.owner}",
+            entry_text(held.mode, held.token, held.task_id, held.resource),
+            escape(held.task_id or ""),
+            self._ms(ttl),
+            held.resource,
+        ]
+        client = self.client
+        with self._backend("queue a unique claim again"):
+            return bool(int(self._unique_requeue(keys, args, client=client)))
+
+    def unique_unclaim(self, key: str, task_id: str, token: int | None = None) -> bool:
+        """Release ``key``'s claim if it is still queued for ``task_id`` (and ``token``).
+
+        Returns True if it was released; a claim a worker took over, or one of another task,
+        is left alone.
+        """
+        resource = self.keys.unique_resource(key)
+        Want(resource)
+        rk = self.resource_keys(resource)
+        keys = [rk.exclusive, self.keys.unique_queued(rk.group)]
+        args: list[Any] = [
+            escape(task_id),
+            "" if token is None else str(token),
+            resource,
+            rk.channel,
+        ]
+        client = self.client
+        with self._backend("release a queued unique claim"):
+            return bool(int(self._unique_unclaim(keys, args, client=client)))
+
+    def unique_holder(self, key: str) -> ClaimHolder | None:
+        """Who holds ``key``'s claim now, or None when it is free."""
+        resource = self.keys.unique_resource(key)
+        Want(resource)
+        xkey = self.resource_keys(resource).exclusive
+        with self._backend("inspect a unique claim"):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.get(xkey)
+            pipe.pttl(xkey)
+            value, pttl = pipe.execute()
+        if value is None:
+            return None
+        return self._claim_holder(key, resource, str(value), int(pttl))
+
+    def queued_claims(self) -> list[ClaimHolder]:
+        """Every unique claim still queued (its task not started yet), by key.
+
+        Read from each slot group's index of queued claims, never from the keyspace; a claim
+        that ran out or was taken over since it was listed is left out.
+        """
+        with self._backend("list queued unique claims"):
+            pipe = self.client.pipeline(transaction=False)
+            for group in range(self.settings.slot_groups):
+                pipe.zrange(self.keys.unique_queued(group), 0, -1)
+            resources = sorted({str(m) for reply in pipe.execute() for m in reply})
+            out: list[ClaimHolder] = []
+            for start in range(0, len(resources), _OPS_BATCH):
+                chunk = resources[start : start + _OPS_BATCH]
+                pipe = self.client.pipeline(transaction=False)
+                for resource in chunk:
+                    xkey = self.resource_keys(resource).exclusive
+                    pipe.get(xkey)
+                    pipe.pttl(xkey)
+                replies = pipe.execute()
+                for i, resource in enumerate(chunk):
+                    value, pttl = replies[2 * i], int(replies[2 * i + 1])
+                    if value is None or not resource.startswith(UNIQUE_PREFIX):
+                        continue
+                    token, _, who = str(value).partition(" ")
+                    if not who.startswith(QUEUED_OWNER) or not token.isdigit():
+                        continue
+                    out.append(
+                        ClaimHolder(
+                            resource.removeprefix(UNIQUE_PREFIX),
+                            "queued",
+                            unescape(who.removeprefix(QUEUED_OWNER)),
+                            int(token),
+                            None,
+                            None if pttl < 0 else pttl / 1000,
+                        )
+                    )
+        return out
+
+    def _claim_holder(self, key: str, resource: str, value: str, pttl: int) -> ClaimHolder:
+        """A claim key's value, read: queued (the task id is in it) or running (read the
+        task id from the holder's registry entry)."""
+        text, _, who = value.partition(" ")
+        token = int(text) if text.isdigit() else 0
+        expires_in = None if pttl < 0 else pttl / 1000
+        if who.startswith(QUEUED_OWNER):
+            task_id = unescape(who.removeprefix(QUEUED_OWNER))
+            return ClaimHolder(key, "queued", task_id, token, None, expires_in)
+        return ClaimHolder(
+            key, "running", self._registry_task(who, resource, token), token, who, expires_in
+        )
+
+    def _registry_task(self, owner: str, resource: str, token: int) -> str | None:
+        """The task id ``owner``'s registry records for its lease ``resource``/``token``.
+
+        None when the entry is gone (the lease changed hands since it was read) or records
+        no task. A registry holds what one process holds, so reading it costs little.
+        """
+        group = self.resource_keys(resource).group
+        with self._backend("read an owner registry"):
+            members = self.client.smembers(self._registry_key(owner, group))
+        for member in members:
+            entry = _parse_entry(str(member))
+            if entry is not None and (entry.mode, entry.token, entry.resource) == (
+                "x",
+                token,
+                resource,
+            ):
+                return entry.task_id
+        return None
+
 
 class Entry(NamedTuple):
     """One owner-registry entry: what a lease holder recorded at the grant."""
@@ -1014,3 +1279,47 @@ def _parse_entry(member: str) -> Entry | None:
     if mode not in ("x", "s") or not token.isdigit() or not task or not resource:
         return None
     return Entry(mode, int(token), None if task == "-" else unescape(task), resource)
+
+
+# --- unique claims ---------------------------------------------------------------------------
+#: the owner part of a queued claim's value: "%queued/<escaped task id>". No owner id starts
+#: so: an owner id starts with an escaped node name, where "%" is always followed by hex.
+QUEUED_OWNER: Final = "%queued/"
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A unique claim queued for a task (``again``: it already was, by an earlier publish)."""
+
+    key: str
+    task_id: str
+    token: int
+    again: bool = False
+
+
+@dataclass(frozen=True)
+class ClaimHolder:
+    """Who holds a unique claim (that the caller could not get).
+
+    Attributes:
+        key: the rendered unique key.
+        state: ``"queued"`` (published, not started), ``"running"`` (a worker took it over)
+            or ``"grace"`` (Redis is in its restart grace; nobody may be granted anything).
+        task_id: the holding task's id; None when it could not be read (it changed hands
+            while it was read, or the key was written by something else).
+        token: the claim's fencing token.
+        owner: for ``"running"``, the owner id of the worker process that runs it.
+        expires_in: seconds until the claim runs out unless renewed; None: it never does.
+    """
+
+    key: str
+    state: Literal["queued", "running", "grace"]
+    task_id: str | None
+    token: int
+    owner: str | None
+    expires_in: float | None
+
+    def waits_for(self, task_id: str) -> bool:
+        """True if a taker for ``task_id`` should wait (not give up): the claim is held by
+        a run of that same task elsewhere, or Redis is in its restart grace."""
+        return self.state == "grace" or (self.state == "running" and self.task_id == task_id)

@@ -30,6 +30,7 @@ from ._heartbeat import heartbeat
 from ._identity import Identity, current_identity
 from ._lease import Held, Lease, Shared, Want, want_of
 from ._store import LeaseStore, safe_url
+from ._unique import install as install_unique
 from .config import LeaseSettings, resolve_settings, set_settings
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseLost
 from .worker import install
@@ -65,6 +66,7 @@ class Leases:
         self.store = LeaseStore(self.settings)
         app.leases = self  # type: ignore[attr-defined]
         install(self)
+        install_unique(self)
 
     def __repr__(self) -> str:
         where = safe_url(self.settings.url)

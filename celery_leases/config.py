@@ -32,7 +32,15 @@ from .exceptions import LeaseConfigError
 if TYPE_CHECKING:
     from celery import Celery
 
-__all__ = ("ENV_PREFIX", "LeaseSettings", "OnBusy", "OnLost", "get_settings", "resolve_settings")
+__all__ = (
+    "ENV_PREFIX",
+    "LeaseSettings",
+    "OnBusy",
+    "OnDuplicate",
+    "OnLost",
+    "get_settings",
+    "resolve_settings",
+)
 
 ENV_PREFIX: Final = "CELERY_LEASES_"
 CONF_PREFIX: Final = "leases_"
@@ -40,6 +48,7 @@ DEFAULT_REDIS_URL: Final = "redis://localhost:6379/0"
 
 OnBusy = Literal["retry", "skip", "fail", "wait"]
 OnLost = Literal["interrupt", "log"]
+OnDuplicate = Literal["existing", "raise", "ignore"]
 
 _PREFIX_RE: Final = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
 
@@ -180,6 +189,25 @@ class LeaseSettings(BaseSettings):
         86400.0,
         gt=0.0,
         description="Seconds a beat entry's last claimed run is remembered in Redis.",
+    )
+    unique_ttl: float = Field(
+        3600.0,
+        gt=0.0,
+        le=30 * 86400.0,
+        description=(
+            "Tasks with unique=: seconds a claim lives while its task waits in the queue (plus "
+            "its countdown or ETA). It must exceed the longest time a task can wait before a "
+            "worker starts it; a task lost in the broker, or whose producer died before "
+            "publishing, blocks its key at most this long."
+        ),
+    )
+    on_duplicate: OnDuplicate = Field(
+        "existing",
+        description=(
+            "Tasks with unique=: what the producer of a duplicate gets. existing: the "
+            "AsyncResult of the task that holds the claim; raise: DuplicateTask; ignore: a "
+            "result in state REJECTED (nothing is sent)."
+        ),
     )
     node: str | None = Field(
         None,

@@ -5,6 +5,8 @@ Catch :class:`LeaseError` to handle every one of them::
     LeaseError                  root; catch this one
     ├── LeaseConfigError        also a ValueError: invalid settings or task options
     ├── LeaseBusy               another holder has it; .resource, .retry_after
+    │   └── DuplicateTask       a unique task's key is claimed by a queued or running copy;
+    │                           .key, .task_id, .state
     ├── LeaseLost               our lease expired or was taken over; .resource, .held_for
     └── LeaseBackendError       Redis failed or could not be reached; raised from the redis error
 
@@ -14,7 +16,14 @@ No raw ``redis`` exception escapes the public API: each is wrapped in
 
 from __future__ import annotations
 
-__all__ = ("LeaseBackendError", "LeaseBusy", "LeaseConfigError", "LeaseError", "LeaseLost")
+__all__ = (
+    "DuplicateTask",
+    "LeaseBackendError",
+    "LeaseBusy",
+    "LeaseConfigError",
+    "LeaseError",
+    "LeaseLost",
+)
 
 
 class LeaseError(Exception):
@@ -51,6 +60,39 @@ class LeaseBusy(LeaseError):
         if self.waited > 0:
             msg += f" (waited {self.waited:.1f}s)"
         return msg
+
+
+class DuplicateTask(LeaseBusy):
+    """A task declared ``unique=`` was not sent: a copy with the same key is queued or running.
+
+    Raised by ``apply_async``/``delay``/``send_task`` (and canvas) when the task's
+    ``on_duplicate`` is ``"raise"``.
+
+    Attributes:
+        key: the rendered unique key.
+        task_id: the id of the copy that holds the key (None if it could not be read).
+        state: ``"queued"`` or ``"running"``.
+        resource: the claim's resource name (``celery_leases:unique:<key>``).
+
+    .. versionadded:: 0.1
+    """
+
+    def __init__(
+        self,
+        key: str,
+        task_id: str | None = None,
+        state: str = "queued",
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(f"celery_leases:unique:{key}", retry_after)
+        self.args = (key, task_id, state, retry_after)
+        self.key = key
+        self.task_id = task_id
+        self.state = state
+
+    def __str__(self) -> str:
+        holder = f"task {self.task_id}" if self.task_id else "another task"
+        return f"not sent: unique key {self.key!r} is held by {holder} ({self.state})"
 
 
 class LeaseLost(LeaseError):

@@ -20,6 +20,11 @@ a receiver is logged and never stops celery_leases.
 - ``lease_released``: ``resource``, ``token``, ``owner``, ``held_for``, ``task_id``
 - ``lease_lost``: ``resource``, ``token``, ``owner``, ``held_for``, ``task_id``
 
+- ``unique_duplicate``: sent by a producer (``sender`` = the task name) that did not send a
+  task declared ``unique=`` because its key is held: ``key``, ``task_id`` (of the copy not
+  sent), ``holder_task_id`` (of the copy holding it, None if unknown), ``state`` (``queued``
+  or ``running``), ``policy`` (the ``on_duplicate`` applied)
+
 ``lease_released`` is sent once per lease given back by ``release()``, also for a lease that
 was lost before (its ``lease_lost`` was sent already), and not at all when Redis could not be
 reached to give it back.
@@ -31,9 +36,10 @@ from __future__ import annotations
 
 from celery.utils.dispatch import Signal
 
-__all__ = ("lease_acquired", "lease_busy", "lease_lost", "lease_released")
+__all__ = ("lease_acquired", "lease_busy", "lease_lost", "lease_released", "unique_duplicate")
 
 lease_acquired = Signal(name="lease_acquired")
 lease_busy = Signal(name="lease_busy")
 lease_released = Signal(name="lease_released")
 lease_lost = Signal(name="lease_lost")
+unique_duplicate = Signal(name="unique_duplicate")

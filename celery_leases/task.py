@@ -73,8 +73,9 @@ from celery.exceptions import Retry
 from celery.utils.log import get_logger
 
 from ._lease import Held, Lease, Shared, Want
+from ._unique import release_claim, take_claim
 from .app import Leases
-from .config import OnBusy, OnLost, get_settings
+from .config import OnBusy, OnDuplicate, OnLost, get_settings
 from .exceptions import LeaseBusy, LeaseConfigError, LeaseLost
 
 __all__ = ("LeasedTask", "current_leases")
@@ -101,9 +102,15 @@ def current_leases() -> tuple[Lease, ...]:
 class _Template:
     """A resource template checked against a task signature once, at declaration."""
 
-    __slots__ = ("fields", "limit", "mode", "text")
+    __slots__ = ("fields", "limit", "mode", "text", "what")
 
-    def __init__(self, task_name: str, item: object, params: Mapping[str, inspect.Parameter]):
+    def __init__(
+        self,
+        task_name: str,
+        item: object,
+        params: Mapping[str, inspect.Parameter],
+        what: str = "lease",
+    ):
         if isinstance(item, Shared):
             text, self.mode, self.limit = item.name, "s", item.limit or 0
         elif isinstance(item, str) and item:
@@ -117,7 +124,7 @@ class _Template:
         try:
             parsed = list(string.Formatter().parse(text))
         except ValueError as exc:
-            msg = f"task {task_name!r}: lease template {text!r} is malformed: {exc}"
+            msg = f"task {task_name!r}: {what} template {text!r} is malformed: {exc}"
             raise LeaseConfigError(msg) from None
         accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         fields: list[str] = []
@@ -127,28 +134,29 @@ class _Template:
             root = field.split(".", 1)[0].split("[", 1)[0]
             if not root or root.isdigit():
                 msg = (
-                    f"task {task_name!r}: lease template {text!r} has a positional field "
+                    f"task {task_name!r}: {what} template {text!r} has a positional field "
                     f"{{{field}}}; name the argument instead, e.g. {{analysis_id}}"
                 )
                 raise LeaseConfigError(msg)
             param = params.get(root)
             if param is None and not accepts_any:
                 msg = (
-                    f"task {task_name!r}: lease template {text!r} names {{{root}}}, which is not "
+                    f"task {task_name!r}: {what} template {text!r} names {{{root}}}, which is not "
                     f"a parameter of the task (parameters: {', '.join(params) or 'none'})"
                 )
                 raise LeaseConfigError(msg)
             if param is not None and param.kind is inspect.Parameter.VAR_POSITIONAL:
-                msg = f"task {task_name!r}: lease template {text!r} cannot name *{root}"
+                msg = f"task {task_name!r}: {what} template {text!r} cannot name *{root}"
                 raise LeaseConfigError(msg)
             fields.append(root)
         self.fields = tuple(fields)
+        self.what = what
 
     def render(self, task_name: str, bound: Mapping[str, Any]) -> Want:
         try:
             name = self.text.format_map(bound)
         except (KeyError, AttributeError, IndexError, ValueError, TypeError) as exc:
-            msg = f"task {task_name!r}: cannot render lease {self.text!r}: {exc!r}"
+            msg = f"task {task_name!r}: cannot render {self.what} {self.text!r}: {exc!r}"
             raise LeaseConfigError(msg) from None
         return Want(name, "x" if self.mode == "x" else "s", self.limit)
 
@@ -253,9 +261,13 @@ class LeasedTask(Task[Any, Any]):
     on_lost: OnLost | None = None
     busy_timeout: float | None = None
     wait_timeout: float | None = None
+    unique: str | None = None
+    unique_ttl: float | None = None
+    on_duplicate: OnDuplicate | None = None
 
     _lease_templates: ClassVar[tuple[_Template, ...]] = ()
     _lease_signature: ClassVar[inspect.Signature | None] = None
+    _unique_template: ClassVar[_Template | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -272,6 +284,11 @@ class LeasedTask(Task[Any, Any]):
         _check_seconds(name, "lease_ttl", cls.lease_ttl, zero_ok=False)
         _check_seconds(name, "busy_timeout", cls.busy_timeout, zero_ok=False)
         _check_seconds(name, "wait_timeout", cls.wait_timeout, zero_ok=True)
+        _check_seconds(name, "unique_ttl", cls.unique_ttl, zero_ok=False)
+        _check_choice(name, "on_duplicate", cls.on_duplicate, get_args(OnDuplicate))
+        if cls.unique is not None and not (isinstance(cls.unique, str) and cls.unique):
+            msg = f"task {name!r}: unique= must be a non-empty str template, not {cls.unique!r}"
+            raise LeaseConfigError(msg)
         if cls.lease is not None:
             items: Sequence[object] = [cls.lease]
         elif cls.leases is not None:
@@ -283,11 +300,16 @@ class LeasedTask(Task[Any, Any]):
                 msg = f"task {name!r}: leases= is empty"
                 raise LeaseConfigError(msg)
         else:
-            cls._lease_templates = ()
+            items = []
+        cls._lease_templates = ()
+        cls._unique_template = None
+        if not items and cls.unique is None:
             return
         signature = cls._run_signature()
         cls._lease_signature = signature
         cls._lease_templates = tuple(_Template(name, i, signature.parameters) for i in items)
+        if cls.unique is not None:
+            cls._unique_template = _Template(name, cls.unique, signature.parameters, "unique")
 
     @classmethod
     def _run_signature(cls) -> inspect.Signature:
@@ -302,7 +324,7 @@ class LeasedTask(Task[Any, Any]):
         return signature.replace(parameters=params[1:]) if params else signature
 
     # --- per call -----------------------------------------------------------------------
-    def _render_leases(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Want]:
+    def _bound_values(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         signature = self._lease_signature or inspect.Signature()
         try:
             bound = signature.bind(*args, **kwargs)
@@ -314,7 +336,21 @@ class LeasedTask(Task[Any, Any]):
         for param in signature.parameters.values():
             if param.kind is inspect.Parameter.VAR_KEYWORD:
                 values.update(values.pop(param.name, {}))
+        return values
+
+    def _render_leases(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Want]:
+        if not self._lease_templates:
+            return []
+        values = self._bound_values(args, kwargs)
         return [t.render(self.name, values) for t in self._lease_templates]
+
+    def _unique_key(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+        """The rendered ``unique`` template for these arguments."""
+        template = self._unique_template
+        if template is None:
+            msg = f"task {self.name!r} is not declared with unique="
+            raise LeaseConfigError(msg)
+        return template.render(self.name, self._bound_values(args, kwargs)).resource
 
     def _extension(self) -> Leases:
         ext = getattr(self.app, "leases", None)
@@ -328,18 +364,51 @@ class LeasedTask(Task[Any, Any]):
         return Leases(self.app)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._lease_templates:
+        request = self.request
+        # unique= guards what is enqueued: a direct or eager call enqueues nothing
+        unique = self._unique_template is not None and not (
+            request.called_directly or request.is_eager
+        )
+        if not self._lease_templates and not unique:
             return super().__call__(*args, **kwargs)
         wants = self._render_leases(args, kwargs)
         ext = self._extension()
         settings = get_settings(self.app)
-        on_busy = self.on_busy or settings.on_busy
         on_lost = self.on_lost or settings.on_lost
+        task_id = request.id
+        interrupter = _Interrupter() if on_lost == "interrupt" else None
+        if not unique or not task_id:
+            return self._call_leased(ext, wants, task_id, interrupter, args, kwargs)
+        claim = take_claim(
+            ext, self, task_id, request, args, kwargs, ext._ttl(self.lease_ttl), interrupter
+        )
+        if claim is None:
+            return None  # a duplicate of a queued or running copy: not run (logged)
+        try:
+            return self._call_leased(ext, wants, task_id, interrupter, args, kwargs)
+        finally:
+            release_claim(ext, task_id, claim)
+
+    def _call_leased(
+        self,
+        ext: Leases,
+        wants: list[Want],
+        task_id: str | None,
+        interrupter: _Interrupter | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Acquire ``wants``, run the body, release them (however it ends)."""
+        settings = get_settings(self.app)
+        on_busy = self.on_busy or settings.on_busy
         wait: float | None = 0.0
         if on_busy == "wait":
             wait = self.wait_timeout if self.wait_timeout is not None else settings.wait_timeout
-        task_id = self.request.id
-        interrupter = _Interrupter() if on_lost == "interrupt" else None
+        if not wants:
+            if interrupter is None:
+                return super().__call__(*args, **kwargs)
+            with interrupter:
+                return super().__call__(*args, **kwargs)
         try:
             leases = ext.acquire(
                 wants, ttl=self.lease_ttl, wait=wait, task_id=task_id, on_lost=interrupter

@@ -1,0 +1,421 @@
+"""Unique tasks: at most one copy per rendered key queued or running (docs/unique.md)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Final, Protocol, get_args
+
+from celery import signals as celery_signals
+from celery import states
+from celery.result import AsyncResult, EagerResult
+from celery.utils.log import get_logger
+from kombu.utils.uuid import uuid
+
+from . import signals
+from ._heartbeat import heartbeat
+from ._lease import Held, Lease
+from ._store import Claimed, ClaimHolder
+from .config import OnDuplicate
+from .exceptions import DuplicateTask, LeaseConfigError
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from .app import Leases
+
+__all__ = ("UNIQUE_HEADER", "install", "release_claim", "take_claim")
+
+logger = get_logger(__name__)
+
+#: message header carrying the unique key the producer claimed (the worker takes over exactly
+#: that key, whatever its own rendering of the arguments after serialisation would give)
+UNIQUE_HEADER: Final = "lease_unique"
+#: header celery beat puts on what it sends
+_BEAT_HEADER: Final = "celery_beat_task"
+#: attempts at reading the task id of a running holder that changes hands meanwhile
+_CLAIM_ATTEMPTS: Final = 3
+#: extra seconds a redelivered task waits, past its lease TTL, for its first run's claim
+_REDELIVERY_SLACK: Final = 1.0
+
+
+class UniqueTask(Protocol):
+    """What the producer and worker sides need of a task declared with ``unique=``."""
+
+    name: str
+    unique_ttl: float | None
+    on_duplicate: OnDuplicate | None
+
+    def _unique_key(self, args: Any, kwargs: Any) -> str: ...
+
+
+@dataclass
+class _Running:
+    """A claim this process took over for a task it runs."""
+
+    key: str
+    lease: Lease
+
+
+#: task id -> the claim this process holds for it (a retry published from the task's own
+#: process puts that claim back in the queued state instead of being refused by it)
+_running: dict[str, _Running] = {}
+_running_lock = threading.Lock()
+
+
+def _reset_after_fork() -> None:
+    global _running_lock
+    _running.clear()
+    _running_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def unique_task_of(task: object) -> UniqueTask | None:
+    """``task`` if it is declared with ``unique=`` (a LeasedTask with a template), else None."""
+    if task is None or getattr(task, "_unique_template", None) is None:
+        return None
+    if not callable(getattr(task, "_unique_key", None)):
+        return None
+    return task  # type: ignore[return-value]
+
+
+# --- producer side: the send_task wrapper -------------------------------------------------
+def install(ext: Leases) -> None:
+    """Wrap ``ext.app.send_task`` so that every publish of a unique task claims its key.
+
+    Every publish goes through ``app.send_task``: ``apply_async``/``delay`` (which call it),
+    beat (``task.apply_async`` for a task it knows, ``app.send_task`` otherwise), canvas
+    signatures, chains, groups and chords, ``self.retry``. Celery's ``before_task_publish``
+    signal cannot refuse a publish: an exception raised by a receiver is logged and the
+    message is sent anyway (celery 5.7, ``Signal.send``). Idempotent.
+    """
+    app = ext.app
+    current = app.send_task
+    if getattr(current, "_celery_leases_unique", False):
+        return
+
+    @functools.wraps(current)
+    def send_task(
+        name: str,
+        args: Any = None,
+        kwargs: Any = None,
+        countdown: float | None = None,
+        eta: Any = None,
+        task_id: str | None = None,
+        *rest: Any,
+        **options: Any,
+    ) -> Any:
+        per_call = options.pop("on_duplicate", None)
+        task = unique_task_of(options.get("task_type") or _registered(app, name))
+        if task is None:
+            return _send(current, name, args, kwargs, countdown, eta, task_id, rest, options)
+        return _publish_unique(
+            _extension(app, ext),
+            current,
+            task,
+            per_call,
+            name,
+            args,
+            kwargs,
+            countdown,
+            eta,
+            task_id,
+            rest,
+            options,
+        )
+
+    send_task._celery_leases_unique = True  # type: ignore[attr-defined]
+    app.send_task = send_task  # type: ignore[method-assign]
+    celery_signals.task_revoked.connect(
+        on_task_revoked, weak=False, dispatch_uid="celery_leases.unique.task_revoked"
+    )
+
+
+def _extension(app: Celery, default: Leases) -> Leases:
+    from .app import Leases
+
+    ext = getattr(app, "leases", None)
+    return ext if isinstance(ext, Leases) else default
+
+
+def _registered(app: Celery, name: str) -> Any:
+    # the registry itself, as send_task reads it: looking a name up must not finalize the app
+    registry = getattr(app, "_tasks", None)
+    get = getattr(registry, "get", None)
+    return get(name) if callable(get) else None
+
+
+def _send(
+    send: Callable[..., Any],
+    name: str,
+    args: Any,
+    kwargs: Any,
+    countdown: float | None,
+    eta: Any,
+    task_id: str | None,
+    rest: tuple[Any, ...],
+    options: dict[str, Any],
+) -> Any:
+    if rest:
+        return send(name, args, kwargs, countdown, eta, task_id, *rest, **options)
+    return send(name, args, kwargs, countdown=countdown, eta=eta, task_id=task_id, **options)
+
+
+def _delay(app: Celery, countdown: float | None, eta: object) -> float:
+    """Seconds until the message may run (its countdown or ETA), 0 when it may run at once."""
+    if countdown:
+        return max(0.0, float(countdown))
+    when: datetime | None = None
+    if isinstance(eta, datetime):
+        when = eta
+    elif isinstance(eta, str):
+        try:
+            when = datetime.fromisoformat(eta)
+        except ValueError:
+            return 0.0
+    if when is None:
+        return 0.0
+    now: datetime = app.now()
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    if now.tzinfo is None:
+        now = now.replace(tzinfo=timezone.utc)
+    return max(0.0, (when - now).total_seconds())
+
+
+def _check_policy(value: object) -> OnDuplicate | None:
+    allowed = get_args(OnDuplicate)
+    if value is not None and value not in allowed:
+        msg = f"on_duplicate={value!r} is not one of {', '.join(allowed)}"
+        raise LeaseConfigError(msg)
+    return value  # type: ignore[return-value]
+
+
+def _publish_unique(
+    ext: Leases,
+    send: Callable[..., Any],
+    task: UniqueTask,
+    per_call: object,
+    name: str,
+    args: Any,
+    kwargs: Any,
+    countdown: float | None,
+    eta: Any,
+    task_id: str | None,
+    rest: tuple[Any, ...],
+    options: dict[str, Any],
+) -> Any:
+    policy = _check_policy(per_call) or task.on_duplicate or ext.settings.on_duplicate
+    task_id = task_id or uuid()
+    base_ttl = task.unique_ttl if task.unique_ttl is not None else ext.settings.unique_ttl
+    queue_ttl = base_ttl + _delay(ext.app, countdown, eta)
+    headers = dict(options.get("headers") or {})
+    store = ext.store
+    # Our claim to give back if the publish fails: (token) of a claim made or requeued here.
+    # Timeline it guards: t0 claim; t1 the broker refuses the message; t2 without this, every
+    # later publish of the key is refused for the whole queue TTL, for a task that never was.
+    ours: int | None = None
+    with _running_lock:
+        running = _running.get(task_id)
+    if running is not None and _requeue(ext, task_id, running, queue_ttl):
+        key, ours = running.key, running.lease.token
+    else:
+        key = running.key if running is not None else task._unique_key(args or (), kwargs or {})
+        outcome: Claimed | ClaimHolder = store.unique_claim(key, task_id, queue_ttl)
+        for _ in range(_CLAIM_ATTEMPTS - 1):
+            # a running holder whose registry entry was gone when read: it changed hands
+            if isinstance(outcome, Claimed) or outcome.task_id is not None:
+                break
+            outcome = store.unique_claim(key, task_id, queue_ttl)
+        if isinstance(outcome, ClaimHolder):
+            return _duplicate(ext, task, name, policy, outcome, task_id, headers, options)
+        if not outcome.again:
+            ours = outcome.token
+        logger.debug("leases: claimed unique key %r for %s[%s]", key, name, task_id)
+    headers[UNIQUE_HEADER] = key
+    options["headers"] = headers
+    try:
+        return _send(send, name, args, kwargs, countdown, eta, task_id, rest, options)
+    except BaseException:
+        if ours is not None:
+            try:
+                store.unique_unclaim(key, task_id, ours)
+            except Exception:
+                logger.exception("leases: could not give back the unique claim %r", key)
+            else:
+                logger.info(
+                    "leases: publish of %s[%s] failed; its unique claim %r is released",
+                    name,
+                    task_id,
+                    key,
+                )
+        raise
+
+
+def _requeue(ext: Leases, task_id: str, running: _Running, queue_ttl: float) -> bool:
+    """Put this process's claim for ``task_id`` back in the queued state (a retry)."""
+    held = running.lease._held
+    # Stop renewing it first, and mark it released so the task's finalizer leaves it alone.
+    # Timeline: t0 the requeue rewrites the claim; t1 a renewal of the running claim finds
+    # it gone and would report it lost, interrupting the body that is publishing its retry.
+    heartbeat().discard(held)
+    with held._guard:
+        if held.released:
+            return False
+        held.released = True
+    with _running_lock:
+        if _running.get(task_id) is running:
+            del _running[task_id]
+    if ext.store.unique_requeue(held, queue_ttl):
+        logger.info("leases: unique key %r is queued again for %s", running.key, task_id)
+        return True
+    return False
+
+
+def _duplicate(
+    ext: Leases,
+    task: UniqueTask,
+    name: str,
+    policy: OnDuplicate,
+    holder: ClaimHolder,
+    task_id: str,
+    headers: Mapping[str, Any],
+    options: Mapping[str, Any],
+) -> Any:
+    """Apply ``policy`` to a publish refused because ``holder`` has the key."""
+    beat = bool(headers.get(_BEAT_HEADER))
+    logger.info(
+        "leases: %s%s not sent: unique key %r is held by %s task %s",
+        "beat: " if beat else "",
+        name,
+        holder.key,
+        holder.state,
+        holder.task_id or "(unknown)",
+    )
+    try:
+        signals.unique_duplicate.send(
+            sender=name,
+            key=holder.key,
+            task_id=task_id,
+            holder_task_id=holder.task_id,
+            state=holder.state,
+            policy=policy,
+        )
+    except Exception:
+        logger.exception("leases: a receiver of unique_duplicate failed")
+    if policy == "existing" and holder.task_id is not None:
+        result_cls = options.get("result_cls") or ext.app.AsyncResult
+        result: AsyncResult[Any] = result_cls(holder.task_id)
+        return result
+    if (policy == "raise" or policy == "existing") and not beat:
+        # beat has no caller to tell: it logs (above) and sends nothing
+        raise DuplicateTask(holder.key, holder.task_id, holder.state, holder.expires_in)
+    return EagerResult(task_id, None, states.REJECTED)
+
+
+# --- worker side --------------------------------------------------------------------------
+def _header(request: Any, name: str) -> Any:
+    value = getattr(request, name, None)
+    if value is None:
+        raw = getattr(request, "headers", None)
+        if isinstance(raw, Mapping):
+            value = raw.get(name)
+    return value
+
+
+def take_claim(
+    ext: Leases,
+    task: UniqueTask,
+    task_id: str,
+    request: Any,
+    args: Any,
+    kwargs: Any,
+    ttl: float,
+    on_lost: Callable[[Held], None] | None,
+) -> Lease | None:
+    """Take over ``task``'s unique claim at task start; None: a duplicate, do not run it.
+
+    The key comes from the message header the producer wrote (what it claimed), else it is
+    rendered here (a producer that did not know the task published it without a claim).
+    """
+    key = _header(request, UNIQUE_HEADER)
+    if not isinstance(key, str) or not key:
+        key = task._unique_key(args, kwargs)
+    started = time.monotonic()
+    outcome = ext.store.unique_take(key, task_id, ext.identity(), ttl, ttl + _REDELIVERY_SLACK)
+    if isinstance(outcome, ClaimHolder):
+        logger.info(
+            "leases: %s[%s] not run: unique key %r is held by %s task %s",
+            task.name,
+            task_id,
+            key,
+            outcome.state,
+            outcome.task_id or "(unknown)",
+        )
+        return None
+    held = outcome
+    if on_lost is not None:
+        held.on_lost.append(on_lost)
+    heartbeat().add(held)
+    lease = Lease(held.resource, held.token, held.ttl, False, held)
+    with _running_lock:
+        _running[task_id] = _Running(key, lease)
+    logger.info("leases: %s[%s] holds unique key %r", task.name, task_id, key)
+    try:
+        signals.lease_acquired.send(
+            sender=held.resource,
+            resource=held.resource,
+            token=held.token,
+            owner=held.owner,
+            ttl=ttl,
+            shared=False,
+            task_id=task_id,
+            elapsed=time.monotonic() - started,
+        )
+    except Exception:
+        logger.exception("leases: a receiver of lease_acquired failed")
+    return lease
+
+
+def release_claim(ext: Leases, task_id: str, lease: Lease) -> None:
+    """Release the claim ``lease`` at the task's end (a no-op once a retry queued it again)."""
+    with _running_lock:
+        running = _running.get(task_id)
+        if running is not None and running.lease is lease:
+            del _running[task_id]
+    ext.release([lease])
+
+
+def on_task_revoked(
+    sender: Any = None, request: Any = None, terminated: bool = False, **kwargs: Any
+) -> None:
+    """Worker: a message discarded before it ran (revoked, expired) gives its claim back.
+
+    A terminated task is not handled here: its claim is a lease of the process that ran it,
+    released by its finalizer or by the reaper of dead pool processes.
+    """
+    try:
+        task = unique_task_of(sender)
+        if task is None or terminated or request is None:
+            return
+        task_id = getattr(request, "id", None)
+        if not isinstance(task_id, str):
+            return
+        ext = getattr(getattr(sender, "app", None), "leases", None)
+        store = getattr(ext, "store", None)
+        if store is None:
+            return
+        key = _header(request, UNIQUE_HEADER)
+        if not isinstance(key, str) or not key:
+            key = task._unique_key(getattr(request, "args", ()), getattr(request, "kwargs", {}))
+        if store.unique_unclaim(key, task_id):
+            logger.info("leases: revoked %s[%s] gave back unique key %r", task.name, task_id, key)
+    except Exception:
+        logger.exception("leases: task_revoked handler (unique claims) failed")

@@ -1,0 +1,61 @@
+-- unique_claim.lua: claim a unique key for a task that is about to be published (queued state).
+-- The claim is the exclusive lease key of the key's claim resource; while queued it holds
+-- "<token> %queued/<task id>" with the queue TTL and is in no owner's registry (the producer
+-- may exit right after publishing: only the TTL bounds a claim whose task never starts). The
+-- worker that starts the task takes it over (unique_handover.lua). "%q" can never begin an
+-- owner id: owner ids start with an escaped node name, in which "%" is always "%XX" (hex).
+--
+-- KEYS[1] claim key (the exclusive lease key of the claim resource)
+-- KEYS[2] token counter of the claim resource   KEYS[3] queued-claims index of the slot group
+-- ARGV[1] task id, escaped   ARGV[2] queue ttl in milliseconds
+-- ARGV[3] token counter memory in milliseconds   ARGV[4] claim resource name (index member)
+-- returns {1, token}          claimed for this task
+--         {2, token}          already queued for this same task id (a re-publish): its TTL is
+--                             raised to the queue ttl if it was shorter
+--         {0, holder, pttl}   held by another: holder "<token> <owner>" (owner "%queued/<task>"
+--                             while queued), pttl ms until it runs out unless renewed (-1: never)
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local function num(x) return string.format('%.0f', x) end
+local mine = '%queued/' .. ARGV[1]
+local ttl = tonumber(ARGV[2])
+
+-- the index lists queued claims by expiry, for operators (celery leases ls); it expires with
+-- its last entry
+local function index(expiry)
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', num(now))
+  redis.call('ZADD', KEYS[3], 'GT', num(expiry), ARGV[4])
+  if redis.call('PTTL', KEYS[3]) < expiry - now then
+    redis.call('PEXPIRE', KEYS[3], num(expiry - now))
+  end
+end
+
+local current = redis.call('GET', KEYS[1])
+if current then
+  local space = string.find(current, ' ', 1, true)
+  local pttl = redis.call('PTTL', KEYS[1])
+  if space and string.sub(current, space + 1) == mine then
+    if pttl >= 0 and pttl < ttl then
+      redis.call('PEXPIRE', KEYS[1], ttl)
+      pttl = ttl
+    end
+    if pttl >= 0 then
+      index(now + pttl)
+    end
+    return {2, string.sub(current, 1, space - 1)}
+  end
+  return {0, current, pttl}
+end
+
+-- a fencing token as acquire.lua makes them: above every earlier one, at least the clock in us
+local token = now_us
+local last = tonumber(redis.call('SET', KEYS[2], num(token), 'PX', ARGV[3], 'GET') or '0')
+if last >= token then
+  token = last + 1
+  redis.call('SET', KEYS[2], num(token), 'PX', ARGV[3])
+end
+redis.call('SET', KEYS[1], num(token) .. ' ' .. mine, 'PX', ttl)
+index(now + ttl)
+return {1, token}

@@ -1,0 +1,61 @@
+-- unique_handover.lua: the worker that starts a task takes over the task's unique claim.
+-- Only a claim queued for THIS task id is taken over (or a free key, when the claim's queue
+-- TTL ran out or the task was published without one); a claim queued for another task id, or
+-- held by a running task (this task id included: a redelivered message whose first run still
+-- holds it), is left alone. The taken claim is an ordinary exclusive lease of this owner from
+-- then on: recorded in its registry, renewed by its heartbeat, released by release.lua (by the
+-- task's finalizer, or by the cleanup of a dead owner).
+--
+-- KEYS[1] epoch of the group   KEYS[2] owner registry in the group   KEYS[3] claim key
+-- KEYS[4] token counter of the claim resource   KEYS[5] queued-claims index of the group
+-- ARGV[1] owner id   ARGV[2] lease ttl in milliseconds
+-- ARGV[3] restart grace in milliseconds (0: the epoch is not even read)
+-- ARGV[4] token counter memory in milliseconds
+-- ARGV[5] registry expiry to set in milliseconds (0: the caller knows it is long enough)
+-- ARGV[6] task id, escaped   ARGV[7] claim resource name
+-- returns {1, token}          taken: it was queued for this task, or free
+--         {0, holder, pttl}   held by another: "<token> <owner>" ("%queued/<task>" while
+--                             queued), pttl ms until it runs out unless renewed (-1: never)
+--         {-1, wait_ms}       restart grace: Redis lost its data less than grace ago
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local owner, grace = ARGV[1], tonumber(ARGV[3])
+local function num(x) return string.format('%.0f', x) end
+
+if grace > 0 then
+  local epoch = redis.call('GET', KEYS[1])
+  if not epoch then
+    epoch = now
+    redis.call('SET', KEYS[1], num(now))
+  else
+    epoch = tonumber(epoch)
+  end
+  if now < epoch + grace then
+    return {-1, epoch + grace - now}
+  end
+end
+
+local current = redis.call('GET', KEYS[3])
+if current then
+  local space = string.find(current, ' ', 1, true)
+  if not space or string.sub(current, space + 1) ~= '%queued/' .. ARGV[6] then
+    return {0, current, redis.call('PTTL', KEYS[3])}
+  end
+end
+
+local token = now_us
+local last = tonumber(redis.call('SET', KEYS[4], num(token), 'PX', ARGV[4], 'GET') or '0')
+if last >= token then
+  token = last + 1
+  redis.call('SET', KEYS[4], num(token), 'PX', ARGV[4])
+end
+redis.call('SET', KEYS[3], num(token) .. ' ' .. owner, 'PX', ARGV[2])
+-- the registry entry, as acquire.lua writes it: "x <token> <task> <resource>"
+redis.call('SADD', KEYS[2], 'x ' .. num(token) .. ' ' .. ARGV[6] .. ' ' .. ARGV[7])
+if ARGV[5] ~= '0' then
+  redis.call('PEXPIRE', KEYS[2], ARGV[5])
+end
+redis.call('ZREM', KEYS[5], ARGV[7])
+return {1, token}
