@@ -146,7 +146,12 @@ def _extension(app: Celery, default: Leases) -> Leases:
 
 
 def _registered(app: Celery, name: str) -> Any:
-    # the registry itself, as send_task reads it: looking a name up must not finalize the app
+    """The task ``name`` of ``app``'s registry, or None (a task this process does not know)."""
+    # the registry itself, as send_task reads it; tasks declared with @app.task enter it only
+    # when the app is finalized, which send_task does not do: without finalizing, a
+    # send_task("name") before any other use of the app would skip the claim
+    if not app.finalized and app.autofinalize:
+        app.finalize(auto=True)
     registry = getattr(app, "_tasks", None)
     get = getattr(registry, "get", None)
     return get(name) if callable(get) else None

@@ -1,0 +1,159 @@
+"""The Celery app of the unique-task integration tests.
+
+Real ``celery worker`` and ``celery beat`` processes run the module-level ``app``, configured
+from the environment (``LEASES_TEST_BROKER``, ``LEASES_TEST_QUEUE``, ``LEASES_TEST_LEDGER``,
+every ``CELERY_LEASES_*`` setting, and ``UAPP_BEAT_KEY`` for a beat entry). A test process
+makes its own copy with :func:`make_app` on the same broker, queue and key prefix: the
+producer's claims must live where the workers look for them.
+
+Tasks record what they do in a ledger in Redis (``{<prefix>:ledger}:...``): ``events(name)``
+lists, so a test can tell whether a body ran, and gates the test opens to let a body end.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+from celery import Celery
+
+from celery_leases import LeasedTask, Leases
+from tests.perprocess import PerProcessClient
+
+BROKER = os.environ.get("LEASES_TEST_BROKER", "redis://127.0.0.1:6379/15")
+QUEUE = os.environ.get("LEASES_TEST_QUEUE", "leases-unique-tests")
+LEDGER_URL = os.environ.get("LEASES_TEST_LEDGER", BROKER)
+#: how long a gated body waits for its gate at most
+GATE_TIMEOUT = 60.0
+
+ledger = PerProcessClient(LEDGER_URL)
+
+
+def ledger_key(prefix: str, *parts: object) -> str:
+    return f"{{{prefix}:ledger}}:" + ":".join(str(p) for p in parts)
+
+
+def make_app(
+    broker: str = BROKER,
+    queue: str = QUEUE,
+    beat_key: str | None = None,
+    backend: str | None = None,
+    **settings: Any,
+) -> Celery:
+    """A Celery app with the test tasks, its ``Leases`` made with ``settings``."""
+    app = Celery("uapp", broker=broker, backend=backend or broker, set_as_current=False)
+    app.conf.update(
+        task_default_queue=queue,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        result_expires=600,
+        worker_prefetch_multiplier=1,
+        timezone="UTC",
+    )
+    if beat_key:
+        app.conf.beat_schedule = {
+            "unique-every-second": {
+                "task": "uapp.gated",
+                "schedule": timedelta(seconds=1),
+                "args": [beat_key],
+            }
+        }
+    leases = Leases(app, **settings)
+    prefix = leases.settings.key_prefix
+
+    def record(name: str, value: object) -> None:
+        ledger().rpush(ledger_key(prefix, "events", name), str(value))
+
+    def wait_gate(key: str) -> None:
+        r = ledger()
+        deadline = time.monotonic() + GATE_TIMEOUT
+        while not r.get(ledger_key(prefix, "gate", key)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gate {key} never opened")
+            time.sleep(0.02)
+
+    @app.task(name="uapp.gated", shared=False, base=LeasedTask, bind=True, unique="job:{key}")
+    def gated(self: Any, key: str, tag: str = "") -> str:
+        """Announces it started, then runs until the test opens the gate of ``key``."""
+        record(f"started:{key}", f"{self.request.id} {os.getpid()} {tag}")
+        wait_gate(key)
+        record(f"finished:{key}", self.request.id)
+        return str(self.request.id)
+
+    @app.task(name="uapp.quick", shared=False, base=LeasedTask, bind=True, unique="job:{key}")
+    def quick(self: Any, key: str, tag: str = "") -> str:
+        record(f"started:{key}", f"{self.request.id} {os.getpid()} {tag}")
+        return str(self.request.id)
+
+    @app.task(name="uapp.failing", shared=False, base=LeasedTask, bind=True, unique="job:{key}")
+    def failing(self: Any, key: str) -> None:
+        record(f"started:{key}", self.request.id)
+        raise ValueError(f"failing on purpose for {key}")
+
+    @app.task(name="uapp.sleeper", shared=False, base=LeasedTask, bind=True, unique="job:{key}")
+    def sleeper(self: Any, key: str, seconds: float = 60.0) -> str:
+        """Announces it started, then sleeps (for revoke and kill -9)."""
+        record(f"started:{key}", f"{self.request.id} {os.getpid()}")
+        time.sleep(seconds)
+        return "slept"
+
+    @app.task(
+        name="uapp.retrying",
+        shared=False,
+        base=LeasedTask,
+        bind=True,
+        unique="job:{key}",
+        max_retries=1,
+    )
+    def retrying(self: Any, key: str, countdown: float = 1.0) -> str:
+        """Retries itself once; the second run waits for the gate of ``key``."""
+        record(f"started:{key}", f"{self.request.id} {self.request.retries}")
+        if self.request.retries == 0:
+            raise self.retry(countdown=countdown)
+        wait_gate(key)
+        return f"done after {self.request.retries} retry"
+
+    @app.task(
+        name="uapp.leased",
+        shared=False,
+        base=LeasedTask,
+        bind=True,
+        unique="job:{key}",
+        lease="res:{key}",
+        on_busy="retry",
+    )
+    def leased(self: Any, key: str) -> str:
+        """Unique and leased: retries (busy policy) while a test holds ``res:<key>``."""
+        record(f"started:{key}", f"{self.request.id} {self.request.retries}")
+        return str(self.request.id)
+
+    @app.task(
+        name="uapp.raising", shared=False, base=LeasedTask, unique="job:{key}", on_duplicate="raise"
+    )
+    def raising(key: str) -> str:
+        return key
+
+    @app.task(
+        name="uapp.ignoring",
+        shared=False,
+        base=LeasedTask,
+        unique="job:{key}",
+        on_duplicate="ignore",
+    )
+    def ignoring(key: str) -> str:
+        return key
+
+    @app.task(
+        name="uapp.hard_limited", shared=False, base=LeasedTask, unique="job:{key}", time_limit=2
+    )
+    def hard_limited(key: str) -> str:
+        record(f"started:{key}", os.getpid())
+        time.sleep(30)
+        return "not reached"
+
+    return app
+
+
+app = make_app(beat_key=os.environ.get("UAPP_BEAT_KEY") or None)
