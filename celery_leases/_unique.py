@@ -150,7 +150,7 @@ def _registered(app: Celery, name: str) -> Any:
     # the registry itself, as send_task reads it; tasks declared with @app.task enter it only
     # when the app is finalized, which send_task does not do: without finalizing, a
     # send_task("name") before any other use of the app would skip the claim
-    if not app.finalized and app.autofinalize:
+    if not getattr(app, "finalized", True) and getattr(app, "autofinalize", False):
         app.finalize(auto=True)
     registry = getattr(app, "_tasks", None)
     get = getattr(registry, "get", None)
