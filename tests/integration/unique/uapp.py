@@ -40,9 +40,11 @@ def make_app(
     queue: str = QUEUE,
     beat_key: str | None = None,
     backend: str | None = None,
+    tasks: bool = True,
     **settings: Any,
 ) -> Celery:
-    """A Celery app with the test tasks, its ``Leases`` made with ``settings``."""
+    """A Celery app with the test tasks (unless not ``tasks``), ``Leases`` made with
+    ``settings``."""
     app = Celery("uapp", broker=broker, backend=backend or broker, set_as_current=False)
     app.conf.update(
         task_default_queue=queue,
@@ -62,6 +64,8 @@ def make_app(
         }
     leases = Leases(app, **settings)
     prefix = leases.settings.key_prefix
+    if not tasks:
+        return app
 
     def record(name: str, value: object) -> None:
         ledger().rpush(ledger_key(prefix, "events", name), str(value))
@@ -156,4 +160,6 @@ def make_app(
     return app
 
 
-app = make_app(beat_key=os.environ.get("UAPP_BEAT_KEY") or None)
+app = make_app(
+    beat_key=os.environ.get("UAPP_BEAT_KEY") or None, tasks=not os.environ.get("UAPP_NO_TASKS")
+)
