@@ -19,7 +19,11 @@ The commands run against the ``-A`` app's settings (its ``Leases(app)``, or one 
   takes a node name (a worker hostname such as ``celery@pod-7``) or one full owner id;
   ``--resource`` an ``fnmatch`` pattern, case-sensitive (``'repo:*'``). ``--json`` prints a
   list of objects with ``resource``, ``mode``, ``token``, ``owner``, ``node``, ``task_id``,
-  ``expires_in``, ``alive`` and ``liveness``.
+  ``expires_in``, ``alive`` and ``liveness``. Claims of tasks declared ``unique=`` show as
+  resources ``celery_leases:unique:<key>``: a running one as the exclusive lease of the worker
+  process that runs it, a queued one (its task not started yet; read from each slot group's
+  index of queued claims) with mode ``queued``, no owner or node (null), and its task's id.
+  ``--owner`` leaves queued claims out (no process holds them).
 - ``show RESOURCE``: the holders of one resource, read from its own keys, with each owner's
   liveness and the task id from that owner's registry entry.
 - ``release RESOURCE``: frees the resource's leases whose owner is dead (its liveness ran out,
@@ -67,8 +71,8 @@ from celery.bin.base import CeleryCommand, CLIContext
 from celery.utils.log import get_logger
 
 from ._identity import set_node
-from ._keys import node_of_owner
-from ._store import AUDIT_KEEP, Entry, Holder, LeaseStore
+from ._keys import node_of_owner, unescape
+from ._store import AUDIT_KEEP, QUEUED_OWNER, Entry, Holder, LeaseStore
 from .app import Leases
 from .exceptions import LeaseBackendError, LeaseConfigError, LeaseError
 from .worker import RECONCILE_RESOURCE, run_reconcile
@@ -195,8 +199,13 @@ class _Row:
     liveness: float | None  # seconds left on the owner's liveness; None: not registered
 
     @property
+    def queued(self) -> bool:
+        """A unique task's claim, queued: its task is not started, no process holds it."""
+        return self.owner.startswith(QUEUED_OWNER)
+
+    @property
     def node(self) -> str:
-        return node_of_owner(self.owner)
+        return "-" if self.queued else node_of_owner(self.owner)
 
     @property
     def alive(self) -> bool:
@@ -209,10 +218,10 @@ class _Row:
     def as_json(self) -> dict[str, object]:
         return {
             "resource": self.resource,
-            "mode": _MODES[self.mode],
+            "mode": "queued" if self.queued else _MODES[self.mode],
             "token": self.token,
-            "owner": self.owner,
-            "node": self.node,
+            "owner": None if self.queued else self.owner,
+            "node": None if self.queued else self.node,
             "task_id": self.task_id,
             "expires_in": _round(self.expires_in),
             "alive": self.alive,
@@ -222,12 +231,12 @@ class _Row:
     def cells(self) -> list[object]:
         return [
             self.resource,
-            _MODES[self.mode],
+            "queued" if self.queued else _MODES[self.mode],
             self.token,
             f"{self.expires_in:.1f}s",
             self.node,
-            self.owner,
-            _liveness_text(self.liveness),
+            "-" if self.queued else self.owner,
+            "queued (not started)" if self.queued else _liveness_text(self.liveness),
             self.task_id or "-",
         ]
 
@@ -251,6 +260,7 @@ class _Census:
     liveness: dict[str, float | None]
     held: list[_Row]
     stale: dict[str, int]  # owner -> registry entries whose lease is gone
+    queued: list[_Row]  # claims of unique tasks not started yet (held by no process)
 
 
 def _census(store: LeaseStore, *, owner: str | None = None, pattern: str | None = None) -> _Census:
@@ -279,7 +289,18 @@ def _census(store: LeaseStore, *, owner: str | None = None, pattern: str | None 
         else:
             held.append(_Row(e.resource, e.mode, e.token, o, e.task_id, expires_in, liveness[o]))
     held.sort(key=lambda r: (r.resource, r.token, r.owner))
-    return _Census({o: liveness[o] for o in owners}, held, stale)
+    queued: list[_Row] = []
+    if owner is None:
+        for claim in store.queued_claims():
+            resource = store.keys.unique_resource(claim.key)
+            if pattern is not None and not fnmatchcase(resource, pattern):
+                continue
+            pseudo_owner = f"{QUEUED_OWNER}{claim.task_id}"
+            expires_in = claim.expires_in or 0.0  # queued claims always have a TTL
+            queued.append(
+                _Row(resource, "x", claim.token, pseudo_owner, claim.task_id, expires_in, None)
+            )
+    return _Census({o: liveness[o] for o in owners}, held, stale, queued)
 
 
 def _holder_rows(store: LeaseStore, resource: str) -> list[_Row]:
@@ -300,6 +321,8 @@ def _holder_rows(store: LeaseStore, resource: str) -> list[_Row]:
             ),
             None,
         )
+        if h.owner.startswith(QUEUED_OWNER):  # a unique task's queued claim
+            task_id = unescape(h.owner.removeprefix(QUEUED_OWNER))
         rows.append(
             _Row(resource, h.mode, h.token, h.owner, task_id, h.expires_in, liveness[h.owner])
         )
@@ -341,12 +364,13 @@ def ls(ctx: click.Context, owner: str | None, pattern: str | None, as_json: bool
     _non_empty("--owner", owner)
     _non_empty("--resource", pattern)
     census = _census(_ext(ctx).store, owner=owner, pattern=pattern)
+    rows = sorted(census.held + census.queued, key=lambda r: (r.resource, r.token, r.owner))
     if as_json:
-        _echo_json([row.as_json() for row in census.held])
-    elif not census.held:
+        _echo_json([row.as_json() for row in rows])
+    elif not rows:
         click.echo("no leases held")
     else:
-        click.echo(_table(_ROW_HEADERS, (row.cells() for row in census.held)))
+        click.echo(_table(_ROW_HEADERS, (row.cells() for row in rows)))
 
 
 @leases.command("show", cls=_Command)
@@ -436,7 +460,9 @@ def release(ctx: click.Context, resource: str, force: bool, yes: bool) -> None:
             }
         )
         state = "live" if row.alive else "dead"
-        if freed:
+        if freed and row.queued:
+            click.echo(f"released {resource} (queued claim of task {row.task_id})")
+        elif freed:
             click.echo(f"released {resource} ({_MODES[row.mode]}) of {state} owner {row.owner}")
         else:
             click.echo(f"{resource} of {row.owner} was no longer held (released meanwhile)")
@@ -575,6 +601,7 @@ def stats(ctx: click.Context, as_json: bool) -> None:
                 "owners": {"alive": total["owners_alive"], "dead": total["owners_dead"]},
                 "leases": {"held": exclusive + shared, "exclusive": exclusive, "shared": shared},
                 "stale_entries": stale,
+                "queued_claims": len(census.queued),
                 "nodes": dict(sorted(nodes.items())),
             }
         )
@@ -584,6 +611,8 @@ def stats(ctx: click.Context, as_json: bool) -> None:
         f"leases: {exclusive + shared} held ({exclusive} exclusive, {shared} shared), "
         f"{stale} stale registry entr{'y' if stale == 1 else 'ies'}"
     )
+    if census.queued:
+        click.echo(f"unique claims queued (tasks not started): {len(census.queued)}")
     if nodes:
         click.echo("")
         rows = (

@@ -33,7 +33,15 @@ WORKER_TTL = 3.0
 QUEUE_TTL = 120.0
 RESULT_TIMEOUT = 30.0
 
-__all__ = ["APP", "RESULT_TIMEOUT", "WORKER_TTL", "Ledger", "kill_whole_worker", "wait_until"]
+__all__ = [
+    "APP",
+    "REPO",
+    "RESULT_TIMEOUT",
+    "WORKER_TTL",
+    "Ledger",
+    "kill_whole_worker",
+    "wait_until",
+]
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
