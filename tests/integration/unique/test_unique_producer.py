@@ -24,6 +24,7 @@ from kombu.exceptions import OperationalError
 
 from celery_leases import DuplicateTask, LeaseBusy, Leases
 from celery_leases._store import ClaimHolder
+from celery_leases.signals import unique_duplicate
 
 from .conftest import QUEUE_TTL, wait_until
 from .racer import race
@@ -58,11 +59,28 @@ def test_a_duplicate_gets_the_existing_result_by_default(
 
 
 def test_raise_and_ignore_policies(producer: Celery, leases_redis: redis.Redis, queue: str):
-    first = producer.tasks["uapp.raising"].delay("k")
+    seen: list[dict[str, object]] = []
 
-    with pytest.raises(DuplicateTask) as info:
-        producer.tasks["uapp.raising"].delay("k")
+    def receiver(sender: object = None, **kwargs: object) -> None:
+        seen.append({"sender": sender, **kwargs})
+
+    unique_duplicate.connect(receiver, weak=False)
+    try:
+        first = producer.tasks["uapp.raising"].delay("k")
+        with pytest.raises(DuplicateTask) as info:
+            producer.tasks["uapp.raising"].delay("k")
+    finally:
+        unique_duplicate.disconnect(receiver)
     assert (info.value.key, info.value.task_id, info.value.state) == ("job:k", first.id, "queued")
+    (signal,) = seen
+    assert signal["sender"] == "uapp.raising"
+    assert (signal["key"], signal["holder_task_id"], signal["state"], signal["policy"]) == (
+        "job:k",
+        first.id,
+        "queued",
+        "raise",
+    )
+    assert signal["task_id"] != first.id
     assert isinstance(info.value, LeaseBusy)
     assert "job:k" in str(info.value)
     assert first.id in str(info.value)
