@@ -5,6 +5,7 @@ from __future__ import annotations
 from celery import Celery
 
 from celery_leases import (
+    DuplicateTask,
     Lease,
     LeaseBusy,
     LeasedTask,
@@ -45,3 +46,17 @@ def errors() -> str:
     except LeaseLost as lost:
         return f"{lost.resource} {lost.held_for}"
     return ""
+
+
+@app.task(base=LeasedTask, unique="report:{account_id}", unique_ttl=600, on_duplicate="raise")
+def build_report(account_id: int) -> None: ...
+
+
+def unique() -> str | None:
+    try:
+        result = build_report.delay(42)
+    except DuplicateTask as exc:
+        key: str = exc.key
+        holder: str | None = exc.task_id
+        return holder or key
+    return str(result.id)
