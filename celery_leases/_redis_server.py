@@ -204,6 +204,14 @@ class RedisServer:
         """Undo ``pause()`` with SIGCONT."""
         self._running().send_signal(signal.SIGCONT)
 
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would (``stop()`` still removes its dir)."""
+        self._running()
+        proc = self._proc
+        assert proc is not None
+        proc.kill()
+        proc.wait()
+
     def restart(self) -> None:
         """Kill the server with SIGKILL and start a new, empty one on the same port."""
         self._running()

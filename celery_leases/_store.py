@@ -8,18 +8,18 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
 
 import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import MovedError, NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from . import _scripts
+from . import _connect, _scripts
 from ._identity import Identity
 from ._keys import Keyspace, escape, node_of_owner, unescape
 from ._lease import Held, Want
@@ -36,6 +36,8 @@ TOKEN_MEMORY_MS: Final = 86_400_000
 _EXPIRY_SLACK: Final = 0.002
 
 
+#: the Redis clock, read on the node serving KEYS[1] (see LeaseStore._pipe_now)
+_NOW_SCRIPT: Final = "return redis.call('TIME')"
 #: acquire.lua reply codes
 _GRACE: Final = -1
 _BUSY: Final = 0
@@ -133,11 +135,18 @@ class LeaseStore:
         self._pubsub_pid = os.getpid()
         self._liveness = str(self._ms(settings.ttl))
         self._renew_lock = threading.Lock()
-        self._renew_conn: Any = None  # see _renewal_connection
+        # see _renewal_connection: node name ("" off a cluster) -> connection, in _renew_pid
+        self._renew_conns: dict[str, Any] = {}
         self._renew_pid = -1
+        self._wait_replicas: tuple[Any, ...] = ()
+        if settings.min_replicas:
+            timeout_ms = self._ms(settings.min_replicas_timeout)
+            self._wait_replicas = ("WAIT", settings.min_replicas, timeout_ms)
         # the client object connects lazily; made now so a bad URL fails at start-up, and so
         # the scripts are registered before any method can reach for them
+        self._target = _connect.parse_target(self.url)
         self._client: redis.Redis | None = self._make_client()
+        self._cluster = _connect.is_cluster(self._client)
         self._pid = os.getpid()
         self._register_scripts(self._client)
 
@@ -160,15 +169,15 @@ class LeaseStore:
     def _make_client(self) -> redis.Redis:
         s = self.settings
         try:
-            return redis.Redis.from_url(
-                self.url,
+            return _connect.make_client(
+                self._target,
                 decode_responses=True,
                 socket_timeout=s.socket_timeout,
                 socket_connect_timeout=s.socket_connect_timeout,
                 retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
                 client_name="celery_leases",
             )
-        except (ValueError, RedisError) as exc:
+        except (ValueError, TypeError, RedisError) as exc:
             msg = f"redis_url {safe_url(self.url)!r} is not usable: {exc}"
             raise LeaseConfigError(msg) from None
 
@@ -186,15 +195,16 @@ class LeaseStore:
         """Close this process's connections (a new client is made on next use)."""
         with self._lock:
             client, self._client = self._client, None
-            conn, self._renew_conn = self._renew_conn, None
+            conns, self._renew_conns = self._renew_conns, {}
             pubsubs, self._pubsubs = self._pubsubs, []
         if self._pubsub_pid == os.getpid():
             for pubsub in pubsubs:
                 pubsub.close()
         if client is not None and self._pid == os.getpid():
             client.close()
-        if conn is not None and self._renew_pid == os.getpid():
-            conn.disconnect()
+        if self._renew_pid == os.getpid():
+            for conn in conns.values():
+                conn.disconnect()
 
     def _backend_error(self, what: str, exc: RedisError) -> LeaseBackendError:
         msg = f"redis at {safe_url(self.url)} failed to {what}: {type(exc).__name__}: {exc}"
@@ -358,9 +368,11 @@ class LeaseStore:
             rkeys.append(rk)
             keys += (rk.exclusive, rk.shared, rk.counter)
             args += (w.mode, w.limit, w.resource)
-        client = self.client
         try:
-            reply = self._acquire(keys, args, client=client)
+            if self._wait_replicas:
+                reply = self._acquire_replicated(keys, args, wants, task_id)
+            else:
+                reply = self._acquire(keys, args, client=self.client)
         except RedisError as exc:
             raise self._backend_error("acquire", exc) from exc
         code = int(reply[0])
@@ -389,6 +401,40 @@ class LeaseStore:
             )
             for w, token in zip(wants, reply[1:], strict=True)
         ]
+
+    def _acquire_replicated(
+        self, keys: list[str], args: list[Any], wants: Sequence[Want], task_id: str | None
+    ) -> Any:
+        """acquire.lua then ``WAIT``, on one connection in one round trip (see min_replicas).
+
+        A grant that too few replicas confirm is given back before the error is raised: a
+        failover to one of them could hand the resource, and the same token, to another.
+        """
+        target: Any = self.client
+        if self._cluster:  # WAIT must go down the same connection as the grant
+            target = target.get_redis_connection(target.get_node_from_key(keys[0]))
+        for attempt in (1, 2):
+            pipe = target.pipeline(transaction=False)
+            pipe.evalsha(self._acquire.sha, len(keys), *keys, *args)
+            pipe.execute_command(*self._wait_replicas)
+            try:
+                reply, acked = pipe.execute()
+                break
+            except NoScriptError:
+                if attempt == 2:
+                    raise
+                target.script_load(_scripts.ACQUIRE)
+        if int(reply[0]) == 1 and int(acked) < self.settings.min_replicas:
+            owner = str(args[0])
+            group = self.resource_keys(wants[0].resource).group if wants else 0
+            entries = [
+                Entry(w.mode, int(token), task_id, w.resource)
+                for w, token in zip(wants, reply[1:], strict=True)
+            ]
+            if entries:
+                self._release_entries(owner, group, entries)
+            self._check_replicated(acked, "grant")
+        return reply
 
     def acquire(
         self,
@@ -539,78 +585,130 @@ class LeaseStore:
     def _call_with_deadline(
         self, sha: str, source: str, calls: Sequence[tuple[list[str], list[Any]]], timeout: float
     ) -> list[Any]:
-        """EVALSHA each of ``calls`` on one connection, in one round trip, within ``timeout``.
+        """EVALSHA each of ``calls`` within ``timeout``: one round trip per Redis node.
 
         redis-py applies one socket timeout to every command of a connection; the heartbeat
-        needs a deadline per call instead, so it drives a connection of its own directly.
+        needs a deadline per call instead, so it drives connections of its own directly: one
+        for one server or a Sentinel master, one per node on a cluster (each call's keys
+        share one slot, so its first key says which node).
         """
         end = time.monotonic() + timeout
         with self._backend("renew"):
             if not self._renew_lock.acquire(timeout=timeout):
                 raise RedisTimeoutError(f"another renewal still runs after {timeout:.2f}s")
             try:
-                conn = self._renewal_connection(timeout)
+                routes: dict[str, list[int]] = {}
+                for i, (keys, _) in enumerate(calls):
+                    routes.setdefault(self._node_of(keys[0]), []).append(i)
+                conns = {
+                    node: self._renewal_connection(node, max(0.0, end - time.monotonic()))
+                    for node in routes
+                }
+                replies: list[Any] = [None] * len(calls)
                 try:
-                    left = max(0.0, end - time.monotonic())
-                    return self._send_and_read(conn, sha, source, calls, left)
-                except BaseException:
-                    conn.disconnect()
+                    # every node gets its commands before any reply is read
+                    for node, idx in routes.items():
+                        self._send(conns[node], sha, [calls[i] for i in idx])
+                    for node, idx in routes.items():
+                        got = self._read(conns[node], sha, source, [calls[i] for i in idx], end)
+                        for i, reply in zip(idx, got, strict=True):
+                            replies[i] = reply
+                except BaseException as exc:
+                    for conn in conns.values():
+                        conn.disconnect()
+                    if self._cluster and isinstance(exc, (MovedError, RedisConnectionError)):
+                        self._refresh_slots()
                     raise
+                return replies
             finally:
                 self._renew_lock.release()
 
-    def _renewal_connection(self, timeout: float) -> Any:
-        """This process's renewal connection, opened (if it is not) within ``timeout``.
+    def _node_of(self, key: str) -> str:
+        """The name of the cluster node serving ``key`` ("" off a cluster)."""
+        if not self._cluster:
+            return ""
+        node = self.client.get_node_from_key(key)  # type: ignore[attr-defined]
+        return str(node.name)
+
+    def _refresh_slots(self) -> None:
+        """After a MOVED reply or a lost node: read the cluster's slot map again."""
+        with suppress(RedisError):  # the next renewal tries again
+            self.client.nodes_manager.initialize()  # type: ignore[attr-defined]
+
+    def _renewal_connection(self, node: str, timeout: float) -> Any:
+        """This process's renewal connection to ``node``, opened (if it is not) within ``timeout``.
 
         Not a pooled one: t0 Redis freezes while every pooled connection is in use; t1 the
         renewal needs a new connection, and redis-py's handshake (CLIENT SETNAME, ...) waits
         for the full socket timeout; t2 the lease's deadline passes unnoticed; t3 Redis
         expires the lease and hands it on, and only then is the holder told. Its own
         connection, opened with the renewal's deadline as its timeouts, cannot stall so.
+        Under Sentinel it asks the sentinels for the master each time it (re)connects.
         """
         pid = os.getpid()
-        conn = self._renew_conn
-        if conn is None or self._renew_pid != pid:
-            pool = self.client.connection_pool
+        if self._renew_pid != pid:
+            self._renew_conns, self._renew_pid = {}, pid
+        conn = self._renew_conns.get(node)
+        if conn is None:
+            if self._cluster:
+                cluster_node = self.client.get_node(node_name=node)  # type: ignore[attr-defined]
+                pool = self.client.get_redis_connection(cluster_node).connection_pool  # type: ignore[attr-defined]
+            else:
+                pool = self.client.connection_pool
             kwargs = {**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0)}
-            conn = self._renew_conn = pool.connection_class(**kwargs)
-            self._renew_pid = pid
+            conn = self._renew_conns[node] = pool.connection_class(**kwargs)
         if getattr(conn, "_sock", None) is None:
             conn.socket_connect_timeout = conn.socket_timeout = max(timeout, 0.001)
             conn.connect()
         return conn
 
-    def _send_and_read(
+    def _send(self, conn: Any, sha: str, calls: Sequence[tuple[list[str], list[Any]]]) -> None:
+        commands: list[tuple[Any, ...]] = [("EVALSHA", sha, len(k), *k, *a) for k, a in calls]
+        if self._wait_replicas:
+            commands.append(self._wait_replicas)
+        conn.send_packed_command(conn.pack_commands(commands))
+
+    def _read(
         self,
         conn: Any,
         sha: str,
         source: str,
         calls: Sequence[tuple[list[str], list[Any]]],
-        timeout: float,
+        end: float,
     ) -> list[Any]:
-        end = time.monotonic() + timeout
-        commands = [("EVALSHA", sha, len(k), *k, *a) for k, a in calls]
-        conn.send_packed_command(conn.pack_commands(commands))
-        replies: list[Any] = []
-        missing_script = False
-        for _ in commands:
-            left = end - time.monotonic()
-            if left <= 0 or not conn.can_read(timeout=left):
-                raise RedisTimeoutError(f"no reply within {timeout:.2f}s")
-            try:
-                replies.append(conn.read_response())
-            except NoScriptError:
-                missing_script = True
-                replies.append(None)
-        if missing_script:
+        """The replies to what :meth:`_send` sent ``conn``, each by ``end`` (monotonic)."""
+        replies = [self._read_one(conn, end) for _ in calls]
+        if self._wait_replicas:
+            self._check_replicated(self._read_one(conn, end), "renewal")
+        if any(isinstance(r, NoScriptError) for r in replies):
             # Redis restarted or SCRIPT FLUSH ran: load it and send again, same deadline
             conn.send_command("SCRIPT", "LOAD", source)
-            left = end - time.monotonic()
-            if left <= 0 or not conn.can_read(timeout=left):
-                raise RedisTimeoutError(f"no reply within {timeout:.2f}s")
-            conn.read_response()
-            return self._send_and_read(conn, sha, source, calls, max(0.0, end - time.monotonic()))
+            self._read_one(conn, end)
+            self._send(conn, sha, calls)
+            return self._read(conn, sha, source, calls, end)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
         return replies
+
+    @staticmethod
+    def _read_one(conn: Any, end: float) -> Any:
+        left = end - time.monotonic()
+        if left <= 0 or not conn.can_read(timeout=left):
+            raise RedisTimeoutError("no reply before the renewal's deadline")
+        try:
+            return conn.read_response()
+        except NoScriptError as exc:
+            return exc  # the other replies must still be read off the connection
+
+    def _check_replicated(self, acked: Any, what: str) -> None:
+        want = self.settings.min_replicas
+        if int(acked) < want:
+            msg = (
+                f"the {what} reached {acked} of the {want} replicas min_replicas asks for "
+                f"within {self.settings.min_replicas_timeout}s"
+            )
+            raise RedisTimeoutError(msg)
 
     # --- release --------------------------------------------------------------------------
     def release(self, held: Sequence[Held]) -> list[bool]:
@@ -804,7 +902,7 @@ class LeaseStore:
                         pipe.pttl(rk.exclusive)
                     else:
                         pipe.zscore(rk.shared, f"{entry.token} {owner}")
-                pipe.time()
+                self._pipe_now(pipe, self.keys.owners)
                 replies = pipe.execute()
                 sec, usec = replies.pop()
                 now_ms = int(sec) * 1000 + int(usec) // 1000
@@ -820,6 +918,15 @@ class LeaseStore:
                         out.append((float(score) - now_ms) / 1000 if held else None)
         return out
 
+    @staticmethod
+    def _pipe_now(pipe: Any, key: str) -> None:
+        """Queue a read of the Redis clock of the node serving ``key`` (TIME on one server).
+
+        A cluster pipeline cannot send TIME (it names no key); a script that names the key
+        goes to the node whose clock the key's TTLs run on.
+        """
+        pipe.execute_command("EVAL", _NOW_SCRIPT, 1, key)
+
     def read_liveness(self, owners: Sequence[str]) -> dict[str, float | None]:
         """Seconds left on each owner's liveness (negative: it ran out; None: not registered)."""
         out: dict[str, float | None] = {}
@@ -829,7 +936,7 @@ class LeaseStore:
                 chunk = unique[start : start + _OPS_BATCH]
                 pipe = self.client.pipeline(transaction=False)
                 pipe.zmscore(self.keys.owners, chunk)
-                pipe.time()
+                self._pipe_now(pipe, self.keys.owners)
                 scores, (sec, usec) = pipe.execute()
                 now_ms = int(sec) * 1000 + int(usec) // 1000
                 for owner, score in zip(chunk, scores, strict=True):
@@ -888,7 +995,7 @@ class LeaseStore:
             pipe.get(xkey)
             pipe.pttl(xkey)
             pipe.zrange(skey, 0, -1, withscores=True)
-            pipe.time()
+            self._pipe_now(pipe, skey)
             value, pttl, shared, (sec, usec) = pipe.execute()
         now_ms = int(sec) * 1000 + int(usec) // 1000
         out: list[Holder] = []
@@ -906,7 +1013,7 @@ class LeaseStore:
         with self._backend("list owners"):
             pipe = self.client.pipeline(transaction=False)
             pipe.zrange(self.keys.owners, 0, -1, withscores=True)
-            pipe.time()
+            self._pipe_now(pipe, self.keys.owners)
             members, (sec, usec) = pipe.execute()
         now_ms = int(sec) * 1000 + int(usec) // 1000
         return [(str(m), (s - now_ms) / 1000) for m, s in members]

@@ -21,12 +21,13 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from ._connect import parse_target
 from .exceptions import LeaseConfigError
 
 if TYPE_CHECKING:
@@ -74,8 +75,11 @@ class LeaseSettings(BaseSettings):
     redis_url: str | None = Field(
         None,
         description=(
-            "Where leases live. Default: the broker URL when it is a redis:// or rediss:// URL, "
-            "else redis://localhost:6379/0."
+            "Where leases live: redis://, rediss:// or unix:// (one server), "
+            "sentinel://host:port[,host:port...][/db]?master_name=NAME (a master found through "
+            "Sentinel) or redis+cluster:// / rediss+cluster://host:port[,host:port...] (a "
+            "Cluster). Default: the broker URL when it is a redis://, rediss:// or sentinel:// "
+            "URL (with master_name from broker_transport_options), else redis://localhost:6379/0."
         ),
     )
     key_prefix: str = Field(
@@ -147,6 +151,23 @@ class LeaseSettings(BaseSettings):
             "or Sentinel; raise it on Redis Cluster to spread leases over the shards."
         ),
     )
+    min_replicas: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description=(
+            "Replicas that must have each grant and renewal (Redis WAIT, in the same round trip) "
+            "before it counts. With 1 or more, a Sentinel failover to a replica that was in sync "
+            "loses no lease and repeats no fencing token; a grant not replicated within "
+            "min_replicas_timeout is given back and raises LeaseBackendError, a renewal not "
+            "replicated counts as failed. 0: asynchronous replication, as Redis does by default."
+        ),
+    )
+    min_replicas_timeout: float = Field(
+        0.5,
+        gt=0.0,
+        description="Seconds a grant or renewal waits for min_replicas replicas to confirm it.",
+    )
     reconcile_interval: float = Field(
         60.0,
         ge=0.0,
@@ -200,9 +221,8 @@ class LeaseSettings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _check_url(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
-            msg = "must be a redis://, rediss:// or unix:// URL"
-            raise ValueError(msg)
+        if value is not None:
+            parse_target(value)  # a ValueError names what is wrong with it
         return value
 
     @field_validator("node")
@@ -285,26 +305,30 @@ def _config_error(exc: ValidationError, kwargs: Mapping[str, Any], conf: Mapping
 
 
 def safe_url(url: str) -> str:
-    """``url`` without its password (in the user info or a ``password=`` query), for logs."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
+    """``url`` without its passwords (user info, ``password=`` queries), for logs and errors.
+
+    Handles every lease URL form: several hosts (``host:1,host:2``) and Celery's ``;``-joined
+    sentinel lists included.
+    """
+    return ";".join(_safe_one(part) for part in url.split(";"))
+
+
+def _safe_one(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if not sep:
         return "<unparsable redis url>"
-    netloc = parts.netloc
-    if parts.password is not None:
-        host = parts.hostname or ""
-        if ":" in host:  # IPv6: keep the brackets, or the port reads as part of the address
-            host = f"[{host}]"
-        netloc = f"{parts.username or ''}:***@{host}"
-        if port:
-            netloc += f":{port}"
-    # redis-py also takes the password as a query argument: redis://host/0?password=...
-    query = _QUERY_PASSWORD.sub(r"\1=***", parts.query)
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
+    cut = min([i for i in (rest.find(c) for c in "/?#") if i >= 0], default=len(rest))
+    netloc, tail = rest[:cut], rest[cut:]
+    if "@" in netloc:
+        userinfo, hosts = netloc.rsplit("@", 1)
+        if ":" in userinfo:
+            netloc = f"{userinfo.split(':', 1)[0]}:***@{hosts}"
+    # redis-py also takes passwords as query arguments: redis://host/0?password=...
+    return f"{scheme}://{netloc}{_QUERY_PASSWORD.sub(_REDACTED, tail)}"
 
 
-_QUERY_PASSWORD: Final = re.compile(r"(?i)(?<![^&;])(password)=[^&;]*")
+_QUERY_PASSWORD: Final = re.compile(r"(?i)(?<=[?&])((?:sentinel_)?password)=[^&#]*")
+_REDACTED: Final = r"\1=***"
 
 
 def _conf_of(app: Celery | None) -> dict[str, Any]:
@@ -320,6 +344,14 @@ def _broker_default(app: Celery | None) -> str:
     broker = app.conf.broker_url
     if isinstance(broker, str) and broker.startswith(("redis://", "rediss://")):
         return broker.split(";")[0]
+    if isinstance(broker, str) and broker.startswith("sentinel://"):
+        # Celery's form: the sentinels in the URL, the master's name in the transport options
+        master = (app.conf.broker_transport_options or {}).get("master_name")
+        if master and "master_name=" not in broker:
+            first, *rest = broker.split(";")
+            joiner = "&" if "?" in first else "?"
+            return ";".join([f"{first}{joiner}master_name={quote(str(master))}", *rest])
+        return broker
     return DEFAULT_REDIS_URL
 
 

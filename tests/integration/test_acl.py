@@ -134,8 +134,13 @@ def test_the_documented_user_is_refused_everything_else(acl_url: str) -> None:
             client.publish("other-channel", "x")
         with pytest.raises(NoPermissionError):
             client.keys("*")
+        # EVAL is allowed, but a script can do no more than its caller
         with pytest.raises(NoPermissionError):
-            client.eval("return 1", 0)
+            client.eval("return redis.call('GET', KEYS[1])", 1, "other:key")
+        with pytest.raises(redis.ResponseError, match="permission|can't run"):
+            client.eval("return redis.call('FLUSHALL')", 0)
+        with pytest.raises(redis.ResponseError, match="can't access"):
+            client.eval("return redis.call('GET', 'other:key')", 0)
         assert client.get("{leases:0}:x:free") is None  # inside the prefix: allowed
     finally:
         client.close()
