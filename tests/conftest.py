@@ -16,3 +16,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         parts = Path(str(item.fspath)).relative_to(_HERE).parts
         if parts and parts[0] == "integration":
             item.add_marker(pytest.mark.integration)
+
+
+from tests.topologies import redis_cluster, redis_sentinel  # noqa: E402  (fixtures)
+
+__all__ = ["redis_cluster", "redis_sentinel"]
