@@ -18,6 +18,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
 
 
-from tests.topologies import redis_cluster, redis_sentinel  # noqa: E402  (fixtures)
+from tests.topologies import redis_cluster, redis_sentinel, topology  # noqa: E402  (fixtures)
 
-__all__ = ["redis_cluster", "redis_sentinel"]
+__all__ = ["redis_cluster", "redis_sentinel", "topology"]

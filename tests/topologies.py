@@ -7,11 +7,44 @@ the session; tests keep to their own key prefix on them, as on the shared server
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import redis
 
 from celery_leases._redis_topology import LocalCluster, LocalSentinel
+
+#: slot groups the tests use on the cluster, so that leases spread over its three primaries
+CLUSTER_SLOT_GROUPS = 16
+
+
+@dataclass
+class Topology:
+    name: str
+    url: str
+    servers: list[str]  # every data server, for INFO commandstats
+    settings: dict[str, Any]
+
+    def env(self) -> dict[str, str]:
+        """The ``CELERY_LEASES_*`` environment that points a subprocess at this deployment."""
+        out = {"CELERY_LEASES_REDIS_URL": self.url}
+        out.update({f"CELERY_LEASES_{k.upper()}": str(v) for k, v in self.settings.items()})
+        return out
+
+
+@pytest.fixture(params=["cluster", "sentinel"])
+def topology(request: pytest.FixtureRequest) -> Topology:
+    if request.param == "cluster":
+        cluster: LocalCluster = request.getfixturevalue("redis_cluster")
+        return Topology(
+            "cluster",
+            cluster.url,
+            [s.url for s in cluster.servers],
+            {"slot_groups": CLUSTER_SLOT_GROUPS},
+        )
+    sentinel: LocalSentinel = request.getfixturevalue("redis_sentinel")
+    return Topology("sentinel", sentinel.url, [s.url for s in sentinel.data], {})
 
 
 @pytest.fixture(scope="session")

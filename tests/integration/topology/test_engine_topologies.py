@@ -10,7 +10,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -20,34 +19,10 @@ from celery_leases import LeaseBusy, LeaseLost, Leases, Shared
 from celery_leases._connect import parse_target
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
-from celery_leases._redis_topology import LocalCluster, LocalSentinel
 from tests.polling import wait_until
-from tests.topologies import command_calls, reset_stats
+from tests.topologies import Topology, command_calls, reset_stats
 
-SLOT_GROUPS = 16
 APP = "tests.integration.worker.wapp"
-
-
-@dataclass
-class Topology:
-    name: str
-    url: str
-    servers: list[str]  # every data server, for INFO commandstats
-    settings: dict[str, Any]
-
-
-@pytest.fixture(params=["cluster", "sentinel"])
-def topology(request: pytest.FixtureRequest) -> Topology:
-    if request.param == "cluster":
-        cluster: LocalCluster = request.getfixturevalue("redis_cluster")
-        return Topology(
-            "cluster",
-            cluster.url,
-            [s.url for s in cluster.servers],
-            {"slot_groups": SLOT_GROUPS},
-        )
-    sentinel: LocalSentinel = request.getfixturevalue("redis_sentinel")
-    return Topology("sentinel", sentinel.url, [s.url for s in sentinel.data], {})
 
 
 @pytest.fixture
@@ -300,9 +275,8 @@ def test_cli_lists_and_shows(
     env.update(
         {
             "LEASES_TEST_BROKER": leases_redis_url,  # the broker is not under test here
-            "CELERY_LEASES_REDIS_URL": topology.url,
             "CELERY_LEASES_KEY_PREFIX": leases.settings.key_prefix,
-            "CELERY_LEASES_SLOT_GROUPS": str(leases.settings.slot_groups),
+            **topology.env(),
         }
     )
 
