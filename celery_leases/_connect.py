@@ -20,11 +20,15 @@ from typing import Any, Final, Literal, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
+import redis.asyncio
+from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import parse_url
 from redis.sentinel import Sentinel
 
-__all__ = ("RedisTarget", "make_client", "parse_target")
+__all__ = ("RedisTarget", "is_cluster", "make_async_client", "make_client", "parse_target")
 
 Kind = Literal["single", "sentinel", "cluster"]
 
@@ -185,6 +189,28 @@ def make_client(target: RedisTarget, **common: Any) -> redis.Redis:
     return master
 
 
+def make_async_client(target: RedisTarget, **common: Any) -> redis.asyncio.Redis:
+    """The asyncio client for ``target``: the same deployments and options as
+    :func:`make_client`, on ``redis.asyncio``. Like it, a cluster client is typed as the
+    plain one."""
+    if target.kind == "single":
+        return redis.asyncio.Redis.from_url(target.url, **common)
+    options = {**target.options, **common}
+    if target.kind == "cluster":
+        options.pop("retry", None)
+        nodes = [AsyncClusterNode(host, port) for host, port in target.hosts]
+        return cast("redis.asyncio.Redis", AsyncRedisCluster(startup_nodes=nodes, **options))
+    timeouts = {k: common[k] for k in ("socket_timeout", "socket_connect_timeout") if k in common}
+    sentinel = AsyncSentinel(  # type: ignore[no-untyped-call]
+        list(target.hosts),
+        sentinel_kwargs={**timeouts, **target.sentinel_options},
+        **timeouts,
+    )
+    assert target.master_name is not None
+    master: redis.asyncio.Redis = sentinel.master_for(target.master_name, **options)
+    return master
+
+
 def is_cluster(client: object) -> bool:
-    """True when ``client`` talks to a Redis Cluster."""
-    return isinstance(client, RedisCluster)
+    """True when ``client`` talks to a Redis Cluster (sync or asyncio)."""
+    return isinstance(client, (RedisCluster, AsyncRedisCluster))
