@@ -7,7 +7,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
@@ -36,7 +36,7 @@ TOKEN_MEMORY_MS: Final = 86_400_000
 _EXPIRY_SLACK: Final = 0.002
 
 
-#: the Redis clock, read on the node serving KEYS[1] (see LeaseStore._pipe_now)
+#: the Redis clock, read on the node serving KEYS[1] (see LeaseStore._with_now)
 _NOW_SCRIPT: Final = "return redis.call('TIME')"
 #: acquire.lua reply codes
 _GRACE: Final = -1
@@ -190,6 +190,7 @@ class LeaseStore:
         self._forget_owner = client.register_script(_scripts.FORGET_OWNER)
         self._commit_receipt = client.register_script(_scripts.COMMIT_RECEIPT)
         self._beat_claim = client.register_script(_scripts.BEAT_CLAIM)
+        self._now_sha = client.register_script(_NOW_SCRIPT).sha
 
     def close(self) -> None:
         """Close this process's connections (a new client is made on next use)."""
@@ -894,18 +895,17 @@ class LeaseStore:
         with self._backend("inspect leases"):
             for start in range(0, len(items), _OPS_BATCH):
                 chunk = items[start : start + _OPS_BATCH]
-                pipe = self.client.pipeline(transaction=False)
-                for owner, entry in chunk:
-                    rk = self.resource_keys(entry.resource)
-                    if entry.mode == "x":
-                        pipe.get(rk.exclusive)
-                        pipe.pttl(rk.exclusive)
-                    else:
-                        pipe.zscore(rk.shared, f"{entry.token} {owner}")
-                self._pipe_now(pipe, self.keys.owners)
-                replies = pipe.execute()
-                sec, usec = replies.pop()
-                now_ms = int(sec) * 1000 + int(usec) // 1000
+
+                def build(pipe: Any, chunk: Sequence[tuple[str, Entry]] = chunk) -> None:
+                    for owner, entry in chunk:
+                        rk = self.resource_keys(entry.resource)
+                        if entry.mode == "x":
+                            pipe.get(rk.exclusive)
+                            pipe.pttl(rk.exclusive)
+                        else:
+                            pipe.zscore(rk.shared, f"{entry.token} {owner}")
+
+                replies, now_ms = self._with_now(build, self.keys.owners)
                 replies.reverse()
                 for owner, entry in chunk:
                     if entry.mode == "x":
@@ -918,14 +918,27 @@ class LeaseStore:
                         out.append((float(score) - now_ms) / 1000 if held else None)
         return out
 
-    @staticmethod
-    def _pipe_now(pipe: Any, key: str) -> None:
-        """Queue a read of the Redis clock of the node serving ``key`` (TIME on one server).
+    def _with_now(self, build: Callable[[Any], object], key: str) -> tuple[list[Any], int]:
+        """Run the commands ``build`` queues in one pipeline, with the Redis clock in ms.
 
-        A cluster pipeline cannot send TIME (it names no key); a script that names the key
-        goes to the node whose clock the key's TTLs run on.
+        The clock is read on the node serving ``key``, by a one-line script: a cluster
+        pipeline cannot send TIME (it names no key). A Redis that lost its scripts gets the
+        script loaded and the pipeline sent again.
         """
-        pipe.execute_command("EVAL", _NOW_SCRIPT, 1, key)
+        for attempt in (1, 2):
+            pipe = self.client.pipeline(transaction=False)
+            build(pipe)
+            pipe.execute_command("EVALSHA", self._now_sha, 1, key)  # type: ignore[no-untyped-call]
+            try:
+                replies = pipe.execute()
+            except NoScriptError:
+                if attempt == 2:
+                    raise
+                self.client.script_load(_NOW_SCRIPT)
+                continue
+            sec, usec = replies.pop()
+            return replies, int(sec) * 1000 + int(usec) // 1000
+        raise AssertionError("unreachable")
 
     def read_liveness(self, owners: Sequence[str]) -> dict[str, float | None]:
         """Seconds left on each owner's liveness (negative: it ran out; None: not registered)."""
@@ -934,11 +947,11 @@ class LeaseStore:
         with self._backend("read owner liveness"):
             for start in range(0, len(unique), _OPS_BATCH):
                 chunk = unique[start : start + _OPS_BATCH]
-                pipe = self.client.pipeline(transaction=False)
-                pipe.zmscore(self.keys.owners, chunk)
-                self._pipe_now(pipe, self.keys.owners)
-                scores, (sec, usec) = pipe.execute()
-                now_ms = int(sec) * 1000 + int(usec) // 1000
+
+                def build(pipe: Any, chunk: list[str] = chunk) -> None:
+                    pipe.zmscore(self.keys.owners, chunk)
+
+                (scores,), now_ms = self._with_now(build, self.keys.owners)
                 for owner, score in zip(chunk, scores, strict=True):
                     out[owner] = None if score is None else (float(score) - now_ms) / 1000
         return out
@@ -991,13 +1004,13 @@ class LeaseStore:
         rk = self.resource_keys(resource)
         xkey, skey = rk.exclusive, rk.shared
         with self._backend("inspect a resource"):
-            pipe = self.client.pipeline(transaction=False)
-            pipe.get(xkey)
-            pipe.pttl(xkey)
-            pipe.zrange(skey, 0, -1, withscores=True)
-            self._pipe_now(pipe, skey)
-            value, pttl, shared, (sec, usec) = pipe.execute()
-        now_ms = int(sec) * 1000 + int(usec) // 1000
+
+            def build(pipe: Any) -> None:
+                pipe.get(xkey)
+                pipe.pttl(xkey)
+                pipe.zrange(skey, 0, -1, withscores=True)
+
+            (value, pttl, shared), now_ms = self._with_now(build, skey)
         out: list[Holder] = []
         if value is not None:
             token, _, owner = str(value).partition(" ")
@@ -1011,11 +1024,10 @@ class LeaseStore:
     def owners(self) -> list[tuple[str, float]]:
         """Every registered owner and the seconds left on its liveness (negative: dead)."""
         with self._backend("list owners"):
-            pipe = self.client.pipeline(transaction=False)
-            pipe.zrange(self.keys.owners, 0, -1, withscores=True)
-            self._pipe_now(pipe, self.keys.owners)
-            members, (sec, usec) = pipe.execute()
-        now_ms = int(sec) * 1000 + int(usec) // 1000
+            (members,), now_ms = self._with_now(
+                lambda pipe: pipe.zrange(self.keys.owners, 0, -1, withscores=True),
+                self.keys.owners,
+            )
         return [(str(m), (s - now_ms) / 1000) for m, s in members]
 
     def owned(self, owner: str) -> list[tuple[str, int, str]]:
