@@ -23,9 +23,11 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_serializer, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from redis.connection import Connection, parse_url
+from redis.exceptions import RedisError
 
 from .exceptions import LeaseConfigError
 
@@ -67,8 +69,14 @@ class LeaseSettings(BaseSettings):
     ``CELERY_LEASES_<NAME>``.
     """
 
+    # hide_input_in_errors: a ValidationError's text would show the rejected redis_url whole,
+    # password included; _config_error shows it through safe_url instead.
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, frozen=True, extra="forbid", case_sensitive=False
+        env_prefix=ENV_PREFIX,
+        frozen=True,
+        extra="forbid",
+        case_sensitive=False,
+        hide_input_in_errors=True,
     )
 
     redis_url: str | None = Field(
@@ -205,6 +213,14 @@ class LeaseSettings(BaseSettings):
             raise ValueError(msg)
         return value
 
+    @field_validator("redis_url")
+    @classmethod
+    def _check_url_options(cls, value: str | None) -> str | None:
+        problem = None if value is None else _url_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
     @field_validator("node")
     @classmethod
     def _check_node(cls, value: str | None) -> str | None:
@@ -222,6 +238,15 @@ class LeaseSettings(BaseSettings):
             )
             raise ValueError(msg)
         return self
+
+    @field_serializer("redis_url")
+    def _dump_url(self, value: str | None) -> str | None:
+        # dumps end up in logs and output: the real URL is read from .redis_url or .url only
+        return None if value is None else safe_url(value)
+
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        for name, value in super().__repr_args__():
+            yield name, (safe_url(value) if name == "redis_url" and value is not None else value)
 
     @classmethod
     def settings_customise_sources(
@@ -292,6 +317,10 @@ def safe_url(url: str) -> str:
     except ValueError:
         return "<unparsable redis url>"
     netloc = parts.netloc
+    if "@" not in netloc and "@" in url.partition("://")[2][len(netloc) :]:
+        # a password holding an unescaped / ? or # ends the host part early, and the rest of
+        # it would show as the path or query: redis://:pa/ss@host/0
+        return "<unparsable redis url>"
     if parts.password is not None:
         host = parts.hostname or ""
         if ":" in host:  # IPv6: keep the brackets, or the port reads as part of the address
@@ -304,7 +333,39 @@ def safe_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
-_QUERY_PASSWORD: Final = re.compile(r"(?i)(?<![^&;])(password)=[^&;]*")
+_QUERY_PASSWORD: Final = re.compile(r"(?i)(?<![^&;])(password|ssl_password)=[^&;]*")
+
+
+def _url_problem(url: str) -> str | None:
+    """Why redis-py would refuse ``url`` at its first command, found without connecting.
+
+    redis-py hands every query option it does not know to the connection class, which raises
+    ``TypeError`` only when the first connection is made; a misspelt TLS option
+    (``ssl_ca_cert=``) or one on a ``redis://`` URL would surface late and raw. Files named by
+    the options are not opened here: they need to exist only where leases are used.
+    """
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        return None  # another check names the scheme
+    try:
+        kwargs: dict[str, Any] = parse_url(url)  # type: ignore[no-untyped-call]
+    except ValueError as exc:
+        if "Port" in str(exc):  # urllib's message quotes the port, which may be a password piece
+            return "its port is not a number (percent-encode / ? # @ in a password)"
+        return f"redis-py cannot parse it: {exc}"
+    connection_class = kwargs.pop("connection_class", Connection)
+    try:
+        connection_class(**kwargs)  # builds the object only; nothing connects
+    except TypeError as exc:
+        found = re.search(r"keyword argument '(\w+)'", str(exc))
+        if found is None:
+            return f"redis-py refuses its options: {exc}"
+        msg = f"redis-py does not take the URL option {found.group(1)!r}"
+        if found.group(1).startswith("ssl_") and not url.startswith("rediss://"):
+            msg += " (TLS options need a rediss:// URL)"
+        return msg
+    except RedisError as exc:  # e.g. ssl_cert_reqs=CERT_REQUIRED
+        return f"redis-py refuses its options: {exc}"
+    return None
 
 
 def _conf_of(app: Celery | None) -> dict[str, Any]:
