@@ -238,7 +238,7 @@ def test_the_cli_never_shows_the_password(
     held = here.acquire([Want("held:1")])  # released by the CLI below, so not a `with`
     try:
         commands = [
-            ["ls"], ["ls", "--json"], ["show", "held:1"], ["owners"], ["stats"], ["reconcile"],
+            ["ls"], ["show", "held:1"], ["owners"], ["stats"], ["reconcile"],
             ["audit"], ["release", "held:1", "--force", "--yes"],
         ]  # fmt: skip
         for args in commands:
