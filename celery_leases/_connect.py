@@ -80,6 +80,9 @@ def _redis_py_options(url: str) -> dict[str, Any]:
     try:
         return dict(parse_url(url))  # type: ignore[no-untyped-call]
     except ValueError as exc:
+        if "Port" in str(exc):  # urllib's message quotes the port, which may be a password piece
+            msg = "its port is not a number (percent-encode / ? # @ in a password)"
+            raise ValueError(msg) from None
         raise ValueError(f"redis-py cannot read it: {exc}") from None
 
 

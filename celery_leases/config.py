@@ -23,9 +23,11 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, Literal
 from urllib.parse import quote
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_serializer, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from redis.connection import Connection, SSLConnection, parse_url
+from redis.exceptions import RedisError
 
 from ._connect import parse_target
 from .exceptions import LeaseConfigError
@@ -68,8 +70,14 @@ class LeaseSettings(BaseSettings):
     ``CELERY_LEASES_<NAME>``.
     """
 
+    # hide_input_in_errors: a ValidationError's text would show the rejected redis_url whole,
+    # password included; _config_error shows it through safe_url instead.
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, frozen=True, extra="forbid", case_sensitive=False
+        env_prefix=ENV_PREFIX,
+        frozen=True,
+        extra="forbid",
+        case_sensitive=False,
+        hide_input_in_errors=True,
     )
 
     redis_url: str | None = Field(
@@ -225,6 +233,14 @@ class LeaseSettings(BaseSettings):
             parse_target(value)  # a ValueError names what is wrong with it
         return value
 
+    @field_validator("redis_url")
+    @classmethod
+    def _check_url_options(cls, value: str | None) -> str | None:
+        problem = None if value is None else _url_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
     @field_validator("node")
     @classmethod
     def _check_node(cls, value: str | None) -> str | None:
@@ -242,6 +258,15 @@ class LeaseSettings(BaseSettings):
             )
             raise ValueError(msg)
         return self
+
+    @field_serializer("redis_url")
+    def _dump_url(self, value: str | None) -> str | None:
+        # dumps end up in logs and output: the real URL is read from .redis_url or .url only
+        return None if value is None else safe_url(value)
+
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        for name, value in super().__repr_args__():
+            yield name, (safe_url(value) if name == "redis_url" and value is not None else value)
 
     @classmethod
     def settings_customise_sources(
@@ -319,6 +344,10 @@ def _safe_one(url: str) -> str:
         return "<unparsable redis url>"
     cut = min([i for i in (rest.find(c) for c in "/?#") if i >= 0], default=len(rest))
     netloc, tail = rest[:cut], rest[cut:]
+    if "@" not in netloc and "@" in tail:
+        # a password holding an unescaped / ? or # ends the host part early, and the rest of
+        # it would show as the path or query: redis://:pa/ss@host/0
+        return "<unparsable redis url>"
     if "@" in netloc:
         userinfo, hosts = netloc.rsplit("@", 1)
         if ":" in userinfo:
@@ -327,8 +356,42 @@ def _safe_one(url: str) -> str:
     return f"{scheme}://{netloc}{_QUERY_PASSWORD.sub(_REDACTED, tail)}"
 
 
-_QUERY_PASSWORD: Final = re.compile(r"(?i)(?<=[?&])((?:sentinel_)?password)=[^&#]*")
+_QUERY_PASSWORD: Final = re.compile(r"(?i)(?<=[?&])((?:sentinel_|ssl_)?password)=[^&#]*")
 _REDACTED: Final = r"\1=***"
+
+
+def _url_problem(url: str) -> str | None:
+    """Why redis-py would refuse ``url`` at its first command, found without connecting.
+
+    redis-py hands every query option it does not know to the connection class, which raises
+    ``TypeError`` only when the first connection is made; a misspelt TLS option
+    (``ssl_ca_cert=``) or one on a ``redis://`` URL would surface late and raw. Files named by
+    the options are not opened here: they need to exist only where leases are used.
+    """
+    try:
+        target = parse_target(url)
+        if target.kind == "single":
+            kwargs: dict[str, Any] = parse_url(url)  # type: ignore[no-untyped-call]
+        else:  # the options of the master's or the nodes' connections
+            kwargs = dict(target.options)
+            if kwargs.pop("ssl", False):
+                kwargs["connection_class"] = SSLConnection
+    except ValueError:
+        return None  # _check_url names what is wrong
+    connection_class = kwargs.pop("connection_class", Connection)
+    try:
+        connection_class(**kwargs)  # builds the object only; nothing connects
+    except TypeError as exc:
+        found = re.search(r"keyword argument '(\w+)'", str(exc))
+        if found is None:
+            return f"redis-py refuses its options: {exc}"
+        msg = f"redis-py does not take the URL option {found.group(1)!r}"
+        if found.group(1).startswith("ssl_") and not url.startswith("rediss://"):
+            msg += " (TLS options need a rediss:// URL)"
+        return msg
+    except RedisError as exc:  # e.g. ssl_cert_reqs=CERT_REQUIRED
+        return f"redis-py refuses its options: {exc}"
+    return None
 
 
 def _conf_of(app: Celery | None) -> dict[str, Any]:

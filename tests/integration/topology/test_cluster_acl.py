@@ -2,35 +2,28 @@
 
 from __future__ import annotations
 
-import shlex
 import time
 import uuid
 
 import pytest
 import redis
 from celery import Celery
-from redis.exceptions import NoPermissionError, ResponseError
+from redis.exceptions import NoPermissionError
 
 from celery_leases import Leases, Shared
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
-from tests.integration.test_acl import _documented_lines
+from tests.acl import create_documented_user
 from tests.topologies import CLUSTER_SLOT_GROUPS
 
 
 def test_the_documented_user_works_on_every_node(redis_cluster) -> None:
     user = f"leases-acl-{uuid.uuid4().hex[:6]}"
-    lines = [ln.replace("celery_leases", user, 1) for ln in _documented_lines()]
-    password = next(a[1:] for a in shlex.split(lines[0]) if a.startswith(">"))
+    password = uuid.uuid4().hex
     for server in redis_cluster.servers:
         admin = redis.Redis.from_url(server.url)
         try:
-            for line in lines:
-                try:
-                    admin.execute_command(*shlex.split(line))
-                except ResponseError as exc:  # CLIENT SETINFO is unknown before Redis 7.2
-                    if "unknown" not in str(exc).lower():
-                        raise
+            create_documented_user(admin, password=password, cluster=True, user=user)
         finally:
             admin.close()
     seeds = redis_cluster.url.removeprefix("redis+cluster://")
