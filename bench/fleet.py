@@ -434,6 +434,7 @@ def bench(cfg: Config, args: argparse.Namespace, run_id: str, out_dir: Path) -> 
     return {
         "label": args.label or default_label(args.redis_url),
         "lease_url": safe_url(lease_url),
+        "key_prefix": prefix,
         "lease_server": lease_version,
         "private_lease_server": args.redis_url is None,
         "broker": safe_url(broker) if args.broker_url else "private redis-server",
