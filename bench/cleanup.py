@@ -1,6 +1,6 @@
 """Cleanup benchmark: start-up cleanup and reconcile cost versus leases held and keyspace size.
 
-    python -m bench.cleanup                    # both axes, 5 repeats; about 1-2 min on 2 cores
+    python -m bench.cleanup                    # both axes, 7 repeats; about 1-2 min on 2 cores
     python -m bench.cleanup --quick            # 3 repeats, up to 1,000 leases and 100,000 keys
     python -m bench.cleanup --only leases      # one axis: leases or keys
     python -m bench.cleanup --help
@@ -116,7 +116,7 @@ class Config:
                 raise SystemExit(f"{name} must be ascending positive numbers, not {values}")
         if args.only not in ("both", "leases", "keys"):
             raise SystemExit(f"--only must be both, leases or keys, not {args.only!r}")
-        repeats = args.repeats or (3 if quick else 5)
+        repeats = args.repeats or (3 if quick else 7)
         if repeats < 1 or args.slot_groups < 1 or args.base_keys < 0 or args.base_leases < 1:
             raise SystemExit("--repeats, --slot-groups and --base-leases must be >= 1")
         return cls(
@@ -501,7 +501,7 @@ ABOUT: Final = (
     "the keyspace, a pipelined `GET` of each match and a pipelined compare-and-delete of the "
     "dead owner's. Every contender is checked to have freed all N leases. Two axes: N = 1 to "
     "10,000 at K = 10,000, and K = 100 to 1,000,000 at N = 100. Commands are exact (INFO "
-    "commandstats on the private server), times the median of 5 repeats."
+    "commandstats on the private server), times the median of 7 repeats."
 )
 
 
@@ -534,7 +534,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--base-keys", type=int, default=10_000, help="unrelated keys on the leases axis"
     )
     parser.add_argument("--base-leases", type=int, default=100, help="leases on the keys axis")
-    parser.add_argument("--repeats", type=int, default=0, help="repeats per point (default 5)")
+    parser.add_argument("--repeats", type=int, default=0, help="repeats per point (default 7)")
     parser.add_argument("--slot-groups", type=int, default=1, help="slot_groups setting")
     parser.add_argument("--out-dir", default=str(RESULTS_DIR), help="where cleanup.json goes")
     parser.add_argument("--docs", default=str(DOCS), help="the docs page to update")

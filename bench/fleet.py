@@ -433,7 +433,7 @@ def bench(cfg: Config, args: argparse.Namespace, run_id: str, out_dir: Path) -> 
     plain, leased = results["plain"].summary(), results["leased"].summary()
     return {
         "label": args.label or default_label(args.redis_url),
-        "lease_url": safe_url(lease_url),
+        "lease_url": "a private redis-server" if args.redis_url is None else safe_url(lease_url),
         "key_prefix": prefix,
         "lease_server": lease_version,
         "private_lease_server": args.redis_url is None,
@@ -456,6 +456,7 @@ HEADS: Final = (
     "leased tasks/s",
     "leased/plain",
     "acquire p50 / p99 / max ms",
+    "p50 granted at once / found busy first ms",
     "busy retries (tasks retried)",
     "lease cmds/task",
     "run",
@@ -476,11 +477,16 @@ def table_row(run: dict[str, Any]) -> tuple[str, ...]:
         f"{plain['rate_median']:,.0f}",
         f"{leased['rate_median']:,.0f}",
         f"{run['ratio']:.2f} ({' / '.join(f'{x:.2f}' for x in run['round_ratios'])})",
-        f"{lat['p50']:.2f} / {lat['p99']:.1f} / {lat['max']:.0f}",
+        f"{lat['p50']:.2f} / {lat['p99']:,.0f} / {lat['max']:,.0f}",
+        f"{_opt(lat['immediate']['p50'], '.2f')} / {_opt(lat['retried']['p50'], ',.0f')}",
         f"{leased['retries']:,} ({leased['retried_tasks'] / n:.1%} of {n:,})",
         "n/a" if cmds is None else f"{cmds:.1f}",
         f"{run['machine']['date']}, load {run['machine']['load']}",
     )
+
+
+def _opt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def render_table(runs: Sequence[dict[str, Any]], markdown: bool) -> str:
