@@ -39,10 +39,11 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     worker_hijack_root_logger=False,
     worker_prefetch_multiplier=1,
+)
+if BROKER.startswith(("redis://", "rediss://")):
     # a Redis broker's idle BRPOP returns every 50 ms instead of every second, so a queue
     # added by remote control (each round's) is consumed within 50 ms, not up to 1 s later
-    broker_transport_options={"polling_interval": 0.05},
-)
+    app.conf.broker_transport_options = {"polling_interval": 0.05}
 leases = Leases(app)
 
 _ledger: tuple[int, redis.Redis] | None = None
