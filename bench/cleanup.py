@@ -409,9 +409,7 @@ def targets(cfg: Config, leases_axis: dict[int, Any], keys_axis: dict[int, Any])
             for n in ns:
                 off = leases_axis[n][c]["commands"] - (c1 - slope * (n1 - n))
                 linear &= -slack < off < 0.5
-        out.append(
-            "commands grow linearly with the leases held (a * N + b): " + verdict(linear)
-        )
+        out.append("commands grow linearly with the leases held (a * N + b): " + verdict(linear))
     return out
 
 

@@ -14,10 +14,12 @@ run the app ``bench/fleet_app.py``. ``leased(rid, ...)`` sleeps a short body (5 
 exclusive lease on ``fleet:<rid>``, ``on_busy="retry"`` with a small countdown (first retry
 after 10-20 ms, doubling up to 0.5 s); ``rid`` is drawn at random from 50 resources, so two
 tasks running at once often want the same one. The baseline, ``plain``, is the same task, same
-body and same ``rid`` sequence, without the lease. Each round publishes its tasks to a fresh
+body and same ``rid`` sequence, without the lease. A control kind, ``uncontended``, runs
+``leased`` on resources no other task wants (``--no-uncontended`` skips it): the lease's own
+cost, without busy retries. Each round publishes its tasks to a fresh
 queue first and then tells every worker to consume it (remote control ``add_consumer``), so
-the workers never wait for the publisher; rounds interleave the two kinds (plain, leased,
-then leased, plain, ...).
+the workers never wait for the publisher; the kinds take turns in an order that rotates per
+round.
 
 Measured, per kind: tasks/s end to end (tasks / (last body end - the consume order), the
 median of the rounds, and tasks / the rounds' total time); for ``leased`` the acquire latency
@@ -76,7 +78,9 @@ RESULTS_DIR: Final = REPO / "bench" / "results"
 DOCS: Final = REPO / "docs" / "benchmarks.md"
 SECTION: Final = "## Fleet run"
 APP: Final = "bench.fleet_app"
-KINDS: Final = ("plain", "leased")
+#: plain: no lease; leased: a lease on one of ``resources``; uncontended: a lease on a resource
+#: no other task wants (the lease's own cost, without busy retries)
+KINDS: Final = ("plain", "leased", "uncontended")
 START_TIMEOUT: Final = 60.0
 ROUND_TIMEOUT: Final = 600.0
 CLUSTER_LABEL: Final = "cluster"
@@ -100,6 +104,7 @@ class Config:
     retry_max_delay: float
     slot_groups: int
     seed: int
+    uncontended: bool
 
     @property
     def per_round(self) -> int:
@@ -132,6 +137,7 @@ class Config:
             retry_max_delay=args.retry_max_delay,
             slot_groups=args.slot_groups,
             seed=args.seed,
+            uncontended=not args.no_uncontended,
         )
 
 
@@ -269,7 +275,7 @@ def run_round(
 ) -> RoundResult:
     """Publish ``len(rids)`` tasks to a fresh queue, let every worker drain it, read the ledger."""
     celery_app = app.app
-    task = getattr(app, kind)
+    task = app.plain if kind == "plain" else app.leased
     queue = f"bench-fleet-{tag}"
     ledger: redis.Redis = app.ledger()
     key = app.done_key(tag)
@@ -299,7 +305,7 @@ def run_round(
     if len(records) != n or len(seqs) != n:
         raise SystemExit(f"round {tag}: {len(records)} records for {n} tasks ({len(seqs)} unique)")
     end = max(int(r[3]) for r in records) / 1e6
-    leased = kind == "leased"
+    leased = kind != "plain"
     return RoundResult(
         kind=kind,
         n=n,
@@ -413,24 +419,31 @@ def bench(cfg: Config, args: argparse.Namespace, run_id: str, out_dir: Path) -> 
         progress(f"{len(workers)} worker(s) up: {cfg.pool}, {cfg.processes} processes")
         rng = random.Random(cfg.seed)
         warm = [rng.randrange(cfg.resources) for _ in range(cfg.warmup)]
-        for kind in KINDS:  # imports, connections, script loading, heartbeat threads
-            run_round(app, workers, kind, warm, f"{run_id}-warm-{kind}", lease_admin)
+        kinds = KINDS if cfg.uncontended else KINDS[:2]
+        for kind in kinds:  # imports, connections, script loading, heartbeat threads
+            rids = warm if kind != "uncontended" else unique_rids(cfg, -1, len(warm))
+            run_round(app, workers, kind, rids, f"{run_id}-warm-{kind}", lease_admin)
         started = time.monotonic()
         for r in range(cfg.rounds):
-            rids = [rng.randrange(cfg.resources) for _ in range(cfg.per_round)]
-            for kind in KINDS if r % 2 == 0 else reversed(KINDS):
+            contended = [rng.randrange(cfg.resources) for _ in range(cfg.per_round)]
+            for kind in rotated(kinds, r):
+                rids = contended if kind != "uncontended" else unique_rids(cfg, r, cfg.per_round)
                 res = run_round(app, workers, kind, rids, f"{run_id}-{r}-{kind}", lease_admin)
                 results[kind].rounds.append(res)
                 extra = ""
-                if kind == "leased":
+                if kind != "plain":
                     p50 = percentile(res.latencies, 50) * 1000
                     p99 = percentile(res.latencies, 99) * 1000
                     extra = (
                         f"  acquire p50 {p50:.2f} ms p99 {p99:.1f} ms  {res.retries} busy retries"
                     )
-                progress(f"round {r + 1}/{cfg.rounds} {kind:6s} {res.rate:7.0f} tasks/s{extra}")
+                progress(f"round {r + 1}/{cfg.rounds} {kind:11s} {res.rate:5.0f} tasks/s{extra}")
         measured = time.monotonic() - started
     plain, leased = results["plain"].summary(), results["leased"].summary()
+    control: dict[str, Any] = {}
+    if cfg.uncontended:
+        free = control["uncontended"] = results["uncontended"].summary()
+        control["uncontended_ratio"] = free["rate_median"] / plain["rate_median"]
     return {
         "label": args.label or default_label(args.redis_url),
         "lease_url": "a private redis-server" if args.redis_url is None else safe_url(lease_url),
@@ -445,7 +458,19 @@ def bench(cfg: Config, args: argparse.Namespace, run_id: str, out_dir: Path) -> 
         "leased": leased,
         "ratio": leased["rate_median"] / plain["rate_median"],
         "round_ratios": [lr / pr for pr, lr in zip(plain["rates"], leased["rates"], strict=True)],
+        **control,
     }
+
+
+def unique_rids(cfg: Config, round_no: int, n: int) -> list[int]:
+    """Resource ids no other task of the run wants (the contended kinds use 0 .. resources-1)."""
+    base = cfg.resources + (round_no + 1) * 10_000_000
+    return list(range(base, base + n))
+
+
+def rotated(items: Sequence[str], by: int) -> list[str]:
+    by %= len(items)
+    return [*items[by:], *items[:by]]
 
 
 # --- output -------------------------------------------------------------------------------------
@@ -455,6 +480,7 @@ HEADS: Final = (
     "plain tasks/s",
     "leased tasks/s",
     "leased/plain",
+    "uncontended leased tasks/s (/plain)",
     "acquire p50 / p99 / max ms",
     "p50 granted at once / found busy first ms",
     "busy retries (tasks retried)",
@@ -477,6 +503,11 @@ def table_row(run: dict[str, Any]) -> tuple[str, ...]:
         f"{plain['rate_median']:,.0f}",
         f"{leased['rate_median']:,.0f}",
         f"{run['ratio']:.2f} ({' / '.join(f'{x:.2f}' for x in run['round_ratios'])})",
+        (
+            f"{run['uncontended']['rate_median']:,.0f} ({run['uncontended_ratio']:.2f})"
+            if "uncontended" in run
+            else "-"
+        ),
         f"{lat['p50']:.2f} / {lat['p99']:,.0f} / {lat['max']:,.0f}",
         f"{_opt(lat['immediate']['p50'], '.2f')} / {_opt(lat['retried']['p50'], ',.0f')}",
         f"{leased['retries']:,} ({leased['retried_tasks'] / n:.1%} of {n:,})",
@@ -530,10 +561,13 @@ ABOUT: Final = (
     "cores). `leased(rid)` sleeps 5 ms under an exclusive lease on `fleet:<rid>`, `rid` drawn "
     'at random from 50, `on_busy="retry"` with `retry_delay` 0.02 s (first countdown '
     "10-20 ms) doubling up to 0.5 s; `plain(rid)` is the same task without the lease, on the "
-    "same `rid` sequence. Each round (2,000 tasks) is published to a fresh queue first, then "
-    "every worker is told to consume it; rounds interleave the kinds. tasks/s = tasks / (last "
+    "same `rid` sequence. A control kind, *uncontended*, runs `leased` on a resource no other "
+    "task wants: the lease's own cost without busy retries. Each round (2,000 tasks of each "
+    "kind) is published to a fresh queue first, then every worker is told to consume it; the "
+    "kinds take turns in an order that rotates per round. tasks/s = tasks / (last "
     "body end - the consume order), median of the 5 rounds (per-round leased/plain ratios in "
     "brackets). Acquire latency: first acquire attempt to grant, over all 10,000 leased tasks "
+    "of the contended kind "
     "(a task that found its lease busy counts from that first busy reply, so its countdowns "
     "and the retried message's trip through the broker are included). Busy retries: retries "
     "of all tasks (and the share of tasks that retried at least once). Broker and the tasks' "
@@ -611,6 +645,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--label", default=None, help="row label (default: from --redis-url; 'cluster' for one)"
     )
+    parser.add_argument(
+        "--no-uncontended",
+        action="store_true",
+        help="skip the control kind: leased tasks on resources no other task wants",
+    )
     parser.add_argument("--seed", type=int, default=1, help="seed of the rid sequence")
     parser.add_argument("--out-dir", default=str(RESULTS_DIR), help="where fleet.json goes")
     parser.add_argument("--docs", default=str(DOCS), help="the docs page to update")
@@ -635,9 +674,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(render_table([run], markdown=False))
     print()
+    free = f", uncontended/plain {run['uncontended_ratio']:.2f}" if "uncontended" in run else ""
     print(
-        f"leased/plain {run['ratio']:.2f} (median tasks/s of {cfg.rounds} interleaved rounds); "
-        f"{run['leased']['retries']:,} busy retries for {run['leased']['tasks']:,} leased tasks"
+        f"leased/plain {run['ratio']:.2f}{free} (median tasks/s of {cfg.rounds} interleaved "
+        f"rounds); {run['leased']['retries']:,} busy retries for {run['leased']['tasks']:,} "
+        "leased tasks"
     )
     md = ["# Fleet run results", "", render_table(ordered(runs), markdown=True), ""]
     write_text(str(out_dir / "fleet.md"), "\n".join(md))

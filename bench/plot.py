@@ -53,6 +53,7 @@ MUTED: Final = "#6b7280"
 GRID: Final = "#e5e7eb"
 OURS: Final = "#2563eb"
 OTHER: Final = "#9ca3af"
+UNCONTENDED: Final = "#93c5fd"
 FLOOR: Final = "#4b5563"
 TARGET_INK: Final = "#dc2626"
 PASS_INK: Final = "#15803d"
@@ -309,11 +310,13 @@ def panel_tasks(
         sub = f"one worker per pool; median of rounds; dashed = target {target}x plain"
     y = c.title(heading, sub)
     x0, x1 = MARGIN + LABEL_W, WIDTH - MARGIN - VALUE_W
-    top = max(max(p["plain"] or 0, p["leased"] or 0) for p in pools) or 1.0
+    top = max(max(p["plain"] or 0, p["leased"] or 0, p.get("uncontended") or 0) for p in pools)
+    top = top or 1.0
     ticks = nice_ticks(top)
     scale = (x1 - x0) / ticks[-1]
     bar_h, inner, gap = 22, 4, 22
-    group_h = 2 * bar_h + inner
+    bars = 3 if any(p.get("uncontended") for p in pools) else 2
+    group_h = bars * bar_h + (bars - 1) * inner
     plot_top = y + 8
     plot_bottom = plot_top + len(pools) * (group_h + gap) - gap + 8
     for t in ticks:
@@ -338,6 +341,11 @@ def panel_tasks(
         if target is not None:
             tx = x0 + target * p["plain"] * scale
             c.line(tx, ly - 2, tx, ly + bar_h + 2, TARGET_INK, 2, "4 3")
+        if p.get("uncontended"):
+            uy = ly + bar_h + inner
+            c.rect(x0, uy, p["uncontended"] * scale, bar_h, UNCONTENDED)
+            note = f"leased, uncontended {p['uncontended']:,.0f}/s"
+            c.text(x1 + 16, uy + bar_h / 2 + 5, note, 12)
     c.text((x0 + x1) / 2, plot_bottom + 34, "tasks/s", size=12, anchor="middle", fill=MUTED)
     c.height = plot_bottom + 46
     return c
@@ -382,6 +390,7 @@ def panel_latency(runs: Sequence[dict[str, Any]]) -> Canvas | None:
     y = c.title("Acquire latency, ms (lower is better)", sub, sub2)
     x0, x1 = MARGIN + LABEL_W, WIDTH - MARGIN - VALUE_W
     lo, hi = log_bounds(values)
+    lo /= 10  # a decade below the smallest p50, so its bar has a length to compare
     span = math.log10(hi) - math.log10(lo)
 
     def xs(v: float) -> float:
@@ -563,6 +572,7 @@ def render_fleet(results: Path = RESULTS_DIR) -> str | None:
             "label": r["label"],
             "plain": r["plain"]["rate_median"],
             "leased": r["leased"]["rate_median"],
+            "uncontended": (r.get("uncontended") or {}).get("rate_median"),
         }
         for r in ordered
     ]

@@ -113,11 +113,12 @@ def test_fleet_bench_tiny(tmp_path: Path, leases_redis_url: str) -> None:
     runs = json.loads((tmp_path / "fleet.json").read_text())["runs"]
     assert list(runs) == ["single (given)"]
     run = runs["single (given)"]
-    for kind in ("plain", "leased"):
+    for kind in ("plain", "leased", "uncontended"):
         assert run[kind]["tasks"] == 60
         assert len(run[kind]["rates"]) == 2
         assert run[kind]["rate_median"] > 0
     assert run["plain"]["retries"] == 0
+    assert run["uncontended"]["retries"] == 0  # nobody else wants its resources
     leased = run["leased"]
     assert 0 <= leased["retried_tasks"] <= leased["retries"]
     latency = leased["latency_ms"]
