@@ -502,7 +502,8 @@ def table_row(run: dict[str, Any]) -> tuple[str, ...]:
         workers,
         f"{plain['rate_median']:,.0f}",
         f"{leased['rate_median']:,.0f}",
-        f"{run['ratio']:.2f} ({' / '.join(f'{x:.2f}' for x in run['round_ratios'])})",
+        f"{run['ratio']:.2f}; paired {median(run['round_ratios']):.2f} "
+        f"({' / '.join(f'{x:.2f}' for x in run['round_ratios'])})",
         (
             f"{run['uncontended']['rate_median']:,.0f} ({run['uncontended_ratio']:.2f})"
             if "uncontended" in run
@@ -565,9 +566,10 @@ ABOUT: Final = (
     "task wants: the lease's own cost without busy retries. Each round (2,000 tasks of each "
     "kind) is published to a fresh queue first, then every worker is told to consume it; the "
     "kinds take turns in an order that rotates per round. tasks/s = tasks / (last "
-    "body end - the consume order), median of the 5 rounds (per-round leased/plain ratios in "
-    "brackets). Acquire latency: first acquire attempt to grant, over all 10,000 leased tasks "
-    "of the contended kind "
+    "body end - the consume order), median of the 5 rounds; leased/plain is the ratio of those "
+    "medians, then the median of the per-round ratios (each leased round beside the plain one "
+    "of its turn) and, in brackets, each round's. Acquire latency: first acquire attempt to "
+    "grant, over all 10,000 leased tasks of the contended kind "
     "(a task that found its lease busy counts from that first busy reply, so its countdowns "
     "and the retried message's trip through the broker are included). Busy retries: retries "
     "of all tasks (and the share of tasks that retried at least once). Broker and the tasks' "
@@ -654,32 +656,40 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--out-dir", default=str(RESULTS_DIR), help="where fleet.json goes")
     parser.add_argument("--docs", default=str(DOCS), help="the docs page to update")
     parser.add_argument("--no-docs", action="store_true", help="do not touch the docs page")
+    parser.add_argument(
+        "--redraw",
+        action="store_true",
+        help="run nothing: redraw fleet.md, the docs section and the plot from fleet.json",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    cfg = Config.from_args(args)
-    if cfg.slot_groups < 1:
-        raise SystemExit(f"--slot-groups must be at least 1, not {cfg.slot_groups}")
-    run_id = secrets.token_hex(4)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    run = bench(cfg, args, run_id, out_dir)
     path = out_dir / "fleet.json"
     runs = load_runs(path)
-    runs[run["label"]] = run
-    write_json(str(path), {"runs": runs})
-    print("\n".join(header(run)))
-    print()
-    print(render_table([run], markdown=False))
-    print()
-    free = f", uncontended/plain {run['uncontended_ratio']:.2f}" if "uncontended" in run else ""
-    print(
-        f"leased/plain {run['ratio']:.2f}{free} (median tasks/s of {cfg.rounds} interleaved "
-        f"rounds); {run['leased']['retries']:,} busy retries for {run['leased']['tasks']:,} "
-        "leased tasks"
-    )
+    if args.redraw:
+        if not runs:
+            raise SystemExit(f"--redraw: no runs in {path}")
+    else:
+        cfg = Config.from_args(args)
+        if cfg.slot_groups < 1:
+            raise SystemExit(f"--slot-groups must be at least 1, not {cfg.slot_groups}")
+        run = bench(cfg, args, secrets.token_hex(4), out_dir)
+        runs[run["label"]] = run
+        write_json(str(path), {"runs": runs})
+        print("\n".join(header(run)))
+        print()
+        print(render_table([run], markdown=False))
+        print()
+        free = f", uncontended/plain {run['uncontended_ratio']:.2f}" if "uncontended" in run else ""
+        print(
+            f"leased/plain {run['ratio']:.2f}{free} (median tasks/s of {cfg.rounds} interleaved "
+            f"rounds); {run['leased']['retries']:,} busy retries for {run['leased']['tasks']:,} "
+            "leased tasks"
+        )
     md = ["# Fleet run results", "", render_table(ordered(runs), markdown=True), ""]
     write_text(str(out_dir / "fleet.md"), "\n".join(md))
     if not args.no_docs:

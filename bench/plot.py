@@ -308,7 +308,7 @@ def panel_tasks(
     c = Canvas()
     if sub is None:
         sub = f"one worker per pool; median of rounds; dashed = target {target}x plain"
-    y = c.title(heading, sub)
+    y = c.title(heading, *sub.split("\n"))  # one subtitle line per "\n"
     x0, x1 = MARGIN + LABEL_W, WIDTH - MARGIN - VALUE_W
     top = max(max(p["plain"] or 0, p["leased"] or 0, p.get("uncontended") or 0) for p in pools)
     top = top or 1.0
@@ -594,7 +594,7 @@ def render_fleet(results: Path = RESULTS_DIR) -> str | None:
     retries = "; ".join(f"{r['label']}: {r['leased']['retries']:,} busy retries" for r in ordered)
     panels = [
         panel_tasks(pools, None, "Fleet: plain vs leased tasks per second (higher is better)",
-                    f"{sub}; {retries}"),
+                    f"{sub}\n{retries}"),
         panel_latency(lat_runs),
     ]  # fmt: skip
     dates = "; ".join(f"{r['label']} run {r['machine']['date']}" for r in ordered)
