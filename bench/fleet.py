@@ -60,6 +60,7 @@ from typing import Any, Final
 import redis
 
 from celery_leases._redis_server import RedisServer, ensure_server_binary
+from celery_leases._redis_topology import LocalCluster
 from celery_leases.config import safe_url
 
 from . import plot
@@ -391,7 +392,10 @@ def bench(cfg: Config, args: argparse.Namespace, run_id: str, out_dir: Path) -> 
         stack.callback(aux_client.close)
         broker = args.broker_url or aux.url
         lease_admin: redis.Redis | None = None
-        if args.redis_url is None:
+        if args.local_cluster:
+            progress("starting a local Redis Cluster (3 primaries) for the leases")
+            lease_url = stack.enter_context(LocalCluster(masters=3)).url
+        elif args.redis_url is None:
             lease_url = stack.enter_context(private_server("leases")).url
             lease_admin = redis.Redis.from_url(lease_url)
             stack.callback(lease_admin.close)
@@ -410,7 +414,7 @@ def bench(cfg: Config, args: argparse.Namespace, run_id: str, out_dir: Path) -> 
         lease_version = server_version(app.leases.store.client)
         machine = machine_info(aux_client)
         stack.callback(app.leases.store.close)
-        if args.redis_url is not None:  # leave nothing behind on a server that is not ours
+        if args.redis_url is not None and not args.local_cluster:  # leave nothing behind
             stack.callback(lambda: progress(f"deleted {delete_prefix(app, prefix)} lease keys"))
         workers = start_workers(app, cfg, env, run_id, out_dir)
         for w in workers:
@@ -445,8 +449,14 @@ def bench(cfg: Config, args: argparse.Namespace, run_id: str, out_dir: Path) -> 
         free = control["uncontended"] = results["uncontended"].summary()
         control["uncontended_ratio"] = free["rate_median"] / plain["rate_median"]
     return {
-        "label": args.label or default_label(args.redis_url),
-        "lease_url": "a private redis-server" if args.redis_url is None else safe_url(lease_url),
+        "label": args.label or ("cluster" if args.local_cluster else default_label(args.redis_url)),
+        "lease_url": (
+            "a local Redis Cluster (3 primaries, private)"
+            if args.local_cluster
+            else "a private redis-server"
+            if args.redis_url is None
+            else safe_url(lease_url)
+        ),
         "key_prefix": prefix,
         "lease_server": lease_version,
         "private_lease_server": args.redis_url is None,
@@ -637,6 +647,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--redis-url",
         default=None,
         help="the lease Redis, any URL the library takes (default: a private redis-server)",
+    )
+    parser.add_argument(
+        "--local-cluster",
+        action="store_true",
+        help="put the leases on a private local Redis Cluster of 3 primaries started here",
     )
     parser.add_argument(
         "--slot-groups", type=int, default=1, help="slot_groups setting (raise it on a cluster)"
