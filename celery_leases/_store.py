@@ -47,6 +47,8 @@ _KEY_CACHE_SIZE: Final = 4096
 _IDLE_SUBSCRIBERS: Final = 4
 #: commands per pipeline of the operations calls (a fleet may have thousands of owners)
 _OPS_BATCH: Final = 1000
+#: leases released per script call by a cleanup (one call blocks Redis for about 8 us each)
+_RELEASE_BATCH: Final = 500
 #: records the audit list keeps (the newest)
 AUDIT_KEEP: Final = 1000
 
@@ -780,14 +782,15 @@ class LeaseStore:
                     spared = True
                 else:
                     entries.append(parsed)
-            if not entries:
-                continue
-            freed = self._release_entries(owner, group, entries)
-            for entry, was_held in zip(entries, freed, strict=True):
-                if was_held:
-                    report.released.append((owner, entry.resource))
-                else:
-                    report.expired += 1
+            # in batches, so that a dead owner of thousands of leases never blocks Redis long
+            for start in range(0, len(entries), _RELEASE_BATCH):
+                batch = entries[start : start + _RELEASE_BATCH]
+                freed = self._release_entries(owner, group, batch)
+                for entry, was_held in zip(batch, freed, strict=True):
+                    if was_held:
+                        report.released.append((owner, entry.resource))
+                    else:
+                        report.expired += 1
         if not report.kept and not spared:
             node = node_of_owner(owner)
             with self._backend("forget an owner"):

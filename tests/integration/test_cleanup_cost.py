@@ -117,6 +117,19 @@ def test_cleanup_owner_cost_grows_with_the_leases_not_the_keyspace(admin, server
         store.close()
 
 
+def test_a_large_registry_is_released_in_bounded_batches(admin, store):
+    # one script call per 500 leases, so a dead owner of thousands never blocks Redis long
+    ident = Identity("hoarder", "dead", 1)
+    names = [f"hoard:{i}" for i in range(1_200)]
+    for start in range(0, len(names), 300):
+        held = store.try_acquire([Want(n) for n in names[start : start + 300]], ident, 30.0)
+        assert isinstance(held, list)
+    report, calls = counted(admin, lambda: store.cleanup_owner(ident.owner))
+    assert len(report.released) == len(names)
+    assert calls["evalsha"] == 3 + 1  # three release batches, then forget the owner
+    assert store.holders(names[-1]) == []
+
+
 def test_cleanup_node_without_a_past_costs_one_command(admin, store):
     fill(admin, 10_000)
     report, calls = counted(admin, lambda: store.cleanup_node("brand-new@host"))
