@@ -212,6 +212,12 @@ class LeaseStore:
         with self._backend("answer PING"):
             return bool(self.client.ping())
 
+    def redis_time(self) -> float:
+        """The Redis server's clock, in Unix seconds: the one clock every worker shares."""
+        with self._backend("read the clock"):
+            sec, usec = self.client.time()
+        return int(sec) + int(usec) / 1_000_000
+
     def load_scripts(self) -> dict[str, str]:
         """``SCRIPT LOAD`` every script; returns name -> SHA (proves the wheel ships them)."""
         with self._backend("load scripts"):
