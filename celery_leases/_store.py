@@ -225,6 +225,12 @@ class LeaseStore:
         with self._backend("answer PING"):
             return bool(self.client.ping())
 
+    def redis_time(self) -> float:
+        """The Redis server's clock, in Unix seconds: the one clock every worker shares."""
+        with self._backend("read the clock"):
+            sec, usec = self.client.time()
+        return int(sec) + int(usec) / 1_000_000
+
     def load_scripts(self) -> dict[str, str]:
         """``SCRIPT LOAD`` every script; returns name -> SHA (proves the wheel ships them)."""
         with self._backend("load scripts"):
@@ -308,12 +314,19 @@ class LeaseStore:
                 by_group.setdefault(self.resource_keys(w.resource).group, []).append(i)
         owner = ident.owner
         # The home call registers the owner under its node and refreshes its liveness. It can
-        # be skipped only while that liveness surely runs: t0 the owner registers; t1 it idles
-        # past its liveness and a reconcile forgets it (off the node's owner set); t2 it takes a
-        # lease; t3 its node restarts and must find that lease.
+        # be skipped only while that liveness surely outlasts the new leases' horizon:
+        # - t0 the owner registers; t1 it idles past its liveness and a reconcile forgets it
+        #   (off the node's owner set); t2 it takes a lease; t3 its node restarts and must
+        #   find that lease.
+        # - t0 the owner's liveness is refreshed (it runs to t0 + settings.ttl); t1 it takes a
+        #   lease it counts held until t1 + horizon, later than that; t2 a reconcile finds the
+        #   liveness run out and frees the lease while its holder still counts it held.
+        # So with a lease ttl at least the ttl setting the liveness is always refreshed (in
+        # the same script call when the lease is in the home slot group).
         registered = self._registered.get(owner)
         fresh = registered is not None and (
-            time.monotonic() - registered < self.settings.ttl * self.settings.margin_fraction
+            time.monotonic() + self.horizon(ttl)
+            < registered + self.settings.ttl * self.settings.margin_fraction
         )
         if 0 not in by_group and not fresh:
             outcome = self._acquire_group(0, [], ident, ttl, True, task_id)
