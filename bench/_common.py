@@ -7,6 +7,7 @@ import ipaddress
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import threading
@@ -15,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlsplit
 
@@ -34,6 +36,8 @@ __all__ = (
     "redis_target",
     "render_markdown",
     "render_text",
+    "replace_section",
+    "server_version",
     "timed",
     "write_json",
     "write_text",
@@ -279,3 +283,38 @@ def machine_info(client: redis.Redis) -> dict[str, Any]:
         # other work on the machine at the start (1-minute load average; 0 is idle)
         "load": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
+
+
+def server_version(client: Any) -> str:
+    """``redis_version`` from ``client.info("server")``; a cluster client's per-node replies too."""
+    try:
+        info = client.info("server")
+    except Exception as exc:
+        return f"? ({type(exc).__name__})"
+    if isinstance(info, dict) and "redis_version" in info:
+        return str(info["redis_version"])
+    if isinstance(info, dict):  # redis-py's cluster client answers per node
+        versions = sorted(
+            {str(v.get("redis_version")) for v in info.values() if isinstance(v, dict)}
+        )
+        if versions:
+            return ", ".join(versions)
+    return "?"
+
+
+def replace_section(path: Path, heading: str, section: str) -> None:
+    """Replace the ``heading`` section (up to the next ``## ``) of the Markdown file ``path``.
+
+    The section is appended when the page has none; ``section`` starts with ``heading``.
+    """
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section.rstrip("\n") + "\n\n", text, count=1)
+        text = text.rstrip("\n") + "\n"
+    else:
+        text = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

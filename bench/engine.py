@@ -40,7 +40,7 @@ import redis
 import redis_lock
 from celery import Celery
 
-from celery_leases import LeaseLost, Leases
+from celery_leases import LeaseLost, Leases, Shared
 from celery_leases._heartbeat import heartbeat
 
 from . import plot
@@ -341,7 +341,8 @@ def take(kind: str, name: str, leases: Leases, client: redis.Redis) -> Callable[
         lock = client.lock(name, timeout=30)
         if not lock.acquire(blocking=False):
             raise RuntimeError("busy")
-        return lock.release
+        release: Callable[[], object] = lock.release
+        return release
     raise ValueError(kind)
 
 
@@ -495,7 +496,7 @@ def bench_heartbeat(
     out: dict[int, dict[str, Any]] = {}
     with WriteCounter() as writes:
         for n in cfg.counts:
-            names = [f"bench:{run_id}:c:{n}:{i}" for i in range(n)]
+            names: list[str | Shared] = [f"bench:{run_id}:c:{n}:{i}" for i in range(n)]
             lost = False
             try:
                 with leases.hold(names, ttl=ttl):

@@ -1,18 +1,26 @@
-"""Plot the benchmark results as one self-contained SVG (no plotting library needed).
+"""Plot the benchmark results as self-contained SVGs (no plotting library needed).
 
-    python -m bench.plot                       # bench/results/*.json -> docs/img/benchmarks.svg
-    python -m bench.plot --results DIR --out X.svg
+    python -m bench.plot                       # bench/results/*.json -> docs/img/*.svg
+    python -m bench.plot --results DIR --out-dir DIR
 
-Reads ``engine.json`` (parts a, b and c, whichever were run) and, if present, ``tasks.json``
-(or, failing that, the table of ``tasks.md``). Panels:
+``benchmarks.svg`` comes from ``engine.json`` (parts a, b and c, whichever were run) and, if
+present, ``tasks.json`` (or, failing that, the table of ``tasks.md``). Panels:
 
 1. (a) acquire+release cycles/s per contender, ratio to the raw floor, the 0.9x floor target;
 2. (b) median handoff delay with a p99 whisker, on a log scale (redis-py's Lock polls);
 3. (c) heartbeat calls/s against the number of leases held, with the +-10% band;
 4. plain against leased tasks/s per worker pool, when task results exist.
 
-``bench/engine.py`` and ``bench/tasks.py`` call :func:`refresh` at the end of a run; a failure
-there prints a warning and never fails the benchmark.
+``bench-fleet.svg`` comes from ``fleet.json``: plain against leased tasks/s per lease Redis
+(single, cluster), and the acquire latency p50 with a p99 whisker (all tasks, those granted at
+once, those that retried), on a log scale.
+
+``bench-cleanup.svg`` comes from ``cleanup.json``: the time of the start-up cleanup,
+``cleanup_owner``, ``reconcile`` and the SCAN baseline against the leases held and against the
+keyspace size, and their server time against the keyspace size; log-log.
+
+Every benchmark calls :func:`refresh` at the end of a run; a failure there prints a warning
+and never fails the benchmark. A plot whose results are missing is left as it is.
 """
 
 from __future__ import annotations
@@ -30,7 +38,10 @@ from typing import Any, Final
 
 REPO: Final = Path(__file__).resolve().parents[1]
 RESULTS_DIR: Final = REPO / "bench" / "results"
-SVG_PATH: Final = REPO / "docs" / "img" / "benchmarks.svg"
+IMG_DIR: Final = REPO / "docs" / "img"
+SVG_PATH: Final = IMG_DIR / "benchmarks.svg"
+FLEET_SVG: Final = "bench-fleet.svg"
+CLEANUP_SVG: Final = "bench-cleanup.svg"
 
 WIDTH: Final = 900
 MARGIN: Final = 24
@@ -42,9 +53,17 @@ MUTED: Final = "#6b7280"
 GRID: Final = "#e5e7eb"
 OURS: Final = "#2563eb"
 OTHER: Final = "#9ca3af"
+UNCONTENDED: Final = "#93c5fd"
 FLOOR: Final = "#4b5563"
 TARGET_INK: Final = "#dc2626"
 PASS_INK: Final = "#15803d"
+#: line colours and dashes of the cleanup contenders (ours solid, the baseline dashed red)
+SERIES_STYLE: Final = {
+    "cleanup_node": (OURS, ""),
+    "cleanup_owner": ("#0891b2", "2 3"),
+    "reconcile": ("#7c3aed", "8 3"),
+    "scan": (TARGET_INK, "6 4"),
+}
 
 CONTENDERS_A: Final = (
     ("hold", "celery_leases hold()"),
@@ -278,18 +297,26 @@ def panel_heartbeat(cdata: dict[str, Any], private: bool) -> Canvas | None:
     return c
 
 
-def panel_tasks(pools: Sequence[dict[str, Any]], target: float) -> Canvas | None:
+def panel_tasks(
+    pools: Sequence[dict[str, Any]],
+    target: float | None,
+    heading: str = "Task throughput: plain vs leased tasks per second (higher is better)",
+    sub: str | None = None,
+) -> Canvas | None:
     if not pools:
         return None
     c = Canvas()
-    sub = f"one worker per pool; median of rounds; dashed = target {target}x plain"
-    y = c.title("Task throughput: plain vs leased tasks per second (higher is better)", sub)
+    if sub is None:
+        sub = f"one worker per pool; median of rounds; dashed = target {target}x plain"
+    y = c.title(heading, *sub.split("\n"))  # one subtitle line per "\n"
     x0, x1 = MARGIN + LABEL_W, WIDTH - MARGIN - VALUE_W
-    top = max(max(p["plain"], p["leased"]) for p in pools)
+    top = max(max(p["plain"] or 0, p["leased"] or 0, p.get("uncontended") or 0) for p in pools)
+    top = top or 1.0
     ticks = nice_ticks(top)
     scale = (x1 - x0) / ticks[-1]
     bar_h, inner, gap = 22, 4, 22
-    group_h = 2 * bar_h + inner
+    bars = 3 if any(p.get("uncontended") for p in pools) else 2
+    group_h = bars * bar_h + (bars - 1) * inner
     plot_top = y + 8
     plot_bottom = plot_top + len(pools) * (group_h + gap) - gap + 8
     for t in ticks:
@@ -298,23 +325,330 @@ def panel_tasks(pools: Sequence[dict[str, Any]], target: float) -> Canvas | None
         c.text(x, plot_bottom + 16, fmt_tick(t), size=11, anchor="middle", fill=MUTED)
     for i, p in enumerate(pools):
         gy = plot_top + 4 + i * (group_h + gap)
-        ratio = p["leased"] / p["plain"] if p["plain"] else float("nan")
         c.text(x0 - 10, gy + group_h / 2 - 2, p["label"], size=13, anchor="end", weight="bold")
-        verdict = "PASS" if ratio >= target else "MISS"
-        c.text(x0 - 10, gy + group_h / 2 + 14, f"leased/plain {ratio:.2f}: {verdict}", 11, "end")
+        if not p["plain"] or not p["leased"]:
+            note = p.get("note") or "not run"
+            c.text(x0 + 8, gy + group_h / 2 + 5, note, size=12, fill=MUTED)
+            continue
+        ratio = p["leased"] / p["plain"]
+        verdict = "" if target is None else ": PASS" if ratio >= target else ": MISS"
+        c.text(x0 - 10, gy + group_h / 2 + 14, f"leased/plain {ratio:.2f}{verdict}", 11, "end")
         c.rect(x0, gy, p["plain"] * scale, bar_h, OTHER)
         c.text(x1 + 16, gy + bar_h / 2 + 5, f"plain {p['plain']:,.0f}/s", 12)
         ly = gy + bar_h + inner
         c.rect(x0, ly, p["leased"] * scale, bar_h, OURS)
         c.text(x1 + 16, ly + bar_h / 2 + 5, f"leased {p['leased']:,.0f}/s", 12)
-        tx = x0 + target * p["plain"] * scale
-        c.line(tx, ly - 2, tx, ly + bar_h + 2, TARGET_INK, 2, "4 3")
+        if target is not None:
+            tx = x0 + target * p["plain"] * scale
+            c.line(tx, ly - 2, tx, ly + bar_h + 2, TARGET_INK, 2, "4 3")
+        if p.get("uncontended"):
+            uy = ly + bar_h + inner
+            c.rect(x0, uy, p["uncontended"] * scale, bar_h, UNCONTENDED)
+            note = f"leased, uncontended {p['uncontended']:,.0f}/s"
+            c.text(x1 + 16, uy + bar_h / 2 + 5, note, 12)
     c.text((x0 + x1) / 2, plot_bottom + 34, "tasks/s", size=12, anchor="middle", fill=MUTED)
     c.height = plot_bottom + 46
     return c
 
 
+def log_bounds(values: Sequence[float]) -> tuple[float, float]:
+    """Decades around ``values`` (all > 0) for a log axis."""
+    lo = 10 ** math.floor(math.log10(min(values)))
+    hi = 10 ** math.ceil(math.log10(max(values)))
+    return lo, hi if hi > lo else lo * 10
+
+
+def fmt_count(value: float) -> str:
+    """1, 10, 100, 1k, 10k, 100k, 1M."""
+    for div, suffix in ((1e6, "M"), (1e3, "k")):
+        if value >= div:
+            return f"{value / div:g}{suffix}"
+    return f"{value:g}"
+
+
+def panel_latency(runs: Sequence[dict[str, Any]]) -> Canvas | None:
+    """Acquire latency per lease Redis: p50 bar, p99 whisker, for all / at once / retried."""
+    rows: list[tuple[str, str, dict[str, Any] | None]] = []
+    for run in runs:
+        lat = run.get("latency_ms")
+        if not lat:
+            rows.append((run["label"], "", None))
+            continue
+        rows.append((run["label"], "all leased tasks", lat))
+        for part, label in (("immediate", "granted at once"), ("retried", "found busy first")):
+            sub = lat.get(part) or {}
+            if sub.get("n"):
+                rows.append(("", f"{label} ({sub['n']:,})", sub))
+    values = [
+        v for _, _, d in rows if d for v in (d.get("p50"), d.get("p99")) if v is not None and v > 0
+    ]
+    if not values:
+        return None
+    c = Canvas()
+    sub = "first acquire attempt to grant; bar = p50, whisker = p99; log scale"
+    sub2 = "a task that found its lease busy first waits its countdown and its retry's queueing"
+    y = c.title("Acquire latency, ms (lower is better)", sub, sub2)
+    x0, x1 = MARGIN + LABEL_W, WIDTH - MARGIN - VALUE_W
+    lo, hi = log_bounds(values)
+    lo /= 10  # a decade below the smallest p50, so its bar has a length to compare
+    span = math.log10(hi) - math.log10(lo)
+
+    def xs(v: float) -> float:
+        return x0 + (math.log10(max(v, lo)) - math.log10(lo)) / span * (x1 - x0)
+
+    bar_h, gap = 20, 10
+    plot_top = y + 8
+    plot_bottom = plot_top + len(rows) * (bar_h + gap) - gap + 8
+    decade = lo
+    while decade <= hi * 1.0001:
+        x = xs(decade)
+        c.line(x, plot_top - 4, x, plot_bottom, GRID)
+        c.text(x, plot_bottom + 16, fmt_tick(decade) + " ms", size=11, anchor="middle", fill=MUTED)
+        decade *= 10
+    for i, (label, what, d) in enumerate(rows):
+        by = plot_top + 4 + i * (bar_h + gap)
+        mid = by + bar_h / 2
+        if label:
+            c.text(x0 - 10, mid - 1 if what else mid + 5, label, 13, "end", weight="bold")
+        if what:
+            c.text(x0 - 10, mid + (13 if label else 5), what, 11, "end", fill=MUTED)
+        if d is None:
+            c.text(x0 + 8, mid + 5, "not run yet", size=12, fill=MUTED)
+            continue
+        p50, p99 = d.get("p50"), d.get("p99")
+        if p50 is None or p99 is None:
+            continue
+        c.rect(x0, by, xs(p50) - x0, bar_h, OURS if label else OTHER)
+        c.line(xs(p50), mid, xs(p99), mid, INK, 1.5)
+        c.line(xs(p99), mid - 6, xs(p99), mid + 6, INK, 1.5)
+        c.text(x1 + 16, mid + 5, f"p50 {fmt_ms(p50)} \u00b7 p99 {fmt_ms(p99)}", size=12)
+    c.height = plot_bottom + 30
+    return c
+
+
+def panel_lines(
+    heading: str,
+    subs: Sequence[str],
+    series: Sequence[tuple[str, str, str, Sequence[tuple[float, float]]]],
+    xlabel: str,
+    yunit: str,
+) -> Canvas | None:
+    """A log-log line chart. ``series``: (label, colour, dash, [(x, y), ...]) with x, y > 0."""
+    pts = [(x, yv) for _, _, _, ps in series for x, yv in ps if x > 0 and yv > 0]
+    if not pts:
+        return None
+    c = Canvas()
+    y = c.title(heading, *subs)
+    # legend, one row
+    lx = MARGIN + 70.0
+    for label, colour, dash, _ in series:
+        c.line(lx, y + 14, lx + 28, y + 14, colour, 2.5, dash)
+        c.text(lx + 34, y + 18, label, size=12)
+        lx += 34 + 7.2 * len(label) + 26
+    x0, x1 = MARGIN + 70, WIDTH - MARGIN - 150
+    plot_top, plot_bottom = y + 40, y + 300
+    xlo, xhi = log_bounds([p[0] for p in pts])
+    ylo, yhi = log_bounds([p[1] for p in pts])
+
+    def px(v: float) -> float:
+        return x0 + (math.log10(v) - math.log10(xlo)) / (math.log10(xhi) - math.log10(xlo)) * (
+            x1 - x0
+        )
+
+    def py(v: float) -> float:
+        frac = (math.log10(v) - math.log10(ylo)) / (math.log10(yhi) - math.log10(ylo))
+        return plot_bottom - frac * (plot_bottom - plot_top)
+
+    decade = xlo
+    while decade <= xhi * 1.0001:
+        c.line(px(decade), plot_top, px(decade), plot_bottom, GRID)
+        c.text(px(decade), plot_bottom + 16, fmt_count(decade), 11, "middle", MUTED)
+        decade *= 10
+    decade = ylo
+    while decade <= yhi * 1.0001:
+        c.line(x0, py(decade), x1, py(decade), GRID)
+        c.text(x0 - 8, py(decade) + 4, f"{fmt_tick(decade)} {yunit}", 11, "end", MUTED)
+        decade *= 10
+    c.line(x0, plot_bottom, x1, plot_bottom, MUTED)
+    c.line(x0, plot_top, x0, plot_bottom, MUTED)
+    ends: list[tuple[float, float, str, str]] = []  # (y, x, text, colour) of end labels
+    for _label, colour, dash, ps in series:
+        good = sorted((x, v) for x, v in ps if x > 0 and v > 0)
+        if not good:
+            continue
+        path = " ".join(
+            f"{'M' if i == 0 else 'L'}{px(x):.1f},{py(v):.1f}" for i, (x, v) in enumerate(good)
+        )
+        dashed = f' stroke-dasharray="{dash}"' if dash else ""
+        c.parts.append(
+            f'<path d="{path}" fill="none" stroke="{colour}" stroke-width="2.5"{dashed}/>'
+        )
+        for x, v in good:
+            c.parts.append(f'<circle cx="{px(x):.1f}" cy="{py(v):.1f}" r="3.5" fill="{colour}"/>')
+        x, v = good[-1]
+        ends.append((py(v) + 4, px(x) + 10, f"{fmt(v)} {yunit}", colour))
+    last = -math.inf
+    for ty, tx, text, colour in sorted(ends):  # end labels never overlap
+        ty = max(ty, last + 13)
+        c.text(tx, ty, text, size=11, fill=colour)
+        last = ty
+    c.text((x0 + x1) / 2, plot_bottom + 34, xlabel, size=12, anchor="middle", fill=MUTED)
+    c.height = plot_bottom + 46
+    return c
+
+
+def cleanup_series(
+    axis: dict[str, Any], labels: dict[str, str], key: str, scale: float
+) -> list[tuple[str, str, str, list[tuple[float, float]]]]:
+    out = []
+    for name, (colour, dash) in SERIES_STYLE.items():
+        points = [
+            (float(x), float(point[name][key]) * scale)
+            for x, point in axis.items()
+            if name in point and point[name].get(key) is not None
+        ]
+        if points:
+            out.append((labels.get(name, name), colour, dash, points))
+    return out
+
+
 # --- data ---------------------------------------------------------------------------------------
+def _read(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}
+
+
+def _heading(title: str, machine: dict[str, Any], dates: str) -> Canvas:
+    head = Canvas()
+    head.text(MARGIN, 30, title, size=20, weight="bold")
+    if machine:
+        info = (
+            f"{machine.get('cpus')} cores, {machine.get('cpu_model')}; Python "
+            f"{machine.get('python')}, redis-py {machine.get('redis_py')}, Redis "
+            f"{str(machine.get('server', '?')).split()[0]}"
+        )
+        head.text(MARGIN, 52, info, size=12, fill=MUTED)
+    if dates:
+        head.text(MARGIN, 70, dates, size=12, fill=MUTED)
+    head.height = 84
+    return head
+
+
+def _assemble(title: str, canvases: Sequence[Canvas]) -> str:
+    body: list[str] = []
+    y = 0.0
+    for k, canvas in enumerate(canvases):
+        if k > 1:
+            body.append(f'<line x1="{MARGIN}" y1="{y - 8:.1f}" x2="{WIDTH - MARGIN}" '
+                        f'y2="{y - 8:.1f}" stroke="{GRID}"/>')  # fmt: skip
+        body.append(f'<g transform="translate(0,{y:.1f})">')
+        body += canvas.parts
+        body.append("</g>")
+        y += canvas.height + 16
+    height = math.ceil(y)
+    return "\n".join(
+        [
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
+            f'viewBox="0 0 {WIDTH} {height}" font-family="{FONT}" role="img">',
+            f"<title>{escape(title)}</title>",
+            f'<rect width="{WIDTH}" height="{height}" fill="#ffffff"/>',
+            *body,
+            "</svg>",
+            "",
+        ]
+    )
+
+
+def render_fleet(results: Path = RESULTS_DIR) -> str | None:
+    """The SVG of ``fleet.json`` in ``results``, or None when there is none."""
+    runs = _read(results / "fleet.json").get("runs") or {}
+    if not runs:
+        return None
+    ordered = sorted(runs.values(), key=lambda r: (r["label"] == "cluster", r["label"]))
+    pools: list[dict[str, Any]] = [
+        {
+            "label": r["label"],
+            "plain": r["plain"]["rate_median"],
+            "leased": r["leased"]["rate_median"],
+            "uncontended": (r.get("uncontended") or {}).get("rate_median"),
+        }
+        for r in ordered
+    ]
+    lat_runs: list[dict[str, Any]] = [
+        {"label": r["label"], "latency_ms": r["leased"].get("latency_ms")} for r in ordered
+    ]
+    if "cluster" not in runs:
+        pools.append({"label": "cluster", "plain": None, "leased": None,
+                      "note": "not run yet: scripts/bench --cluster"})  # fmt: skip
+        lat_runs.append({"label": "cluster", "latency_ms": None})
+    first = ordered[0]
+    cfg = first["config"]
+    workers = f"{cfg['processes']} solo workers" if cfg["pool"] == "solo" else (
+        f"one prefork worker -c {cfg['processes']}")  # fmt: skip
+    sub = (
+        f"{cfg['tasks']:,} tasks per kind, {cfg['resources']} resources, {workers}, "
+        f"{cfg['body'] * 1000:.0f} ms body; median of {cfg['rounds']} interleaved rounds"
+    )
+    retries = "; ".join(f"{r['label']}: {r['leased']['retries']:,} busy retries" for r in ordered)
+    panels = [
+        panel_tasks(pools, None, "Fleet: plain vs leased tasks per second (higher is better)",
+                    f"{sub}\n{retries}"),
+        panel_latency(lat_runs),
+    ]  # fmt: skip
+    dates = "; ".join(f"{r['label']} run {r['machine']['date']}" for r in ordered)
+    head = _heading("celery_leases fleet benchmark", first.get("machine", {}), dates)
+    return _assemble("celery_leases fleet benchmark", [head, *(p for p in panels if p)])
+
+
+def render_cleanup(results: Path = RESULTS_DIR) -> str | None:
+    """The SVG of ``cleanup.json`` in ``results``, or None when there is none."""
+    data = _read(results / "cleanup.json")
+    if not data or not (data.get("leases") or data.get("keys")):
+        return None
+    labels = data.get("labels", {})
+    cfg = data.get("config", {})
+    leases, keys = data.get("leases") or {}, data.get("keys") or {}
+    panels = [
+        panel_lines(
+            "Cleanup time vs leases held (log-log)",
+            [
+                f"a dead owner's N exclusive leases beside {cfg.get('base_keys', 0):,} unrelated "
+                "keys; median of repeats",
+                "ours read the owner registry: O(leases held); the baseline SCANs the keyspace",
+            ],
+            cleanup_series(leases, labels, "ms", 1.0),
+            "leases held by the dead predecessor",
+            "ms",
+        ),
+        panel_lines(
+            "Cleanup time vs keyspace size (log-log)",
+            [
+                f"{cfg.get('base_leases', 0)} leases held beside K unrelated keys; median of "
+                "repeats",
+                "ours stay flat (same commands at every size); the SCAN baseline grows with K",
+            ],
+            cleanup_series(keys, labels, "ms", 1.0),
+            "unrelated keys in the database",
+            "ms",
+        ),
+        panel_lines(
+            "Server time vs keyspace size (log-log)",
+            ["INFO commandstats usec of the commands each pass made Redis run"],
+            cleanup_series(keys, labels, "server_us", 1.0),
+            "unrelated keys in the database",
+            "us",
+        ),
+    ]
+    head = _heading(
+        "celery_leases cleanup and reconcile cost",
+        data.get("machine", {}),
+        f"run {data.get('machine', {}).get('date', '')}",
+    )
+    return _assemble("celery_leases cleanup and reconcile cost", [head, *(p for p in panels if p)])
+
+
 def load_tasks(results: Path) -> tuple[list[dict[str, Any]], float, str]:
     """Per pool: label, plain and leased tasks/s (medians); the target; the date line."""
     path = results / "tasks.json"
@@ -344,11 +678,8 @@ def load_tasks(results: Path) -> tuple[list[dict[str, Any]], float, str]:
 
 
 def render(results: Path = RESULTS_DIR) -> str:
-    """The SVG text for the results in ``results``."""
-    engine_path = results / "engine.json"
-    engine: dict[str, Any] = (
-        json.loads(engine_path.read_text(encoding="utf-8")) if engine_path.exists() else {}
-    )
+    """The SVG text of ``benchmarks.svg`` for the engine and task results in ``results``."""
+    engine = _read(results / "engine.json")
     raw = engine.get("results", {})
     private = bool(engine.get("config", {}).get("private_server", True))
     pools, target, tasks_date = load_tasks(results)
@@ -360,46 +691,16 @@ def render(results: Path = RESULTS_DIR) -> str:
     ]
     drawn = [p for p in panels if p is not None]
     if not drawn:
-        raise FileNotFoundError(f"no benchmark results in {results}")
+        raise FileNotFoundError(f"no engine or task benchmark results in {results}")
     m = engine.get("machine", {})
-    head = Canvas()
-    head.text(MARGIN, 30, "celery_leases benchmarks", size=20, weight="bold")
+    dates = ""
     if m:
-        info = (
-            f"{m.get('cpus')} cores, {m.get('cpu_model')}; Python {m.get('python')}, "
-            f"redis-py {m.get('redis_py')}, Redis {str(m.get('server', '?')).split()[0]}"
-        )
-        head.text(MARGIN, 52, info, size=12, fill=MUTED)
         dates = f"engine run {m.get('date')}" + (f"; tasks run {tasks_date}" if tasks_date else "")
-        head.text(MARGIN, 70, dates, size=12, fill=MUTED)
-    head.height = 84
-    body: list[str] = []
-    y = 0.0
-    for k, canvas in enumerate([head, *drawn]):
-        if k > 1:
-            body.append(f'<line x1="{MARGIN}" y1="{y - 8:.1f}" x2="{WIDTH - MARGIN}" '
-                        f'y2="{y - 8:.1f}" stroke="{GRID}"/>')  # fmt: skip
-        body.append(f'<g transform="translate(0,{y:.1f})">')
-        body += canvas.parts
-        body.append("</g>")
-        y += canvas.height + 16
-    height = math.ceil(y)
-    return "\n".join(
-        [
-            f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
-            f'viewBox="0 0 {WIDTH} {height}" font-family="{FONT}" role="img">',
-            "<title>celery_leases benchmarks</title>",
-            f'<rect width="{WIDTH}" height="{height}" fill="#ffffff"/>',
-            *body,
-            "</svg>",
-            "",
-        ]
-    )
+    head = _heading("celery_leases benchmarks", m, dates)
+    return _assemble("celery_leases benchmarks", [head, *drawn])
 
 
-def write_plot(results: Path = RESULTS_DIR, out: Path = SVG_PATH) -> Path:
-    """Write the SVG for ``results`` to ``out`` (atomically) and return ``out``."""
-    svg = render(results)
+def _write(svg: str, out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".svg.tmp")
     tmp.write_text(svg, encoding="utf-8")
@@ -407,27 +708,45 @@ def write_plot(results: Path = RESULTS_DIR, out: Path = SVG_PATH) -> Path:
     return out
 
 
+def write_plot(results: Path = RESULTS_DIR, out: Path = SVG_PATH) -> Path:
+    """Write ``benchmarks.svg`` for ``results`` to ``out`` (atomically) and return ``out``."""
+    return _write(render(results), out)
+
+
+def write_plots(results: Path = RESULTS_DIR, out_dir: Path = IMG_DIR) -> list[Path]:
+    """Write every plot whose results exist in ``results`` into ``out_dir``; returns them."""
+    written = []
+    engine_or_tasks = any((results / n).exists() for n in ("engine.json", "tasks.json", "tasks.md"))
+    if engine_or_tasks:
+        written.append(write_plot(results, out_dir / SVG_PATH.name))
+    for name, draw in ((FLEET_SVG, render_fleet), (CLEANUP_SVG, render_cleanup)):
+        svg = draw(results)
+        if svg is not None:
+            written.append(_write(svg, out_dir / name))
+    return written
+
+
 def refresh(results: Path) -> None:
     """Best effort, for the end of a benchmark run: a failure prints a warning, never raises.
 
-    Results in the default directory update ``docs/img/benchmarks.svg``; results written
-    elsewhere (``--out-dir``) get their plot next to them, so the docs keep the canonical run.
+    Results in the default directory update the plots in ``docs/img/``; results written
+    elsewhere (``--out-dir``) get their plots next to them, so the docs keep the canonical run.
     """
     try:
         default = results.resolve() == RESULTS_DIR.resolve()
-        out = write_plot(results, SVG_PATH if default else results / "benchmarks.svg")
-        print(f"[bench.plot] wrote {out}", file=sys.stderr, flush=True)
+        for out in write_plots(results, IMG_DIR if default else results):
+            print(f"[bench.plot] wrote {out}", file=sys.stderr, flush=True)
     except Exception as exc:
         print(f"[bench.plot] warning: no plot written: {exc!r}", file=sys.stderr, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.plot", description=__doc__)
-    parser.add_argument("--results", default=str(RESULTS_DIR), help="engine.json/tasks.json dir")
-    parser.add_argument("--out", default=str(SVG_PATH), help="the SVG to write")
+    parser.add_argument("--results", default=str(RESULTS_DIR), help="the results directory")
+    parser.add_argument("--out-dir", default=str(IMG_DIR), help="where the SVGs go")
     args = parser.parse_args(argv)
-    out = write_plot(Path(args.results), Path(args.out))
-    print(f"wrote {out}")
+    for out in write_plots(Path(args.results), Path(args.out_dir)):
+        print(f"wrote {out}")
     return 0
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import secrets
 import signal
 import socket
@@ -47,7 +46,7 @@ from typing import Any, Final
 import redis
 
 from . import plot
-from ._common import machine_info, median, redis_target, write_json
+from ._common import machine_info, median, redis_target, replace_section, write_json
 
 REPO: Final = Path(__file__).resolve().parents[1]
 RESULTS_DIR: Final = REPO / "bench" / "results"
@@ -357,16 +356,7 @@ def docs_section(body: str) -> str:
 
 def update_docs(path: Path, section: str) -> None:
     """Replace the ``## Task throughput`` section of ``path``, or append it."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip("\n") + "\n"
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    replace_section(path, SECTION, section)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

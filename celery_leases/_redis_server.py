@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -107,6 +108,47 @@ def url_answers(url: str, timeout: float = 1.0) -> bool:
         client.close()
 
 
+@dataclass(frozen=True)
+class ServerTLS:
+    """Certificate files (PEM) for a server that speaks TLS only: ``RedisServer(tls=...)``.
+
+    Attributes:
+        ca_certs: the CA that signed the server certificate and the client certificates the
+            server accepts (it asks every client for one).
+        certfile: the server certificate; it must name 127.0.0.1 (the host clients connect to).
+        keyfile: the server certificate's private key.
+        client_certfile: a client certificate the CA signed, used by ``RedisServer.url``.
+        client_keyfile: its private key.
+    """
+
+    ca_certs: str
+    certfile: str
+    keyfile: str
+    client_certfile: str
+    client_keyfile: str
+
+    def server_args(self) -> list[str]:
+        """redis-server arguments that turn on TLS, with client certificates required."""
+        return [
+            "--tls-cert-file", self.certfile,
+            "--tls-key-file", self.keyfile,
+            "--tls-ca-cert-file", self.ca_certs,
+            "--tls-auth-clients", "yes",
+        ]  # fmt: skip
+
+    def url_query(self) -> str:
+        """The ``rediss://`` query that makes redis-py verify the server and show the client
+        certificate."""
+        return urlencode(
+            {
+                "ssl_ca_certs": self.ca_certs,
+                "ssl_certfile": self.client_certfile,
+                "ssl_keyfile": self.client_keyfile,
+                "ssl_cert_reqs": "required",
+            }
+        )
+
+
 class RedisServer:
     """A private server process on 127.0.0.1 with no persistence and its own temp dir.
 
@@ -120,6 +162,8 @@ class RedisServer:
         startup_timeout: seconds to wait for the first PING answer.
         stop_timeout: seconds to wait after SIGTERM before SIGKILL.
         detached: run the server in its own session so it outlives this process.
+        tls: serve TLS only, on ``port``, with these certificates (no plain-text port); ``url``
+            is then a ``rediss://`` URL with the client certificate.
     """
 
     def __init__(
@@ -131,6 +175,7 @@ class RedisServer:
         startup_timeout: float = 10.0,
         stop_timeout: float = 5.0,
         detached: bool = False,
+        tls: ServerTLS | None = None,
     ) -> None:
         self._auto_port = port is None
         self._port = free_port() if port is None else port
@@ -139,6 +184,7 @@ class RedisServer:
         self._startup_timeout = startup_timeout
         self._stop_timeout = stop_timeout
         self._detached = detached
+        self._tls = tls
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: str | None = None
 
@@ -148,7 +194,13 @@ class RedisServer:
 
     @property
     def url(self) -> str:
+        if self._tls is not None:
+            return f"rediss://{HOST}:{self._port}/0?{self._tls.url_query()}"
         return f"redis://{HOST}:{self._port}/0"
+
+    @property
+    def tls(self) -> ServerTLS | None:
+        return self._tls
 
     @property
     def pid(self) -> int:
@@ -204,6 +256,14 @@ class RedisServer:
         """Undo ``pause()`` with SIGCONT."""
         self._running().send_signal(signal.SIGCONT)
 
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would (``stop()`` still removes its dir)."""
+        self._running()
+        proc = self._proc
+        assert proc is not None
+        proc.kill()
+        proc.wait()
+
     def restart(self) -> None:
         """Kill the server with SIGKILL and start a new, empty one on the same port."""
         self._running()
@@ -250,9 +310,13 @@ class RedisServer:
         assert self._binary is not None
         assert self._dir is not None
         log = os.path.join(self._dir, _LOG_NAME)
+        if self._tls is None:
+            ports = ["--port", str(self._port)]
+        else:
+            ports = ["--port", "0", "--tls-port", str(self._port), *self._tls.server_args()]
         argv = [
             self._binary,
-            "--port", str(self._port),
+            *ports,
             "--bind", HOST,
             "--protected-mode", "no",
             "--save", "",

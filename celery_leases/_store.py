@@ -7,19 +7,19 @@ import math
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
 
 import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import MovedError, NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from . import _scripts
+from . import _connect, _scripts
 from ._identity import Identity
 from ._keys import UNIQUE_PREFIX, Keyspace, escape, node_of_owner, unescape
 from ._lease import Held, Want
@@ -36,6 +36,8 @@ TOKEN_MEMORY_MS: Final = 86_400_000
 _EXPIRY_SLACK: Final = 0.002
 
 
+#: the Redis clock, read on the node serving KEYS[1] (see LeaseStore._with_now)
+_NOW_SCRIPT: Final = "return redis.call('TIME')"
 #: acquire.lua reply codes
 _GRACE: Final = -1
 _BUSY: Final = 0
@@ -45,6 +47,8 @@ _KEY_CACHE_SIZE: Final = 4096
 _IDLE_SUBSCRIBERS: Final = 4
 #: commands per pipeline of the operations calls (a fleet may have thousands of owners)
 _OPS_BATCH: Final = 1000
+#: leases released per script call by a cleanup (one call blocks Redis for about 8 us each)
+_RELEASE_BATCH: Final = 500
 #: records the audit list keeps (the newest)
 AUDIT_KEEP: Final = 1000
 
@@ -133,11 +137,18 @@ class LeaseStore:
         self._pubsub_pid = os.getpid()
         self._liveness = str(self._ms(settings.ttl))
         self._renew_lock = threading.Lock()
-        self._renew_conn: Any = None  # see _renewal_connection
+        # see _renewal_connection: node name ("" off a cluster) -> connection, in _renew_pid
+        self._renew_conns: dict[str, Any] = {}
         self._renew_pid = -1
+        self._wait_replicas: tuple[Any, ...] = ()
+        if settings.min_replicas:
+            timeout_ms = self._ms(settings.min_replicas_timeout)
+            self._wait_replicas = ("WAIT", settings.min_replicas, timeout_ms)
         # the client object connects lazily; made now so a bad URL fails at start-up, and so
         # the scripts are registered before any method can reach for them
+        self._target = _connect.parse_target(self.url)
         self._client: redis.Redis | None = self._make_client()
+        self._cluster = _connect.is_cluster(self._client)
         self._pid = os.getpid()
         self._register_scripts(self._client)
 
@@ -160,15 +171,15 @@ class LeaseStore:
     def _make_client(self) -> redis.Redis:
         s = self.settings
         try:
-            return redis.Redis.from_url(
-                self.url,
+            return _connect.make_client(
+                self._target,
                 decode_responses=True,
                 socket_timeout=s.socket_timeout,
                 socket_connect_timeout=s.socket_connect_timeout,
                 retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
                 client_name="celery_leases",
             )
-        except (ValueError, RedisError) as exc:
+        except (ValueError, TypeError, RedisError) as exc:
             msg = f"redis_url {safe_url(self.url)!r} is not usable: {exc}"
             raise LeaseConfigError(msg) from None
 
@@ -181,6 +192,7 @@ class LeaseStore:
         self._forget_owner = client.register_script(_scripts.FORGET_OWNER)
         self._commit_receipt = client.register_script(_scripts.COMMIT_RECEIPT)
         self._beat_claim = client.register_script(_scripts.BEAT_CLAIM)
+        self._now_sha = client.register_script(_NOW_SCRIPT).sha
         self._unique_claim = client.register_script(_scripts.UNIQUE_CLAIM)
         self._unique_handover = client.register_script(_scripts.UNIQUE_HANDOVER)
         self._unique_requeue = client.register_script(_scripts.UNIQUE_REQUEUE)
@@ -190,15 +202,16 @@ class LeaseStore:
         """Close this process's connections (a new client is made on next use)."""
         with self._lock:
             client, self._client = self._client, None
-            conn, self._renew_conn = self._renew_conn, None
+            conns, self._renew_conns = self._renew_conns, {}
             pubsubs, self._pubsubs = self._pubsubs, []
         if self._pubsub_pid == os.getpid():
             for pubsub in pubsubs:
                 pubsub.close()
         if client is not None and self._pid == os.getpid():
             client.close()
-        if conn is not None and self._renew_pid == os.getpid():
-            conn.disconnect()
+        if self._renew_pid == os.getpid():
+            for conn in conns.values():
+                conn.disconnect()
 
     def _backend_error(self, what: str, exc: RedisError) -> LeaseBackendError:
         msg = f"redis at {safe_url(self.url)} failed to {what}: {type(exc).__name__}: {exc}"
@@ -215,6 +228,12 @@ class LeaseStore:
         """True if Redis answers."""
         with self._backend("answer PING"):
             return bool(self.client.ping())
+
+    def redis_time(self) -> float:
+        """The Redis server's clock, in Unix seconds: the one clock every worker shares."""
+        with self._backend("read the clock"):
+            sec, usec = self.client.time()
+        return int(sec) + int(usec) / 1_000_000
 
     def load_scripts(self) -> dict[str, str]:
         """``SCRIPT LOAD`` every script; returns name -> SHA (proves the wheel ships them)."""
@@ -299,12 +318,19 @@ class LeaseStore:
                 by_group.setdefault(self.resource_keys(w.resource).group, []).append(i)
         owner = ident.owner
         # The home call registers the owner under its node and refreshes its liveness. It can
-        # be skipped only while that liveness surely runs: t0 the owner registers; t1 it idles
-        # past its liveness and a reconcile forgets it (off the node's owner set); t2 it takes a
-        # lease; t3 its node restarts and must find that lease.
+        # be skipped only while that liveness surely outlasts the new leases' horizon:
+        # - t0 the owner registers; t1 it idles past its liveness and a reconcile forgets it
+        #   (off the node's owner set); t2 it takes a lease; t3 its node restarts and must
+        #   find that lease.
+        # - t0 the owner's liveness is refreshed (it runs to t0 + settings.ttl); t1 it takes a
+        #   lease it counts held until t1 + horizon, later than that; t2 a reconcile finds the
+        #   liveness run out and frees the lease while its holder still counts it held.
+        # So with a lease ttl at least the ttl setting the liveness is always refreshed (in
+        # the same script call when the lease is in the home slot group).
         registered = self._registered.get(owner)
         fresh = registered is not None and (
-            time.monotonic() - registered < self.settings.ttl * self.settings.margin_fraction
+            time.monotonic() + self.horizon(ttl)
+            < registered + self.settings.ttl * self.settings.margin_fraction
         )
         if 0 not in by_group and not fresh:
             outcome = self._acquire_group(0, [], ident, ttl, True, task_id)
@@ -362,9 +388,11 @@ class LeaseStore:
             rkeys.append(rk)
             keys += (rk.exclusive, rk.shared, rk.counter)
             args += (w.mode, w.limit, w.resource)
-        client = self.client
         try:
-            reply = self._acquire(keys, args, client=client)
+            if self._wait_replicas:
+                reply = self._acquire_replicated(keys, args, wants, task_id)
+            else:
+                reply = self._acquire(keys, args, client=self.client)
         except RedisError as exc:
             raise self._backend_error("acquire", exc) from exc
         code = int(reply[0])
@@ -393,6 +421,40 @@ class LeaseStore:
             )
             for w, token in zip(wants, reply[1:], strict=True)
         ]
+
+    def _acquire_replicated(
+        self, keys: list[str], args: list[Any], wants: Sequence[Want], task_id: str | None
+    ) -> Any:
+        """acquire.lua then ``WAIT``, on one connection in one round trip (see min_replicas).
+
+        A grant that too few replicas confirm is given back before the error is raised: a
+        failover to one of them could hand the resource, and the same token, to another.
+        """
+        target: Any = self.client
+        if self._cluster:  # WAIT must go down the same connection as the grant
+            target = target.get_redis_connection(target.get_node_from_key(keys[0]))
+        for attempt in (1, 2):
+            pipe = target.pipeline(transaction=False)
+            pipe.evalsha(self._acquire.sha, len(keys), *keys, *args)
+            pipe.execute_command(*self._wait_replicas)
+            try:
+                reply, acked = pipe.execute()
+                break
+            except NoScriptError:
+                if attempt == 2:
+                    raise
+                target.script_load(_scripts.ACQUIRE)
+        if int(reply[0]) == 1 and int(acked) < self.settings.min_replicas:
+            owner = str(args[0])
+            group = self.resource_keys(wants[0].resource).group if wants else 0
+            entries = [
+                Entry(w.mode, int(token), task_id, w.resource)
+                for w, token in zip(wants, reply[1:], strict=True)
+            ]
+            if entries:
+                self._release_entries(owner, group, entries)
+            self._check_replicated(acked, "grant")
+        return reply
 
     def acquire(
         self,
@@ -543,78 +605,130 @@ class LeaseStore:
     def _call_with_deadline(
         self, sha: str, source: str, calls: Sequence[tuple[list[str], list[Any]]], timeout: float
     ) -> list[Any]:
-        """EVALSHA each of ``calls`` on one connection, in one round trip, within ``timeout``.
+        """EVALSHA each of ``calls`` within ``timeout``: one round trip per Redis node.
 
         redis-py applies one socket timeout to every command of a connection; the heartbeat
-        needs a deadline per call instead, so it drives a connection of its own directly.
+        needs a deadline per call instead, so it drives connections of its own directly: one
+        for one server or a Sentinel master, one per node on a cluster (each call's keys
+        share one slot, so its first key says which node).
         """
         end = time.monotonic() + timeout
         with self._backend("renew"):
             if not self._renew_lock.acquire(timeout=timeout):
                 raise RedisTimeoutError(f"another renewal still runs after {timeout:.2f}s")
             try:
-                conn = self._renewal_connection(timeout)
+                routes: dict[str, list[int]] = {}
+                for i, (keys, _) in enumerate(calls):
+                    routes.setdefault(self._node_of(keys[0]), []).append(i)
+                conns = {
+                    node: self._renewal_connection(node, max(0.0, end - time.monotonic()))
+                    for node in routes
+                }
+                replies: list[Any] = [None] * len(calls)
                 try:
-                    left = max(0.0, end - time.monotonic())
-                    return self._send_and_read(conn, sha, source, calls, left)
-                except BaseException:
-                    conn.disconnect()
+                    # every node gets its commands before any reply is read
+                    for node, idx in routes.items():
+                        self._send(conns[node], sha, [calls[i] for i in idx])
+                    for node, idx in routes.items():
+                        got = self._read(conns[node], sha, source, [calls[i] for i in idx], end)
+                        for i, reply in zip(idx, got, strict=True):
+                            replies[i] = reply
+                except BaseException as exc:
+                    for conn in conns.values():
+                        conn.disconnect()
+                    if self._cluster and isinstance(exc, (MovedError, RedisConnectionError)):
+                        self._refresh_slots()
                     raise
+                return replies
             finally:
                 self._renew_lock.release()
 
-    def _renewal_connection(self, timeout: float) -> Any:
-        """This process's renewal connection, opened (if it is not) within ``timeout``.
+    def _node_of(self, key: str) -> str:
+        """The name of the cluster node serving ``key`` ("" off a cluster)."""
+        if not self._cluster:
+            return ""
+        node = self.client.get_node_from_key(key)  # type: ignore[attr-defined]
+        return str(node.name)
+
+    def _refresh_slots(self) -> None:
+        """After a MOVED reply or a lost node: read the cluster's slot map again."""
+        with suppress(RedisError):  # the next renewal tries again
+            self.client.nodes_manager.initialize()  # type: ignore[attr-defined]
+
+    def _renewal_connection(self, node: str, timeout: float) -> Any:
+        """This process's renewal connection to ``node``, opened (if it is not) within ``timeout``.
 
         Not a pooled one: t0 Redis freezes while every pooled connection is in use; t1 the
         renewal needs a new connection, and redis-py's handshake (CLIENT SETNAME, ...) waits
         for the full socket timeout; t2 the lease's deadline passes unnoticed; t3 Redis
         expires the lease and hands it on, and only then is the holder told. Its own
         connection, opened with the renewal's deadline as its timeouts, cannot stall so.
+        Under Sentinel it asks the sentinels for the master each time it (re)connects.
         """
         pid = os.getpid()
-        conn = self._renew_conn
-        if conn is None or self._renew_pid != pid:
-            pool = self.client.connection_pool
+        if self._renew_pid != pid:
+            self._renew_conns, self._renew_pid = {}, pid
+        conn = self._renew_conns.get(node)
+        if conn is None:
+            if self._cluster:
+                cluster_node = self.client.get_node(node_name=node)  # type: ignore[attr-defined]
+                pool = self.client.get_redis_connection(cluster_node).connection_pool  # type: ignore[attr-defined]
+            else:
+                pool = self.client.connection_pool
             kwargs = {**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0)}
-            conn = self._renew_conn = pool.connection_class(**kwargs)
-            self._renew_pid = pid
+            conn = self._renew_conns[node] = pool.connection_class(**kwargs)
         if getattr(conn, "_sock", None) is None:
             conn.socket_connect_timeout = conn.socket_timeout = max(timeout, 0.001)
             conn.connect()
         return conn
 
-    def _send_and_read(
+    def _send(self, conn: Any, sha: str, calls: Sequence[tuple[list[str], list[Any]]]) -> None:
+        commands: list[tuple[Any, ...]] = [("EVALSHA", sha, len(k), *k, *a) for k, a in calls]
+        if self._wait_replicas:
+            commands.append(self._wait_replicas)
+        conn.send_packed_command(conn.pack_commands(commands))
+
+    def _read(
         self,
         conn: Any,
         sha: str,
         source: str,
         calls: Sequence[tuple[list[str], list[Any]]],
-        timeout: float,
+        end: float,
     ) -> list[Any]:
-        end = time.monotonic() + timeout
-        commands = [("EVALSHA", sha, len(k), *k, *a) for k, a in calls]
-        conn.send_packed_command(conn.pack_commands(commands))
-        replies: list[Any] = []
-        missing_script = False
-        for _ in commands:
-            left = end - time.monotonic()
-            if left <= 0 or not conn.can_read(timeout=left):
-                raise RedisTimeoutError(f"no reply within {timeout:.2f}s")
-            try:
-                replies.append(conn.read_response())
-            except NoScriptError:
-                missing_script = True
-                replies.append(None)
-        if missing_script:
+        """The replies to what :meth:`_send` sent ``conn``, each by ``end`` (monotonic)."""
+        replies = [self._read_one(conn, end) for _ in calls]
+        if self._wait_replicas:
+            self._check_replicated(self._read_one(conn, end), "renewal")
+        if any(isinstance(r, NoScriptError) for r in replies):
             # Redis restarted or SCRIPT FLUSH ran: load it and send again, same deadline
             conn.send_command("SCRIPT", "LOAD", source)
-            left = end - time.monotonic()
-            if left <= 0 or not conn.can_read(timeout=left):
-                raise RedisTimeoutError(f"no reply within {timeout:.2f}s")
-            conn.read_response()
-            return self._send_and_read(conn, sha, source, calls, max(0.0, end - time.monotonic()))
+            self._read_one(conn, end)
+            self._send(conn, sha, calls)
+            return self._read(conn, sha, source, calls, end)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
         return replies
+
+    @staticmethod
+    def _read_one(conn: Any, end: float) -> Any:
+        left = end - time.monotonic()
+        if left <= 0 or not conn.can_read(timeout=left):
+            raise RedisTimeoutError("no reply before the renewal's deadline")
+        try:
+            return conn.read_response()
+        except NoScriptError as exc:
+            return exc  # the other replies must still be read off the connection
+
+    def _check_replicated(self, acked: Any, what: str) -> None:
+        want = self.settings.min_replicas
+        if int(acked) < want:
+            msg = (
+                f"the {what} reached {acked} of the {want} replicas min_replicas asks for "
+                f"within {self.settings.min_replicas_timeout}s"
+            )
+            raise RedisTimeoutError(msg)
 
     # --- release --------------------------------------------------------------------------
     def release(self, held: Sequence[Held]) -> list[bool]:
@@ -685,14 +799,15 @@ class LeaseStore:
                     spared = True
                 else:
                     entries.append(parsed)
-            if not entries:
-                continue
-            freed = self._release_entries(owner, group, entries)
-            for entry, was_held in zip(entries, freed, strict=True):
-                if was_held:
-                    report.released.append((owner, entry.resource))
-                else:
-                    report.expired += 1
+            # in batches, so that a dead owner of thousands of leases never blocks Redis long
+            for start in range(0, len(entries), _RELEASE_BATCH):
+                batch = entries[start : start + _RELEASE_BATCH]
+                freed = self._release_entries(owner, group, batch)
+                for entry, was_held in zip(batch, freed, strict=True):
+                    if was_held:
+                        report.released.append((owner, entry.resource))
+                    else:
+                        report.expired += 1
         if not report.kept and not spared:
             node = node_of_owner(owner)
             with self._backend("forget an owner"):
@@ -800,18 +915,17 @@ class LeaseStore:
         with self._backend("inspect leases"):
             for start in range(0, len(items), _OPS_BATCH):
                 chunk = items[start : start + _OPS_BATCH]
-                pipe = self.client.pipeline(transaction=False)
-                for owner, entry in chunk:
-                    rk = self.resource_keys(entry.resource)
-                    if entry.mode == "x":
-                        pipe.get(rk.exclusive)
-                        pipe.pttl(rk.exclusive)
-                    else:
-                        pipe.zscore(rk.shared, f"{entry.token} {owner}")
-                pipe.time()
-                replies = pipe.execute()
-                sec, usec = replies.pop()
-                now_ms = int(sec) * 1000 + int(usec) // 1000
+
+                def build(pipe: Any, chunk: Sequence[tuple[str, Entry]] = chunk) -> None:
+                    for owner, entry in chunk:
+                        rk = self.resource_keys(entry.resource)
+                        if entry.mode == "x":
+                            pipe.get(rk.exclusive)
+                            pipe.pttl(rk.exclusive)
+                        else:
+                            pipe.zscore(rk.shared, f"{entry.token} {owner}")
+
+                replies, now_ms = self._with_now(build, self.keys.owners)
                 replies.reverse()
                 for owner, entry in chunk:
                     if entry.mode == "x":
@@ -824,6 +938,28 @@ class LeaseStore:
                         out.append((float(score) - now_ms) / 1000 if held else None)
         return out
 
+    def _with_now(self, build: Callable[[Any], object], key: str) -> tuple[list[Any], int]:
+        """Run the commands ``build`` queues in one pipeline, with the Redis clock in ms.
+
+        The clock is read on the node serving ``key``, by a one-line script: a cluster
+        pipeline cannot send TIME (it names no key). A Redis that lost its scripts gets the
+        script loaded and the pipeline sent again.
+        """
+        for attempt in (1, 2):
+            pipe = self.client.pipeline(transaction=False)
+            build(pipe)
+            pipe.execute_command("EVALSHA", self._now_sha, 1, key)  # type: ignore[no-untyped-call]
+            try:
+                replies = pipe.execute()
+            except NoScriptError:
+                if attempt == 2:
+                    raise
+                self.client.script_load(_NOW_SCRIPT)
+                continue
+            sec, usec = replies.pop()
+            return replies, int(sec) * 1000 + int(usec) // 1000
+        raise AssertionError("unreachable")
+
     def read_liveness(self, owners: Sequence[str]) -> dict[str, float | None]:
         """Seconds left on each owner's liveness (negative: it ran out; None: not registered)."""
         out: dict[str, float | None] = {}
@@ -831,11 +967,11 @@ class LeaseStore:
         with self._backend("read owner liveness"):
             for start in range(0, len(unique), _OPS_BATCH):
                 chunk = unique[start : start + _OPS_BATCH]
-                pipe = self.client.pipeline(transaction=False)
-                pipe.zmscore(self.keys.owners, chunk)
-                pipe.time()
-                scores, (sec, usec) = pipe.execute()
-                now_ms = int(sec) * 1000 + int(usec) // 1000
+
+                def build(pipe: Any, chunk: list[str] = chunk) -> None:
+                    pipe.zmscore(self.keys.owners, chunk)
+
+                (scores,), now_ms = self._with_now(build, self.keys.owners)
                 for owner, score in zip(chunk, scores, strict=True):
                     out[owner] = None if score is None else (float(score) - now_ms) / 1000
         return out
@@ -888,13 +1024,13 @@ class LeaseStore:
         rk = self.resource_keys(resource)
         xkey, skey = rk.exclusive, rk.shared
         with self._backend("inspect a resource"):
-            pipe = self.client.pipeline(transaction=False)
-            pipe.get(xkey)
-            pipe.pttl(xkey)
-            pipe.zrange(skey, 0, -1, withscores=True)
-            pipe.time()
-            value, pttl, shared, (sec, usec) = pipe.execute()
-        now_ms = int(sec) * 1000 + int(usec) // 1000
+
+            def build(pipe: Any) -> None:
+                pipe.get(xkey)
+                pipe.pttl(xkey)
+                pipe.zrange(skey, 0, -1, withscores=True)
+
+            (value, pttl, shared), now_ms = self._with_now(build, skey)
         out: list[Holder] = []
         if value is not None:
             token, _, owner = str(value).partition(" ")
@@ -908,11 +1044,10 @@ class LeaseStore:
     def owners(self) -> list[tuple[str, float]]:
         """Every registered owner and the seconds left on its liveness (negative: dead)."""
         with self._backend("list owners"):
-            pipe = self.client.pipeline(transaction=False)
-            pipe.zrange(self.keys.owners, 0, -1, withscores=True)
-            pipe.time()
-            members, (sec, usec) = pipe.execute()
-        now_ms = int(sec) * 1000 + int(usec) // 1000
+            (members,), now_ms = self._with_now(
+                lambda pipe: pipe.zrange(self.keys.owners, 0, -1, withscores=True),
+                self.keys.owners,
+            )
         return [(str(m), (s - now_ms) / 1000) for m, s in members]
 
     def owned(self, owner: str) -> list[tuple[str, int, str]]:

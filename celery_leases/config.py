@@ -21,12 +21,15 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_serializer, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from redis.connection import Connection, SSLConnection, parse_url
+from redis.exceptions import RedisError
 
+from ._connect import parse_target
 from .exceptions import LeaseConfigError
 
 if TYPE_CHECKING:
@@ -76,15 +79,24 @@ class LeaseSettings(BaseSettings):
     ``CELERY_LEASES_<NAME>``.
     """
 
+    # hide_input_in_errors: a ValidationError's text would show the rejected redis_url whole,
+    # password included; _config_error shows it through safe_url instead.
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, frozen=True, extra="forbid", case_sensitive=False
+        env_prefix=ENV_PREFIX,
+        frozen=True,
+        extra="forbid",
+        case_sensitive=False,
+        hide_input_in_errors=True,
     )
 
     redis_url: str | None = Field(
         None,
         description=(
-            "Where leases live. Default: the broker URL when it is a redis:// or rediss:// URL, "
-            "else redis://localhost:6379/0."
+            "Where leases live: redis://, rediss:// or unix:// (one server), "
+            "sentinel://host:port[,host:port...][/db]?master_name=NAME (a master found through "
+            "Sentinel) or redis+cluster:// / rediss+cluster://host:port[,host:port...] (a "
+            "Cluster). Default: the broker URL when it is a redis://, rediss:// or sentinel:// "
+            "URL (with master_name from broker_transport_options), else redis://localhost:6379/0."
         ),
     )
     key_prefix: str = Field(
@@ -155,6 +167,23 @@ class LeaseSettings(BaseSettings):
             "Number of hash-slot groups resource keys are spread over. 1 suits a single Redis "
             "or Sentinel; raise it on Redis Cluster to spread leases over the shards."
         ),
+    )
+    min_replicas: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description=(
+            "Replicas that must have each grant and renewal (Redis WAIT, in the same round trip) "
+            "before it counts. With 1 or more, a Sentinel failover to a replica that was in sync "
+            "loses no lease and repeats no fencing token; a grant not replicated within "
+            "min_replicas_timeout is given back and raises LeaseBackendError, a renewal not "
+            "replicated counts as failed. 0: asynchronous replication, as Redis does by default."
+        ),
+    )
+    min_replicas_timeout: float = Field(
+        0.5,
+        gt=0.0,
+        description="Seconds a grant or renewal waits for min_replicas replicas to confirm it.",
     )
     reconcile_interval: float = Field(
         60.0,
@@ -228,9 +257,16 @@ class LeaseSettings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _check_url(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
-            msg = "must be a redis://, rediss:// or unix:// URL"
-            raise ValueError(msg)
+        if value is not None:
+            parse_target(value)  # a ValueError names what is wrong with it
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_url_options(cls, value: str | None) -> str | None:
+        problem = None if value is None else _url_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
     @field_validator("node")
@@ -250,6 +286,15 @@ class LeaseSettings(BaseSettings):
             )
             raise ValueError(msg)
         return self
+
+    @field_serializer("redis_url")
+    def _dump_url(self, value: str | None) -> str | None:
+        # dumps end up in logs and output: the real URL is read from .redis_url or .url only
+        return None if value is None else safe_url(value)
+
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        for name, value in super().__repr_args__():
+            yield name, (safe_url(value) if name == "redis_url" and value is not None else value)
 
     @classmethod
     def settings_customise_sources(
@@ -313,26 +358,68 @@ def _config_error(exc: ValidationError, kwargs: Mapping[str, Any], conf: Mapping
 
 
 def safe_url(url: str) -> str:
-    """``url`` without its password (in the user info or a ``password=`` query), for logs."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
+    """``url`` without its passwords (user info, ``password=`` queries), for logs and errors.
+
+    Handles every lease URL form: several hosts (``host:1,host:2``) and Celery's ``;``-joined
+    sentinel lists included.
+    """
+    return ";".join(_safe_one(part) for part in url.split(";"))
+
+
+def _safe_one(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if not sep:
         return "<unparsable redis url>"
-    netloc = parts.netloc
-    if parts.password is not None:
-        host = parts.hostname or ""
-        if ":" in host:  # IPv6: keep the brackets, or the port reads as part of the address
-            host = f"[{host}]"
-        netloc = f"{parts.username or ''}:***@{host}"
-        if port:
-            netloc += f":{port}"
-    # redis-py also takes the password as a query argument: redis://host/0?password=...
-    query = _QUERY_PASSWORD.sub(r"\1=***", parts.query)
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
+    cut = min([i for i in (rest.find(c) for c in "/?#") if i >= 0], default=len(rest))
+    netloc, tail = rest[:cut], rest[cut:]
+    if "@" not in netloc and "@" in tail:
+        # a password holding an unescaped / ? or # ends the host part early, and the rest of
+        # it would show as the path or query: redis://:pa/ss@host/0
+        return "<unparsable redis url>"
+    if "@" in netloc:
+        userinfo, hosts = netloc.rsplit("@", 1)
+        if ":" in userinfo:
+            netloc = f"{userinfo.split(':', 1)[0]}:***@{hosts}"
+    # redis-py also takes passwords as query arguments: redis://host/0?password=...
+    return f"{scheme}://{netloc}{_QUERY_PASSWORD.sub(_REDACTED, tail)}"
 
 
-_QUERY_PASSWORD: Final = re.compile(r"(?i)(?<![^&;])(password)=[^&;]*")
+_QUERY_PASSWORD: Final = re.compile(r"(?i)(?<=[?&])((?:sentinel_|ssl_)?password)=[^&#]*")
+_REDACTED: Final = r"\1=***"
+
+
+def _url_problem(url: str) -> str | None:
+    """Why redis-py would refuse ``url`` at its first command, found without connecting.
+
+    redis-py hands every query option it does not know to the connection class, which raises
+    ``TypeError`` only when the first connection is made; a misspelt TLS option
+    (``ssl_ca_cert=``) or one on a ``redis://`` URL would surface late and raw. Files named by
+    the options are not opened here: they need to exist only where leases are used.
+    """
+    try:
+        target = parse_target(url)
+        if target.kind == "single":
+            kwargs: dict[str, Any] = parse_url(url)  # type: ignore[no-untyped-call]
+        else:  # the options of the master's or the nodes' connections
+            kwargs = dict(target.options)
+            if kwargs.pop("ssl", False):
+                kwargs["connection_class"] = SSLConnection
+    except ValueError:
+        return None  # _check_url names what is wrong
+    connection_class = kwargs.pop("connection_class", Connection)
+    try:
+        connection_class(**kwargs)  # builds the object only; nothing connects
+    except TypeError as exc:
+        found = re.search(r"keyword argument '(\w+)'", str(exc))
+        if found is None:
+            return f"redis-py refuses its options: {exc}"
+        msg = f"redis-py does not take the URL option {found.group(1)!r}"
+        if found.group(1).startswith("ssl_") and not url.startswith("rediss://"):
+            msg += " (TLS options need a rediss:// URL)"
+        return msg
+    except RedisError as exc:  # e.g. ssl_cert_reqs=CERT_REQUIRED
+        return f"redis-py refuses its options: {exc}"
+    return None
 
 
 def _conf_of(app: Celery | None) -> dict[str, Any]:
@@ -348,6 +435,14 @@ def _broker_default(app: Celery | None) -> str:
     broker = app.conf.broker_url
     if isinstance(broker, str) and broker.startswith(("redis://", "rediss://")):
         return broker.split(";")[0]
+    if isinstance(broker, str) and broker.startswith("sentinel://"):
+        # Celery's form: the sentinels in the URL, the master's name in the transport options
+        master = (app.conf.broker_transport_options or {}).get("master_name")
+        if master and "master_name=" not in broker:
+            first, *rest = broker.split(";")
+            joiner = "&" if "?" in first else "?"
+            return ";".join([f"{first}{joiner}master_name={quote(str(master))}", *rest])
+        return broker
     return DEFAULT_REDIS_URL
 
 

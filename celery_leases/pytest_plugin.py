@@ -33,7 +33,7 @@ from celery import Celery
 from ._redis_server import RedisServer, find_server_binary, url_answers
 from ._store import LeaseStore
 from .app import Leases
-from .config import LeaseSettings, resolve_settings
+from .config import LeaseSettings, resolve_settings, safe_url
 
 __all__ = (
     "leases",
@@ -72,7 +72,7 @@ def leases_redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
     url = request.config.getoption("--leases-redis-url") or os.environ.get(URL_ENV)
     if url:
         if not url_answers(url):
-            _unavailable(f"Redis at {url} does not answer")
+            _unavailable(f"Redis at {safe_url(url)} does not answer")
         yield url
         return
     if find_server_binary() is None:

@@ -76,7 +76,7 @@ from ._lease import Held, Lease, Shared, Want
 from ._unique import release_claim, take_claim
 from .app import Leases
 from .config import OnBusy, OnDuplicate, OnLost, get_settings
-from .exceptions import LeaseBusy, LeaseConfigError, LeaseLost
+from .exceptions import LeaseBusy, LeaseConfigError, LeaseError, LeaseLost
 
 __all__ = ("LeasedTask", "current_leases")
 
@@ -442,21 +442,22 @@ class LeasedTask(Task[Any, Any]):
         if request.is_eager or request.called_directly:
             raise busy
         headers = _headers(request)
-        since = float(headers.get(BUSY_SINCE_HEADER) or time.time())
+        now = self._busy_clock()
+        since = float(headers.get(BUSY_SINCE_HEADER) or now)
         attempt = int(headers.get(BUSY_ATTEMPT_HEADER) or 0)
         limit = self.busy_timeout if self.busy_timeout is not None else settings.busy_timeout
-        if time.time() - since >= limit:
+        if now - since >= limit:
             logger.info(
                 "leases: %s[%s] gives up: %s stayed busy for %.0fs (busy_timeout)",
                 self.name,
                 request.id,
                 busy.resource,
-                time.time() - since,
+                now - since,
             )
             raise busy
         delay = min(settings.retry_max_delay, settings.retry_delay * 2**attempt)
         countdown = delay / 2 + random.uniform(0, delay / 2)  # "equal jitter"
-        countdown = min(countdown, max(0.0, since + limit - time.time()) + 0.01)
+        countdown = min(countdown, max(0.0, since + limit - now) + 0.01)
         options = {BUSY_SINCE_HEADER: since, BUSY_ATTEMPT_HEADER: attempt + 1}
         # not self.retry(): that would count against the task's own max_retries
         sig = self.signature_from_request(
@@ -476,6 +477,21 @@ class LeasedTask(Task[Any, Any]):
             busy.resource,
         )
         raise Retry(exc=busy, when=countdown, sig=sig)
+
+    def _busy_clock(self) -> float:
+        """Now, on the clock busy_timeout is counted with: Redis's, shared by the fleet.
+
+        The first-busy time travels between workers in a header, so it must not be read on one
+        machine's wall clock and compared on another's: a worker whose clock jumped an hour
+        ahead would give up every busy task at once, and one an hour behind would stamp tasks
+        that every other worker then gives up. Only when Redis cannot tell the time (it just
+        answered the acquire, so rarely) is the local clock used.
+        """
+        try:
+            return self._extension().store.redis_time()
+        except LeaseError as exc:
+            logger.debug("leases: Redis clock unavailable, using the local clock: %s", exc)
+            return time.time()
 
 
 def _headers(request: Any) -> dict[str, Any]:

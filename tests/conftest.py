@@ -1,4 +1,5 @@
-"""Shared test set-up: our own pytest plugin, and the integration marker by directory."""
+"""Shared test set-up: our own pytest plugin, and the integration marker by directory
+(tests/integration and tests/faults need a real Redis)."""
 
 from __future__ import annotations
 
@@ -14,5 +15,10 @@ _HERE = Path(__file__).parent
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         parts = Path(str(item.fspath)).relative_to(_HERE).parts
-        if parts and parts[0] == "integration":
+        if parts and parts[0] in ("integration", "faults"):
             item.add_marker(pytest.mark.integration)
+
+
+from tests.topologies import redis_cluster, redis_sentinel, topology  # noqa: E402  (fixtures)
+
+__all__ = ["redis_cluster", "redis_sentinel", "topology"]

@@ -21,6 +21,7 @@ from celery_leases._identity import Identity
 from celery_leases._lease import Want
 from celery_leases._store import LeaseStore
 from celery_leases.config import resolve_settings
+from tests.polling import wait_until
 
 T = TypeVar("T")
 PREFIX = "cost"
@@ -115,6 +116,19 @@ def test_cleanup_owner_cost_grows_with_the_leases_not_the_keyspace(admin, server
         assert costs[0]["evalsha"] <= groups + 1
     finally:
         store.close()
+
+
+def test_a_large_registry_is_released_in_bounded_batches(admin, store):
+    # one script call per 500 leases, so a dead owner of thousands never blocks Redis long
+    ident = Identity("hoarder", "dead", 1)
+    names = [f"hoard:{i}" for i in range(1_200)]
+    for start in range(0, len(names), 300):
+        held = store.try_acquire([Want(n) for n in names[start : start + 300]], ident, 30.0)
+        assert isinstance(held, list)
+    report, calls = counted(admin, lambda: store.cleanup_owner(ident.owner))
+    assert len(report.released) == len(names)
+    assert calls["evalsha"] == 3 + 1  # three release batches, then forget the owner
+    assert store.holders(names[-1]) == []
 
 
 def test_cleanup_node_without_a_past_costs_one_command(admin, store):
@@ -247,6 +261,39 @@ def test_reconcile_spares_a_lease_taken_after_its_owner_was_found_expired(server
         assert [h.owner for h in store.holders("fresh")] == [idle.owner]
         assert store.renew(taken, idle.owner, timeout=2.0) == set()
         assert idle.owner in [o for o, _ in store.owners()]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("slot_groups", [1, 8])
+def test_reconcile_never_frees_a_lease_its_holder_still_counts_held(server, slot_groups):
+    """t0 an owner takes and gives back a lease (its liveness runs to t0 + ttl); t1 it takes
+    another lease, which it counts held until t1 + horizon, later than t0 + ttl; t2 (between
+    the two) a reconcile finds the owner's liveness run out. It must not free the lease of t1:
+    its holder would learn only at its next renewal, after someone else was granted it.
+    (Regression: the grant at t1 skipped refreshing a liveness that looked fresh enough.)"""
+    ttl = 2.0
+    store = LeaseStore(
+        resolve_settings(
+            None, redis_url=server.url, key_prefix=PREFIX, ttl=ttl, slot_groups=slot_groups
+        )
+    )
+    quiet = Identity("quiet", "inc", 1)
+    try:
+        t0 = time.monotonic()
+        first = store.try_acquire([Want("earlier")], quiet, ttl)
+        assert isinstance(first, list)
+        assert store.release(first) == [True]
+        wait_until(lambda: time.monotonic() >= t0 + 0.7 * ttl, 5, "t1")  # in the old "fresh" window
+        taken = store.try_acquire([Want("later")], quiet, ttl)
+        assert isinstance(taken, list)
+        (held,) = taken
+        wait_until(lambda: time.monotonic() >= t0 + 1.1 * ttl, 5, "t2")  # t0's liveness ran out
+        report = store.reconcile()
+        checked = time.monotonic()
+        assert checked < held.deadline, "too slow to show anything: the lease's horizon passed"
+        assert report.released == []
+        assert [h.owner for h in store.holders("later")] == [quiet.owner]
     finally:
         store.close()
 

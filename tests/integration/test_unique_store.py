@@ -12,7 +12,6 @@ from celery_leases._lease import Held
 from celery_leases._store import Claimed, ClaimHolder, LeaseStore
 from celery_leases.exceptions import LeaseConfigError
 from tests.cluster import hash_tag
-from tests.integration.test_acl import acl_url  # noqa: F401  (a fixture)
 from tests.polling import wait_until
 
 A = Identity("worker-a@host", "inca", 101)
@@ -228,23 +227,3 @@ def test_claim_keys_share_one_hash_tag(make_leases_store, leases_redis: redis.Re
 def test_a_key_without_a_utf8_form_is_a_config_error(leases_store: LeaseStore):
     with pytest.raises(LeaseConfigError, match="UTF-8"):
         leases_store.unique_claim("a\ud800", "task-1", 60)
-
-
-def test_the_documented_acl_user_can_run_unique_claims(acl_url: str, make_leases_store):  # noqa: F811
-    # the ACL SETUSER line of docs/redis.md (read by the acl_url fixture) covers claims too
-    store = make_leases_store(redis_url=acl_url, prefix="leases")
-    claimed = store.unique_claim("k", "task-1", 60)
-    assert isinstance(claimed, Claimed)
-    assert isinstance(store.unique_claim("k", "task-2", 60), ClaimHolder)
-    assert [c.key for c in store.queued_claims()] == ["k"]
-    held = store.unique_handover("k", "task-1", A, 10)
-    assert isinstance(held, Held)
-    running = store.unique_claim("k", "task-2", 60)
-    assert isinstance(running, ClaimHolder)
-    assert running.task_id == "task-1"
-    assert store.unique_requeue(held, 60)
-    again = store.unique_take("k", "task-1", B, 10, wait=1)
-    assert isinstance(again, Held)
-    assert store.release([again]) == [True]
-    store.unique_claim("k", "task-3", 60)
-    assert store.unique_unclaim("k", "task-3")

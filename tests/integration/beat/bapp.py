@@ -79,10 +79,15 @@ def _stamp(sender: str | None = None, headers: dict[str, Any] | None = None, **_
     if _stamp_client is None:
         _stamp_client = redis.Redis.from_url(BROKER, decode_responses=True)
     entry, kind = ENTRY_OF[sender]
-    pipe = _stamp_client.pipeline(transaction=True)
-    pipe.time()
-    pipe.get(leases.store.keys.beat_claim(entry, kind))
-    (seconds, micros), claim = pipe.execute()
+    claim_key = leases.store.keys.beat_claim(entry, kind)
+    if leases.settings.url == BROKER:  # one server: read both at one instant
+        pipe = _stamp_client.pipeline(transaction=True)
+        pipe.time()
+        pipe.get(claim_key)
+        (seconds, micros), claim = pipe.execute()
+    else:  # leases on a Cluster or behind Sentinel: the claim lives there
+        seconds, micros = _stamp_client.time()
+        claim = leases.store.client.get(claim_key)
     headers["x_replica"] = REPLICA
     headers["x_pid"] = os.getpid()
     headers["x_sent_ms"] = seconds * 1000 + micros // 1000

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +19,14 @@ import redis
 from celery import Celery
 
 from celery_leases import Leases
-from tests.integration.worker.conftest import WorkerProc, kill_whole_worker
 from tests.polling import wait_until
+from tests.workers import (
+    WorkerProc,
+    kill_whole_worker,
+    pytest_runtest_makereport,
+    worker_argv,
+    write_logs_if_failed,
+)
 
 from . import uapp
 
@@ -35,6 +40,7 @@ RESULT_TIMEOUT = 30.0
 
 __all__ = [
     "APP",
+    "pytest_runtest_makereport",
     "REPO",
     "RESULT_TIMEOUT",
     "WORKER_TTL",
@@ -42,13 +48,6 @@ __all__ = [
     "kill_whole_worker",
     "wait_until",
 ]
-
-
-@pytest.hookimpl(hookwrapper=True, tryfirst=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    outcome = yield
-    report = outcome.get_result()  # type: ignore[attr-defined]
-    setattr(item, f"rep_{report.when}", report)
 
 
 @pytest.fixture
@@ -171,11 +170,7 @@ def start_worker(
         wait: bool = True,
     ) -> WorkerProc:
         name = hostname or f"u{len(workers)}-{pool}-{os.getpid()}@{socket.gethostname()}"
-        argv = [
-            sys.executable, "-m", "celery", "-A", APP, "worker",
-            "-P", pool, "-c", str(concurrency), "-n", name,
-            "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info",
-        ]  # fmt: skip
+        argv = worker_argv(APP, pool, concurrency, name)
         w = WorkerProc(
             hostname=name,
             pool=pool,
@@ -189,12 +184,4 @@ def start_worker(
     yield start
     for w in workers:
         w.stop()
-    failed = any(
-        getattr(request.node, f"rep_{when}", None) is not None
-        and getattr(request.node, f"rep_{when}").failed
-        for when in ("setup", "call")
-    )
-    if failed:
-        for w in workers:
-            sys.stderr.write(f"\n===== log of worker {w.hostname} ({w.pool}) =====\n")
-            sys.stderr.write(w.log()[-20000:])
+    write_logs_if_failed(request.node, workers)

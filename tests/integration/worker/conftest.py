@@ -8,12 +8,9 @@ when the test fails.
 from __future__ import annotations
 
 import os
-import signal
 import socket
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -24,115 +21,18 @@ import redis
 from celery_leases import Leases
 from celery_leases._redis_server import url_answers
 from tests.polling import wait_until
+from tests.workers import (
+    REPO,
+    WorkerProc,
+    amqp_url_or_skip,
+    children_of,
+    kill_whole_worker,
+    pytest_runtest_makereport,
+    worker_argv,
+    write_logs_if_failed,
+)
 
-REPO = Path(__file__).resolve().parents[3]
 APP = "tests.integration.worker.wapp"
-READY_TIMEOUT = 30.0
-
-
-def children_of(pid: int) -> list[int]:
-    """Direct children of ``pid`` (Linux /proc), zombies excluded."""
-    out: list[int] = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[1] == str(pid) and fields[0] not in ("Z", "X"):
-            out.append(int(entry.name))
-    return sorted(out)
-
-
-@dataclass
-class WorkerProc:
-    """One ``celery worker`` subprocess."""
-
-    hostname: str
-    pool: str
-    log_path: Path
-    argv: list[str]
-    env: dict[str, str]
-    proc: subprocess.Popen[bytes] | None = None
-    starts: int = 0
-    logs: list[Path] = field(default_factory=list)
-
-    def start(self, *, wait: bool = True) -> WorkerProc:
-        self.starts += 1
-        path = self.log_path.with_suffix(f".{self.starts}.log")
-        self.logs.append(path)
-        with open(path, "wb") as out:
-            self.proc = subprocess.Popen(
-                self.argv, cwd=REPO, env=self.env, stdout=out, stderr=subprocess.STDOUT
-            )
-        if wait:
-            self.wait_for_log("ready.", READY_TIMEOUT)
-        return self
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def log(self) -> str:
-        return "".join(p.read_text(errors="replace") for p in self.logs if p.exists())
-
-    def current_log(self) -> str:
-        return self.logs[-1].read_text(errors="replace") if self.logs else ""
-
-    def wait_for_log(self, text: str, timeout: float) -> None:
-        def seen() -> bool:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise AssertionError(
-                    f"worker {self.hostname} exited with {self.proc.returncode}:\n"
-                    + self.current_log()[-4000:]
-                )
-            return text in self.current_log()
-
-        wait_until(seen, timeout, f"{text!r} in the log of {self.hostname}")
-
-    def children(self) -> list[int]:
-        return children_of(self.pid)
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return None if proc is None else proc.returncode
-        proc.send_signal(sig)
-        try:
-            return proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return proc.wait(10)
-
-    def kill9(self) -> None:
-        """SIGKILL the main process; its pool children die with it (pdeathsig)."""
-        assert self.proc is not None
-        kids = self.children()
-        self.proc.kill()
-        self.proc.wait(10)
-        for kid in kids:
-            wait_until(
-                lambda k=kid: not Path(f"/proc/{k}").exists() or _zombie(k),
-                10,
-                f"child {kid} to die",
-            )
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
-@pytest.hookimpl(hookwrapper=True, tryfirst=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    outcome = yield
-    report = outcome.get_result()  # type: ignore[attr-defined]
-    setattr(item, f"rep_{report.when}", report)
 
 
 @pytest.fixture
@@ -178,12 +78,7 @@ def start_worker(
         wait: bool = True,
     ) -> WorkerProc:
         name = hostname or f"w{len(workers)}-{pool}-{os.getpid()}@{socket.gethostname()}"
-        argv = [
-            sys.executable, "-m", "celery", "-A", APP, "worker",
-            "-P", pool, "-c", str(concurrency), "-n", name,
-            "--without-gossip", "--without-mingle", "--without-heartbeat",
-            "-l", "info", *(extra or []),
-        ]  # fmt: skip
+        argv = worker_argv(APP, pool, concurrency, name, extra or [])
         w = WorkerProc(
             hostname=name,
             pool=pool,
@@ -197,15 +92,7 @@ def start_worker(
     yield start
     for w in workers:
         w.stop()
-    failed = any(
-        getattr(request.node, f"rep_{when}", None) is not None
-        and getattr(request.node, f"rep_{when}").failed
-        for when in ("setup", "call")
-    )
-    if failed:
-        for w in workers:
-            sys.stderr.write(f"\n===== log of worker {w.hostname} ({w.pool}) =====\n")
-            sys.stderr.write(w.log()[-20000:])
+    write_logs_if_failed(request.node, workers)
 
 
 @pytest.fixture
@@ -273,34 +160,16 @@ def ledger(wapp: ModuleType, leases_redis_url: str) -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def amqp_url() -> str:
     """RabbitMQ URL for broker tests; skipped when nothing answers (failure under CI)."""
-    url = os.environ.get("CELERY_LEASES_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
-    try:
-        with socket.create_connection(("127.0.0.1", 5672), timeout=1):
-            pass
-    except OSError:
-        if os.environ.get("CI"):
-            pytest.fail("RabbitMQ does not answer on 127.0.0.1:5672 (CI is set)")
-        pytest.skip("RabbitMQ does not answer on 127.0.0.1:5672")
-    return url
+    return amqp_url_or_skip()
 
 
-__all__ = ["WorkerProc", "children_of", "url_answers", "wait_until"]
-
-
-# --- restart/fault tests ---
-def kill_whole_worker(worker: WorkerProc) -> None:
-    """SIGKILL a worker's main process, then its pool children; wait until all are gone.
-
-    The main process goes first: alive, it would see a child die and reap its leases itself.
-    """
-    kids = worker.children()
-    os.kill(worker.pid, signal.SIGKILL)
-    for kid in kids:
-        try:
-            os.kill(kid, signal.SIGKILL)
-        except ProcessLookupError:
-            continue  # already gone with its parent
-    assert worker.proc is not None
-    worker.proc.wait(10)
-    for kid in kids:
-        wait_until(lambda k=kid: not Path(f"/proc/{k}").exists() or _zombie(k), 10, f"{kid} to die")
+__all__ = [
+    "APP",
+    "REPO",
+    "WorkerProc",
+    "children_of",
+    "kill_whole_worker",
+    "pytest_runtest_makereport",
+    "url_answers",
+    "wait_until",
+]

@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from celery_leases import LeaseBusy, Leases
+from celery_leases.task import BUSY_ATTEMPT_HEADER, BUSY_SINCE_HEADER
 
 from .conftest import WorkerProc, wait_until
 
@@ -159,6 +160,24 @@ def test_retry_gives_up_after_busy_timeout(start_worker, wapp, send, test_leases
     assert result.result.resource == "res:a", (
         f"LeaseBusy.resource did not survive the result backend: {result.result.resource!r}"
     )
+
+
+def test_busy_timeout_is_counted_on_the_redis_clock(start_worker, wapp, send, test_leases):
+    """A worker whose wall clock is an hour ahead keeps retrying a task another worker found
+    busy a moment ago (regression: it compared the header's time, stamped on one machine's
+    wall clock, with its own, and gave up at once)."""
+    worker = start_worker("solo", 1, env={"LEASES_TEST_CLOCK_OFFSET": "3600"})
+    headers = {BUSY_SINCE_HEADER: test_leases.store.redis_time(), BUSY_ATTEMPT_HEADER: 0}
+    with test_leases.hold("res:skew"):
+        result = send(wapp.busy_retry_short, "skew", 0.0, _options={"headers": headers})
+        wait_until(
+            lambda: result.ready() or worker.log().count(f"[{result.id}] retries in") >= 2,
+            RESULT_TIMEOUT,
+            "two busy retries",
+        )
+        assert not result.ready(), f"gave up while busy: {result.result!r}"
+    out = result.get(timeout=RESULT_TIMEOUT)
+    assert out["leases"][0][0] == "res:skew"
 
 
 # --- threads and solo: every policy in one worker -----------------------------------------------

@@ -24,6 +24,12 @@ QUEUE = os.environ.get("LEASES_TEST_QUEUE", "leases-tests")
 PREFIX = os.environ.get("CELERY_LEASES_KEY_PREFIX", "leases-tests")
 LEDGER_URL = os.environ.get("LEASES_TEST_LEDGER", BACKEND)
 
+if os.environ.get("LEASES_TEST_CLOCK_OFFSET"):
+    # a worker whose wall clock is off by that many seconds (time.time only)
+    _real_time = time.time
+    _clock_offset = float(os.environ["LEASES_TEST_CLOCK_OFFSET"])
+    time.time = lambda: _real_time() + _clock_offset
+
 app = Celery("wapp", broker=BROKER, backend=BACKEND)
 app.conf.update(
     task_default_queue=QUEUE,

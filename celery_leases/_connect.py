@@ -1,0 +1,219 @@
+"""Which Redis a URL names, and the redis-py client for it.
+
+Three deployments, told apart by the URL's scheme (docs/redis.md lists the exact forms):
+
+- one server: ``redis://``, ``rediss://`` (TLS) and ``unix://``, as redis-py reads them;
+- a master found through Redis Sentinel: ``sentinel://`` with every sentinel's address and the
+  master's name, ``sentinel://[user:password@]host:port[,host:port...][/db]?master_name=NAME``
+  (Celery's ``;``-joined form, ``sentinel://h1:26379;sentinel://h2:26379``, is read too);
+- a Redis Cluster: ``redis+cluster://`` or ``rediss+cluster://`` with one or more seed nodes,
+  ``redis+cluster://[user:password@]host:port[,host:port...]``.
+
+Everything else in the URL (the password, the database, TLS files, timeouts) is read by
+redis-py's own URL parser, so a query argument means the same in every form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, cast
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import redis
+import redis.asyncio
+from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import parse_url
+from redis.sentinel import Sentinel
+
+__all__ = ("RedisTarget", "is_cluster", "make_async_client", "make_client", "parse_target")
+
+Kind = Literal["single", "sentinel", "cluster"]
+
+SINGLE_SCHEMES: Final = ("redis", "rediss", "unix")
+CLUSTER_SCHEMES: Final = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+SENTINEL_SCHEME: Final = "sentinel"
+#: query arguments of a sentinel:// URL that are about the sentinels, not the master
+_SENTINEL_ARGS: Final = ("master_name", "sentinel_username", "sentinel_password")
+_CONNECTION_ONLY: Final = ("host", "port", "connection_class", "path")
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    """A parsed lease URL: the deployment kind, the addresses, and the connection options."""
+
+    kind: Kind
+    url: str
+    #: sentinels (sentinel) or seed nodes (cluster); empty for one server
+    hosts: tuple[tuple[str, int], ...] = ()
+    master_name: str | None = None
+    #: connection keyword arguments as redis-py's URL parser gives them (password, db, ssl...)
+    options: dict[str, Any] = field(default_factory=dict)
+    #: keyword arguments for the connections to the sentinels themselves
+    sentinel_options: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_target(url: str) -> RedisTarget:
+    """Read ``url``.
+
+    Raises:
+        ValueError: the URL is not one of the forms above; the message says what is wrong.
+    """
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme in SINGLE_SCHEMES:
+        return RedisTarget("single", url, options=_redis_py_options(url))
+    if scheme in CLUSTER_SCHEMES:
+        return _parse_cluster(url, CLUSTER_SCHEMES[scheme])
+    if scheme == SENTINEL_SCHEME:
+        return _parse_sentinel(url)
+    msg = (
+        "must be a redis://, rediss:// or unix:// URL (one server), sentinel:// "
+        "(a master found through Redis Sentinel) or redis+cluster:// / rediss+cluster:// "
+        "(a Redis Cluster)"
+    )
+    raise ValueError(msg)
+
+
+def _redis_py_options(url: str) -> dict[str, Any]:
+    try:
+        return dict(parse_url(url))  # type: ignore[no-untyped-call]
+    except ValueError as exc:
+        if "Port" in str(exc):  # urllib's message quotes the port, which may be a password piece
+            msg = "its port is not a number (percent-encode / ? # @ in a password)"
+            raise ValueError(msg) from None
+        raise ValueError(f"redis-py cannot read it: {exc}") from None
+
+
+def _hosts(netloc: str, default_port: int, what: str) -> tuple[tuple[str, int], ...]:
+    hosts: list[tuple[str, int]] = []
+    for item in netloc.rsplit("@", 1)[-1].split(","):
+        item = item.strip()
+        if not item:
+            raise ValueError(f"has an empty {what} address")
+        if item.startswith("["):  # [IPv6]:port
+            host, _, rest = item[1:].partition("]")
+            port_text = rest.removeprefix(":")
+        else:
+            host, _, port_text = item.rpartition(":") if ":" in item else (item, "", "")
+        try:
+            port = int(port_text) if port_text else default_port
+        except ValueError:
+            raise ValueError(f"has a {what} address with a bad port: {item!r}") from None
+        if not host or not 0 < port < 65536:
+            raise ValueError(f"has a bad {what} address: {item!r}")
+        hosts.append((host, port))
+    return tuple(hosts)
+
+
+def _single_form(scheme: str, netloc: str, path: str, query: str) -> str:
+    """A redis:// URL with the user info, path and query of ``netloc``/``path``/``query``."""
+    userinfo = netloc.rsplit("@", 1)[0] + "@" if "@" in netloc else ""
+    return urlunsplit((scheme, f"{userinfo}placeholder", path, query, ""))
+
+
+def _connection_options(url: str) -> dict[str, Any]:
+    options = _redis_py_options(url)
+    for key in _CONNECTION_ONLY:
+        options.pop(key, None)
+    return options
+
+
+def _parse_cluster(url: str, base_scheme: str) -> RedisTarget:
+    parts = urlsplit(url)
+    hosts = _hosts(parts.netloc, 6379, "cluster node")
+    options = _connection_options(_single_form(base_scheme, parts.netloc, parts.path, parts.query))
+    if options.pop("db", 0) != 0:
+        raise ValueError("names a database other than 0; a Redis Cluster has only database 0")
+    if base_scheme == "rediss":
+        options["ssl"] = True
+    return RedisTarget("cluster", url, hosts=hosts, options=options)
+
+
+def _parse_sentinel(url: str) -> RedisTarget:
+    pieces = [p for p in url.split(";") if p.strip()]
+    hosts: list[tuple[str, int]] = []
+    netloc = path = ""
+    query: list[tuple[str, str]] = []
+    for piece in pieces:
+        if not piece.lower().startswith(SENTINEL_SCHEME + "://"):
+            shown = piece.split("@")[-1]
+            raise ValueError(f"joins a URL that is not sentinel:// with ';': {shown!r}")
+        parts = urlsplit(piece)
+        hosts += _hosts(parts.netloc, 26379, "sentinel")
+        # Celery's form repeats the user info, database and options in each part
+        if "@" in parts.netloc and "@" not in netloc:
+            netloc = parts.netloc
+        path = path or parts.path
+        query += parse_qsl(parts.query)
+    args = dict(query)
+    master_name = args.pop("master_name", "").strip()
+    if not master_name:
+        msg = "needs the master's name: add ?master_name=<name> (as configured in the sentinels)"
+        raise ValueError(msg)
+    sentinel_options: dict[str, Any] = {}
+    for key in ("sentinel_username", "sentinel_password"):
+        if key in args:
+            sentinel_options[key.removeprefix("sentinel_")] = args.pop(key)
+    options = _connection_options(_single_form("redis", netloc, path, urlencode(args)))
+    return RedisTarget(
+        "sentinel",
+        url,
+        hosts=tuple(hosts),
+        master_name=master_name,
+        options=options,
+        sentinel_options=sentinel_options,
+    )
+
+
+def make_client(target: RedisTarget, **common: Any) -> redis.Redis:
+    """The client for ``target``; ``common`` are the store's own options (timeouts, name...).
+
+    A :class:`~redis.cluster.RedisCluster` is returned typed as :class:`redis.Redis`: the store
+    calls only commands both have (scripts on keys of one slot, pipelines, pub/sub).
+    """
+    if target.kind == "single":
+        return redis.Redis.from_url(target.url, **common)
+    options = {**target.options, **common}
+    if target.kind == "cluster":
+        # the cluster client retries MOVED/ASK and refreshes its slot map itself
+        options.pop("retry", None)
+        nodes = [ClusterNode(host, port) for host, port in target.hosts]  # type: ignore[no-untyped-call]
+        return cast("redis.Redis", RedisCluster(startup_nodes=nodes, **options))
+    timeouts = {k: common[k] for k in ("socket_timeout", "socket_connect_timeout") if k in common}
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        list(target.hosts),
+        sentinel_kwargs={**timeouts, **target.sentinel_options},
+        **timeouts,
+    )
+    assert target.master_name is not None
+    master: redis.Redis = sentinel.master_for(target.master_name, **options)  # type: ignore[no-untyped-call]
+    return master
+
+
+def make_async_client(target: RedisTarget, **common: Any) -> redis.asyncio.Redis:
+    """The asyncio client for ``target``: the same deployments and options as
+    :func:`make_client`, on ``redis.asyncio``. Like it, a cluster client is typed as the
+    plain one."""
+    if target.kind == "single":
+        return redis.asyncio.Redis.from_url(target.url, **common)
+    options = {**target.options, **common}
+    if target.kind == "cluster":
+        options.pop("retry", None)
+        nodes = [AsyncClusterNode(host, port) for host, port in target.hosts]
+        return cast("redis.asyncio.Redis", AsyncRedisCluster(startup_nodes=nodes, **options))
+    timeouts = {k: common[k] for k in ("socket_timeout", "socket_connect_timeout") if k in common}
+    sentinel = AsyncSentinel(  # type: ignore[no-untyped-call]
+        list(target.hosts),
+        sentinel_kwargs={**timeouts, **target.sentinel_options},
+        **timeouts,
+    )
+    assert target.master_name is not None
+    master: redis.asyncio.Redis = sentinel.master_for(target.master_name, **options)
+    return master
+
+
+def is_cluster(client: object) -> bool:
+    """True when ``client`` talks to a Redis Cluster (sync or asyncio)."""
+    return isinstance(client, (RedisCluster, AsyncRedisCluster))

@@ -1,0 +1,189 @@
+"""The Celery app the fault suite runs in real ``celery worker`` processes.
+
+Configured from the environment by the suite (tests/faults/conftest.py):
+
+- ``FAULTS_BROKER``, ``FAULTS_QUEUE``: the broker (RabbitMQ, never the Redis under test) and
+  the scenario's queue.
+- ``FAULTS_LEDGER_URL``, ``FAULTS_LEDGER_PREFIX``: the ledger (see tests/faults/ledger.py).
+- ``FAULTS_NODE``: this worker's node name; with ``FAULTS_CLOCK=1`` the worker's wall clock
+  (``time.time``) follows the offset the suite sets for that node in the ledger, to simulate a
+  clock jump on one worker.
+- every ``CELERY_LEASES_*`` setting: the leases live on the Redis under test.
+
+Tasks use ``acks_late`` with ``reject_on_worker_lost``, so a task whose process is killed is
+delivered again. A task retries by policy (counted in the ledger) when its lease is lost inside
+the body (``LeaseLost``) or when Redis cannot be reached to take the lease
+(``LeaseBackendError``); any other failure is recorded and counts as a lost task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from typing import Any, Final
+
+from celery import Celery
+
+from celery_leases import LeasedTask, LeaseLost, Leases, current_leases
+from celery_leases._lease import Lease
+from celery_leases.exceptions import LeaseBackendError
+from tests.faults.ledger import Ledger
+
+#: countdown of a retry after the lease was lost in the body, or Redis was unreachable
+RETRY_COUNTDOWN: Final = 0.2
+#: seconds between two writes of a probe task
+PROBE_STEP: Final = 0.02
+#: longest blocking call in a task body (see _busy)
+WORK_STEP: Final = 0.02
+
+QUEUE = os.environ.get("FAULTS_QUEUE", "faults")
+NODE = os.environ.get("FAULTS_NODE", "")
+ledger = Ledger(
+    os.environ.get("FAULTS_LEDGER_URL", "redis://127.0.0.1:6379/15"),
+    os.environ.get("FAULTS_LEDGER_PREFIX", "faults"),
+)
+
+app = Celery("fapp", broker=os.environ.get("FAULTS_BROKER", "amqp://guest:guest@127.0.0.1//"))
+app.conf.update(
+    task_default_queue=QUEUE,
+    task_ignore_result=True,
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    worker_hijack_root_logger=False,
+    worker_enable_remote_control=False,
+)
+leases = Leases(app)
+
+
+# --- a wall-clock jump on this worker (FAULTS_CLOCK=1) -------------------------------------
+_real_time = time.time
+_real_time_ns = time.time_ns
+_offset = 0.0
+
+
+def _jumped_time() -> float:
+    return _real_time() + _offset
+
+
+def _jumped_time_ns() -> int:
+    return _real_time_ns() + int(_offset * 1e9)
+
+
+def _follow_offset() -> None:
+    global _offset
+    while True:
+        with contextlib.suppress(Exception):  # keep the last offset if the ledger hiccups
+            _offset = ledger.clock_offset(NODE)
+        time.sleep(0.05)
+
+
+def _start_clock_follower() -> None:
+    threading.Thread(target=_follow_offset, name="faults-clock", daemon=True).start()
+
+
+if os.environ.get("FAULTS_CLOCK") == "1":
+    time.time = _jumped_time
+    time.time_ns = _jumped_time_ns
+    _start_clock_follower()
+    os.register_at_fork(after_in_child=_start_clock_follower)
+
+
+# --- the tasks ----------------------------------------------------------------------------
+class FaultTask(LeasedTask):
+    """LeasedTask with the suite's retry policy for Redis trouble, and failure records."""
+
+    max_retries = None
+    acks_late = True
+    reject_on_worker_lost = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().__call__(*args, **kwargs)
+        except LeaseBackendError as exc:
+            ledger.incr("retried_backend")
+            raise self.retry(exc=exc, countdown=RETRY_COUNTDOWN) from None
+
+    def on_failure(self, exc: Exception, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+        ledger.failed(task_id, f"{type(exc).__name__}: {exc}")
+
+
+def _busy(seconds: float) -> None:
+    """Work for ``seconds`` in steps of at most WORK_STEP.
+
+    Under the threads pool ``LeaseLost`` arrives as an asynchronous exception at the next
+    bytecode: one long blocking call (a single ``time.sleep(2)``) would delay it until the
+    call returns, past the moment Redis hands the lease to someone else. A body that runs
+    Python code gets it within a step.
+    """
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        time.sleep(min(left, WORK_STEP))
+
+
+def _leave(lease: Lease, task_id: str) -> None:
+    """Leave the resource in the ledger, even if LeaseLost lands meanwhile (it fires once)."""
+    pending: LeaseLost | None = None
+    for _ in range(2):
+        try:
+            ledger.leave(lease.resource, lease.token, task_id)
+            break
+        except LeaseLost as exc:
+            pending = exc
+    if pending is not None:
+        raise pending
+
+
+@app.task(base=FaultTask, bind=True, lease="r:{rid}")
+def work(self: Any, rid: str, seconds: float) -> None:
+    """Enter r:<rid>, write through the fenced store, work ``seconds``, write again, leave."""
+    (lease,) = current_leases()
+    task_id = self.request.id
+    try:
+        try:
+            ledger.enter(lease.resource, lease.token, task_id)
+            ledger.write(lease.resource, lease.token, task_id)
+            _busy(seconds)
+            ledger.write(lease.resource, lease.token, task_id)
+        finally:
+            _leave(lease, task_id)
+        ledger.done(task_id)
+    except LeaseLost:
+        ledger.incr("retried_lost")
+        raise self.retry(countdown=RETRY_COUNTDOWN) from None
+
+
+def _probe(task_id: str, rid: str, seconds: float) -> None:
+    """Stay inside r:<rid>, writing every PROBE_STEP, until ``stop:<rid>`` is set or time ends."""
+    (lease,) = current_leases()
+    ledger.event(f"started:{rid}", lease.token)
+    stop = ledger.key("stop", rid)
+    end = time.monotonic() + seconds
+    try:
+        ledger.enter(lease.resource, lease.token, task_id)
+        while time.monotonic() < end and not ledger.r.exists(stop):
+            ok = ledger.write(lease.resource, lease.token, task_id)
+            ledger.event(f"write:{rid}", f"{lease.token} {int(ok)}")
+            time.sleep(PROBE_STEP)
+    finally:
+        _leave(lease, task_id)
+
+
+@app.task(base=FaultTask, bind=True, lease="r:{rid}", on_lost="log")
+def stubborn(self: Any, rid: str, seconds: float) -> None:
+    """A holder that cannot be stopped in time (on_lost="log"): it writes on after a loss."""
+    _probe(self.request.id, rid, seconds)
+    ledger.done(self.request.id)
+
+
+@app.task(base=FaultTask, bind=True, lease="r:{rid}", on_lost="interrupt")
+def polite(self: Any, rid: str, seconds: float) -> None:
+    """A holder interrupted by LeaseLost (on_lost="interrupt"); records when it was told."""
+    try:
+        _probe(self.request.id, rid, seconds)
+    except LeaseLost as exc:
+        ledger.event(f"lost:{rid}", exc.resource)
+    ledger.done(self.request.id)

@@ -1,0 +1,140 @@
+"""The fleet and cleanup benchmarks run at a tiny size, so they cannot rot.
+
+No timing is asserted: only that each run ends well and writes results of the right shape,
+its plot and its docs section. The claims the cleanup benchmark checks on exact command
+counts (no SCAN, flat in the keyspace, linear in the leases) must hold at any size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from celery_leases._redis_server import find_server_binary
+
+REPO = Path(__file__).resolve().parents[2]
+CONTENDERS = ("cleanup_node", "cleanup_owner", "reconcile", "scan")
+
+
+@pytest.fixture(autouse=True)
+def _server_binary() -> None:
+    if find_server_binary() is None:
+        if os.environ.get("CI"):
+            pytest.fail("no redis-server binary: the benchmarks start private servers")
+        pytest.skip("no redis-server binary: the benchmarks start private servers")
+
+
+def run_bench(name: str, *args: str, timeout: float = 240.0) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_LEASES_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", f"bench.{name}", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-6000:]}"
+    return proc.stdout
+
+
+def svg_titles(path: Path) -> list[str]:
+    """The bold panel headings of one of our SVG plots (it must be well-formed XML)."""
+    root = ET.parse(path).getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    assert root.tag == f"{ns}svg"
+    return [t.text or "" for t in root.iter(f"{ns}text") if t.get("font-weight") == "bold"]
+
+
+def test_cleanup_bench_tiny(tmp_path: Path) -> None:
+    docs = tmp_path / "benchmarks.md"
+    out = run_bench(
+        "cleanup",
+        "--leases", "1,10,100",
+        "--keys", "100,1000",
+        "--base-keys", "100",
+        "--base-leases", "5",
+        "--repeats", "1",
+        "--out-dir", str(tmp_path),
+        "--docs", str(docs),
+    )  # fmt: skip
+
+    data: dict[str, Any] = json.loads((tmp_path / "cleanup.json").read_text())
+    assert sorted(data["leases"], key=int) == ["1", "10", "100"]
+    assert sorted(data["keys"], key=int) == ["100", "1000"]
+    for axis in ("leases", "keys"):
+        for point in data[axis].values():
+            for c in CONTENDERS:
+                assert point[c]["ms"] > 0
+                assert point[c]["commands"] > 0
+            for c in CONTENDERS[:3]:
+                assert point[c]["scan_calls"] == 0, (axis, c, point[c]["by_command"])
+            assert point["scan"]["scan_calls"] >= 1
+    # ours cost the same commands at both keyspace sizes; the set-up left no key behind
+    small, large = data["keys"]["100"], data["keys"]["1000"]
+    for c in CONTENDERS[:3]:
+        assert small[c]["by_command"] == large[c]["by_command"]
+    assert small["dbsize"] < large["dbsize"]
+    assert len(data["targets"]) == 3
+    assert all(t.endswith("PASS") for t in data["targets"]), data["targets"]
+    assert "target: no SCAN or KEYS" in out
+    section = docs.read_text()
+    assert "## Cleanup and reconcile cost" in section
+    assert "img/bench-cleanup.svg" in section
+    titles = svg_titles(tmp_path / "bench-cleanup.svg")
+    assert any("vs leases held" in t for t in titles)
+    assert any("vs keyspace size" in t for t in titles)
+
+
+@pytest.mark.worker
+def test_fleet_bench_tiny(tmp_path: Path, leases_redis_url: str) -> None:
+    docs = tmp_path / "benchmarks.md"
+    out = run_bench(
+        "fleet",
+        "--tasks", "60",
+        "--rounds", "2",
+        "--warmup", "4",
+        "--processes", "2",
+        "--resources", "3",
+        "--redis-url", leases_redis_url,
+        "--out-dir", str(tmp_path),
+        "--docs", str(docs),
+    )  # fmt: skip
+
+    runs = json.loads((tmp_path / "fleet.json").read_text())["runs"]
+    assert list(runs) == ["single (given)"]
+    run = runs["single (given)"]
+    for kind in ("plain", "leased", "uncontended"):
+        assert run[kind]["tasks"] == 60
+        assert len(run[kind]["rates"]) == 2
+        assert run[kind]["rate_median"] > 0
+    assert run["plain"]["retries"] == 0
+    assert run["uncontended"]["retries"] == 0  # nobody else wants its resources
+    leased = run["leased"]
+    assert 0 <= leased["retried_tasks"] <= leased["retries"]
+    latency = leased["latency_ms"]
+    assert latency["immediate"]["n"] + latency["retried"]["n"] == 60
+    assert 0 <= latency["p50"] <= latency["p99"] <= latency["max"]
+    assert len(run["round_ratios"]) == 2
+    assert "leased/plain" in out
+    # the run deleted every key it made on a Redis that is not its own
+    client = redis.Redis.from_url(leases_redis_url)
+    try:
+        assert list(client.scan_iter(match=f"{{{run['key_prefix']}:*", count=1000)) == []
+    finally:
+        client.close()
+    section = docs.read_text()
+    assert "## Fleet run" in section
+    assert "| cluster: run by scripts/bench --cluster |" in section
+    titles = svg_titles(tmp_path / "bench-fleet.svg")
+    assert any("plain vs leased" in t for t in titles)
+    assert any("Acquire latency" in t for t in titles)

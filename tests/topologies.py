@@ -1,0 +1,84 @@
+"""Session-wide private Redis deployments: a Redis Cluster and a Sentinel set.
+
+Loaded by tests/conftest.py. Each starts on first use (a few seconds) and stops at the end of
+the session; tests keep to their own key prefix on them, as on the shared server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis
+
+from celery_leases._redis_topology import LocalCluster, LocalSentinel
+
+#: slot groups the tests use on the cluster, so that leases spread over its three primaries
+CLUSTER_SLOT_GROUPS = 16
+
+
+@dataclass
+class Topology:
+    name: str
+    url: str
+    servers: list[str]  # every data server, for INFO commandstats
+    settings: dict[str, Any]
+
+    def env(self) -> dict[str, str]:
+        """The ``CELERY_LEASES_*`` environment that points a subprocess at this deployment."""
+        out = {"CELERY_LEASES_REDIS_URL": self.url}
+        out.update({f"CELERY_LEASES_{k.upper()}": str(v) for k, v in self.settings.items()})
+        return out
+
+
+@pytest.fixture(params=["cluster", "sentinel"])
+def topology(request: pytest.FixtureRequest) -> Topology:
+    if request.param == "cluster":
+        cluster: LocalCluster = request.getfixturevalue("redis_cluster")
+        return Topology(
+            "cluster",
+            cluster.url,
+            [s.url for s in cluster.servers],
+            {"slot_groups": CLUSTER_SLOT_GROUPS},
+        )
+    sentinel: LocalSentinel = request.getfixturevalue("redis_sentinel")
+    return Topology("sentinel", sentinel.url, [s.url for s in sentinel.data], {})
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[LocalCluster]:
+    """A 3-primary Redis Cluster on loopback ports (``.url`` is ``redis+cluster://...``)."""
+    with LocalCluster(masters=3) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel() -> Iterator[LocalSentinel]:
+    """One master, one replica, three sentinels (``.url`` is ``sentinel://...``)."""
+    with LocalSentinel(replicas=1, sentinels=3) as sentinel:
+        yield sentinel
+
+
+def command_calls(urls: list[str]) -> dict[str, int]:
+    """Commands executed on every server of ``urls`` since their last CONFIG RESETSTAT."""
+    total: dict[str, int] = {}
+    for url in urls:
+        client = redis.Redis.from_url(url, decode_responses=True)
+        try:
+            for name, values in client.info("commandstats").items():
+                cmd = name.removeprefix("cmdstat_")
+                total[cmd] = total.get(cmd, 0) + int(values["calls"])
+        finally:
+            client.close()
+    return total
+
+
+def reset_stats(urls: list[str]) -> None:
+    for url in urls:
+        client = redis.Redis.from_url(url)
+        try:
+            client.config_resetstat()
+        finally:
+            client.close()
