@@ -1151,8 +1151,8 @@ class LeaseStore:
         with self._backend("claim a unique key"):
             reply = self._unique_claim(keys, args, client=client)
         code = int(reply[0])
-        if code:
-            return Claimed(key, task_id, int(reply[1]), again=code == 2)
+        if code in (_CLAIMED, _CLAIMED_AGAIN):
+            return Claimed(key, task_id, int(reply[1]), again=code == _CLAIMED_AGAIN)
         return self._claim_holder(key, resource, str(reply[1]), int(reply[2]))
 
     def unique_handover(
@@ -1417,6 +1417,9 @@ def _parse_entry(member: str) -> Entry | None:
 
 
 # --- unique claims ---------------------------------------------------------------------------
+#: unique_claim.lua reply codes (0 is _BUSY, as for acquire.lua)
+_CLAIMED: Final = 1
+_CLAIMED_AGAIN: Final = 2
 #: the owner part of a queued claim's value: "%queued/<escaped task id>". No owner id starts
 #: so: an owner id starts with an escaped node name, where "%" is always followed by hex.
 QUEUED_OWNER: Final = "%queued/"

@@ -37,6 +37,15 @@ Options (each also an app-wide setting, see the configuration reference):
   release).
 - ``on_lost``: ``"interrupt"`` (default: :class:`LeaseLost` is raised inside the running body,
   as Celery raises ``SoftTimeLimitExceeded``) or ``"log"``.
+- ``unique``: a template like a lease's; at most one copy of the task per rendered key is
+  queued or running. A copy sent while the key is held (by ``delay``, ``send_task``, canvas,
+  beat) is not sent; ``on_duplicate`` says what its sender gets: ``"existing"`` (default: the
+  holder's ``AsyncResult``), ``"raise"`` (:class:`DuplicateTask`) or ``"ignore"`` (a
+  ``REJECTED`` result). ``unique_ttl`` (setting ``unique_ttl``) bounds how long a claim waits
+  in the queue. See docs/unique.md::
+
+      @app.task(base=LeasedTask, unique="report:{account_id}", on_duplicate="raise")
+      def build_report(account_id): ...
 
 What happens on each way a task can end:
 
