@@ -16,7 +16,7 @@ redis-py's own URL parser, so a query argument means the same in every form.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, cast
+from typing import TYPE_CHECKING, Any, Final, Literal, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
@@ -27,6 +27,9 @@ from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import parse_url
 from redis.sentinel import Sentinel
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 __all__ = ("RedisTarget", "is_cluster", "make_async_client", "make_client", "parse_target")
 
@@ -173,45 +176,49 @@ def make_client(target: RedisTarget, **common: Any) -> redis.Redis:
     A :class:`~redis.cluster.RedisCluster` is returned typed as :class:`redis.Redis`: the store
     calls only commands both have (scripts on keys of one slot, pipelines, pub/sub).
     """
-    if target.kind == "single":
-        return redis.Redis.from_url(target.url, **common)
-    options = {**target.options, **common}
-    if target.kind == "cluster":
-        # the cluster client retries MOVED/ASK and refreshes its slot map itself
-        options.pop("retry", None)
-        nodes = [ClusterNode(host, port) for host, port in target.hosts]  # type: ignore[no-untyped-call]
-        return cast("redis.Redis", RedisCluster(startup_nodes=nodes, **options))
-    timeouts = {k: common[k] for k in ("socket_timeout", "socket_connect_timeout") if k in common}
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
-        list(target.hosts),
-        sentinel_kwargs={**timeouts, **target.sentinel_options},
-        **timeouts,
-    )
-    assert target.master_name is not None
-    master: redis.Redis = sentinel.master_for(target.master_name, **options)  # type: ignore[no-untyped-call]
-    return master
+    client = _build(target, common, redis.Redis.from_url, RedisCluster, ClusterNode, Sentinel)
+    return cast("redis.Redis", client)
 
 
 def make_async_client(target: RedisTarget, **common: Any) -> redis.asyncio.Redis:
     """The asyncio client for ``target``: the same deployments and options as
-    :func:`make_client`, on ``redis.asyncio``. Like it, a cluster client is typed as the
-    plain one."""
+    :func:`make_client`, on ``redis.asyncio`` (a cluster client typed as the plain one too)."""
+    client = _build(
+        target,
+        common,
+        redis.asyncio.Redis.from_url,
+        AsyncRedisCluster,
+        AsyncClusterNode,
+        AsyncSentinel,
+    )
+    return cast("redis.asyncio.Redis", client)
+
+
+def _build(
+    target: RedisTarget,
+    common: dict[str, Any],
+    from_url: Callable[..., Any],
+    cluster_class: Callable[..., Any],
+    node_class: Callable[..., Any],
+    sentinel_class: Callable[..., Any],
+) -> Any:
+    """The client of ``target`` from one family of redis-py classes (sync or asyncio)."""
     if target.kind == "single":
-        return redis.asyncio.Redis.from_url(target.url, **common)
+        return from_url(target.url, **common)
     options = {**target.options, **common}
     if target.kind == "cluster":
+        # the cluster client retries MOVED/ASK and refreshes its slot map itself
         options.pop("retry", None)
-        nodes = [AsyncClusterNode(host, port) for host, port in target.hosts]
-        return cast("redis.asyncio.Redis", AsyncRedisCluster(startup_nodes=nodes, **options))
+        nodes = [node_class(host, port) for host, port in target.hosts]
+        return cluster_class(startup_nodes=nodes, **options)
     timeouts = {k: common[k] for k in ("socket_timeout", "socket_connect_timeout") if k in common}
-    sentinel = AsyncSentinel(  # type: ignore[no-untyped-call]
+    sentinel = sentinel_class(
         list(target.hosts),
         sentinel_kwargs={**timeouts, **target.sentinel_options},
         **timeouts,
     )
     assert target.master_name is not None
-    master: redis.asyncio.Redis = sentinel.master_for(target.master_name, **options)
-    return master
+    return sentinel.master_for(target.master_name, **options)
 
 
 def is_cluster(client: object) -> bool:

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
@@ -149,7 +149,32 @@ class ServerTLS:
         )
 
 
-class RedisServer:
+_S = TypeVar("_S", bound="StartStop")
+
+
+class StartStop:
+    """A context manager that calls ``start()`` on entry and ``stop()`` on exit."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _S) -> _S:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class RedisServer(StartStop):
     """A private server process on 127.0.0.1 with no persistence and its own temp dir.
 
     Works with redis-server 7 and valkey-server 8. Use it as a context manager, or call
@@ -278,18 +303,6 @@ class RedisServer:
             else:
                 os.remove(path)
         self._spawn()
-
-    def __enter__(self) -> RedisServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         state = "stopped" if self._proc is None else f"pid={self._proc.pid}"

@@ -22,11 +22,10 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import redis
 
-from ._redis_server import HOST, RedisServer, _client, find_server_binary, free_port
+from ._redis_server import HOST, RedisServer, StartStop, _client, find_server_binary, free_port
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from types import TracebackType
 
 __all__ = ("LocalCluster", "LocalSentinel")
 
@@ -46,7 +45,7 @@ def _wait(what: str, check: Callable[[], bool], timeout: float) -> None:
         time.sleep(_POLL)
 
 
-class LocalCluster:
+class LocalCluster(StartStop):
     """A Redis Cluster of ``masters`` primaries (and ``replicas`` replicas of each).
 
     Args:
@@ -127,20 +126,8 @@ class LocalCluster:
         for server in servers:
             server.stop()
 
-    def __enter__(self) -> LocalCluster:
-        self.start()
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-
-class LocalSentinel:
+class LocalSentinel(StartStop):
     """One master, ``replicas`` replicas and ``sentinels`` sentinels watching them.
 
     Args:
@@ -291,18 +278,6 @@ class LocalSentinel:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
         self.sentinel_ports = []
-
-    def __enter__(self) -> LocalSentinel:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 def _named_master(sentinel_port: int, name: str) -> int:

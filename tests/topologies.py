@@ -6,13 +6,16 @@ the session; tests keep to their own key prefix on them, as on the shared server
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import redis
+from celery import Celery
 
+from celery_leases import Leases
 from celery_leases._redis_topology import LocalCluster, LocalSentinel
 
 #: slot groups the tests use on the cluster, so that leases spread over its three primaries
@@ -59,6 +62,24 @@ def redis_sentinel() -> Iterator[LocalSentinel]:
     """One master, one replica, three sentinels (``.url`` is ``sentinel://...``)."""
     with LocalSentinel(replicas=1, sentinels=3) as sentinel:
         yield sentinel
+
+
+@contextmanager
+def leases_factory(url: str, prefix: str, **defaults: Any) -> Iterator[Callable[..., Leases]]:
+    """``make(**settings)`` -> a new ``Leases`` on ``url`` and ``prefix``; all closed on exit."""
+    made: list[Leases] = []
+
+    def make(**settings: Any) -> Leases:
+        kw = {"redis_url": url, "key_prefix": prefix, **defaults, **settings}
+        leases = Leases(Celery(f"{prefix}-{len(made)}", set_as_current=False), **kw)
+        made.append(leases)
+        return leases
+
+    try:
+        yield make
+    finally:
+        for leases in made:
+            leases.store.close()
 
 
 def command_calls(urls: list[str]) -> dict[str, int]:

@@ -13,32 +13,23 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from celery import Celery
 
 from celery_leases import LeaseBusy, LeaseLost, Leases, Shared
 from celery_leases._connect import parse_target
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
 from tests.polling import wait_until
-from tests.topologies import Topology, command_calls, reset_stats
+from tests.topologies import Topology, command_calls, leases_factory, reset_stats
 
 APP = "tests.integration.worker.wapp"
 
 
 @pytest.fixture
 def make(topology: Topology) -> Iterator[Callable[..., Leases]]:
-    prefix = f"topo-{uuid.uuid4().hex[:8]}"
-    made: list[Leases] = []
-
-    def make_leases(**settings: Any) -> Leases:
-        kw = {"redis_url": topology.url, "key_prefix": prefix, **topology.settings, **settings}
-        leases = Leases(Celery(f"topo-{len(made)}", set_as_current=False), **kw)
-        made.append(leases)
-        return leases
-
-    yield make_leases
-    for leases in made:
-        leases.store.close()
+    with leases_factory(
+        topology.url, f"topo-{uuid.uuid4().hex[:8]}", **topology.settings
+    ) as make_leases:
+        yield make_leases
 
 
 def resources_in_distinct_groups(leases: Leases, count: int) -> list[str]:

@@ -19,14 +19,14 @@ from typing import Any
 
 import pytest
 import redis
-from celery import Celery
 
-from celery_leases import LeaseBusy, LeaseLost, Leases
+from celery_leases import LeaseBusy, LeaseLost
 from celery_leases._lease import Want
 from celery_leases._redis_server import free_port
 from celery_leases._redis_topology import LocalSentinel
 from celery_leases.exceptions import LeaseBackendError
 from tests.polling import wait_until
+from tests.topologies import leases_factory
 
 RESOURCES = ["fo:a", "fo:b", "fo:c"]
 
@@ -42,18 +42,8 @@ def sentinel(request: pytest.FixtureRequest) -> Iterator[LocalSentinel]:
 
 @pytest.fixture
 def make(sentinel: LocalSentinel) -> Iterator[Any]:
-    prefix = f"fo-{uuid.uuid4().hex[:8]}"
-    made: list[Leases] = []
-
-    def make_leases(**settings: Any) -> Leases:
-        kw = {"redis_url": sentinel.url, "key_prefix": prefix, **settings}
-        leases = Leases(Celery(f"fo-{len(made)}", set_as_current=False), **kw)
-        made.append(leases)
-        return leases
-
-    yield make_leases
-    for leases in made:
-        leases.store.close()
+    with leases_factory(sentinel.url, f"fo-{uuid.uuid4().hex[:8]}") as make_leases:
+        yield make_leases
 
 
 def lost(lease: Any) -> bool:

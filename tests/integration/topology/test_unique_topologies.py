@@ -8,34 +8,24 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
-from celery import Celery
 
 from celery_leases import Leases
 from celery_leases._identity import Identity
 from celery_leases._lease import Held
 from celery_leases._store import Claimed, ClaimHolder
-from tests.topologies import Topology
+from tests.topologies import Topology, leases_factory
 
 WORKER = Identity("topo-worker@host", "inc", 4242)
 
 
 @pytest.fixture
 def make(topology: Topology) -> Iterator[Callable[..., Leases]]:
-    prefix = f"topo-u-{uuid.uuid4().hex[:8]}"
-    made: list[Leases] = []
-
-    def make_leases(**settings: Any) -> Leases:
-        kw = {"redis_url": topology.url, "key_prefix": prefix, **topology.settings, **settings}
-        leases = Leases(Celery(f"topo-u-{len(made)}", set_as_current=False), **kw)
-        made.append(leases)
-        return leases
-
-    yield make_leases
-    for leases in made:
-        leases.store.close()
+    with leases_factory(
+        topology.url, f"topo-u-{uuid.uuid4().hex[:8]}", **topology.settings
+    ) as make_leases:
+        yield make_leases
 
 
 def test_claims_in_every_slot_group(make: Callable[..., Leases]) -> None:
