@@ -13,7 +13,8 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -156,6 +157,44 @@ def kill_whole_worker(worker: WorkerProc) -> list[int]:
     for kid in kids:
         wait_until(functools.partial(zombie, kid), 10, f"{kid} to die")
     return [worker.pid, *kids]
+
+
+@contextmanager
+def worker_factory(
+    item: pytest.Item, app: str, env: dict[str, str], logs: Path, letter: str = "w"
+) -> Iterator[Callable[..., WorkerProc]]:
+    """``start(pool="prefork", concurrency=2, hostname=None, env=None, extra=None, wait=True)``
+    starts a worker of ``app``; every one is stopped on exit, its log printed if ``item`` failed.
+    """
+    workers: list[WorkerProc] = []
+
+    def start(
+        pool: str = "prefork",
+        concurrency: int = 2,
+        hostname: str | None = None,
+        env: dict[str, str] | None = None,
+        extra: list[str] | None = None,
+        wait: bool = True,
+    ) -> WorkerProc:
+        n = len(workers)
+        name = hostname or f"{letter}{n}-{pool}-{os.getpid()}@{socket.gethostname()}"
+        w = WorkerProc(
+            hostname=name,
+            pool=pool,
+            log_path=logs / f"worker-{n}",
+            argv=worker_argv(app, pool, concurrency, name, extra or []),
+            env={**base_env, **(env or {})},
+        )
+        workers.append(w)
+        return w.start(wait=wait)
+
+    base_env = env
+    try:
+        yield start
+    finally:
+        for w in workers:
+            w.stop()
+        write_logs_if_failed(item, workers)
 
 
 def write_logs_if_failed(item: pytest.Item, workers: Sequence[WorkerProc]) -> None:

@@ -8,7 +8,6 @@ takes are the ones the workers take over. Worker logs are printed when a test fa
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +23,7 @@ from tests.workers import (
     WorkerProc,
     kill_whole_worker,
     pytest_runtest_makereport,
-    worker_argv,
-    write_logs_if_failed,
+    worker_factory,
 )
 
 from . import uapp
@@ -160,28 +158,5 @@ def start_worker(
     request: pytest.FixtureRequest, worker_env: dict[str, str], tmp_path: Path
 ) -> Iterator[Callable[..., WorkerProc]]:
     """Factory: ``start_worker(pool="prefork", concurrency=2, hostname=None, env=None)``."""
-    workers: list[WorkerProc] = []
-
-    def start(
-        pool: str = "prefork",
-        concurrency: int = 2,
-        hostname: str | None = None,
-        env: dict[str, str] | None = None,
-        wait: bool = True,
-    ) -> WorkerProc:
-        name = hostname or f"u{len(workers)}-{pool}-{os.getpid()}@{socket.gethostname()}"
-        argv = worker_argv(APP, pool, concurrency, name)
-        w = WorkerProc(
-            hostname=name,
-            pool=pool,
-            log_path=tmp_path / f"worker-{len(workers)}",
-            argv=argv,
-            env={**worker_env, **(env or {})},
-        )
-        workers.append(w)
-        return w.start(wait=wait)
-
-    yield start
-    for w in workers:
-        w.stop()
-    write_logs_if_failed(request.node, workers)
+    with worker_factory(request.node, APP, worker_env, tmp_path, "u") as start:
+        yield start
