@@ -8,9 +8,9 @@ import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import redis.asyncio as aredis
 from redis.asyncio.client import PubSub
@@ -29,6 +29,8 @@ from .config import LeaseSettings, safe_url
 from .exceptions import LeaseBusy, LeaseConfigError
 
 __all__ = ("AsyncLeaseStore", "make_async_client")
+
+T = TypeVar("T")
 
 #: connections of one event loop's client; more concurrent commands wait for a free one
 #: (up to the socket timeout) instead of opening thousands of connections under load
@@ -99,20 +101,16 @@ class _Subscriber:
         for channel in channels:
             self._waiters.setdefault(channel, set()).add(event)
         try:
-            await self._apply()
+            await _shielded(self._apply())
             end = time.monotonic() + self._timeout
             for channel in channels:
                 ready = self._ready.get(channel)
                 if ready is None:  # broken meanwhile
                     break
-                left = end - time.monotonic()
-                if not ready.is_set():
-                    await asyncio.wait_for(ready.wait(), max(left, 0.0))
+                if not await _within(ready.wait(), end - time.monotonic()):
+                    raise RedisTimeoutError("no SUBSCRIBE confirmation")
             if self.broken is not None:
                 raise RedisConnectionError(f"subscriber connection failed: {self.broken}")
-        except asyncio.TimeoutError:
-            self.remove(channels, event)
-            raise RedisTimeoutError("no SUBSCRIBE confirmation") from None
         except BaseException:
             self.remove(channels, event)
             raise
@@ -295,12 +293,17 @@ class AsyncLeaseStore:
 
     async def aclose(self) -> None:
         """Close the running event loop's connections (new ones are made on next use)."""
-        with self._lock:
-            state = self._loops.pop(asyncio.get_running_loop(), None)
+        loop = asyncio.get_running_loop()
+        state = self._loops.get(loop)
         if state is None:
             return
-        if state.tasks:  # releases of cancelled acquires: let them finish first
-            await asyncio.wait(set(state.tasks), timeout=self.settings.socket_timeout)
+        # acquires of cancelled callers, and the releases they start: let them finish first
+        end = time.monotonic() + self.settings.socket_timeout
+        while state.tasks and time.monotonic() < end:
+            await asyncio.wait(set(state.tasks), timeout=end - time.monotonic())
+        with self._lock:
+            if self._loops.get(loop) is state:
+                del self._loops[loop]
         if state.subscriber is not None:
             await state.subscriber.aclose()
         await state.client.aclose()
@@ -314,7 +317,7 @@ class AsyncLeaseStore:
     async def ping(self) -> bool:
         """True if Redis answers."""
         try:
-            return bool(await self._state().client.ping())
+            return bool(await _shielded(self._state().client.ping()))
         except RedisError as exc:
             raise self.store._backend_error("answer PING", exc) from exc
 
@@ -381,12 +384,14 @@ class AsyncLeaseStore:
             return await asyncio.shield(attempt)
         except asyncio.CancelledError:
             if not attempt.done():
+                state.tasks.add(attempt)  # aclose() waits for it, and its release
                 attempt.add_done_callback(lambda done: self._release_orphan(state, done))
             raise
 
     def _release_orphan(
         self, state: _LoopState, attempt: asyncio.Future[list[Held] | Busy]
     ) -> None:
+        state.tasks.discard(attempt)
         if attempt.cancelled() or attempt.exception() is not None:
             return
         granted = attempt.result()
@@ -429,15 +434,13 @@ class AsyncLeaseStore:
             queue = state.queues[key] = _Queue()
         queue.users += 1
         try:
-            try:
-                if deadline == math.inf:
-                    await queue.lock.acquire()
-                else:
-                    left = max(0.0, deadline - time.monotonic())
-                    await asyncio.wait_for(queue.lock.acquire(), left)
-            except asyncio.TimeoutError:
+            if deadline == math.inf:
+                await queue.lock.acquire()
+            elif not await _within(
+                queue.lock.acquire(), deadline - time.monotonic(), undo=queue.lock.release
+            ):
                 waited = time.monotonic() - start
-                raise LeaseBusy(outcome.resource, retry_after=outcome.wait, waited=waited) from None
+                raise LeaseBusy(outcome.resource, retry_after=outcome.wait, waited=waited)
             try:
                 return await self._wait(state, wants, ident, ttl, task_id, start, deadline)
             finally:
@@ -521,13 +524,12 @@ class AsyncLeaseStore:
         plan = self.store.renew_calls(held, owner)
         client = self._state().renew_client
         calls = [(keys, args) for _, keys, args in plan.calls]
+        sending = asyncio.ensure_future(_evalsha_all(client, _scripts.RENEW, calls))
         try:
-            replies = await asyncio.wait_for(
-                _evalsha_all(client, _scripts.RENEW, calls), max(timeout, 0.0)
-            )
-        except asyncio.TimeoutError:
-            exc = RedisTimeoutError(f"no reply within {timeout:.2f}s")
-            raise self.store._backend_error("renew", exc) from None
+            if not await _within(sending, timeout):
+                exc = RedisTimeoutError(f"no reply within {timeout:.2f}s")
+                raise self.store._backend_error("renew", exc)
+            replies = sending.result()
         except RedisError as exc:
             raise self.store._backend_error("renew", exc) from exc
         return self.store.renew_outcome(plan, replies, owner)
@@ -546,7 +548,7 @@ class AsyncLeaseStore:
             ]
             keys, args = self.store.release_call(owner, group, entries)
             try:
-                reply = await state.release(keys, args, client=state.client)
+                reply = await _shielded(state.release(keys, args, client=state.client))
             except RedisError as exc:
                 raise self.store._backend_error("release", exc) from exc
             out.update(zip(idx, [x == 1 for x in reply], strict=True))
@@ -556,7 +558,7 @@ class AsyncLeaseStore:
     async def get_receipt(self, name: str) -> str | None:
         """The stored receipt (JSON text) of ``once(name)``, or None."""
         try:
-            value = await self._state().client.get(self.store.keys.receipt(name))
+            value = await _shielded(self._state().client.get(self.store.keys.receipt(name)))
         except RedisError as exc:
             raise self.store._backend_error("read a receipt", exc) from exc
         return None if value is None else str(value)
@@ -566,14 +568,16 @@ class AsyncLeaseStore:
         keys, args = self.store.commit_receipt_call(name, held, receipt, ttl)
         state = self._state()
         try:
-            return bool(int(await state.commit_receipt(keys, args, client=state.client)))
+            reply = await _shielded(state.commit_receipt(keys, args, client=state.client))
+            return bool(int(reply))
         except RedisError as exc:
             raise self.store._backend_error("store a receipt", exc) from exc
 
     async def delete_receipt(self, name: str) -> bool:
         """Delete the receipt of ``once(name)``; True if there was one."""
         try:
-            return bool(await self._state().client.delete(self.store.keys.receipt(name)))
+            key = self.store.keys.receipt(name)
+            return bool(await _shielded(self._state().client.delete(key)))
         except RedisError as exc:
             raise self.store._backend_error("delete a receipt", exc) from exc
 
@@ -596,3 +600,58 @@ async def _evalsha_all(
         if isinstance(reply, Exception):
             raise reply
     return replies
+
+
+async def _shielded(awaitable: Awaitable[T]) -> T:
+    """Await a redis-py call in a task of its own, so a cancellation of the caller is never lost.
+
+    redis-py's asyncio commands wrap their socket I/O in :func:`asyncio.wait_for`, which
+    before Python 3.12 can swallow a cancellation that arrives as the I/O completes: the
+    caller then runs on as if never cancelled (a cancelled waiter would go on waiting). Under
+    :func:`asyncio.shield` the caller gets its ``CancelledError`` at once, and the call itself
+    runs to its end (its outcome is then dropped; a grant is handled by ``_attempt``).
+    """
+    task = asyncio.ensure_future(awaitable)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_drop_outcome)
+        raise
+
+
+def _drop_outcome(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: no "exception was never retrieved" log
+
+
+async def _within(
+    awaitable: Awaitable[Any], timeout: float, undo: Callable[[], object] | None = None
+) -> bool:
+    """Await ``awaitable`` for up to ``timeout`` seconds; False (and it is cancelled) if late.
+
+    Not :func:`asyncio.wait_for`: before Python 3.12 it can lose a cancellation that comes as
+    the awaited thing completes (the caller then runs on as if never cancelled: a waiter keeps
+    waiting, a task never ends). If the caller is cancelled or the time runs out and the
+    awaited thing succeeds all the same, ``undo`` is called (e.g. to release a lock).
+    """
+    future = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({future}, timeout=max(timeout, 0.0))
+    except asyncio.CancelledError:
+        _abandon(future, undo)
+        raise
+    if done:
+        future.result()  # raises its exception, if any
+        return True
+    _abandon(future, undo)
+    return False
+
+
+def _abandon(future: asyncio.Future[Any], undo: Callable[[], object] | None) -> None:
+    future.cancel()  # a no-op if it is done
+
+    def settle(done: asyncio.Future[Any]) -> None:
+        if not done.cancelled() and done.exception() is None and undo is not None:
+            undo()
+
+    future.add_done_callback(settle)
