@@ -107,8 +107,10 @@ class _Subscriber:
                 ready = self._ready.get(channel)
                 if ready is None:  # broken meanwhile
                     break
-                if not await _within(ready.wait(), end - time.monotonic()):
-                    raise RedisTimeoutError("no SUBSCRIBE confirmation")
+                if not ready.is_set() and not await _within(ready.wait(), end - time.monotonic()):
+                    exc = RedisTimeoutError("no SUBSCRIBE confirmation")
+                    self._break(exc)  # its waiters start over on a new connection
+                    raise exc
             if self.broken is not None:
                 raise RedisConnectionError(f"subscriber connection failed: {self.broken}")
         except BaseException:
@@ -157,12 +159,24 @@ class _Subscriber:
                         self._ready.setdefault(channel, asyncio.Event()).clear()
                     await self._pubsub.subscribe(*add)
                     if self._reader is None:
+                        connection = self._pubsub.connection
+                        if connection is not None:
+                            connection.register_connect_callback(self._reconnected)
                         self._reader = asyncio.get_running_loop().create_task(
                             self._read(), name="celery-leases-subscriber"
                         )
             except (RedisError, OSError) as exc:
                 self._break(exc)
                 raise
+
+    def _reconnected(self, connection: object) -> None:
+        """redis-py reconnected (and resubscribes): wake every waiter to try again.
+
+        A release published while the connection was down was never heard.
+        """
+        for waiters in self._waiters.values():
+            for event in waiters:
+                event.set()
 
     async def _apply_quietly(self) -> None:
         # on failure _apply broke the subscriber: its waiters were woken and start over

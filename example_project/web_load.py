@@ -96,6 +96,9 @@ class Replicas:
                 "--host", "127.0.0.1", "--port", str(port),
                 "--log-level", "warning", "--no-access-log",
                 "--backlog", "4096", "--timeout-graceful-shutdown", "10",
+                # longer than any request waits: a replica that closes an idle keep-alive
+                # connection as a lane sends on it fails that request
+                "--timeout-keep-alive", "120",
             ]  # fmt: skip
             with open(log, "wb") as out:
                 proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=out)

@@ -382,6 +382,30 @@ async def test_lost_when_redis_freezes(make_aleases, make_redis_server):
     assert paused_at < lost_at < lease._held.confirmed_at + ttl
 
 
+async def test_a_killed_subscriber_connection_strands_no_waiter(make_aleases, make_redis_server):
+    """The loop's pub/sub connection is killed while a coroutine waits: it listens again (a
+    new connection) and is still woken by the release, long before the holder's expiry."""
+    server = make_redis_server()
+    aleases = make_aleases(redis_url=server.url)
+    admin = redis.Redis.from_url(server.url, decode_responses=True)
+    got: list[int] = []
+
+    async def waiter() -> None:
+        async with aleases.ahold("r", wait=20) as lease:
+            got.append(lease.token)
+
+    try:
+        async with aleases.ahold("r", ttl=60):
+            task = asyncio.create_task(waiter())
+            await until(lambda: subscribers(admin, aleases, "r") == 1, 10, "a subscription")
+            assert admin.client_kill_filter(_type="pubsub") == 1
+            await until(lambda: subscribers(admin, aleases, "r") == 1, 10, "a new subscription")
+        await asyncio.wait_for(task, 30)
+    finally:
+        admin.close()
+    assert len(got) == 1
+
+
 async def test_a_block_that_raises_keeps_its_own_error(aleases: Leases, leases_redis):
     async def body() -> None:
         async with aleases.ahold("r", ttl=0.6) as lease:
