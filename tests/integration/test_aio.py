@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -543,6 +544,44 @@ async def test_aonce_takeover_after_the_initializer_is_cancelled(aleases: Leases
     assert await asyncio.wait_for(second, 30) == "second's"
     assert order == ["first", "second"]
     assert registry(leases_redis, aleases) == set()
+
+
+INITIALIZER = """
+import asyncio, sys
+from celery import Celery
+from celery_leases import Leases
+
+leases = Leases(Celery("dies", set_as_current=False), redis_url=sys.argv[1], key_prefix=sys.argv[2])
+
+async def stuck():
+    print("initialising", flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(leases.aonce("job", stuck, ttl=1.0))
+"""
+
+
+async def test_aonce_takeover_after_the_initializer_process_dies(
+    aleases: Leases, leases_redis_url: str, leases_prefix: str
+):
+    """kill -9 of the process running an async initializer: its lease runs out after its
+    ttl and the next caller runs the initializer itself."""
+    argv = [sys.executable, "-c", INITIALIZER, leases_redis_url, leases_prefix]
+    proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        assert line.strip() == b"initialising"
+        resource = aleases.store.keys.once_resource("job")
+        (holder,) = aleases.store.holders(resource)
+        assert holder.owner != aleases.identity().owner
+        proc.kill()
+        await proc.wait()
+        assert await aleases.aonce("job", lambda: "taken over", wait=20) == "taken over"
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
 
 
 async def test_aonce_takeover_after_the_initializer_fails(aleases: Leases):
