@@ -287,7 +287,7 @@ class Leases:
                 block itself raised).
             LeaseBackendError: Redis failed.
 
-        .. versionadded:: 0.2
+        .. versionadded:: 0.1
         """
         if isinstance(resource, (str, Shared)):
             return self._ahold_one(resource, ttl, wait)
@@ -334,21 +334,21 @@ class Leases:
         The same receipts, keys and lease as :meth:`once`: sync and async callers of one
         name run the initializer once between them. See :mod:`celery_leases.once`.
 
-        .. versionadded:: 0.2
+        .. versionadded:: 0.1
         """
         return await _once.aonce(self, name, fn, ttl=ttl, wait=wait, receipt_ttl=receipt_ttl)
 
     async def areceipt(self, name: str) -> Any:
         """:meth:`receipt` for asyncio.
 
-        .. versionadded:: 0.2
+        .. versionadded:: 0.1
         """
         return await _once.areceipt(self, name)
 
     async def aforget(self, name: str) -> bool:
         """:meth:`forget` for asyncio.
 
-        .. versionadded:: 0.2
+        .. versionadded:: 0.1
         """
         return await _once.aforget(self, name)
 
@@ -358,7 +358,7 @@ class Leases:
         An ASGI app calls it at shutdown (e.g. in its lifespan); new connections are made
         if it is used again.
 
-        .. versionadded:: 0.2
+        .. versionadded:: 0.1
         """
         if self._astore is not None:
             await self._astore.aclose()
