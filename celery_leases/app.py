@@ -291,6 +291,9 @@ class Leases:
         """
         if isinstance(resource, (str, Shared)):
             return self._ahold_one(resource, ttl, wait)
+        if not isinstance(resource, (list, tuple)):
+            msg = f"ahold() needs a name, a Shared(...) or a list of them, not {resource!r}"
+            raise LeaseConfigError(msg)
         return self._ahold_many(list(resource), ttl, wait)
 
     @asynccontextmanager

@@ -39,8 +39,8 @@ WAIT = float(os.environ.get("WEB_WAIT", "30"))
 WORK = float(os.environ.get("WEB_WORK", "0.005"))
 TTL = float(os.environ.get("WEB_TTL", "10"))
 
-leases = Leases(Celery("example_project.web", set_as_current=False), redis_url=REDIS_URL,
-                key_prefix=PREFIX, ttl=TTL)  # fmt: skip
+celery_app = Celery("example_project.web", set_as_current=False)
+leases = Leases(celery_app, redis_url=REDIS_URL, key_prefix=PREFIX, ttl=TTL)
 
 #: ``KEYS`` active, fence, tokens, overlaps, stale; ``ARGV[1]`` the lease's token.
 #: Counts the requests inside the step (an overlap if it was not empty) and checks the fence:

@@ -162,6 +162,14 @@ async def test_bad_input_is_refused_before_any_redis_call(aleases: Leases):
             pass
     with pytest.raises(LeaseConfigError, match="non-empty"):
         await aleases.aonce("", lambda: 1)
+    with pytest.raises(LeaseConfigError, match="callable"):
+        await aleases.aonce("x", 5)  # type: ignore[arg-type]
+    with pytest.raises(LeaseConfigError, match="Shared"):
+        async with aleases.ahold(5):  # type: ignore[call-overload]
+            pass
+    with pytest.raises(LeaseConfigError, match="Shared"):
+        async with aleases.ahold([5]):  # type: ignore[list-item]
+            pass
 
 
 async def test_200_coroutines_one_resource_never_overlap(aleases: Leases, leases_redis):
