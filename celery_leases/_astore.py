@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
 
 import redis.asyncio as aredis
+from celery.utils.log import get_logger
 from redis.asyncio.client import PubSub
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -26,9 +27,11 @@ from ._identity import Identity
 from ._lease import Held, Want
 from ._store import _EXPIRY_SLACK, Busy, Entry, LeaseStore
 from .config import LeaseSettings, safe_url
-from .exceptions import LeaseBusy, LeaseConfigError
+from .exceptions import LeaseBusy, LeaseConfigError, LeaseError
 
 __all__ = ("AsyncLeaseStore", "make_async_client")
+
+logger = get_logger(__name__)
 
 T = TypeVar("T")
 
@@ -397,9 +400,9 @@ class AsyncLeaseStore:
         try:
             return await asyncio.shield(attempt)
         except asyncio.CancelledError:
-            if not attempt.done():
-                state.tasks.add(attempt)  # aclose() waits for it, and its release
-                attempt.add_done_callback(lambda done: self._release_orphan(state, done))
+            # also when it is done already: it may have completed just as we were cancelled
+            state.tasks.add(attempt)  # aclose() waits for it, and its release
+            attempt.add_done_callback(lambda done: self._release_orphan(state, done))
             raise
 
     def _release_orphan(
@@ -410,7 +413,13 @@ class AsyncLeaseStore:
             return
         granted = attempt.result()
         if isinstance(granted, list) and granted:
-            self._spawn(state, self.release(granted))
+            self._spawn(state, self._release_quietly(granted))
+
+    async def _release_quietly(self, held: list[Held]) -> None:
+        try:
+            await self.release(held)
+        except LeaseError as exc:  # it runs out by its TTL; the registry lets a cleanup free it
+            logger.error("leases: could not release %d lease(s): %s", len(held), exc)
 
     async def acquire(
         self,
