@@ -17,6 +17,7 @@ from .exceptions import LeaseError
 if TYPE_CHECKING:
     from ._lease import Held
     from ._store import LeaseStore
+    from .config import LeaseSettings
 
 __all__ = ("Heartbeat", "RenewObserver", "heartbeat", "renew_observers")
 
@@ -173,12 +174,9 @@ class Heartbeat:
         jobs = sorted(groups.items(), key=lambda job: min(h.deadline for h in job[1]))
         for n, ((store_id, owner), batch) in enumerate(jobs):
             store = stores[store_id]
-            start = self._clock()
-            budget = min(min(h.deadline for h in batch) - start, store.settings.socket_timeout)
-            later = jobs[n + 1 :]
-            if later:
-                next_deadline = min(h.deadline for _, other in later for h in other)
-                budget = min(budget, (next_deadline - start) / (len(later) + 1))
+            budget = renew_budget(
+                batch, [other for _, other in jobs[n + 1 :]], self._clock(), store.settings
+            )
             if budget < MIN_BUDGET:
                 continue  # too late to confirm; the deadline check marks them lost
             sent = self._clock()
@@ -195,11 +193,8 @@ class Heartbeat:
                 continue
             _observe_renew(self._clock() - sent, True, len(batch))
             logger.debug("leases: renewed %d lease(s) of %s", len(batch), owner)
-            for i, h in enumerate(batch):
-                if i in lost:
-                    self._lose(h, "Redis no longer has it")
-                elif not h.lost:
-                    h.confirmed_at = max(h.confirmed_at, sent)
+            for h in confirm(batch, lost, sent):
+                self._lose(h, "Redis no longer has it")
         if ok and self._failing:
             logger.warning("leases: renewals succeed again")
         self._failing = not ok
@@ -209,18 +204,48 @@ class Heartbeat:
         if not held.mark_lost():
             return
         self.discard(held)
-        held_for = self._clock() - held.acquired_at
-        logger.warning(
-            "leases: lost %s after %.1fs (%s); the work may overlap with the next holder",
-            held.resource,
-            held_for,
-            why,
-        )
-        for callback in [*held.on_lost, *([self._lost_callback] if self._lost_callback else [])]:
-            try:
-                callback(held)
-            except Exception:
-                logger.exception("leases: on_lost callback for %s failed", held.resource)
+        report_lost(held, why, self._clock(), self._lost_callback)
+
+
+def renew_budget(
+    batch: list[Held], later: list[list[Held]], start: float, settings: LeaseSettings
+) -> float:
+    """Seconds the renewal of ``batch`` may take, with ``later`` batches still to renew.
+
+    At most until the batch's first deadline, and the socket timeout; with batches after it,
+    only its share of the time left before theirs.
+    """
+    budget = min(min(h.deadline for h in batch) - start, settings.socket_timeout)
+    if later:
+        next_deadline = min(h.deadline for other in later for h in other)
+        budget = min(budget, (next_deadline - start) / (len(later) + 1))
+    return budget
+
+
+def confirm(batch: list[Held], lost: set[int], sent: float) -> list[Held]:
+    """Record a renewal sent at ``sent``; returns the leases of ``batch`` it found lost."""
+    out = []
+    for i, h in enumerate(batch):
+        if i in lost:
+            out.append(h)
+        elif not h.lost:
+            h.confirmed_at = max(h.confirmed_at, sent)
+    return out
+
+
+def report_lost(held: Held, why: str, now: float, extra: LostCallback | None) -> None:
+    """Log a lease that was just marked lost, and run its ``on_lost`` callbacks."""
+    logger.warning(
+        "leases: lost %s after %.1fs (%s); the work may overlap with the next holder",
+        held.resource,
+        now - held.acquired_at,
+        why,
+    )
+    for callback in [*held.on_lost, *([extra] if extra else [])]:
+        try:
+            callback(held)
+        except Exception:
+            logger.exception("leases: on_lost callback for %s failed", held.resource)
 
 
 def _observe_renew(seconds: float, ok: bool, count: int) -> None:

@@ -72,6 +72,29 @@ class Busy:
     wait: float  # seconds until the blocking holder runs out unless renewed
 
 
+class AcquireCall(NamedTuple):
+    """One acquire.lua call, and what its reply needs to be understood."""
+
+    keys: list[str]
+    args: list[Any]
+    group: int
+    wants: Sequence[Want]
+    owner: str
+    ttl: float
+    home: bool
+    task_id: str | None
+    now: float  # monotonic time the call was made
+    registry_s: float  # registry expiry the call sets (0: none)
+
+
+class RenewPlan(NamedTuple):
+    """The renew.lua calls of one renewal: ``(indices into held, keys, args)`` per group."""
+
+    calls: list[tuple[list[int], list[str], list[Any]]]
+    sent: float  # monotonic time the renewal was planned (no later than it reaches Redis)
+    registry: dict[int, float]  # slot group -> registry expiry the call sets, in seconds
+
+
 @dataclass
 class CleanupReport:
     """What a cleanup pass did.
@@ -305,33 +328,7 @@ class LeaseStore:
         group; one call in all with a single slot group). If a later group is busy, the groups
         already granted are released again, so the caller never holds part of the set.
         """
-        if len(wants) == 1:
-            by_group = {self.resource_keys(wants[0].resource).group: [0]}
-        else:
-            if len({w.resource for w in wants}) != len(wants):
-                names = [w.resource for w in wants]
-                dupes = sorted({n for n in names if names.count(n) > 1})
-                msg = f"the same resource is asked for twice in one request: {dupes}"
-                raise LeaseConfigError(msg)
-            by_group = {}
-            for i, w in enumerate(wants):
-                by_group.setdefault(self.resource_keys(w.resource).group, []).append(i)
-        owner = ident.owner
-        # The home call registers the owner under its node and refreshes its liveness. It can
-        # be skipped only while that liveness surely outlasts the new leases' horizon:
-        # - t0 the owner registers; t1 it idles past its liveness and a reconcile forgets it
-        #   (off the node's owner set); t2 it takes a lease; t3 its node restarts and must
-        #   find that lease.
-        # - t0 the owner's liveness is refreshed (it runs to t0 + settings.ttl); t1 it takes a
-        #   lease it counts held until t1 + horizon, later than that; t2 a reconcile finds the
-        #   liveness run out and frees the lease while its holder still counts it held.
-        # So with a lease ttl at least the ttl setting the liveness is always refreshed (in
-        # the same script call when the lease is in the home slot group).
-        registered = self._registered.get(owner)
-        fresh = registered is not None and (
-            time.monotonic() + self.horizon(ttl)
-            < registered + self.settings.ttl * self.settings.margin_fraction
-        )
+        by_group, fresh = self.acquire_plan(wants, ident.owner, ttl)
         if 0 not in by_group and not fresh:
             outcome = self._acquire_group(0, [], ident, ttl, True, task_id)
             if isinstance(outcome, Busy):
@@ -357,6 +354,41 @@ class LeaseStore:
                 taken.append(held)
         return [h for h in out if h is not None]
 
+    def acquire_plan(
+        self, wants: Sequence[Want], owner: str, ttl: float
+    ) -> tuple[dict[int, list[int]], bool]:
+        """``(slot group -> indices into wants, True if the owner's home call can be skipped)``.
+
+        Shared with the asyncio store, which makes the same calls in the same order.
+        """
+        if len(wants) == 1:
+            by_group = {self.resource_keys(wants[0].resource).group: [0]}
+        else:
+            if len({w.resource for w in wants}) != len(wants):
+                names = [w.resource for w in wants]
+                dupes = sorted({n for n in names if names.count(n) > 1})
+                msg = f"the same resource is asked for twice in one request: {dupes}"
+                raise LeaseConfigError(msg)
+            by_group = {}
+            for i, w in enumerate(wants):
+                by_group.setdefault(self.resource_keys(w.resource).group, []).append(i)
+        # The home call registers the owner under its node and refreshes its liveness. It can
+        # be skipped only while that liveness surely outlasts the new leases' horizon:
+        # - t0 the owner registers; t1 it idles past its liveness and a reconcile forgets it
+        #   (off the node's owner set); t2 it takes a lease; t3 its node restarts and must
+        #   find that lease.
+        # - t0 the owner's liveness is refreshed (it runs to t0 + settings.ttl); t1 it takes a
+        #   lease it counts held until t1 + horizon, later than that; t2 a reconcile finds the
+        #   liveness run out and frees the lease while its holder still counts it held.
+        # So with a lease ttl at least the ttl setting the liveness is always refreshed (in
+        # the same script call when the lease is in the home slot group).
+        registered = self._registered.get(owner)
+        fresh = registered is not None and (
+            time.monotonic() + self.horizon(ttl)
+            < registered + self.settings.ttl * self.settings.margin_fraction
+        )
+        return by_group, fresh
+
     def _acquire_group(
         self,
         group: int,
@@ -366,6 +398,26 @@ class LeaseStore:
         home: bool,
         task_id: str | None = None,
     ) -> list[Held] | Busy:
+        call = self.acquire_call(group, wants, ident, ttl, home, task_id)
+        try:
+            if self._wait_replicas:
+                reply = self._acquire_replicated(call.keys, call.args, wants, task_id)
+            else:
+                reply = self._acquire(call.keys, call.args, client=self.client)
+        except RedisError as exc:
+            raise self._backend_error("acquire", exc) from exc
+        return self.acquire_outcome(call, reply)
+
+    def acquire_call(
+        self,
+        group: int,
+        wants: Sequence[Want],
+        ident: Identity,
+        ttl: float,
+        home: bool,
+        task_id: str | None = None,
+    ) -> AcquireCall:
+        """The keys and arguments of one acquire.lua call (no Redis call)."""
         owner = ident.owner
         now = time.monotonic()
         registry_s = self._registry_expiry(owner, group, ttl, now) if wants else 0.0
@@ -382,30 +434,26 @@ class LeaseStore:
             self._ms(registry_s) if registry_s else 0,
             escape(task_id) if task_id else "-",
         ]
-        rkeys = []
         for w in wants:
             rk = self.resource_keys(w.resource)
-            rkeys.append(rk)
             keys += (rk.exclusive, rk.shared, rk.counter)
             args += (w.mode, w.limit, w.resource)
-        try:
-            if self._wait_replicas:
-                reply = self._acquire_replicated(keys, args, wants, task_id)
-            else:
-                reply = self._acquire(keys, args, client=self.client)
-        except RedisError as exc:
-            raise self._backend_error("acquire", exc) from exc
+        return AcquireCall(keys, args, group, wants, owner, ttl, home, task_id, now, registry_s)
+
+    def acquire_outcome(self, call: AcquireCall, reply: Sequence[Any]) -> list[Held] | Busy:
+        """What acquire.lua's ``reply`` to ``call`` means; records a home call and registry."""
+        wants, owner, now = call.wants, call.owner, call.now
         code = int(reply[0])
         if code == _GRACE:
             first = wants[0].resource if wants else "(owner registration)"
             return Busy(first, int(reply[1]) / 1000)
         if code == _BUSY:
             return Busy(wants[int(reply[1]) - 1].resource, int(reply[2]) / 1000)
-        if home:
+        if call.home:
             self._registered[owner] = now
-        if registry_s:
-            self._registry_until[(owner, group)] = now + registry_s
-        horizon = self.horizon(ttl)
+        if call.registry_s:
+            self._registry_until[(owner, call.group)] = now + call.registry_s
+        horizon = self.horizon(call.ttl)
         return [
             Held(
                 store=self,
@@ -413,11 +461,11 @@ class LeaseStore:
                 resource=w.resource,
                 mode=w.mode,
                 token=int(token),
-                ttl=ttl,
+                ttl=call.ttl,
                 acquired_at=now,
                 confirmed_at=now,
                 horizon=horizon,
-                task_id=task_id,
+                task_id=call.task_id,
             )
             for w, token in zip(wants, reply[1:], strict=True)
         ]
@@ -562,17 +610,31 @@ class LeaseStore:
         Returns:
             the indices (into ``held``) of leases Redis no longer has for us.
         """
+        plan = self.renew_calls(held, owner)
+        replies = self._call_with_deadline(
+            self._renew.sha, _scripts.RENEW, [(k, a) for _, k, a in plan.calls], timeout
+        )
+        return self.renew_outcome(plan, replies, owner)
+
+    def renew_calls(self, held: Sequence[Held], owner: str) -> RenewPlan:
+        """The renew.lua calls of :meth:`renew`, one per slot group (no Redis call)."""
         by_group: dict[int, list[int]] = {0: []}
         for i, h in enumerate(held):
             by_group.setdefault(h.group, []).append(i)
         longest = max([h.ttl for h in held] + [self.settings.ttl])
-        registry_s = 4 * longest
-        registry_ms = self._ms(registry_s)
         sent = time.monotonic()
+        # A registry's expiry is never cut short here: another renewer of the same owner (the
+        # asyncio heartbeat next to the thread, or the other way round) may hold longer leases
+        # in it. t0 the thread renews a lease of ttl=3600 (registry: 4 h); t1 the asyncio
+        # heartbeat renews one of ttl=30 (registry: 2 min); t2 the process dies; t3 the registry
+        # runs out, and no cleanup finds the first lease for the next hour.
+        registry: dict[int, float] = {}
         calls: list[tuple[list[int], list[str], list[Any]]] = []
         for group, idx in sorted(by_group.items()):
+            left = self._registry_until.get((owner, group), 0.0) - sent
+            registry[group] = max(4 * longest, left)
             keys = [self._registry_key(owner, group)]
-            args: list[Any] = [owner, registry_ms]
+            args: list[Any] = [owner, self._ms(registry[group])]
             if group == 0:
                 node = owner.rsplit("/", 2)[0]
                 keys += [self.keys.owners, self.keys.node(unescape(node)), self.keys.nodes]
@@ -590,15 +652,17 @@ class LeaseStore:
                     entry_text(h.mode, h.token, h.task_id, h.resource),
                 ]
             calls.append((idx, keys, args))
-        replies = self._call_with_deadline(
-            self._renew.sha, _scripts.RENEW, [(k, a) for _, k, a in calls], timeout
-        )
+        return RenewPlan(calls, sent, registry)
+
+    def renew_outcome(self, plan: RenewPlan, replies: Sequence[Any], owner: str) -> set[int]:
+        """The indices of the leases renew.lua's ``replies`` report lost; records the renewal."""
         lost: set[int] = set()
-        for (idx, _, _), reply in zip(calls, replies, strict=True):
+        for (idx, _, _), reply in zip(plan.calls, replies, strict=True):
             lost.update(idx[int(n) - 1] for n in reply)
         # this call refreshed the owner's liveness and its registries' expiry
+        sent = plan.sent
         self._registered[owner] = max(self._registered.get(owner, sent), sent)
-        for group in by_group:
+        for group, registry_s in plan.registry.items():
             self._registry_until[(owner, group)] = sent + registry_s
         return lost
 
@@ -756,18 +820,25 @@ class LeaseStore:
         return [out[i] for i in range(len(held))]
 
     def _release_entries(self, owner: str, group: int, entries: Sequence[Entry]) -> list[bool]:
-        keys = [self._registry_key(owner, group)]
-        args: list[Any] = [owner]
-        for e in entries:
-            rk = self.resource_keys(e.resource)
-            keys.append(rk.exclusive if e.mode == "x" else rk.shared)
-            args += (e.mode, e.token, e.text, rk.channel)
+        keys, args = self.release_call(owner, group, entries)
         client = self.client
         try:
             reply = self._release(keys, args, client=client)
         except RedisError as exc:
             raise self._backend_error("release", exc) from exc
         return [x == 1 for x in reply]
+
+    def release_call(
+        self, owner: str, group: int, entries: Sequence[Entry]
+    ) -> tuple[list[str], list[Any]]:
+        """The keys and arguments of one release.lua call (no Redis call)."""
+        keys = [self._registry_key(owner, group)]
+        args: list[Any] = [owner]
+        for e in entries:
+            rk = self.resource_keys(e.resource)
+            keys.append(rk.exclusive if e.mode == "x" else rk.shared)
+            args += (e.mode, e.token, e.text, rk.channel)
+        return keys, args
 
     # --- cleanup --------------------------------------------------------------------------
     def cleanup_owner(
@@ -1082,15 +1153,22 @@ class LeaseStore:
 
     def commit_receipt(self, name: str, held: Held, receipt: str, ttl: float | None) -> bool:
         """Store ``receipt`` if ``held`` (the once-lease) is still ours; False if it is not."""
+        keys, args = self.commit_receipt_call(name, held, receipt, ttl)
+        client = self.client  # first: it registers the scripts in this process
+        with self._backend("store a receipt"):
+            return bool(int(self._commit_receipt(keys, args, client=client)))
+
+    def commit_receipt_call(
+        self, name: str, held: Held, receipt: str, ttl: float | None
+    ) -> tuple[list[str], list[Any]]:
+        """The keys and arguments of one commit_receipt.lua call (no Redis call)."""
         keys = [self.resource_keys(held.resource).exclusive, self.keys.receipt(name)]
         args: list[Any] = [
             f"{held.token} {held.owner}",
             receipt,
             0 if ttl is None else self._ms(ttl),
         ]
-        client = self.client  # first: it registers the scripts in this process
-        with self._backend("store a receipt"):
-            return bool(int(self._commit_receipt(keys, args, client=client)))
+        return keys, args
 
     def delete_receipt(self, name: str) -> bool:
         """Delete the receipt of ``once(name)``; True if there was one."""

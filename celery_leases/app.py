@@ -17,15 +17,24 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import (
+    AbstractAsyncContextManager,
+    AbstractContextManager,
+    asynccontextmanager,
+    contextmanager,
+)
 from typing import TYPE_CHECKING, Any, overload
 
 from celery.utils.log import get_logger
 
 from . import once as _once
 from . import signals
+from ._aheartbeat import loop_heartbeat
+from ._astore import AsyncLeaseStore
 from ._heartbeat import heartbeat
 from ._identity import Identity, current_identity
 from ._lease import Held, Lease, Shared, Want, want_of
@@ -64,6 +73,8 @@ class Leases:
         self.settings: LeaseSettings = resolve_settings(app, **settings)
         set_settings(app, self.settings)
         self.store = LeaseStore(self.settings)
+        self._astore: AsyncLeaseStore | None = None
+        self._astore_lock = threading.Lock()
         app.leases = self  # type: ignore[attr-defined]
         install(self)
         install_unique(self)
@@ -202,41 +213,18 @@ class Leases:
     ) -> list[Lease]:
         """Acquire ``wants`` all or nothing and start renewing them; see :meth:`hold`."""
         ttl = self._ttl(ttl)
-        if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float))):
-            msg = f"wait must be a number of seconds or None, not {wait!r}"
-            raise LeaseConfigError(msg)
+        _check_wait(wait)
         ident = self.identity()
         started = time.monotonic()
         try:
             granted = self.store.acquire(wants, ident, ttl, wait, task_id)
         except LeaseBusy as busy:
-            logger.info(
-                "leases: %s is busy (retry after %.1fs)", busy.resource, busy.retry_after or 0
-            )
-            _send(signals.lease_busy, busy.resource, retry_after=busy.retry_after, task_id=task_id)
+            _busy(busy, task_id)
             raise
-        elapsed = time.monotonic() - started
         beat = heartbeat()
-        leases = []
         for held in granted:
-            if on_lost is not None:
-                held.on_lost.append(on_lost)
             beat.add(held)
-            lease = Lease(held.resource, held.token, held.ttl, held.mode == "s", held)
-            leases.append(lease)
-            logger.info("leases: acquired %s for %.1fs", held.resource, ttl)
-            logger.debug("leases: %s token %d owner %s", held.resource, held.token, held.owner)
-            _send(
-                signals.lease_acquired,
-                held.resource,
-                token=held.token,
-                owner=held.owner,
-                ttl=ttl,
-                shared=held.mode == "s",
-                task_id=task_id,
-                elapsed=elapsed,
-            )
-        return leases
+        return _granted(granted, ttl, task_id, on_lost, time.monotonic() - started)
 
     def release(self, leases: Sequence[Lease]) -> list[Lease]:
         """Stop renewing ``leases`` and give them back; returns those found lost.
@@ -245,19 +233,7 @@ class Leases:
         out by its TTL (and the owner registry lets a cleanup pass free it sooner).
         """
         beat = heartbeat()
-        todo: list[Lease] = []
-        lost: list[Lease] = []
-        for lease in leases:
-            held = lease._held
-            beat.discard(held)
-            was_lost = held.is_lost(time.monotonic())
-            with held._guard:
-                if held.released:
-                    continue
-                held.released = True
-            if was_lost:
-                lost.append(lease)
-            todo.append(lease)
+        todo, lost = _to_release(leases, beat.discard)
         if not todo:
             return lost
         try:
@@ -265,21 +241,246 @@ class Leases:
         except LeaseBackendError as exc:
             logger.error("leases: could not release %d lease(s): %s", len(todo), exc)
             return lost
-        now = time.monotonic()
-        for lease, ok in zip(todo, freed, strict=True):
-            held = lease._held
-            if not ok and lease not in lost:
-                lost.append(lease)
-            logger.info("leases: released %s", held.resource)
-            _send(
-                signals.lease_released,
-                held.resource,
-                token=held.token,
-                owner=held.owner,
-                held_for=now - held.acquired_at,
-                task_id=held.task_id,
-            )
-        return lost
+        return _released(todo, freed, lost)
+
+    # --- asyncio --------------------------------------------------------------------------
+    @property
+    def astore(self) -> AsyncLeaseStore:
+        """The asyncio store (made on first use; it shares :attr:`store`'s keys and caches)."""
+        astore = self._astore
+        if astore is None:
+            with self._astore_lock:
+                astore = self._astore
+                if astore is None:
+                    astore = self._astore = AsyncLeaseStore(self.store)
+        return astore
+
+    @overload
+    def ahold(
+        self, resource: Resource, *, ttl: float | None = ..., wait: float | None = ...
+    ) -> AbstractAsyncContextManager[Lease]: ...
+    @overload
+    def ahold(
+        self,
+        resource: list[Resource] | tuple[Resource, ...],
+        *,
+        ttl: float | None = ...,
+        wait: float | None = ...,
+    ) -> AbstractAsyncContextManager[list[Lease]]: ...
+
+    def ahold(
+        self,
+        resource: Resource | list[Resource] | tuple[Resource, ...],
+        *,
+        ttl: float | None = None,
+        wait: float | None = 0.0,
+    ) -> AbstractAsyncContextManager[Lease] | AbstractAsyncContextManager[list[Lease]]:
+        """:meth:`hold` for asyncio: ``async with leases.ahold("report:42", wait=10) as lease:``.
+
+        The same leases, tokens and errors as :meth:`hold` (a sync and an async holder of one
+        resource exclude each other), on redis-py's asyncio client. The leases are renewed by
+        one task per event loop; a waiter is woken by the release through one subscriber
+        connection per loop. A cancelled waiter leaves nothing behind, and a cancelled holder
+        releases its leases on the way out.
+
+        Raises:
+            LeaseBusy: still busy when the wait ended; ``.resource`` names the first busy one.
+            LeaseLost: on leaving the block, if a lease was lost while inside (unless the
+                block itself raised).
+            LeaseBackendError: Redis failed.
+
+        .. versionadded:: 0.1
+        """
+        if isinstance(resource, (str, Shared)):
+            return self._ahold_one(resource, ttl, wait)
+        if not isinstance(resource, (list, tuple)):
+            msg = f"ahold() needs a name, a Shared(...) or a list of them, not {resource!r}"
+            raise LeaseConfigError(msg)
+        return self._ahold_many(list(resource), ttl, wait)
+
+    @asynccontextmanager
+    async def _ahold_one(
+        self, resource: Resource, ttl: float | None, wait: float | None
+    ) -> AsyncIterator[Lease]:
+        async with self._ahold_many([resource], ttl, wait) as leases:
+            yield leases[0]
+
+    @asynccontextmanager
+    async def _ahold_many(
+        self, resources: list[Resource], ttl: float | None, wait: float | None
+    ) -> AsyncIterator[list[Lease]]:
+        if not resources:
+            raise LeaseConfigError("ahold() needs at least one resource")
+        leases = await self.aacquire([want_of(r) for r in resources], ttl=ttl, wait=wait)
+        failed = True
+        try:
+            yield leases
+            failed = False
+        finally:
+            # shielded: a holder cancelled again on its way out still gives its leases back
+            lost = await asyncio.shield(self.arelease(leases))
+        if lost and not failed:
+            first = lost[0]
+            raise LeaseLost(first.resource, held_for=time.monotonic() - first._held.acquired_at)
+
+    async def aonce(
+        self,
+        name: str,
+        fn: Callable[[], object],
+        *,
+        ttl: float | None = None,
+        wait: float | None = None,
+        receipt_ttl: float | None = None,
+    ) -> Any:
+        """:meth:`once` for asyncio: ``receipt = await leases.aonce(name, fn, wait=600)``.
+
+        ``fn`` may be a coroutine function (awaited on the loop) or a plain function (run in
+        a worker thread, so it cannot stall the loop or the heartbeat that renews its lease).
+        The same receipts, keys and lease as :meth:`once`: sync and async callers of one
+        name run the initializer once between them. See :mod:`celery_leases.once`.
+
+        .. versionadded:: 0.1
+        """
+        return await _once.aonce(self, name, fn, ttl=ttl, wait=wait, receipt_ttl=receipt_ttl)
+
+    async def areceipt(self, name: str) -> Any:
+        """:meth:`receipt` for asyncio.
+
+        .. versionadded:: 0.1
+        """
+        return await _once.areceipt(self, name)
+
+    async def aforget(self, name: str) -> bool:
+        """:meth:`forget` for asyncio.
+
+        .. versionadded:: 0.1
+        """
+        return await _once.aforget(self, name)
+
+    async def aclose(self) -> None:
+        """Close the running event loop's Redis connections (call it when the loop ends).
+
+        An ASGI app calls it at shutdown (e.g. in its lifespan); new connections are made
+        if it is used again.
+
+        .. versionadded:: 0.1
+        """
+        if self._astore is not None:
+            await self._astore.aclose()
+
+    async def aacquire(
+        self,
+        wants: Sequence[Want],
+        *,
+        ttl: float | None = None,
+        wait: float | None = 0.0,
+    ) -> list[Lease]:
+        """:meth:`acquire` for asyncio: renewed by the running loop's heartbeat."""
+        ttl = self._ttl(ttl)
+        _check_wait(wait)
+        ident = self.identity()
+        started = time.monotonic()
+        astore = self.astore
+        try:
+            granted = await astore.acquire(wants, ident, ttl, wait)
+        except LeaseBusy as busy:
+            _busy(busy, None)
+            raise
+        beat = loop_heartbeat()
+        for held in granted:
+            beat.add(held, astore)
+        return _granted(granted, ttl, None, None, time.monotonic() - started)
+
+    async def arelease(self, leases: Sequence[Lease]) -> list[Lease]:
+        """:meth:`release` for asyncio; never raises for Redis trouble."""
+        todo, lost = _to_release(leases, loop_heartbeat().discard)
+        if not todo:
+            return lost
+        try:
+            freed = await self.astore.release([lease._held for lease in todo])
+        except LeaseBackendError as exc:
+            logger.error("leases: could not release %d lease(s): %s", len(todo), exc)
+            return lost
+        return _released(todo, freed, lost)
+
+
+def _check_wait(wait: object) -> None:
+    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float))):
+        msg = f"wait must be a number of seconds or None, not {wait!r}"
+        raise LeaseConfigError(msg)
+
+
+def _busy(busy: LeaseBusy, task_id: str | None) -> None:
+    logger.info("leases: %s is busy (retry after %.1fs)", busy.resource, busy.retry_after or 0)
+    _send(signals.lease_busy, busy.resource, retry_after=busy.retry_after, task_id=task_id)
+
+
+def _granted(
+    granted: Sequence[Held],
+    ttl: float,
+    task_id: str | None,
+    on_lost: Callable[[Held], None] | None,
+    elapsed: float,
+) -> list[Lease]:
+    """The Leases of fresh grants (already being renewed); logs and signals each."""
+    leases = []
+    for held in granted:
+        if on_lost is not None:
+            held.on_lost.append(on_lost)
+        lease = Lease(held.resource, held.token, held.ttl, held.mode == "s", held)
+        leases.append(lease)
+        logger.info("leases: acquired %s for %.1fs", held.resource, ttl)
+        logger.debug("leases: %s token %d owner %s", held.resource, held.token, held.owner)
+        _send(
+            signals.lease_acquired,
+            held.resource,
+            token=held.token,
+            owner=held.owner,
+            ttl=ttl,
+            shared=held.mode == "s",
+            task_id=task_id,
+            elapsed=elapsed,
+        )
+    return leases
+
+
+def _to_release(
+    leases: Sequence[Lease], discard: Callable[[Held], None]
+) -> tuple[list[Lease], list[Lease]]:
+    """``(leases to give back now, leases found lost)``; marks them released."""
+    todo: list[Lease] = []
+    lost: list[Lease] = []
+    for lease in leases:
+        held = lease._held
+        discard(held)
+        was_lost = held.is_lost(time.monotonic())
+        with held._guard:
+            if held.released:
+                continue
+            held.released = True
+        if was_lost:
+            lost.append(lease)
+        todo.append(lease)
+    return todo, lost
+
+
+def _released(todo: list[Lease], freed: Sequence[bool], lost: list[Lease]) -> list[Lease]:
+    """Log and signal the release of ``todo``; returns ``lost`` and those found not held."""
+    now = time.monotonic()
+    for lease, ok in zip(todo, freed, strict=True):
+        held = lease._held
+        if not ok and lease not in lost:
+            lost.append(lease)
+        logger.info("leases: released %s", held.resource)
+        _send(
+            signals.lease_released,
+            held.resource,
+            token=held.token,
+            owner=held.owner,
+            held_for=now - held.acquired_at,
+            task_id=held.task_id,
+        )
+    return lost
 
 
 def _send(signal: Any, resource: str, **kwargs: Any) -> None:

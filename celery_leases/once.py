@@ -29,6 +29,9 @@ same plain value (the JSON round trip of what it returned).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import inspect
 import json
 import time
 from collections.abc import Callable
@@ -42,7 +45,7 @@ from .exceptions import LeaseBusy, LeaseConfigError, LeaseLost
 if TYPE_CHECKING:
     from .app import Leases
 
-__all__ = ("forget", "once", "receipt")
+__all__ = ("aforget", "aonce", "areceipt", "forget", "once", "receipt")
 
 logger = get_logger(__name__)
 
@@ -138,3 +141,93 @@ def once(
             return _decode(name, encoded)
         finally:
             ext.release([lease])
+
+
+# --- asyncio ----------------------------------------------------------------------------------
+
+
+async def areceipt(ext: Leases, name: str) -> Any:
+    """:func:`receipt` for asyncio."""
+    _check_name(name)
+    text = await ext.astore.get_receipt(name)
+    return None if text is None else _decode(name, text)
+
+
+async def aforget(ext: Leases, name: str) -> bool:
+    """:func:`forget` for asyncio."""
+    _check_name(name)
+    return await ext.astore.delete_receipt(name)
+
+
+async def aonce(
+    ext: Leases,
+    name: str,
+    fn: Callable[[], object],
+    *,
+    ttl: float | None = None,
+    wait: float | None = None,
+    receipt_ttl: float | None = None,
+) -> Any:
+    """:func:`once` for asyncio: the same lease, receipt and errors (see the module docs).
+
+    ``fn`` may be a coroutine function, awaited on the loop, or a plain function, run in a
+    worker thread so that it cannot stall the loop (nor the heartbeat renewing its lease).
+    Cancelling the caller cancels a coroutine initializer and releases the lease, so the next
+    waiter takes over at once; a thread cannot be cancelled, so a cancelled caller keeps the
+    lease (renewed) until its plain function returns, and only then lets the next one run.
+    """
+    _check_name(name)
+    if not callable(fn):
+        msg = f"aonce({name!r}, fn): fn must be callable, not {fn!r}"
+        raise LeaseConfigError(msg)
+    if receipt_ttl is None:
+        receipt_ttl = ext.settings.receipt_ttl
+    astore = ext.astore
+    text = await astore.get_receipt(name)
+    if text is not None:
+        return _decode(name, text)
+    deadline = None if wait is None else time.monotonic() + wait
+    resource = ext.store.keys.once_resource(name)
+    while True:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            (lease,) = await ext.aacquire([Want(resource)], ttl=ttl, wait=left)
+        except LeaseBusy as busy:
+            msg_wait = f" after waiting {busy.waited:.1f}s" if busy.waited else ""
+            logger.info("leases: once(%s) is still being initialised%s", name, msg_wait)
+            raise
+        try:
+            # someone may have finished while we waited for the lease
+            text = await astore.get_receipt(name)
+            if text is not None:
+                return _decode(name, text)
+            logger.info("leases: once(%s) initialising", name)
+            value = await _call(fn)
+            encoded = _encode(name, value, lease._held.owner, lease.token)
+            lease.check()
+            if not await astore.commit_receipt(name, lease._held, encoded, receipt_ttl):
+                raise LeaseLost(lease.resource, held_for=time.monotonic() - lease._held.acquired_at)
+            logger.info("leases: once(%s) stored its receipt", name)
+            return _decode(name, encoded)
+        finally:
+            # shielded: a caller cancelled again on its way out still gives the lease back
+            await asyncio.shield(ext.arelease([lease]))
+
+
+async def _call(fn: Callable[[], object]) -> object:
+    """Call an initializer: a coroutine function on the loop, a plain one in a thread."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn()
+    running = asyncio.ensure_future(asyncio.to_thread(fn))
+    try:
+        value = await asyncio.shield(running)
+    except asyncio.CancelledError:
+        # t0 the caller is cancelled while fn runs in a thread; t1 the lease is released;
+        # t2 the next caller starts fn while the first one still runs. So wait for it here.
+        while not running.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait({running})
+        raise
+    if inspect.isawaitable(value):  # e.g. a lambda that returns a coroutine
+        value = await value
+    return value

@@ -60,3 +60,26 @@ def unique() -> str | None:
         holder: str | None = exc.task_id
         return holder or key
     return str(result.id)
+
+
+async def aone() -> int:
+    async with leases.ahold("report:42", ttl=30, wait=10) as lease:
+        lease.check()
+        return lease.token
+
+
+async def amany() -> list[str]:
+    async with leases.ahold(["repo:7", Shared("remote:3")], wait=None) as held:
+        return [lease.resource for lease in held]
+
+
+async def aonce_usage() -> object:
+    async def init() -> dict[str, int]:
+        return {"files": 12}
+
+    first = await leases.aonce("analysis:42:input", init, ttl=60, wait=600)
+    again = await leases.aonce("analysis:42:input", lambda: {"files": 12})
+    stored = await leases.areceipt("analysis:42:input")
+    cleared: bool = await leases.aforget("analysis:42:input")
+    await leases.aclose()
+    return (first, again, stored, cleared)

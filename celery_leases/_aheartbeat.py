@@ -1,0 +1,198 @@
+"""AsyncHeartbeat: one task per event loop that renews every lease held on that loop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from celery.utils.log import get_logger
+
+from ._heartbeat import (
+    IDLE_LOOK,
+    MIN_BUDGET,
+    RETRY_AFTER_FAILURE,
+    _observe_renew,
+    _on_lost,
+    confirm,
+    renew_budget,
+    report_lost,
+)
+from .exceptions import LeaseError
+
+if TYPE_CHECKING:
+    from ._astore import AsyncLeaseStore
+    from ._lease import Held
+
+__all__ = ("AsyncHeartbeat", "loop_heartbeat")
+
+logger = get_logger(__name__)
+
+
+class AsyncHeartbeat:
+    """Renews the leases held on one event loop, as the sync heartbeat thread does.
+
+    One task, started on the first lease and ended after a second with nothing held. Every
+    ``min(ttl) / 3`` it sends one renewal per store and owner (the owner id is the process's,
+    as on the sync side: both renew its liveness with ``ZADD GT``, so neither can shorten what
+    the other set). Each renewal has a deadline, the time left before its first lease would
+    count as lost, so a stalled Redis cannot hide a loss: the lease is marked lost at
+    ``last confirmed renewal + horizon`` on the monotonic clock, before Redis could expire it.
+    A blocked event loop stops this task too; the deadline check then marks the leases lost
+    as soon as the loop runs again.
+    """
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._held: weakref.WeakKeyDictionary[Held, AsyncLeaseStore] = weakref.WeakKeyDictionary()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._next_renew = 0.0
+        self._planned: float | None = None  # clock time of the next look (None: looking now)
+        self._failing = False
+        self.renewals = 0  # renew calls sent (for tests)
+
+    def add(self, held: Held, store: AsyncLeaseStore) -> None:
+        """Start renewing ``held`` through ``store``; starts the task if it is not running."""
+        idle = not self.snapshot()
+        self._held[held] = store
+        due = held.confirmed_at + held.horizon / 3
+        self._next_renew = due if idle else min(self._next_renew, due)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(), name="celery-leases-heartbeat"
+            )
+        elif self._planned is None or self._next_renew < self._planned:
+            self._wake.set()
+
+    def discard(self, held: Held) -> None:
+        """Stop renewing ``held``."""
+        self._held.pop(held, None)
+
+    def snapshot(self) -> list[Held]:
+        """The leases being renewed now."""
+        return [h for h in self._held if not h.lost and not h.released]
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                delay = await self.tick()
+            except Exception:  # the heartbeat must outlive any bug in a callback
+                logger.exception("leases: heartbeat iteration failed")
+                delay = RETRY_AFTER_FAILURE
+            if delay is None:
+                await self._sleep(IDLE_LOOK)
+                if not self.snapshot():
+                    return  # add() starts a new task
+                continue
+            await self._sleep(delay)
+
+    async def _sleep(self, delay: float) -> None:
+        self._planned = self._clock() + delay
+        timer = asyncio.get_running_loop().call_later(delay, self._wake.set)
+        try:
+            await self._wake.wait()
+        finally:
+            timer.cancel()
+            self._wake.clear()
+            self._planned = None
+
+    async def tick(self) -> float | None:
+        """Do what is due now; return seconds until something is due (None: nothing held)."""
+        now = self._clock()
+        held = self.snapshot()
+        for h in held:
+            if now >= h.deadline:
+                self._lose(h, "not confirmed in time")
+        held = [h for h in held if not h.lost]
+        if not held:
+            return None
+        if now >= self._next_renew:
+            await self._renew(held, now)
+            now = self._clock()
+            held = [h for h in held if not h.lost and not h.released]
+            if not held:
+                return None
+        first_deadline = min(h.deadline for h in held)
+        return max(0.0, min(self._next_renew, first_deadline) - now)
+
+    async def _renew(self, held: list[Held], now: float) -> None:
+        interval = min(h.horizon for h in held) / 3
+        groups: dict[tuple[int, str], list[Held]] = {}
+        stores: dict[int, AsyncLeaseStore] = {}
+        for h in held:
+            store = self._held.get(h)
+            if store is None:
+                continue
+            groups.setdefault((id(store), h.owner), []).append(h)
+            stores[id(store)] = store
+        ok = True
+        # in deadline order, each batch within its share of the time left (see Heartbeat)
+        jobs = sorted(groups.items(), key=lambda job: min(h.deadline for h in job[1]))
+        for n, ((store_id, owner), batch) in enumerate(jobs):
+            store = stores[store_id]
+            budget = renew_budget(
+                batch, [other for _, other in jobs[n + 1 :]], self._clock(), store.settings
+            )
+            if budget < MIN_BUDGET:
+                continue  # too late to confirm; the deadline check marks them lost
+            sent = self._clock()
+            try:
+                self.renewals += 1
+                lost = await store.renew(batch, owner, budget)
+            except LeaseError as exc:
+                ok = False
+                _observe_renew(self._clock() - sent, False, len(batch))
+                if not self._failing:
+                    logger.error("leases: renewal of %d lease(s) failed: %s", len(batch), exc)
+                else:
+                    logger.debug("leases: renewal still failing: %s", exc)
+                continue
+            _observe_renew(self._clock() - sent, True, len(batch))
+            logger.debug("leases: renewed %d lease(s) of %s", len(batch), owner)
+            for h in confirm(batch, lost, sent):
+                self._lose(h, "Redis no longer has it")
+        if ok and self._failing:
+            logger.warning("leases: renewals succeed again")
+        self._failing = not ok
+        self._next_renew = now + (interval if ok else min(interval, RETRY_AFTER_FAILURE))
+
+    def _lose(self, held: Held, why: str) -> None:
+        if not held.mark_lost():
+            return
+        self.discard(held)
+        report_lost(held, why, self._clock(), _on_lost)
+
+
+_beats: dict[asyncio.AbstractEventLoop, AsyncHeartbeat] = {}
+_beats_lock = threading.Lock()
+
+
+def loop_heartbeat() -> AsyncHeartbeat:
+    """The running event loop's heartbeat (made on first use)."""
+    loop = asyncio.get_running_loop()
+    beat = _beats.get(loop)
+    if beat is None:
+        with _beats_lock:
+            for old in [other for other in _beats if other.is_closed()]:
+                del _beats[old]
+            beat = _beats.setdefault(loop, AsyncHeartbeat())
+    return beat
+
+
+def _reset_after_fork() -> None:
+    # a child runs none of its parent's loops, and the leases renewed there are the parent's
+    global _beats_lock
+    _beats.clear()
+    _beats_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)

@@ -1,0 +1,692 @@
+"""AsyncLeaseStore: the asyncio side of the store, the only async code that talks to Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeVar
+
+import redis.asyncio as aredis
+from celery.utils.log import get_logger
+from redis.asyncio.client import PubSub
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from . import _scripts
+from ._connect import make_async_client as make_deployment_client
+from ._connect import parse_target
+from ._identity import Identity
+from ._lease import Held, Want
+from ._store import _EXPIRY_SLACK, Busy, Entry, LeaseStore
+from .config import LeaseSettings, safe_url
+from .exceptions import LeaseBusy, LeaseConfigError, LeaseError
+
+__all__ = ("AsyncLeaseStore", "make_async_client")
+
+logger = get_logger(__name__)
+
+T = TypeVar("T")
+
+#: connections of one event loop's client; more concurrent commands wait for a free one
+#: (up to the socket timeout) instead of opening thousands of connections under load
+MAX_CONNECTIONS: Final = 64
+#: connections of one event loop's renewal client (the heartbeat sends one call at a time)
+RENEW_CONNECTIONS: Final = 2
+
+
+def make_async_client(
+    settings: LeaseSettings, *, max_connections: int = MAX_CONNECTIONS
+) -> aredis.Redis:
+    """An asyncio client for ``settings``, with the options of the sync store's client.
+
+    The one place asyncio clients are made. A client's connections belong to the event loop
+    that opened them, so the store makes one per loop. Its pool blocks when all of its
+    connections are in use (up to ``socket_timeout``) rather than failing.
+    """
+    common: dict[str, Any] = {
+        "decode_responses": True,
+        "socket_timeout": settings.socket_timeout,
+        "socket_connect_timeout": settings.socket_connect_timeout,
+        "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        "client_name": "celery_leases",
+        "max_connections": max_connections,
+    }
+    try:
+        target = parse_target(settings.url)
+        if target.kind != "single":  # Sentinel or Cluster: their own pools
+            return make_deployment_client(target, **common)
+        pool = aredis.BlockingConnectionPool.from_url(
+            settings.url, timeout=settings.socket_timeout, **common
+        )
+    except (ValueError, TypeError, RedisError) as exc:
+        msg = f"redis_url {safe_url(settings.url)!r} is not usable: {exc}"
+        raise LeaseConfigError(msg) from None
+    return aredis.Redis.from_pool(pool)
+
+
+class _Subscriber:
+    """One pub/sub connection per event loop that wakes the coroutines waiting for releases.
+
+    Each waiter registers an :class:`asyncio.Event` for the release channels of what it
+    wants; a release message sets the events of that channel's waiters. A channel is
+    subscribed while it has waiters and unsubscribed when its last waiter leaves (cancelled
+    or not). SUBSCRIBE and UNSUBSCRIBE are sent under one lock, in the order they were
+    decided, and a waiter goes on only once every SUBSCRIBE sent for its channels so far is
+    confirmed: a release between its failed attempt and a late subscription would otherwise
+    go unheard. Timeline: t0 A unsubscribes c (its last waiter left); t1 B subscribes c again
+    before the UNSUBSCRIBE is confirmed; t2 the first SUBSCRIBE's confirmation arrives, but
+    B must wait for the second, which Redis handles after the UNSUBSCRIBE.
+    """
+
+    def __init__(self, client: aredis.Redis, confirm_timeout: float) -> None:
+        self._pubsub: PubSub = client.pubsub()
+        self._timeout = confirm_timeout
+        self._lock = asyncio.Lock()
+        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._subscribed: set[str] = set()  # SUBSCRIBE sent, and no UNSUBSCRIBE since
+        self._pending: dict[str, int] = {}  # SUBSCRIBE commands not yet confirmed
+        self._ready: dict[str, asyncio.Event] = {}  # set once a subscription is in force
+        self._reader: asyncio.Task[None] | None = None
+        self._apply_due = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.broken: BaseException | None = None
+
+    def channels(self) -> set[str]:
+        """The channels subscribed now (or about to be)."""
+        return set(self._subscribed)
+
+    async def add(self, channels: Sequence[str], event: asyncio.Event) -> None:
+        """Wake ``event`` on a release on any of ``channels``, once subscribed to all of them."""
+        for channel in channels:
+            self._waiters.setdefault(channel, set()).add(event)
+        try:
+            await _shielded(self._apply())
+            end = time.monotonic() + self._timeout
+            for channel in channels:
+                ready = self._ready.get(channel)
+                if ready is None:  # broken meanwhile
+                    break
+                if not ready.is_set() and not await _within(ready.wait(), end - time.monotonic()):
+                    exc = RedisTimeoutError("no SUBSCRIBE confirmation")
+                    self._break(exc)  # its waiters start over on a new connection
+                    raise exc
+            if self.broken is not None:
+                raise RedisConnectionError(f"subscriber connection failed: {self.broken}")
+        except BaseException:
+            self.remove(channels, event)
+            raise
+
+    def remove(self, channels: Sequence[str], event: asyncio.Event) -> None:
+        """Stop waking ``event``; a channel without waiters is unsubscribed soon after.
+
+        Never waits, so a cancelled waiter can always leave; the UNSUBSCRIBE is sent by a
+        task of its own.
+        """
+        emptied = False
+        for channel in channels:
+            waiters = self._waiters.get(channel)
+            if waiters is None:
+                continue
+            waiters.discard(event)
+            if not waiters:
+                del self._waiters[channel]
+                emptied = True
+        if emptied and not self._apply_due and self.broken is None:
+            self._apply_due = True
+            self._spawn(self._apply_quietly())
+
+    async def _apply(self) -> None:
+        """Send what makes the subscriptions match the waiters (SUBSCRIBE and UNSUBSCRIBE)."""
+        async with self._lock:
+            self._apply_due = False
+            if self.broken is not None:
+                raise RedisConnectionError(f"subscriber connection failed: {self.broken}")
+            wanted = set(self._waiters)
+            drop = sorted(self._subscribed - wanted)
+            add = sorted(wanted - self._subscribed)
+            try:
+                if drop:
+                    self._subscribed.difference_update(drop)
+                    for channel in drop:
+                        if not self._pending.get(channel):
+                            self._ready.pop(channel, None)
+                    await self._pubsub.unsubscribe(*drop)
+                if add:
+                    for channel in add:
+                        self._subscribed.add(channel)
+                        self._pending[channel] = self._pending.get(channel, 0) + 1
+                        self._ready.setdefault(channel, asyncio.Event()).clear()
+                    await self._pubsub.subscribe(*add)
+                    if self._reader is None:
+                        connection = self._pubsub.connection
+                        if connection is not None:
+                            connection.register_connect_callback(self._reconnected)
+                        self._reader = asyncio.get_running_loop().create_task(
+                            self._read(), name="celery-leases-subscriber"
+                        )
+            except (RedisError, OSError) as exc:
+                self._break(exc)
+                raise
+
+    def _reconnected(self, connection: object) -> None:
+        """redis-py reconnected (and resubscribes): wake every waiter to try again.
+
+        A release published while the connection was down was never heard.
+        """
+        for waiters in self._waiters.values():
+            for event in waiters:
+                event.set()
+
+    async def _apply_quietly(self) -> None:
+        # on failure _apply broke the subscriber: its waiters were woken and start over
+        with contextlib.suppress(RedisError, OSError):
+            await self._apply()
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                message = await self._pubsub.get_message(timeout=None)
+                if message is None:
+                    continue
+                kind, channel = message.get("type"), str(message.get("channel"))
+                if kind == "message":
+                    for event in self._waiters.get(channel, ()):
+                        event.set()
+                elif kind == "subscribe":
+                    left = self._pending.get(channel, 0) - 1
+                    if left > 0:
+                        self._pending[channel] = left
+                        continue
+                    self._pending.pop(channel, None)
+                    if channel in self._subscribed:
+                        self._ready.setdefault(channel, asyncio.Event()).set()
+                    else:
+                        self._ready.pop(channel, None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._break(exc)
+
+    def _break(self, exc: BaseException) -> None:
+        """The connection failed: wake every waiter (each tries again on a new subscriber)."""
+        if self.broken is not None:
+            return
+        self.broken = exc
+        for waiters in self._waiters.values():
+            for event in waiters:
+                event.set()
+        for ready in self._ready.values():
+            ready.set()
+        self._spawn(self.aclose())
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def aclose(self) -> None:
+        """Close the connection (the waiters still registered are woken)."""
+        if self.broken is None:
+            self.broken = RedisConnectionError("subscriber closed")
+            for waiters in self._waiters.values():
+                for event in waiters:
+                    event.set()
+        reader, self._reader = self._reader, None
+        if reader is not None and reader is not asyncio.current_task():
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+        with contextlib.suppress(RedisError, OSError):
+            await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+@dataclass
+class _LoopState:
+    """What a store keeps per event loop: clients, scripts, subscriber, background tasks."""
+
+    client: aredis.Redis
+    renew_client: aredis.Redis
+    acquire: AsyncScript
+    release: AsyncScript
+    commit_receipt: AsyncScript
+    subscriber: _Subscriber | None = None
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    queues: dict[tuple[Want, ...], _Queue] = field(default_factory=dict)
+
+
+@dataclass
+class _Queue:
+    """The coroutines of one loop waiting for the same resources, first come first served."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
+
+
+class AsyncLeaseStore:
+    """The asyncio twin of :class:`~celery_leases._store.LeaseStore`.
+
+    Same scripts, keys, owner registry and tokens: it asks ``store`` for the key names and the
+    arguments of every call and for what each reply means, and only sends them. The leases it
+    grants are :class:`~celery_leases._lease.Held` records of ``store``, so they exclude, and
+    are excluded by, the sync side's. Clients are made per event loop (an asyncio connection
+    belongs to its loop). Every redis error is raised as
+    :class:`~celery_leases.exceptions.LeaseBackendError`.
+    """
+
+    def __init__(self, store: LeaseStore) -> None:
+        if store.settings.min_replicas:
+            msg = (
+                "min_replicas is not supported by the asyncio API yet (its grants and renewals "
+                "would not wait for replicas); use hold()/once() or set min_replicas = 0"
+            )
+            raise LeaseConfigError(msg)
+        self.store = store
+        self.settings = store.settings
+        self._lock = threading.Lock()
+        self._loops: dict[asyncio.AbstractEventLoop, _LoopState] = {}
+        self._pid = os.getpid()
+
+    # --- clients --------------------------------------------------------------------------
+    def _state(self) -> _LoopState:
+        loop = asyncio.get_running_loop()
+        state = self._loops.get(loop)
+        if state is not None and self._pid == os.getpid():
+            return state
+        with self._lock:
+            if self._pid != os.getpid():
+                self._loops, self._pid = {}, os.getpid()
+            for old in [other for other in self._loops if other.is_closed()]:
+                del self._loops[old]  # its connections went with it
+            state = self._loops.get(loop)
+            if state is None:
+                client = make_async_client(self.settings)
+                state = self._loops[loop] = _LoopState(
+                    client=client,
+                    renew_client=make_async_client(
+                        self.settings, max_connections=RENEW_CONNECTIONS
+                    ),
+                    acquire=client.register_script(_scripts.ACQUIRE),
+                    release=client.register_script(_scripts.RELEASE),
+                    commit_receipt=client.register_script(_scripts.COMMIT_RECEIPT),
+                )
+            return state
+
+    async def aclose(self) -> None:
+        """Close the running event loop's connections (new ones are made on next use)."""
+        loop = asyncio.get_running_loop()
+        state = self._loops.get(loop)
+        if state is None:
+            return
+        # acquires of cancelled callers, and the releases they start: let them finish first
+        end = time.monotonic() + self.settings.socket_timeout
+        while state.tasks and time.monotonic() < end:
+            await asyncio.wait(set(state.tasks), timeout=end - time.monotonic())
+        with self._lock:
+            if self._loops.get(loop) is state:
+                del self._loops[loop]
+        if state.subscriber is not None:
+            await state.subscriber.aclose()
+        await state.client.aclose()
+        await state.renew_client.aclose()
+
+    def _spawn(self, state: _LoopState, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        state.tasks.add(task)
+        task.add_done_callback(state.tasks.discard)
+
+    async def ping(self) -> bool:
+        """True if Redis answers."""
+        try:
+            return bool(await _shielded(self._state().client.ping()))
+        except RedisError as exc:
+            raise self.store._backend_error("answer PING", exc) from exc
+
+    # --- acquire --------------------------------------------------------------------------
+    async def try_acquire(
+        self, wants: Sequence[Want], ident: Identity, ttl: float, task_id: str | None = None
+    ) -> list[Held] | Busy:
+        """One all-or-nothing attempt, as :meth:`LeaseStore.try_acquire` makes it."""
+        by_group, fresh = self.store.acquire_plan(wants, ident.owner, ttl)
+        if 0 not in by_group and not fresh:
+            outcome = await self._acquire_group(0, [], ident, ttl, True, task_id)
+            if isinstance(outcome, Busy):
+                return outcome
+            fresh = True
+        if len(by_group) == 1:
+            group, idx = next(iter(by_group.items()))
+            if len(idx) == 1:
+                return await self._acquire_group(group, wants, ident, ttl, not fresh, task_id)
+        out: list[Held | None] = [None] * len(wants)
+        taken: list[Held] = []
+        for group in sorted(by_group):
+            idx = sorted(by_group[group], key=lambda i: wants[i].resource)
+            outcome = await self._acquire_group(
+                group, [wants[i] for i in idx], ident, ttl, not fresh and group == 0, task_id
+            )
+            if isinstance(outcome, Busy):
+                if taken:
+                    await self.release(taken)
+                return outcome
+            for i, held in zip(idx, outcome, strict=True):
+                out[i] = held
+                taken.append(held)
+        return [h for h in out if h is not None]
+
+    async def _acquire_group(
+        self,
+        group: int,
+        wants: Sequence[Want],
+        ident: Identity,
+        ttl: float,
+        home: bool,
+        task_id: str | None,
+    ) -> list[Held] | Busy:
+        call = self.store.acquire_call(group, wants, ident, ttl, home, task_id)
+        state = self._state()
+        try:
+            reply = await state.acquire(call.keys, call.args, client=state.client)
+        except RedisError as exc:
+            raise self.store._backend_error("acquire", exc) from exc
+        return self.store.acquire_outcome(call, reply)
+
+    async def _attempt(
+        self, wants: Sequence[Want], ident: Identity, ttl: float, task_id: str | None
+    ) -> list[Held] | Busy:
+        """:meth:`try_acquire`, and if the caller is cancelled meanwhile, nothing is kept.
+
+        Timeline: t0 the acquire script runs in Redis and grants; t1 the caller is cancelled
+        before the reply is read; t2 nobody would release the grant until its TTL. So the
+        attempt runs shielded, and a grant that comes back to a cancelled caller is released.
+        """
+        state = self._state()
+        attempt = asyncio.ensure_future(self.try_acquire(wants, ident, ttl, task_id))
+        try:
+            return await asyncio.shield(attempt)
+        except asyncio.CancelledError:
+            # also when it is done already: it may have completed just as we were cancelled
+            state.tasks.add(attempt)  # aclose() waits for it, and its release
+            attempt.add_done_callback(lambda done: self._release_orphan(state, done))
+            raise
+
+    def _release_orphan(
+        self, state: _LoopState, attempt: asyncio.Future[list[Held] | Busy]
+    ) -> None:
+        state.tasks.discard(attempt)
+        if attempt.cancelled() or attempt.exception() is not None:
+            return
+        granted = attempt.result()
+        if isinstance(granted, list) and granted:
+            self._spawn(state, self._release_quietly(granted))
+
+    async def _release_quietly(self, held: list[Held]) -> None:
+        try:
+            await self.release(held)
+        except LeaseError as exc:  # it runs out by its TTL; the registry lets a cleanup free it
+            logger.error("leases: could not release %d lease(s): %s", len(held), exc)
+
+    async def acquire(
+        self,
+        wants: Sequence[Want],
+        ident: Identity,
+        ttl: float,
+        wait: float | None = 0.0,
+        task_id: str | None = None,
+    ) -> list[Held]:
+        """Acquire all of ``wants`` or none, waiting up to ``wait`` seconds (None: no limit).
+
+        As :meth:`LeaseStore.acquire`: a waiter is woken by a release on one of its channels
+        at once, and by the blocking holder's expiry at the latest, and holds nothing while it
+        waits. The waiters of one event loop share one subscriber connection, and those that
+        want the same resources queue locally: only the first of them tries again on each
+        release (200 coroutines waiting for one resource cost one attempt per release, not
+        200), and they get it in the order they came. A cancelled waiter leaves nothing
+        behind: no subscription, no lease, no place in the queue.
+
+        Raises:
+            LeaseBusy: still busy when the wait ran out; ``.resource`` names the first busy one.
+            LeaseBackendError: Redis failed.
+        """
+        start = time.monotonic()
+        outcome = await self._attempt(wants, ident, ttl, task_id)
+        if not isinstance(outcome, Busy):
+            return outcome
+        if wait is not None and wait <= 0:
+            raise LeaseBusy(outcome.resource, retry_after=outcome.wait)
+        deadline = math.inf if wait is None else start + wait
+        state = self._state()
+        key = tuple(wants)
+        queue = state.queues.get(key)
+        if queue is None:
+            queue = state.queues[key] = _Queue()
+        queue.users += 1
+        try:
+            if deadline == math.inf:
+                await queue.lock.acquire()
+            elif not await _within(
+                queue.lock.acquire(), deadline - time.monotonic(), undo=queue.lock.release
+            ):
+                waited = time.monotonic() - start
+                raise LeaseBusy(outcome.resource, retry_after=outcome.wait, waited=waited)
+            try:
+                return await self._wait(state, wants, ident, ttl, task_id, start, deadline)
+            finally:
+                queue.lock.release()
+        finally:
+            queue.users -= 1
+            if not queue.users and state.queues.get(key) is queue:
+                del state.queues[key]
+
+    async def _wait(
+        self,
+        state: _LoopState,
+        wants: Sequence[Want],
+        ident: Identity,
+        ttl: float,
+        task_id: str | None,
+        start: float,
+        deadline: float,
+    ) -> list[Held]:
+        """Subscribe, then try again on each release (or expiry) until granted or ``deadline``."""
+        keys = self.store.resource_keys
+        channels = sorted({keys(w.resource).channel for w in wants})
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        subscriber = await self._subscribe(state, channels, event)
+        try:
+            while True:
+                event.clear()  # before the attempt: a release from now on wakes us
+                outcome = await self._attempt(wants, ident, ttl, task_id)
+                if not isinstance(outcome, Busy):
+                    return outcome
+                now = time.monotonic()
+                if now >= deadline:
+                    raise LeaseBusy(outcome.resource, retry_after=outcome.wait, waited=now - start)
+                # woken by a release, or by the blocking holder's expiry at the latest
+                timer = loop.call_later(
+                    min(deadline - now, outcome.wait + _EXPIRY_SLACK), event.set
+                )
+                try:
+                    await event.wait()
+                finally:
+                    timer.cancel()
+                if subscriber.broken is not None:
+                    subscriber.remove(channels, event)
+                    subscriber = await self._subscribe(state, channels, event)
+        finally:
+            subscriber.remove(channels, event)
+
+    async def _subscribe(
+        self, state: _LoopState, channels: list[str], event: asyncio.Event
+    ) -> _Subscriber:
+        subscriber = state.subscriber
+        if subscriber is None or subscriber.broken is not None:
+            subscriber = state.subscriber = _Subscriber(state.client, self.settings.socket_timeout)
+        try:
+            await subscriber.add(channels, event)
+        except RedisError as exc:
+            raise self.store._backend_error("wait for a release", exc) from exc
+        return subscriber
+
+    def subscribed_channels(self) -> set[str]:
+        """The release channels the running loop's subscriber listens to (for tests)."""
+        state = self._loops.get(asyncio.get_running_loop())
+        subscriber = None if state is None else state.subscriber
+        return set() if subscriber is None else subscriber.channels()
+
+    # --- renew ----------------------------------------------------------------------------
+    async def renew(self, held: Sequence[Held], owner: str, timeout: float) -> set[int]:
+        """Renew ``held`` (all of one owner) and refresh the owner's liveness, within ``timeout``.
+
+        The same calls as :meth:`LeaseStore.renew`, sent on the loop's renewal client (never
+        queued behind the requests of the loop's other client) under a deadline: a stalled
+        Redis cannot hide a lost lease.
+
+        Returns:
+            the indices (into ``held``) of leases Redis no longer has for us.
+
+        Raises:
+            LeaseBackendError: Redis failed, or gave no reply within ``timeout``.
+        """
+        plan = self.store.renew_calls(held, owner)
+        client = self._state().renew_client
+        calls = [(keys, args) for _, keys, args in plan.calls]
+        sending = asyncio.ensure_future(_evalsha_all(client, _scripts.RENEW, calls))
+        try:
+            if not await _within(sending, timeout):
+                exc = RedisTimeoutError(f"no reply within {timeout:.2f}s")
+                raise self.store._backend_error("renew", exc)
+            replies = sending.result()
+        except RedisError as exc:
+            raise self.store._backend_error("renew", exc) from exc
+        return self.store.renew_outcome(plan, replies, owner)
+
+    # --- release --------------------------------------------------------------------------
+    async def release(self, held: Sequence[Held]) -> list[bool]:
+        """Release ``held``; True for each lease that was still ours (as the sync store)."""
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i, h in enumerate(held):
+            groups.setdefault((h.owner, h.group), []).append(i)
+        out: dict[int, bool] = {}
+        state = self._state()
+        for (owner, group), idx in groups.items():
+            entries = [
+                Entry(held[i].mode, held[i].token, held[i].task_id, held[i].resource) for i in idx
+            ]
+            keys, args = self.store.release_call(owner, group, entries)
+            try:
+                reply = await _shielded(state.release(keys, args, client=state.client))
+            except RedisError as exc:
+                raise self.store._backend_error("release", exc) from exc
+            out.update(zip(idx, [x == 1 for x in reply], strict=True))
+        return [out[i] for i in range(len(held))]
+
+    # --- once receipts --------------------------------------------------------------------
+    async def get_receipt(self, name: str) -> str | None:
+        """The stored receipt (JSON text) of ``once(name)``, or None."""
+        try:
+            value = await _shielded(self._state().client.get(self.store.keys.receipt(name)))
+        except RedisError as exc:
+            raise self.store._backend_error("read a receipt", exc) from exc
+        return None if value is None else str(value)
+
+    async def commit_receipt(self, name: str, held: Held, receipt: str, ttl: float | None) -> bool:
+        """Store ``receipt`` if ``held`` (the once-lease) is still ours; False if it is not."""
+        keys, args = self.store.commit_receipt_call(name, held, receipt, ttl)
+        state = self._state()
+        try:
+            reply = await _shielded(state.commit_receipt(keys, args, client=state.client))
+            return bool(int(reply))
+        except RedisError as exc:
+            raise self.store._backend_error("store a receipt", exc) from exc
+
+    async def delete_receipt(self, name: str) -> bool:
+        """Delete the receipt of ``once(name)``; True if there was one."""
+        try:
+            key = self.store.keys.receipt(name)
+            return bool(await _shielded(self._state().client.delete(key)))
+        except RedisError as exc:
+            raise self.store._backend_error("delete a receipt", exc) from exc
+
+
+async def _evalsha_all(
+    client: aredis.Redis, source: str, calls: Sequence[tuple[list[str], list[Any]]]
+) -> list[Any]:
+    """EVALSHA each of ``calls`` in one round trip; loads the script once if Redis lost it."""
+    sha = client.register_script(source).sha
+    for _ in range(2):
+        pipe = client.pipeline(transaction=False)
+        for keys, args in calls:
+            pipe.evalsha(sha, len(keys), *keys, *args)
+        replies: list[Any] = await pipe.execute(raise_on_error=False)
+        if not any(isinstance(r, NoScriptError) for r in replies):
+            break
+        # Redis restarted or SCRIPT FLUSH ran: load it and send again
+        await client.script_load(source)
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
+async def _shielded(awaitable: Awaitable[T]) -> T:
+    """Await a redis-py call in a task of its own, so a cancellation of the caller is never lost.
+
+    redis-py's asyncio commands wrap their socket I/O in :func:`asyncio.wait_for`, which
+    before Python 3.12 can swallow a cancellation that arrives as the I/O completes: the
+    caller then runs on as if never cancelled (a cancelled waiter would go on waiting). Under
+    :func:`asyncio.shield` the caller gets its ``CancelledError`` at once, and the call itself
+    runs to its end (its outcome is then dropped; a grant is handled by ``_attempt``).
+    """
+    task = asyncio.ensure_future(awaitable)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_drop_outcome)
+        raise
+
+
+def _drop_outcome(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: no "exception was never retrieved" log
+
+
+async def _within(
+    awaitable: Awaitable[Any], timeout: float, undo: Callable[[], object] | None = None
+) -> bool:
+    """Await ``awaitable`` for up to ``timeout`` seconds; False (and it is cancelled) if late.
+
+    Not :func:`asyncio.wait_for`: before Python 3.12 it can lose a cancellation that comes as
+    the awaited thing completes (the caller then runs on as if never cancelled: a waiter keeps
+    waiting, a task never ends). If the caller is cancelled or the time runs out and the
+    awaited thing succeeds all the same, ``undo`` is called (e.g. to release a lock).
+    """
+    future = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({future}, timeout=max(timeout, 0.0))
+    except asyncio.CancelledError:
+        _abandon(future, undo)
+        raise
+    if done:
+        future.result()  # raises its exception, if any
+        return True
+    _abandon(future, undo)
+    return False
+
+
+def _abandon(future: asyncio.Future[Any], undo: Callable[[], object] | None) -> None:
+    future.cancel()  # a no-op if it is done
+
+    def settle(done: asyncio.Future[Any]) -> None:
+        if not done.cancelled() and done.exception() is None and undo is not None:
+            undo()
+
+    future.add_done_callback(settle)
