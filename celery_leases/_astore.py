@@ -23,8 +23,8 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import _scripts
+from ._connect import aclose_client, parse_target
 from ._connect import make_async_client as make_deployment_client
-from ._connect import parse_target
 from ._identity import Identity
 from ._lease import Held, Want
 from ._store import _EXPIRY_SLACK, Busy, Entry, LeaseStore
@@ -335,8 +335,8 @@ class AsyncLeaseStore:
                 del self._loops[loop]
         if state.subscriber is not None:
             await state.subscriber.aclose()
-        await state.client.aclose()
-        await state.renew_client.aclose()
+        await aclose_client(state.client)
+        await aclose_client(state.renew_client)
 
     def _spawn(self, state: _LoopState, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -625,7 +625,8 @@ async def _evalsha_all(
     for _ in range(2):
         pipe = client.pipeline(transaction=False)
         for keys, args in calls:
-            pipe.evalsha(sha, len(keys), *keys, *args)
+            # not pipe.evalsha(): a cluster pipeline refuses it, but routes EVALSHA by its keys
+            pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
         replies: list[Any] = await pipe.execute(raise_on_error=False)
         if not any(isinstance(r, NoScriptError) for r in replies):
             break

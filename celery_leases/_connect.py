@@ -31,7 +31,14 @@ from redis.sentinel import Sentinel
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ("RedisTarget", "is_cluster", "make_async_client", "make_client", "parse_target")
+__all__ = (
+    "RedisTarget",
+    "aclose_client",
+    "is_cluster",
+    "make_async_client",
+    "make_client",
+    "parse_target",
+)
 
 Kind = Literal["single", "sentinel", "cluster"]
 
@@ -219,6 +226,15 @@ def _build(
     )
     assert target.master_name is not None
     return sentinel.master_for(target.master_name, **options)
+
+
+async def aclose_client(client: redis.asyncio.Redis) -> None:
+    """Close an asyncio client from :func:`make_async_client`, its sentinels' connections too
+    (closing the master's client leaves the connections that found the master open)."""
+    await client.aclose()
+    manager = getattr(getattr(client, "connection_pool", None), "sentinel_manager", None)
+    for sentinel in getattr(manager, "sentinels", ()):
+        await sentinel.aclose()
 
 
 def is_cluster(client: object) -> bool:

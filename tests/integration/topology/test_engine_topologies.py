@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -290,3 +291,31 @@ def test_cli_lists_and_shows(
     out = cli("ls", "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == []
+
+
+@pytest.mark.asyncio
+async def test_the_asyncio_api_on_the_deployment(make: Callable[..., Leases]) -> None:
+    leases = make()
+    names = resources_in_distinct_groups(leases, 3)
+    try:
+        async with leases.ahold(names, ttl=1.0) as held:
+            with pytest.raises(LeaseBusy):
+                leases.acquire([Want(names[0])])  # the sync side sees the async grant
+            await asyncio.sleep(1.5)  # renewed past its ttl by the loop's heartbeat task
+            for lease in held:
+                lease.check()
+        order: list[str] = []
+
+        async def waiter() -> None:
+            async with leases.ahold(names[-1], ttl=10, wait=60):
+                order.append("waiter")
+
+        async with leases.ahold(names[-1], ttl=3600):
+            task = asyncio.ensure_future(waiter())
+            await asyncio.sleep(0.2)
+            order.append("holder done")
+        await asyncio.wait_for(task, 60)  # woken by the release, not the hour-long expiry
+        assert order == ["holder done", "waiter"]
+        assert await leases.aonce(f"ainit:{names[0]}", lambda: {"ok": 1}) == {"ok": 1}
+    finally:
+        await leases.aclose()
