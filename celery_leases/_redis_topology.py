@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import redis
 
-from ._redis_server import HOST, RedisServer, StartStop, _client, find_server_binary, free_port
+from ._redis_server import HOST, RedisServer, StartStop, _client, ensure_server_binary, free_port
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -74,7 +74,7 @@ class LocalCluster(StartStop):
         Raises:
             RuntimeError: no ``redis-cli``/``valkey-cli``, or the cluster did not form.
         """
-        binary = find_server_binary()
+        binary = ensure_server_binary()
         cli = _cli_beside(binary)
         try:
             for _ in range(self._masters * (1 + self._replicas)):
@@ -165,9 +165,7 @@ class LocalSentinel(StartStop):
 
     def start(self) -> None:
         """Start the master, its replicas (in sync) and the sentinels (agreed on the master)."""
-        binary = find_server_binary()
-        if binary is None:
-            raise RuntimeError("no redis-server or valkey-server found")
+        binary = ensure_server_binary()
         self._dir = tempfile.mkdtemp(prefix="celery-leases-sentinel-")
         try:
             master = RedisServer(binary=binary)
@@ -325,10 +323,8 @@ def _answers(url: str) -> bool:
         client.close()
 
 
-def _cli_beside(binary: str | None) -> str:
+def _cli_beside(binary: str) -> str:
     """``redis-cli`` (or ``valkey-cli``) next to the server binary, else on PATH."""
-    if binary is None:
-        raise RuntimeError("no redis-server or valkey-server found")
     folder = os.path.dirname(binary)
     for name in ("redis-cli", "valkey-cli"):
         path = os.path.join(folder, name)
