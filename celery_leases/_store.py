@@ -329,15 +329,17 @@ class LeaseStore:
         already granted are released again, so the caller never holds part of the set.
         """
         by_group, fresh = self.acquire_plan(wants, ident.owner, ttl)
+        single = len(by_group) == 1 and len(next(iter(by_group.values()))) == 1
         if 0 not in by_group and not fresh:
+            if single and not self._wait_replicas:
+                # the home call and the grant in one round trip (two nodes on a cluster)
+                return self._acquire_with_home(next(iter(by_group)), wants, ident, ttl, task_id)
             outcome = self._acquire_group(0, [], ident, ttl, True, task_id)
             if isinstance(outcome, Busy):
                 return outcome
             fresh = True
-        if len(by_group) == 1:
-            group, idx = next(iter(by_group.items()))
-            if len(idx) == 1:
-                return self._acquire_group(group, wants, ident, ttl, not fresh, task_id)
+        if single:
+            return self._acquire_group(next(iter(by_group)), wants, ident, ttl, not fresh, task_id)
         out: list[Held | None] = [None] * len(wants)
         taken: list[Held] = []
         for group in sorted(by_group):
@@ -353,6 +355,39 @@ class LeaseStore:
                 out[i] = held
                 taken.append(held)
         return [h for h in out if h is not None]
+
+    def _acquire_with_home(
+        self, group: int, wants: Sequence[Want], ident: Identity, ttl: float, task_id: str | None
+    ) -> list[Held] | Busy:
+        """The owner's home call (group 0) and the grant in ``group``, sent together.
+
+        If the home call is refused (restart grace) while the grant went through, the grant is
+        given back, as :meth:`try_acquire` would never have asked for it.
+        """
+        home = self.acquire_call(0, [], ident, ttl, True, task_id)
+        call = self.acquire_call(group, wants, ident, ttl, False, task_id)
+        with self._backend("acquire"):
+            for attempt in (1, 2):
+                pipe = self.client.pipeline(transaction=False)
+                for c in (home, call):
+                    pipe.execute_command(  # type: ignore[no-untyped-call]
+                        "EVALSHA", self._acquire.sha, len(c.keys), *c.keys, *c.args
+                    )
+                replies = pipe.execute(raise_on_error=False)
+                if attempt == 1 and any(isinstance(r, NoScriptError) for r in replies):
+                    self.client.script_load(_scripts.ACQUIRE)  # on every primary of a cluster
+                    continue
+                break
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+        registered = self.acquire_outcome(home, replies[0])
+        outcome = self.acquire_outcome(call, replies[1])
+        if isinstance(registered, Busy):
+            if not isinstance(outcome, Busy):
+                self.release(outcome)
+            return registered
+        return outcome
 
     def acquire_plan(
         self, wants: Sequence[Want], owner: str, ttl: float

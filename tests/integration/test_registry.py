@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from celery_leases import Leases
+import pytest
+
+from celery_leases import LeaseBusy, Leases
 from celery_leases._lease import Want
 
 
@@ -50,3 +52,19 @@ def test_a_shorter_liveness_never_cuts_a_longer_one(make_leases, leases_prefix):
     with long_lived.hold("long"), short_lived.hold("short"):
         left = dict(long_lived.store.owners())[owner]
         assert left > 30.0, f"liveness was cut to {left:.1f}s"
+
+
+def test_a_grant_outside_the_home_group_is_given_back_when_the_home_call_is_refused(
+    make_leases, leases_redis
+):
+    # the home call and the grant go in one round trip; the home group still in its restart
+    # grace refuses the owner, so the grant that went through in the other group is given back
+    leases = make_leases(slot_groups=8, restart_grace=30.0)
+    store = leases.store
+    name = next(f"r{i}" for i in range(100) if store.keys.group_of(f"r{i}") != 0)
+    leases_redis.set(store.keys.epoch(store.keys.group_of(name)), "1")  # up for ages
+    with pytest.raises(LeaseBusy) as busy:
+        leases.acquire([Want(name)])
+    assert busy.value.resource == "(owner registration)"
+    assert store.holders(name) == []
+    assert store.entries(leases.identity().owner) == []
