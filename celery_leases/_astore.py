@@ -283,10 +283,10 @@ class AsyncLeaseStore:
     """
 
     def __init__(self, store: LeaseStore) -> None:
-        if store.settings.min_replicas:
+        if store.settings.min_replicas and store._cluster:
             msg = (
-                "min_replicas is not supported by the asyncio API yet (its grants and renewals "
-                "would not wait for replicas); use hold()/once() or set min_replicas = 0"
+                "min_replicas is not supported by the asyncio API on a Redis Cluster yet (its "
+                "grants and renewals would not wait for replicas); use hold()/once() there"
             )
             raise LeaseConfigError(msg)
         self.store = store
@@ -393,7 +393,19 @@ class AsyncLeaseStore:
         call = self.store.acquire_call(group, wants, ident, ttl, home, task_id)
         state = self._state()
         try:
-            reply = await state.acquire(call.keys, call.args, client=state.client)
+            if self.store._wait_replicas:
+                # the grant, then WAIT, in one round trip (see the min_replicas setting)
+                wait = self.store._wait_replicas
+                reply, acked = await _evalsha_all(
+                    state.client, _scripts.ACQUIRE, [(call.keys, call.args)], wait
+                )
+                if int(reply[0]) == 1 and int(acked) < self.store.settings.min_replicas:
+                    granted = self.store.acquire_outcome(call, reply)
+                    if not isinstance(granted, Busy):
+                        await self.release(granted)  # no replica could hand it on
+                    self.store._check_replicated(acked, "grant")
+            else:
+                reply = await state.acquire(call.keys, call.args, client=state.client)
         except RedisError as exc:
             raise self.store._backend_error("acquire", exc) from exc
         return self.store.acquire_outcome(call, reply)
@@ -559,12 +571,15 @@ class AsyncLeaseStore:
         plan = self.store.renew_calls(held, owner)
         client = self._state().renew_client
         calls = [(keys, args) for _, keys, args in plan.calls]
-        sending = asyncio.ensure_future(_evalsha_all(client, _scripts.RENEW, calls))
+        wait = self.store._wait_replicas
+        sending = asyncio.ensure_future(_evalsha_all(client, _scripts.RENEW, calls, wait))
         try:
             if not await _within(sending, timeout):
                 exc = RedisTimeoutError(f"no reply within {timeout:.2f}s")
                 raise self.store._backend_error("renew", exc)
             replies = sending.result()
+            if wait:
+                self.store._check_replicated(replies.pop(), "renewal")
         except RedisError as exc:
             raise self.store._backend_error("renew", exc) from exc
         return self.store.renew_outcome(plan, replies, owner)
@@ -618,15 +633,24 @@ class AsyncLeaseStore:
 
 
 async def _evalsha_all(
-    client: aredis.Redis, source: str, calls: Sequence[tuple[list[str], list[Any]]]
+    client: aredis.Redis,
+    source: str,
+    calls: Sequence[tuple[list[str], list[Any]]],
+    wait: tuple[Any, ...] = (),
 ) -> list[Any]:
-    """EVALSHA each of ``calls`` in one round trip; loads the script once if Redis lost it."""
+    """EVALSHA each of ``calls`` in one round trip; loads the script once if Redis lost it.
+
+    ``wait``: a ``WAIT`` command sent after them on the same connection; its reply (the
+    replicas that confirmed) comes last.
+    """
     sha = client.register_script(source).sha
     for _ in range(2):
         pipe = client.pipeline(transaction=False)
         for keys, args in calls:
             # not pipe.evalsha(): a cluster pipeline refuses it, but routes EVALSHA by its keys
             pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+        if wait:
+            pipe.execute_command(*wait)
         replies: list[Any] = await pipe.execute(raise_on_error=False)
         if not any(isinstance(r, NoScriptError) for r in replies):
             break

@@ -12,6 +12,7 @@ promoted by real sentinels.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -145,3 +146,24 @@ def test_min_replicas_refuses_and_gives_back_a_grant_no_replica_confirms(sentine
         replica.resume()
     with leases.hold("fo:refused") as lease:  # with the replica back, granted
         lease.check()
+
+
+@pytest.mark.asyncio
+async def test_the_asyncio_api_waits_for_replicas_too(redis_sentinel) -> None:
+    with leases_factory(redis_sentinel.url, f"fo-a-{uuid.uuid4().hex[:8]}") as make_leases:
+        leases = make_leases(ttl=1.0, min_replicas=1, min_replicas_timeout=0.3)
+        try:
+            async with leases.ahold("fo:async", ttl=1.0) as lease:
+                await asyncio.sleep(1.5)  # renewed past its ttl, each renewal confirmed
+                lease.check()
+            replica = next(s for s in redis_sentinel.data if s is not redis_sentinel.master())
+            replica.pause()
+            try:
+                with pytest.raises(LeaseBackendError, match="replicas"):
+                    async with leases.ahold("fo:async-refused"):
+                        pass
+                assert leases.store.holders("fo:async-refused") == []
+            finally:
+                replica.resume()
+        finally:
+            await leases.aclose()
