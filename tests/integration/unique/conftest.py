@@ -95,6 +95,8 @@ def make_producer(
     yield make
     for app in made:
         app.leases.store.close()  # type: ignore[attr-defined]
+        # app.close() closes the broker's connections, not the result backend's
+        app.backend.client.connection_pool.disconnect()
         app.close()
     client = redis.Redis.from_url(leases_redis_url)
     try:
