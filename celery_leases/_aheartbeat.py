@@ -12,16 +12,7 @@ from typing import TYPE_CHECKING
 
 from celery.utils.log import get_logger
 
-from ._heartbeat import (
-    IDLE_LOOK,
-    MIN_BUDGET,
-    RETRY_AFTER_FAILURE,
-    _observe_renew,
-    _on_lost,
-    confirm,
-    renew_budget,
-    report_lost,
-)
+from ._heartbeat import IDLE_LOOK, RETRY_AFTER_FAILURE, RenewRound, _on_lost, report_lost
 from .exceptions import LeaseError
 
 if TYPE_CHECKING:
@@ -125,45 +116,16 @@ class AsyncHeartbeat:
         return max(0.0, min(self._next_renew, first_deadline) - now)
 
     async def _renew(self, held: list[Held], now: float) -> None:
-        interval = min(h.horizon for h in held) / 3
-        groups: dict[tuple[int, str], list[Held]] = {}
-        stores: dict[int, AsyncLeaseStore] = {}
-        for h in held:
-            store = self._held.get(h)
-            if store is None:
-                continue
-            groups.setdefault((id(store), h.owner), []).append(h)
-            stores[id(store)] = store
-        ok = True
-        # in deadline order, each batch within its share of the time left (see Heartbeat)
-        jobs = sorted(groups.items(), key=lambda job: min(h.deadline for h in job[1]))
-        for n, ((store_id, owner), batch) in enumerate(jobs):
-            store = stores[store_id]
-            budget = renew_budget(
-                batch, [other for _, other in jobs[n + 1 :]], self._clock(), store.settings
-            )
-            if budget < MIN_BUDGET:
-                continue  # too late to confirm; the deadline check marks them lost
-            sent = self._clock()
+        # the thread's round (see RenewRound), with the renew call awaited
+        round_ = RenewRound(self, held, self._held.get, logger)
+        for store, owner, batch, budget, sent in round_.batches():
             try:
-                self.renewals += 1
                 lost = await store.renew(batch, owner, budget)
             except LeaseError as exc:
-                ok = False
-                _observe_renew(self._clock() - sent, False, len(batch))
-                if not self._failing:
-                    logger.error("leases: renewal of %d lease(s) failed: %s", len(batch), exc)
-                else:
-                    logger.debug("leases: renewal still failing: %s", exc)
+                round_.failed(batch, sent, exc)
                 continue
-            _observe_renew(self._clock() - sent, True, len(batch))
-            logger.debug("leases: renewed %d lease(s) of %s", len(batch), owner)
-            for h in confirm(batch, lost, sent):
-                self._lose(h, "Redis no longer has it")
-        if ok and self._failing:
-            logger.warning("leases: renewals succeed again")
-        self._failing = not ok
-        self._next_renew = now + (interval if ok else min(interval, RETRY_AFTER_FAILURE))
+            round_.done(batch, owner, lost, sent)
+        round_.finish(now)
 
     def _lose(self, held: Held, why: str) -> None:
         if not held.mark_lost():

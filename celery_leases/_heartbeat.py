@@ -6,8 +6,8 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Final
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
 
 from celery.utils.log import get_logger
 
@@ -16,7 +16,6 @@ from .exceptions import LeaseError
 
 if TYPE_CHECKING:
     from ._lease import Held
-    from ._store import LeaseStore
     from .config import LeaseSettings
 
 __all__ = ("Heartbeat", "RenewObserver", "heartbeat", "renew_observers")
@@ -160,51 +159,109 @@ class Heartbeat:
         return max(0.0, min(self._next_renew, first_deadline) - now)
 
     def _renew(self, held: list[Held], now: float) -> None:
-        interval = min(h.horizon for h in held) / 3
-        groups: dict[tuple[int, str], list[Held]] = {}
-        stores: dict[int, LeaseStore] = {}
-        for h in held:
-            groups.setdefault((id(h.store), h.owner), []).append(h)
-            stores[id(h.store)] = h.store
-        ok = True
-        # Batches go in deadline order, and one may use only its share of the time left before
-        # the next batches' deadlines. Timeline: t0 Redis A freezes; t1 the renewal of A's
-        # batch waits for A's deadline; t2 that is also the deadline of B's batch, on a healthy
-        # Redis, so B is lost for A's sake. With shares, A gives up in time for B.
-        jobs = sorted(groups.items(), key=lambda job: min(h.deadline for h in job[1]))
-        for n, ((store_id, owner), batch) in enumerate(jobs):
-            store = stores[store_id]
-            budget = renew_budget(
-                batch, [other for _, other in jobs[n + 1 :]], self._clock(), store.settings
-            )
-            if budget < MIN_BUDGET:
-                continue  # too late to confirm; the deadline check marks them lost
-            sent = self._clock()
+        round_ = RenewRound(self, held, lambda h: h.store, logger)
+        for store, owner, batch, budget, sent in round_.batches():
             try:
-                self.renewals += 1
                 lost = store.renew(batch, owner, budget)
             except LeaseError as exc:
-                ok = False
-                _observe_renew(self._clock() - sent, False, len(batch))
-                if not self._failing:
-                    logger.error("leases: renewal of %d lease(s) failed: %s", len(batch), exc)
-                else:
-                    logger.debug("leases: renewal still failing: %s", exc)
+                round_.failed(batch, sent, exc)
                 continue
-            _observe_renew(self._clock() - sent, True, len(batch))
-            logger.debug("leases: renewed %d lease(s) of %s", len(batch), owner)
-            for h in confirm(batch, lost, sent):
-                self._lose(h, "Redis no longer has it")
-        if ok and self._failing:
-            logger.warning("leases: renewals succeed again")
-        self._failing = not ok
-        self._next_renew = now + (interval if ok else min(interval, RETRY_AFTER_FAILURE))
+            round_.done(batch, owner, lost, sent)
+        round_.finish(now)
 
     def _lose(self, held: Held, why: str) -> None:
         if not held.mark_lost():
             return
         self.discard(held)
         report_lost(held, why, self._clock(), self._lost_callback)
+
+
+class _Beat(Protocol):
+    """What a :class:`RenewRound` needs of its heartbeat (the thread or the asyncio task)."""
+
+    _clock: Callable[[], float]
+    _failing: bool
+    _next_renew: float
+    renewals: int
+
+    def _lose(self, held: Held, why: str) -> None: ...
+
+
+class _Store(Protocol):
+    settings: LeaseSettings
+
+
+S = TypeVar("S", bound=_Store)
+
+
+class RenewRound(Generic[S]):
+    """One renewal round of a heartbeat: which batches go, in which order, with what time,
+    and what each outcome means. The thread and the asyncio heartbeat share it; only their
+    renew call differs (a plain call, or an awaited one).
+
+    Batches go in deadline order, and one may use only its share of the time left before
+    the next batches' deadlines. Timeline: t0 Redis A freezes; t1 the renewal of A's batch
+    waits for A's deadline; t2 that is also the deadline of B's batch, on a healthy Redis,
+    so B is lost for A's sake. With shares, A gives up in time for B.
+    """
+
+    def __init__(
+        self,
+        beat: _Beat,
+        held: list[Held],
+        store_of: Callable[[Held], S | None],
+        log: Any,
+    ) -> None:
+        self._beat = beat
+        self._log = log
+        self.interval = min(h.horizon for h in held) / 3
+        groups: dict[tuple[int, str], list[Held]] = {}
+        self._stores: dict[int, S] = {}
+        for h in held:
+            store = store_of(h)
+            if store is None:
+                continue
+            groups.setdefault((id(store), h.owner), []).append(h)
+            self._stores[id(store)] = store
+        self._jobs = sorted(groups.items(), key=lambda job: min(h.deadline for h in job[1]))
+        self.ok = True
+
+    def batches(self) -> Iterator[tuple[S, str, list[Held], float, float]]:
+        """``(store, owner, batch, budget, sent)`` of each batch worth renewing, in order."""
+        beat = self._beat
+        for n, ((store_id, owner), batch) in enumerate(self._jobs):
+            store = self._stores[store_id]
+            later = [other for _, other in self._jobs[n + 1 :]]
+            budget = renew_budget(batch, later, beat._clock(), store.settings)
+            if budget < MIN_BUDGET:
+                continue  # too late to confirm; the deadline check marks them lost
+            beat.renewals += 1
+            yield store, owner, batch, budget, beat._clock()
+
+    def failed(self, batch: list[Held], sent: float, exc: Exception) -> None:
+        """The renew call of ``batch``, sent at ``sent``, failed with ``exc``."""
+        self.ok = False
+        _observe_renew(self._beat._clock() - sent, False, len(batch))
+        if not self._beat._failing:
+            self._log.error("leases: renewal of %d lease(s) failed: %s", len(batch), exc)
+        else:
+            self._log.debug("leases: renewal still failing: %s", exc)
+
+    def done(self, batch: list[Held], owner: str, lost: set[int], sent: float) -> None:
+        """The renew call of ``batch`` answered; ``lost`` are the indices Redis no longer has."""
+        _observe_renew(self._beat._clock() - sent, True, len(batch))
+        self._log.debug("leases: renewed %d lease(s) of %s", len(batch), owner)
+        for h in confirm(batch, lost, sent):
+            self._beat._lose(h, "Redis no longer has it")
+
+    def finish(self, now: float) -> None:
+        """The round is over: plan the next one (sooner after a failure)."""
+        beat = self._beat
+        if self.ok and beat._failing:
+            self._log.warning("leases: renewals succeed again")
+        beat._failing = not self.ok
+        retry = self.interval if self.ok else min(self.interval, RETRY_AFTER_FAILURE)
+        beat._next_renew = now + retry
 
 
 def renew_budget(
