@@ -159,9 +159,8 @@ class Leases:
             failed = False
         finally:
             lost = self.release(leases)
-        if lost and not failed:
-            first = lost[0]
-            raise LeaseLost(first.resource, held_for=time.monotonic() - first._held.acquired_at)
+        if not failed:
+            _raise_first_lost(lost)
 
     # --- once ---------------------------------------------------------------------------
     def once(
@@ -319,9 +318,8 @@ class Leases:
         finally:
             # shielded: a holder cancelled again on its way out still gives its leases back
             lost = await asyncio.shield(self.arelease(leases))
-        if lost and not failed:
-            first = lost[0]
-            raise LeaseLost(first.resource, held_for=time.monotonic() - first._held.acquired_at)
+        if not failed:
+            _raise_first_lost(lost)
 
     async def aonce(
         self,
@@ -488,3 +486,10 @@ def _send(signal: Any, resource: str, **kwargs: Any) -> None:
         signal.send(sender=resource, resource=resource, **kwargs)
     except Exception:
         logger.exception("leases: a receiver of %s failed", signal.name)
+
+
+def _raise_first_lost(lost: Sequence[Lease]) -> None:
+    """Leaving a ``hold`` block: say that a lease was lost inside it (the first one)."""
+    if lost:
+        first = lost[0]
+        raise LeaseLost(first.resource, held_for=time.monotonic() - first._held.acquired_at)
