@@ -366,21 +366,13 @@ class LeaseStore:
         """
         home = self.acquire_call(0, [], ident, ttl, True, task_id)
         call = self.acquire_call(group, wants, ident, ttl, False, task_id)
+
+        def queue(pipe: Any) -> None:
+            for c in (home, call):
+                pipe.execute_command("EVALSHA", self._acquire.sha, len(c.keys), *c.keys, *c.args)
+
         with self._backend("acquire"):
-            for attempt in (1, 2):
-                pipe = self.client.pipeline(transaction=False)
-                for c in (home, call):
-                    pipe.execute_command(  # type: ignore[no-untyped-call]
-                        "EVALSHA", self._acquire.sha, len(c.keys), *c.keys, *c.args
-                    )
-                replies = pipe.execute(raise_on_error=False)
-                if attempt == 1 and any(isinstance(r, NoScriptError) for r in replies):
-                    self.client.script_load(_scripts.ACQUIRE)  # on every primary of a cluster
-                    continue
-                break
-            for reply in replies:
-                if isinstance(reply, Exception):
-                    raise reply
+            replies = self._pipeline(self.client, queue, _scripts.ACQUIRE)
         registered = self.acquire_outcome(home, replies[0])
         outcome = self.acquire_outcome(call, replies[1])
         if isinstance(registered, Busy):
@@ -436,7 +428,7 @@ class LeaseStore:
         call = self.acquire_call(group, wants, ident, ttl, home, task_id)
         try:
             if self._wait_replicas:
-                reply = self._acquire_replicated(call.keys, call.args, wants, task_id)
+                reply = self._acquire_replicated(call)
             else:
                 reply = self._acquire(call.keys, call.args, client=self.client)
         except RedisError as exc:
@@ -505,9 +497,7 @@ class LeaseStore:
             for w, token in zip(wants, reply[1:], strict=True)
         ]
 
-    def _acquire_replicated(
-        self, keys: list[str], args: list[Any], wants: Sequence[Want], task_id: str | None
-    ) -> Any:
+    def _acquire_replicated(self, call: AcquireCall) -> Any:
         """acquire.lua then ``WAIT``, on one connection in one round trip (see min_replicas).
 
         A grant that too few replicas confirm is given back before the error is raised: a
@@ -515,27 +505,19 @@ class LeaseStore:
         """
         target: Any = self.client
         if self._cluster:  # WAIT must go down the same connection as the grant
-            target = target.get_redis_connection(target.get_node_from_key(keys[0]))
-        for attempt in (1, 2):
-            pipe = target.pipeline(transaction=False)
-            pipe.evalsha(self._acquire.sha, len(keys), *keys, *args)
+            target = target.get_redis_connection(target.get_node_from_key(call.keys[0]))
+
+        def queue(pipe: Any) -> None:
+            pipe.execute_command(
+                "EVALSHA", self._acquire.sha, len(call.keys), *call.keys, *call.args
+            )
             pipe.execute_command(*self._wait_replicas)
-            try:
-                reply, acked = pipe.execute()
-                break
-            except NoScriptError:
-                if attempt == 2:
-                    raise
-                target.script_load(_scripts.ACQUIRE)
+
+        reply, acked = self._pipeline(target, queue, _scripts.ACQUIRE)
         if int(reply[0]) == 1 and int(acked) < self.settings.min_replicas:
-            owner = str(args[0])
-            group = self.resource_keys(wants[0].resource).group if wants else 0
-            entries = [
-                Entry(w.mode, int(token), task_id, w.resource)
-                for w, token in zip(wants, reply[1:], strict=True)
-            ]
-            if entries:
-                self._release_entries(owner, group, entries)
+            granted = self.acquire_outcome(call, reply)
+            if not isinstance(granted, Busy):
+                self.release(granted)
             self._check_replicated(acked, "grant")
         return reply
 
@@ -1048,22 +1030,35 @@ class LeaseStore:
         """Run the commands ``build`` queues in one pipeline, with the Redis clock in ms.
 
         The clock is read on the node serving ``key``, by a one-line script: a cluster
-        pipeline cannot send TIME (it names no key). A Redis that lost its scripts gets the
-        script loaded and the pipeline sent again.
+        pipeline cannot send TIME (it names no key).
+        """
+
+        def queue(pipe: Any) -> None:
+            build(pipe)
+            pipe.execute_command("EVALSHA", self._now_sha, 1, key)
+
+        replies = self._pipeline(self.client, queue, _NOW_SCRIPT)
+        sec, usec = replies.pop()
+        return replies, int(sec) * 1000 + int(usec) // 1000
+
+    @staticmethod
+    def _pipeline(target: Any, queue: Callable[[Any], object], script: str) -> list[Any]:
+        """One round trip of the commands ``queue`` puts in a pipeline of ``target``.
+
+        If Redis lost ``script`` (a restart, SCRIPT FLUSH), it is loaded (on every primary of
+        a cluster) and the pipeline sent once more. The first error reply is raised.
         """
         for attempt in (1, 2):
-            pipe = self.client.pipeline(transaction=False)
-            build(pipe)
-            pipe.execute_command("EVALSHA", self._now_sha, 1, key)  # type: ignore[no-untyped-call]
-            try:
-                replies = pipe.execute()
-            except NoScriptError:
-                if attempt == 2:
-                    raise
-                self.client.script_load(_NOW_SCRIPT)
+            pipe = target.pipeline(transaction=False)
+            queue(pipe)
+            replies: list[Any] = pipe.execute(raise_on_error=False)
+            if attempt == 1 and any(isinstance(r, NoScriptError) for r in replies):
+                target.script_load(script)
                 continue
-            sec, usec = replies.pop()
-            return replies, int(sec) * 1000 + int(usec) // 1000
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+            return replies
         raise AssertionError("unreachable")
 
     def read_liveness(self, owners: Sequence[str]) -> dict[str, float | None]:
