@@ -84,6 +84,22 @@ def forget(ext: Leases, name: str) -> bool:
     return ext.store.delete_receipt(name)
 
 
+def _checked_call(
+    what: str, ext: Leases, name: str, fn: object, receipt_ttl: float | None
+) -> float | None:
+    """Check the arguments of ``once``/``aonce``; the receipt TTL in force."""
+    _check_name(name)
+    if not callable(fn):
+        msg = f"{what}({name!r}, fn): fn must be callable, not {fn!r}"
+        raise LeaseConfigError(msg)
+    return ext.settings.receipt_ttl if receipt_ttl is None else receipt_ttl
+
+
+def _log_busy(name: str, busy: LeaseBusy) -> None:
+    msg_wait = f" after waiting {busy.waited:.1f}s" if busy.waited else ""
+    logger.info("leases: once(%s) is still being initialised%s", name, msg_wait)
+
+
 def _check_name(name: object) -> None:
     if not isinstance(name, str) or not name:
         msg = f"once() needs a non-empty str name, not {name!r}"
@@ -107,12 +123,7 @@ def once(
             next caller runs ``fn`` again).
         TypeError: ``fn`` returned something that is not JSON-serialisable.
     """
-    _check_name(name)
-    if not callable(fn):
-        msg = f"once({name!r}, fn): fn must be callable, not {fn!r}"
-        raise LeaseConfigError(msg)
-    if receipt_ttl is None:
-        receipt_ttl = ext.settings.receipt_ttl
+    receipt_ttl = _checked_call("once", ext, name, fn, receipt_ttl)
     text = ext.store.get_receipt(name)
     if text is not None:
         return _decode(name, text)
@@ -123,8 +134,7 @@ def once(
         try:
             (lease,) = ext.acquire([Want(resource)], ttl=ttl, wait=left)
         except LeaseBusy as busy:
-            msg_wait = f" after waiting {busy.waited:.1f}s" if busy.waited else ""
-            logger.info("leases: once(%s) is still being initialised%s", name, msg_wait)
+            _log_busy(name, busy)
             raise
         try:
             # someone may have finished while we waited for the lease
@@ -176,12 +186,7 @@ async def aonce(
     waiter takes over at once; a thread cannot be cancelled, so a cancelled caller keeps the
     lease (renewed) until its plain function returns, and only then lets the next one run.
     """
-    _check_name(name)
-    if not callable(fn):
-        msg = f"aonce({name!r}, fn): fn must be callable, not {fn!r}"
-        raise LeaseConfigError(msg)
-    if receipt_ttl is None:
-        receipt_ttl = ext.settings.receipt_ttl
+    receipt_ttl = _checked_call("aonce", ext, name, fn, receipt_ttl)
     astore = ext.astore
     text = await astore.get_receipt(name)
     if text is not None:
@@ -193,8 +198,7 @@ async def aonce(
         try:
             (lease,) = await ext.aacquire([Want(resource)], ttl=ttl, wait=left)
         except LeaseBusy as busy:
-            msg_wait = f" after waiting {busy.waited:.1f}s" if busy.waited else ""
-            logger.info("leases: once(%s) is still being initialised%s", name, msg_wait)
+            _log_busy(name, busy)
             raise
         try:
             # someone may have finished while we waited for the lease
