@@ -1338,7 +1338,7 @@ class LeaseStore:
         at once: waiting cannot make it ours.
         """
         start = time.monotonic()
-        outcome = self.unique_handover(key, task_id, ident, ttl)
+        outcome = self._handover_looked_twice(key, task_id, ident, ttl)
         if isinstance(outcome, Held) or not outcome.waits_for(task_id) or wait <= 0:
             return outcome
         deadline = start + wait
@@ -1350,7 +1350,7 @@ class LeaseStore:
                 pubsub.subscribe(channel)
                 self._await_subscribed(pubsub, [channel])
                 while True:
-                    outcome = self.unique_handover(key, task_id, ident, ttl)
+                    outcome = self._handover_looked_twice(key, task_id, ident, ttl)
                     now = time.monotonic()
                     if isinstance(outcome, Held) or not outcome.waits_for(task_id):
                         healthy = True
@@ -1367,6 +1367,18 @@ class LeaseStore:
                     self._give_back_pubsub(pubsub, [channel])
                 else:
                     pubsub.close()
+
+    def _handover_looked_twice(
+        self, key: str, task_id: str, ident: Identity, ttl: float
+    ) -> Held | ClaimHolder:
+        """unique_handover, tried once more when the running holder's task id could not be
+        read: the holder's registry is read after the script, so a release in between
+        leaves no entry. The second look takes the freed claim (or reads its new holder); a
+        holder unreadable twice is a claim key written by something else."""
+        outcome = self.unique_handover(key, task_id, ident, ttl)
+        if isinstance(outcome, Held) or outcome.state != "running" or outcome.task_id:
+            return outcome
+        return self.unique_handover(key, task_id, ident, ttl)
 
     def unique_requeue(self, held: Held, ttl: float) -> bool:
         """Put a running claim (``held``) back in the queued state for its task, for ``ttl``.

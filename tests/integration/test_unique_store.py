@@ -201,6 +201,31 @@ def test_a_redelivered_task_waits_for_its_first_run_and_is_woken_by_its_release(
     leases_store.release([taken])
 
 
+def test_a_release_between_the_claim_read_and_the_registry_read_is_taken_not_given_up(
+    leases_store: LeaseStore, monkeypatch: pytest.MonkeyPatch
+):
+    # the holder's task id is read from its registry after the handover script: a release
+    # in between leaves no entry, and the taker must look again rather than give up
+    held = leases_store.unique_handover("k", "task-1", A, 30)
+    assert isinstance(held, Held)
+    read_registry = leases_store._registry_task
+    releases: list[bool] = []
+
+    def release_first(owner: str, resource: str, token: int) -> str | None:
+        if not releases:
+            releases.extend(leases_store.release([held]))
+        return read_registry(owner, resource, token)
+
+    monkeypatch.setattr(leases_store, "_registry_task", release_first)
+
+    taken = leases_store.unique_take("k", "task-1", B, 10, wait=25)
+
+    assert releases == [True]
+    assert isinstance(taken, Held)
+    assert taken.owner == B.owner
+    leases_store.release([taken])
+
+
 def test_claim_keys_share_one_hash_tag(make_leases_store, leases_redis: redis.Redis):
     store = make_leases_store(slot_groups=8)
     for i in range(20):
