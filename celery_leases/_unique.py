@@ -22,7 +22,7 @@ from ._heartbeat import heartbeat
 from ._lease import Held, Lease
 from ._store import Claimed, ClaimHolder
 from .config import OnDuplicate
-from .exceptions import DuplicateTask, LeaseConfigError
+from .exceptions import DuplicateTask, LeaseBackendError, LeaseConfigError
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -50,6 +50,9 @@ class UniqueTask(Protocol):
     name: str
     unique_ttl: float | None
     on_duplicate: OnDuplicate | None
+
+    @property
+    def request(self) -> Any: ...
 
     def _unique_key(self, args: Any, kwargs: Any) -> str: ...
 
@@ -229,21 +232,37 @@ def _publish_unique(
     ours: int | None = None
     with _running_lock:
         running = _running.get(task_id)
-    if running is not None and _requeue(ext, task_id, running, queue_ttl):
-        key, ours = running.key, running.lease.token
-    else:
-        key = running.key if running is not None else task._unique_key(args or (), kwargs or {})
-        outcome: Claimed | ClaimHolder = store.unique_claim(key, task_id, queue_ttl)
-        for _ in range(_CLAIM_ATTEMPTS - 1):
-            # a running holder whose registry entry was gone when read: it changed hands
-            if isinstance(outcome, Claimed) or outcome.task_id is not None:
-                break
-            outcome = store.unique_claim(key, task_id, queue_ttl)
-        if isinstance(outcome, ClaimHolder):
-            return _duplicate(ext, task, name, policy, outcome, task_id, headers, options)
-        if not outcome.again:
-            ours = outcome.token
-        logger.debug("leases: claimed unique key %r for %s[%s]", key, name, task_id)
+    key = running.key if running is not None else task._unique_key(args or (), kwargs or {})
+    try:
+        if running is not None and _requeue(ext, task_id, running, queue_ttl):
+            ours = running.lease.token
+        else:
+            outcome: Claimed | ClaimHolder = store.unique_claim(key, task_id, queue_ttl)
+            for _ in range(_CLAIM_ATTEMPTS - 1):
+                # a running holder whose registry entry was gone when read: it changed hands
+                if isinstance(outcome, Claimed) or outcome.task_id is not None:
+                    break
+                outcome = store.unique_claim(key, task_id, queue_ttl)
+            if isinstance(outcome, ClaimHolder):
+                return _duplicate(ext, task, name, policy, outcome, task_id, headers, options)
+            if not outcome.again:
+                ours = outcome.token
+            logger.debug("leases: claimed unique key %r for %s[%s]", key, name, task_id)
+    except LeaseBackendError as exc:
+        # A task's retry of itself (self.retry, a busy retry, on_backend_error="retry") is
+        # sent even when Redis fails: Celery rejects a task whose retry cannot be published,
+        # without requeueing it, so refusing here would lose it. Its claim (queued for it, or
+        # still running under this process until the TTL) lets the worker that gets the
+        # retry take the key over; a copy that got in meanwhile makes the retry a duplicate.
+        if running is None and task.request.id != task_id:
+            raise
+        logger.warning(
+            "leases: %s[%s] sends its retry without renewing its unique claim %r: %s",
+            name,
+            task_id,
+            key,
+            exc,
+        )
     headers[UNIQUE_HEADER] = key
     options["headers"] = headers
     try:

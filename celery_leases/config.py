@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = (
     "ENV_PREFIX",
     "LeaseSettings",
+    "OnBackendError",
     "OnBusy",
     "OnDuplicate",
     "OnLost",
@@ -51,6 +52,7 @@ DEFAULT_REDIS_URL: Final = "redis://localhost:6379/0"
 
 OnBusy = Literal["retry", "skip", "fail", "wait"]
 OnLost = Literal["interrupt", "log"]
+OnBackendError = Literal["retry", "fail"]
 OnDuplicate = Literal["existing", "raise", "ignore"]
 
 _PREFIX_RE: Final = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
@@ -132,6 +134,15 @@ class LeaseSettings(BaseSettings):
             "Default lost policy: interrupt (raise LeaseLost inside the running body) or log."
         ),
     )
+    on_backend_error: OnBackendError = Field(
+        "retry",
+        description=(
+            "Default policy of LeasedTask when Redis fails or cannot be reached as the task "
+            "takes its leases or unique claim: retry (self.retry with the retry_delay / "
+            "retry_max_delay backoff; counts against the task's max_retries, after which the "
+            "LeaseBackendError is raised) or fail (raise LeaseBackendError at once)."
+        ),
+    )
     busy_timeout: float = Field(
         300.0,
         gt=0.0,
@@ -141,12 +152,20 @@ class LeaseSettings(BaseSettings):
         ),
     )
     retry_delay: float = Field(
-        1.0, gt=0.0, description="on_busy='retry': countdown of the first lease retry (seconds)."
+        1.0,
+        gt=0.0,
+        description=(
+            "on_busy='retry' and on_backend_error='retry': countdown of the first lease retry "
+            "(seconds)."
+        ),
     )
     retry_max_delay: float = Field(
         30.0,
         gt=0.0,
-        description="on_busy='retry': cap of the exponential backoff between retries (seconds).",
+        description=(
+            "on_busy='retry' and on_backend_error='retry': cap of the exponential backoff "
+            "between retries (seconds)."
+        ),
     )
     wait_timeout: float = Field(
         60.0,

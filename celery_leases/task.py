@@ -35,6 +35,12 @@ Options (each also an app-wide setting, see the configuration reference):
   :class:`LeaseBusy`), ``"skip"`` (return ``None`` without running the body), ``"fail"`` (raise
   :class:`LeaseBusy`), ``"wait"`` (block the worker slot up to ``wait_timeout``, woken by the
   release).
+- ``on_backend_error``: what a task does when Redis fails or cannot be reached as it takes its
+  leases (or its unique claim): ``"retry"`` (default: ``self.retry`` with the same backoff as
+  ``on_busy="retry"``; it counts against the task's ``max_retries``, after which
+  :class:`LeaseBackendError` is raised) or ``"fail"`` (raise :class:`LeaseBackendError` at
+  once). Celery's ``autoretry_for`` cannot do this: it wraps the body, and the leases are
+  taken before the body runs.
 - ``on_lost``: ``"interrupt"`` (default: :class:`LeaseLost` is raised inside the running body,
   as Celery raises ``SoftTimeLimitExceeded``) or ``"log"``.
 - ``unique``: a template like a lease's; at most one copy of the task per rendered key is
@@ -75,7 +81,7 @@ import time
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from types import FrameType
-from typing import Any, ClassVar, Final, get_args
+from typing import Any, ClassVar, Final, NoReturn, get_args
 
 from celery import Task
 from celery.exceptions import Retry
@@ -84,8 +90,8 @@ from celery.utils.log import get_logger
 from ._lease import Held, Lease, Shared, Want
 from ._unique import release_claim, take_claim
 from .app import Leases
-from .config import OnBusy, OnDuplicate, OnLost, get_settings
-from .exceptions import LeaseBusy, LeaseConfigError, LeaseError, LeaseLost
+from .config import LeaseSettings, OnBackendError, OnBusy, OnDuplicate, OnLost, get_settings
+from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseError, LeaseLost
 
 __all__ = ("LeasedTask", "current_leases")
 
@@ -168,6 +174,12 @@ class _Template:
             msg = f"task {task_name!r}: cannot render {self.what} {self.text!r}: {exc!r}"
             raise LeaseConfigError(msg) from None
         return Want(name, "x" if self.mode == "x" else "s", self.limit)
+
+
+def _backoff(settings: LeaseSettings, attempt: int) -> float:
+    """Countdown of retry number ``attempt`` (0 first): exponential, capped, "equal jitter"."""
+    delay = min(settings.retry_max_delay, settings.retry_delay * 2.0 ** min(attempt, 64))
+    return delay / 2 + random.uniform(0, delay / 2)
 
 
 def _check_choice(task_name: str, option: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -268,6 +280,7 @@ class LeasedTask(Task[Any, Any]):
     lease_ttl: float | None = None
     on_busy: OnBusy | None = None
     on_lost: OnLost | None = None
+    on_backend_error: OnBackendError | None = None
     busy_timeout: float | None = None
     wait_timeout: float | None = None
     unique: str | None = None
@@ -290,6 +303,7 @@ class LeasedTask(Task[Any, Any]):
             raise LeaseConfigError(msg)
         _check_choice(name, "on_busy", cls.on_busy, get_args(OnBusy))
         _check_choice(name, "on_lost", cls.on_lost, get_args(OnLost))
+        _check_choice(name, "on_backend_error", cls.on_backend_error, get_args(OnBackendError))
         _check_seconds(name, "lease_ttl", cls.lease_ttl, zero_ok=False)
         _check_seconds(name, "busy_timeout", cls.busy_timeout, zero_ok=False)
         _check_seconds(name, "wait_timeout", cls.wait_timeout, zero_ok=True)
@@ -388,9 +402,12 @@ class LeasedTask(Task[Any, Any]):
         interrupter = _Interrupter() if on_lost == "interrupt" else None
         if not unique or not task_id:
             return self._call_leased(ext, wants, task_id, interrupter, args, kwargs)
-        claim = take_claim(
-            ext, self, task_id, request, args, kwargs, ext._ttl(self.lease_ttl), interrupter
-        )
+        try:
+            claim = take_claim(
+                ext, self, task_id, request, args, kwargs, ext._ttl(self.lease_ttl), interrupter
+            )
+        except LeaseBackendError as exc:
+            self._backend_failed(exc)
         if claim is None:
             return None  # a duplicate of a queued or running copy: not run (logged)
         try:
@@ -424,6 +441,8 @@ class LeasedTask(Task[Any, Any]):
             )
         except LeaseBusy as busy:
             return self._busy(busy, on_busy, args, kwargs)
+        except LeaseBackendError as exc:
+            self._backend_failed(exc)
         token = _current.set(tuple(leases))
         try:
             if interrupter is None:
@@ -464,9 +483,7 @@ class LeasedTask(Task[Any, Any]):
                 now - since,
             )
             raise busy
-        delay = min(settings.retry_max_delay, settings.retry_delay * 2**attempt)
-        countdown = delay / 2 + random.uniform(0, delay / 2)  # "equal jitter"
-        countdown = min(countdown, max(0.0, since + limit - now) + 0.01)
+        countdown = min(_backoff(settings, attempt), max(0.0, since + limit - now) + 0.01)
         options = {BUSY_SINCE_HEADER: since, BUSY_ATTEMPT_HEADER: attempt + 1}
         # not self.retry(): that would count against the task's own max_retries
         sig = self.signature_from_request(
@@ -485,7 +502,26 @@ class LeasedTask(Task[Any, Any]):
             countdown,
             busy.resource,
         )
-        raise Retry(exc=busy, when=countdown, sig=sig)
+        # celery types `when` as numbers.Real, which mypy does not match with float
+        raise Retry(exc=busy, when=countdown, sig=sig)  # type: ignore[arg-type]
+
+    def _backend_failed(self, exc: LeaseBackendError) -> NoReturn:
+        """Redis failed as the task took its leases: retry the task (on_backend_error)."""
+        settings = get_settings(self.app)
+        policy = self.on_backend_error or settings.on_backend_error
+        request = self.request
+        if policy == "fail" or request.is_eager or request.called_directly:
+            raise exc
+        countdown = _backoff(settings, request.retries)
+        logger.warning(
+            "leases: %s[%s] retries in %.1fs: Redis failed as it took its leases: %s",
+            self.name,
+            request.id,
+            countdown,
+            exc,
+        )
+        # the task's own retry: max_retries bounds an outage (then exc is raised)
+        raise self.retry(exc=exc, countdown=countdown)
 
     def _busy_clock(self) -> float:
         """Now, on the clock busy_timeout is counted with: Redis's, shared by the fleet.

@@ -11,9 +11,10 @@ Configured from the environment by the suite (tests/faults/conftest.py):
 - every ``CELERY_LEASES_*`` setting: the leases live on the Redis under test.
 
 Tasks use ``acks_late`` with ``reject_on_worker_lost``, so a task whose process is killed is
-delivered again. A task retries by policy (counted in the ledger) when its lease is lost inside
-the body (``LeaseLost``) or when Redis cannot be reached to take the lease
-(``LeaseBackendError``); any other failure is recorded and counts as a lost task.
+delivered again. A task retries (counted in the ledger) when its lease is lost inside the body
+(``LeaseLost``, by this suite's policy) or when Redis cannot be reached to take the lease
+(``LeaseBackendError``, by the library's ``on_backend_error="retry"``); any other failure is
+recorded and counts as a lost task.
 """
 
 from __future__ import annotations
@@ -100,12 +101,10 @@ class FaultTask(LeasedTask):
     acks_late = True
     reject_on_worker_lost = True
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().__call__(*args, **kwargs)
-        except LeaseBackendError as exc:
+    def on_retry(self, exc: Exception, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+        # Redis failed as the task took its lease: the library retried it (on_backend_error)
+        if isinstance(exc, LeaseBackendError):
             ledger.incr("retried_backend")
-            raise self.retry(exc=exc, countdown=RETRY_COUNTDOWN) from None
 
     def on_failure(self, exc: Exception, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
         ledger.failed(task_id, f"{type(exc).__name__}: {exc}")

@@ -94,6 +94,8 @@ def test_lease_and_leases_both_given(app: Celery) -> None:
         ("on_busy", "later"),
         ("on_busy", "RETRY"),
         ("on_lost", "ignore"),
+        ("on_backend_error", "ignore"),
+        ("on_backend_error", True),
         ("lease_ttl", -1),
         ("lease_ttl", 0),
         ("lease_ttl", "30"),
@@ -137,10 +139,12 @@ def test_valid_options_are_accepted(app: Celery) -> None:
         lease_ttl=0.5,
         on_busy="wait",
         on_lost="log",
+        on_backend_error="fail",
         busy_timeout=10,
         wait_timeout=0,
     )
     assert made.wait_timeout == 0
+    assert made.on_backend_error == "fail"
     assert made._render_leases((1,), {})[0].resource == "a:1"
 
 

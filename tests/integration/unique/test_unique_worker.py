@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from celery import Celery
@@ -260,3 +261,34 @@ def test_the_handover_is_checked_against_the_task_id(
         assert AsyncResult(unclaimed.id, app=plain).get(timeout=RESULT_TIMEOUT) == unclaimed.id
     finally:
         plain.close()
+
+
+def test_redis_unreachable_as_the_worker_takes_the_claim_retries_the_task_with_it(
+    make_producer: Callable[..., Celery],
+    make_redis_server: Callable[..., Any],
+    ledger: Ledger,
+    start_worker: Callable[..., WorkerProc],
+):
+    # the claims live on a private server that is frozen between the publish and the start;
+    # broker and ledger stay on the test Redis
+    server = make_redis_server()
+    producer = make_producer(redis_url=server.url)
+    leases_of: Leases = producer.leases  # type: ignore[attr-defined]
+    worker = start_worker(
+        env={"CELERY_LEASES_REDIS_URL": server.url, "CELERY_LEASES_SOCKET_TIMEOUT": "0.5"}
+    )
+    quick = producer.tasks["uapp.quick"].apply_async(("k",), countdown=3)
+    server.pause()
+    try:
+        # the worker cannot take the claim over, retries the task (on_backend_error), and
+        # sends that retry although it cannot touch the claim: refusing would lose the task
+        wait_until(
+            lambda: "sends its retry without renewing its unique claim" in worker.log(),
+            RESULT_TIMEOUT,
+            "the retry of a task that could not reach Redis",
+        )
+    finally:
+        server.resume()
+    assert quick.get(timeout=RESULT_TIMEOUT) == quick.id
+    assert ledger.started("k") == [quick.id]
+    assert holder(leases_of, "k") is None

@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from celery_leases.exceptions import LeaseBackendError
+
 from .conftest import wait_until
 
 pytestmark = pytest.mark.worker
@@ -78,3 +80,55 @@ def test_redis_frozen_past_the_ttl_interrupts_the_body_and_the_worker_recovers(
     log = worker.log()
     assert f"leases: lost {resource}" in log
     assert "Traceback" not in log.split("leases: lost", 1)[1]
+
+
+@pytest.mark.parametrize("policy", ["retry", "fail"])
+def test_redis_unreachable_as_a_task_takes_its_lease(
+    policy: str,
+    start_worker: Any,
+    make_redis_server: Any,
+    make_leases: Any,
+    wapp: Any,
+    send: Any,
+    ledger: Any,
+) -> None:
+    """on_backend_error: "retry" retries the task (it runs once Redis answers), "fail" fails
+    it with LeaseBackendError; in neither case does the body run without its lease."""
+    server = make_redis_server()
+    store = make_leases(redis_url=server.url).store
+    worker = start_worker(
+        "prefork",
+        1,
+        env={
+            "CELERY_LEASES_REDIS_URL": server.url,
+            "CELERY_LEASES_SOCKET_TIMEOUT": "0.5",
+            "CELERY_LEASES_RETRY_DELAY": "0.2",
+            "CELERY_LEASES_RETRY_MAX_DELAY": "0.4",
+            "CELERY_LEASES_ON_BACKEND_ERROR": policy,
+        },
+    )
+    rid = f"unreachable-{policy}"
+    resource = f"res:{rid}"
+    refused = "Redis failed as it took its leases"
+    server.pause()
+    try:
+        result = send(wapp.guarded, rid)
+        if policy == "retry":
+            wait_until(lambda: refused in worker.log(), 30, "the task's retry")
+        else:
+            result.get(timeout=30, propagate=False)
+    finally:
+        server.resume()
+
+    if policy == "fail":
+        assert result.state == "FAILURE"
+        assert isinstance(result.result, LeaseBackendError), repr(result.result)
+        assert refused not in worker.log()
+        assert ledger.runs() == 0
+        return
+    done = result.get(timeout=30)
+    assert done["leases"][0][0] == resource
+    assert ledger.runs() == 1
+    # it ran under a lease that Redis granted, and gave it back
+    assert store.holders(resource) == []
+    assert "retries in" in worker.log()
