@@ -144,6 +144,25 @@ def test_accepted_again_after_the_pool_child_is_killed(
     assert again.get(timeout=RESULT_TIMEOUT) == again.id
 
 
+def test_an_acks_late_task_redelivered_after_its_child_was_killed_runs_again(
+    producer: Celery, leases_of: Leases, ledger: Ledger, start_worker: Callable[..., WorkerProc]
+):
+    # acks_late + reject_on_worker_lost: the message of the killed run comes back; its claim
+    # (running, under the dead child) must not make the redelivered copy a duplicate
+    worker = start_worker(env={"CELERY_LEASES_TTL": str(LONG_TTL)})
+    late = producer.tasks["uapp.late"].delay("k")
+    (entry,) = wait_until(lambda: ledger.events("started:k"), RESULT_TIMEOUT, "the task to start")
+    pid = int(entry.split()[1])
+    assert pid in worker.children()
+    wait_state(leases_of, "k", "running", late.id)
+
+    os.kill(pid, signal.SIGKILL)
+
+    assert late.get(timeout=RESULT_TIMEOUT) == late.id
+    assert ledger.started("k") == [late.id, late.id]
+    wait_free(leases_of, "k", LONG_TTL / 3, "the redelivered run's claim to be released")
+
+
 def test_accepted_again_after_the_whole_worker_is_killed_once_the_ttl_ran_out(
     producer: Celery, leases_of: Leases, ledger: Ledger, start_worker: Callable[..., WorkerProc]
 ):

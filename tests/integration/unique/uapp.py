@@ -157,6 +157,22 @@ def make_app(
         time.sleep(30)
         return "not reached"
 
+    @app.task(
+        name="uapp.late",
+        shared=False,
+        base=LeasedTask,
+        bind=True,
+        unique="job:{key}",
+        acks_late=True,
+        reject_on_worker_lost=True,
+    )
+    def late(self: Any, key: str) -> str:
+        """acks_late: the first run sleeps (to be killed), the redelivered one returns."""
+        record(f"started:{key}", f"{self.request.id} {os.getpid()}")
+        if ledger().llen(ledger_key(prefix, "events", f"started:{key}")) == 1:
+            time.sleep(60)
+        return str(self.request.id)
+
     return app
 
 
