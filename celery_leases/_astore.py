@@ -356,15 +356,20 @@ class AsyncLeaseStore:
     ) -> list[Held] | Busy:
         """One all-or-nothing attempt, as :meth:`LeaseStore.try_acquire` makes it."""
         by_group, fresh = self.store.acquire_plan(wants, ident.owner, ttl)
+        single = len(by_group) == 1 and len(next(iter(by_group.values()))) == 1
         if 0 not in by_group and not fresh:
+            if single and not self.store._wait_replicas:
+                # the home call and the grant in one round trip (two nodes on a cluster)
+                return await self._acquire_with_home(
+                    next(iter(by_group)), wants, ident, ttl, task_id
+                )
             outcome = await self._acquire_group(0, [], ident, ttl, True, task_id)
             if isinstance(outcome, Busy):
                 return outcome
             fresh = True
-        if len(by_group) == 1:
-            group, idx = next(iter(by_group.items()))
-            if len(idx) == 1:
-                return await self._acquire_group(group, wants, ident, ttl, not fresh, task_id)
+        if single:
+            group = next(iter(by_group))
+            return await self._acquire_group(group, wants, ident, ttl, not fresh, task_id)
         out: list[Held | None] = [None] * len(wants)
         taken: list[Held] = []
         for group in sorted(by_group):
@@ -380,6 +385,28 @@ class AsyncLeaseStore:
                 out[i] = held
                 taken.append(held)
         return [h for h in out if h is not None]
+
+    async def _acquire_with_home(
+        self, group: int, wants: Sequence[Want], ident: Identity, ttl: float, task_id: str | None
+    ) -> list[Held] | Busy:
+        """:meth:`LeaseStore._acquire_with_home`: the home call and the grant, sent together."""
+        home = self.store.acquire_call(0, [], ident, ttl, True, task_id)
+        call = self.store.acquire_call(group, wants, ident, ttl, False, task_id)
+        try:
+            replies = await _evalsha_all(
+                self._state().client,
+                _scripts.ACQUIRE,
+                [(home.keys, home.args), (call.keys, call.args)],
+            )
+        except RedisError as exc:
+            raise self.store._backend_error("acquire", exc) from exc
+        registered = self.store.acquire_outcome(home, replies[0])
+        outcome = self.store.acquire_outcome(call, replies[1])
+        if isinstance(registered, Busy):
+            if not isinstance(outcome, Busy):
+                await self.release(outcome)
+            return registered
+        return outcome
 
     async def _acquire_group(
         self,

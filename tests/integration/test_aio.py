@@ -644,3 +644,31 @@ async def test_two_loops_in_two_threads(aleases: Leases):
         await asyncio.to_thread(other_loop)
     await asyncio.to_thread(other_loop)
     assert results == ["busy", "held"]
+
+
+async def test_a_grant_outside_the_home_group_registers_the_owner_or_is_given_back(
+    make_aleases: MakeLeases, leases_redis: redis.Redis
+) -> None:
+    # the home call and the grant go in one round trip (as on the sync side)
+    leases = make_aleases(slot_groups=8, restart_grace=30.0)
+    store = leases.store
+    names = [f"r{i}" for i in range(100) if store.keys.group_of(f"r{i}") != 0]
+    first, second = names[0], next(n for n in names if n != names[0])
+    for name in (first, second):
+        leases_redis.set(store.keys.epoch(store.keys.group_of(name)), "1")  # up for ages
+    owner = leases.identity().owner
+
+    # the home group still in its restart grace refuses the owner: the grant is given back
+    with pytest.raises(LeaseBusy) as busy:
+        await leases.aacquire([Want(first)])
+    assert busy.value.resource == "(owner registration)"
+    assert store.holders(first) == []
+    assert store.entries(owner) == []
+
+    # once the home group is up, the same round trip registers the owner and grants
+    leases_redis.set(store.keys.epoch(0), "1")
+    (lease,) = await leases.aacquire([Want(second)])
+    assert [h.token for h in store.holders(second)] == [lease.token]
+    assert owner in store.node_owners(leases.identity().node)
+    await leases.arelease([lease])
+    assert store.holders(second) == []

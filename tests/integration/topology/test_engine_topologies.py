@@ -316,6 +316,16 @@ async def test_the_asyncio_api_on_the_deployment(make: Callable[..., Leases]) ->
             order.append("holder done")
         await asyncio.wait_for(task, 60)  # woken by the release, not the hour-long expiry
         assert order == ["holder done", "waiter"]
+        # a new store's first grant, of one resource: where it lies outside slot group 0,
+        # the owner's home call is sent with it (to two nodes at once on a cluster)
+        other = make()
+        try:
+            async with other.ahold(names[-1], ttl=10) as lease:
+                assert [h.token for h in leases.store.holders(names[-1])] == [lease.token]
+                ident = other.identity()
+                assert ident.owner in other.store.node_owners(ident.node)
+        finally:
+            await other.aclose()
         assert await leases.aonce(f"ainit:{names[0]}", lambda: {"ok": 1}) == {"ok": 1}
     finally:
         await leases.aclose()
