@@ -144,6 +144,23 @@ def test_accepted_again_after_the_pool_child_is_killed(
     assert again.get(timeout=RESULT_TIMEOUT) == again.id
 
 
+def test_a_task_replaced_by_a_task_of_the_same_key_keeps_the_claim_for_it(
+    producer: Celery, leases_of: Leases, ledger: Ledger, start_worker: Callable[..., WorkerProc]
+):
+    start_worker()
+    replacing = producer.tasks["uapp.replacing"].delay("k")
+    ledger.wait_started("k")
+    wait_state(leases_of, "k", "running", replacing.id)
+    assert producer.tasks["uapp.quick"].delay("k").id == replacing.id  # a duplicate
+    ledger.open_gate("k")
+
+    # Task.replace sends the replacement under the same task id: its own claim lets it run
+    assert replacing.get(timeout=RESULT_TIMEOUT) == replacing.id
+    assert ledger.started("k") == [replacing.id, replacing.id]
+    assert ledger.events("started:k")[1].endswith(" replacement")
+    wait_free(leases_of, "k", RESULT_TIMEOUT, "the replacement's claim to be released")
+
+
 def test_an_acks_late_task_redelivered_after_its_child_was_killed_runs_again(
     producer: Celery, leases_of: Leases, ledger: Ledger, start_worker: Callable[..., WorkerProc]
 ):

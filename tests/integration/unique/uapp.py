@@ -157,6 +157,13 @@ def make_app(
         time.sleep(30)
         return "not reached"
 
+    @app.task(name="uapp.replacing", shared=False, base=LeasedTask, bind=True, unique="job:{key}")
+    def replacing(self: Any, key: str) -> Any:
+        """Replaces itself with ``quick`` of the same key (Task.replace keeps the task id)."""
+        record(f"started:{key}", f"{self.request.id} replacing")
+        wait_gate(key)
+        return self.replace(quick.s(key, "replacement"))
+
     @app.task(
         name="uapp.late",
         shared=False,
