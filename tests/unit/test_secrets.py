@@ -168,12 +168,12 @@ def test_url_options_redis_py_would_refuse_fail_at_settings(url: str, named: str
 
 def _documented_urls() -> list[str]:
     text = DOCS.read_text()
-    return re.findall(r"^(rediss?://\S+)$", text, flags=re.MULTILINE)
+    return re.findall(r"^((?:rediss?(?:\+cluster)?|sentinel)://\S+)$", text, flags=re.MULTILINE)
 
 
 def test_the_documented_url_forms_are_accepted_and_shown_without_password() -> None:
     urls = _documented_urls()
-    assert len(urls) >= 2, urls
+    assert len(urls) >= 4, urls  # one server twice, a cluster and Sentinel over TLS
     for url in urls:
         settings = resolve_settings(None, redis_url=url)
         assert settings.redis_url == url
