@@ -5,7 +5,9 @@ Three deployments, told apart by the URL's scheme (docs/redis.md lists the exact
 - one server: ``redis://``, ``rediss://`` (TLS) and ``unix://``, as redis-py reads them;
 - a master found through Redis Sentinel: ``sentinel://`` with every sentinel's address and the
   master's name, ``sentinel://[user:password@]host:port[,host:port...][/db]?master_name=NAME``
-  (Celery's ``;``-joined form, ``sentinel://h1:26379;sentinel://h2:26379``, is read too);
+  (Celery's ``;``-joined form, ``sentinel://h1:26379;sentinel://h2:26379``, is read too).
+  ``ssl=true`` turns TLS on to the master and replicas, ``sentinel_ssl=true`` to the sentinels;
+  the ``ssl_*`` options serve both, a ``sentinel_ssl_*`` option replaces one for the sentinels;
 - a Redis Cluster: ``redis+cluster://`` or ``rediss+cluster://`` with one or more seed nodes,
   ``redis+cluster://[user:password@]host:port[,host:port...]``.
 
@@ -47,6 +49,10 @@ CLUSTER_SCHEMES: Final = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 SENTINEL_SCHEME: Final = "sentinel"
 #: query arguments of a sentinel:// URL that are about the sentinels, not the master
 _SENTINEL_ARGS: Final = ("master_name", "sentinel_username", "sentinel_password")
+#: the prefix of a TLS option for the sentinels only (``sentinel_ssl_ca_certs=...``)
+SENTINEL_SSL_PREFIX: Final = "sentinel_ssl_"
+_TRUE: Final = ("true", "yes", "1")
+_FALSE: Final = ("false", "no", "0")
 _CONNECTION_ONLY: Final = ("host", "port", "connection_class", "path")
 
 
@@ -162,11 +168,38 @@ def _parse_sentinel(url: str) -> RedisTarget:
     if not master_name:
         msg = "needs the master's name: add ?master_name=<name> (as configured in the sentinels)"
         raise ValueError(msg)
+    master_tls = _flag(args, "ssl")
+    sentinel_tls = _flag(args, "sentinel_ssl")
     sentinel_options: dict[str, Any] = {}
     for key in ("sentinel_username", "sentinel_password"):
         if key in args:
             sentinel_options[key.removeprefix("sentinel_")] = args.pop(key)
-    options = _connection_options(_single_form("redis", netloc, path, urlencode(args)))
+    sentinel_only = {
+        k.removeprefix("sentinel_"): args.pop(k)
+        for k in list(args)
+        if k.startswith(SENTINEL_SSL_PREFIX)
+    }
+    shared_tls = {k: v for k, v in args.items() if k.startswith("ssl_")}
+    if shared_tls and not (master_tls or sentinel_tls):
+        msg = (
+            f"has TLS options ({', '.join(sorted(shared_tls))}) but no TLS: add ssl=true (TLS to "
+            "the master and replicas) and/or sentinel_ssl=true (TLS to the sentinels)"
+        )
+        raise ValueError(msg)
+    if sentinel_only and not sentinel_tls:
+        names = ", ".join(sorted("sentinel_" + k for k in sentinel_only))
+        raise ValueError(f"has TLS options for the sentinels ({names}) without sentinel_ssl=true")
+    if sentinel_tls:
+        tls_query = urlencode({**shared_tls, **sentinel_only})
+        tls = _connection_options(_single_form("rediss", "", "", tls_query))
+        sentinel_options.update(tls, ssl=True)
+    if not master_tls:
+        for key in shared_tls:  # they were for the sentinels only
+            del args[key]
+    scheme = "rediss" if master_tls else "redis"
+    options = _connection_options(_single_form(scheme, netloc, path, urlencode(args)))
+    if master_tls:
+        options["ssl"] = True
     return RedisTarget(
         "sentinel",
         url,
@@ -175,6 +208,16 @@ def _parse_sentinel(url: str) -> RedisTarget:
         options=options,
         sentinel_options=sentinel_options,
     )
+
+
+def _flag(args: dict[str, str], name: str) -> bool:
+    """Pop the yes/no query argument ``name`` of ``args`` (absent: no)."""
+    value = args.pop(name, "false").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"has {name}={value!r}; write {name}=true or {name}=false")
 
 
 def make_client(target: RedisTarget, **common: Any) -> redis.Redis:

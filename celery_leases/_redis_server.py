@@ -128,10 +128,17 @@ class ServerTLS:
     client_keyfile: str
 
     def server_args(self) -> list[str]:
-        """redis-server arguments that turn on TLS, with client certificates required."""
+        """redis-server arguments that turn on TLS, with client certificates required.
+
+        The server shows the client certificate when it connects to other servers itself (a
+        replica to its master, a cluster node to another, a sentinel to what it watches): the
+        server certificate is for server use only, and its peers require a client certificate.
+        """
         return [
             "--tls-cert-file", self.certfile,
             "--tls-key-file", self.keyfile,
+            "--tls-client-cert-file", self.client_certfile,
+            "--tls-client-key-file", self.client_keyfile,
             "--tls-ca-cert-file", self.ca_certs,
             "--tls-auth-clients", "yes",
         ]  # fmt: skip

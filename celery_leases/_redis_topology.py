@@ -5,6 +5,10 @@
 - :class:`LocalSentinel`: one master, its replicas and several ``redis-server --sentinel``
   processes watching it; its URL is ``sentinel://...?master_name=...``.
 
+With ``tls=ServerTLS(...)`` every process (data nodes, the cluster bus, replication, the
+sentinels) speaks TLS only and requires client certificates; the URLs then carry the TLS
+options (``rediss+cluster://...?ssl_ca_certs=...``, ``sentinel://...&ssl=true&sentinel_ssl=true``).
+
 Both are context managers and stop every process they started.
 """
 
@@ -22,7 +26,15 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import redis
 
-from ._redis_server import HOST, RedisServer, StartStop, _client, ensure_server_binary, free_port
+from ._redis_server import (
+    HOST,
+    RedisServer,
+    ServerTLS,
+    StartStop,
+    _client,
+    ensure_server_binary,
+    free_port,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -52,20 +64,32 @@ class LocalCluster(StartStop):
         masters: primaries; the 16384 slots are split between them (at least 3).
         replicas: replicas per primary.
         node_timeout_ms: ``cluster-node-timeout``: how soon a silent node counts as failed.
+        tls: TLS only, client certificates required, on the client ports and the cluster bus.
     """
 
-    def __init__(self, masters: int = 3, replicas: int = 0, *, node_timeout_ms: int = 2000) -> None:
+    def __init__(
+        self,
+        masters: int = 3,
+        replicas: int = 0,
+        *,
+        node_timeout_ms: int = 2000,
+        tls: ServerTLS | None = None,
+    ) -> None:
         if masters < 3:
             raise ValueError("a Redis Cluster needs at least 3 primaries")
         self.servers: list[RedisServer] = []
         self._masters = masters
         self._replicas = replicas
         self._node_timeout_ms = node_timeout_ms
+        self.tls = tls
 
     @property
     def url(self) -> str:
-        """``redis+cluster://`` with every node as a seed."""
+        """``redis+cluster://`` with every node as a seed; with TLS ``rediss+cluster://`` with
+        the CA and the client certificate."""
         seeds = ",".join(f"{HOST}:{s.port}" for s in self.servers)
+        if self.tls is not None:
+            return f"rediss+cluster://{seeds}?{self.tls.url_query()}"
         return f"redis+cluster://{seeds}"
 
     def start(self) -> None:
@@ -85,12 +109,14 @@ class LocalCluster(StartStop):
                         "--cluster-enabled", "yes",
                         "--cluster-config-file", "nodes.conf",
                         "--cluster-node-timeout", str(self._node_timeout_ms),
+                        *_TLS_PEERS["cluster"] * (self.tls is not None),
                     ],
+                    tls=self.tls,
                 )  # fmt: skip
                 self.servers.append(server)
                 server.start()
             argv = [
-                cli, "--cluster", "create",
+                cli, *_cli_tls(self.tls), "--cluster", "create",
                 *(f"{HOST}:{s.port}" for s in self.servers),
                 "--cluster-replicas", str(self._replicas),
                 "--cluster-yes",
@@ -136,6 +162,8 @@ class LocalSentinel(StartStop):
         sentinels: sentinel processes; the quorum is a majority of them.
         down_after_ms: ``down-after-milliseconds``: how soon a silent master counts as down.
         failover_timeout_ms: ``failover-timeout``.
+        tls: TLS only, client certificates required, on the data servers (replication too) and
+            the sentinels, which talk TLS to the data servers and to each other.
     """
 
     def __init__(
@@ -146,8 +174,10 @@ class LocalSentinel(StartStop):
         sentinels: int = 3,
         down_after_ms: int = 1000,
         failover_timeout_ms: int = 5000,
+        tls: ServerTLS | None = None,
     ) -> None:
         self.master_name = master_name
+        self.tls = tls
         self.data: list[RedisServer] = []  # the first one starts as the master
         self.sentinel_ports: list[int] = []
         self._replicas = replicas
@@ -159,21 +189,34 @@ class LocalSentinel(StartStop):
 
     @property
     def url(self) -> str:
-        """``sentinel://`` with every sentinel and the master's name."""
+        """``sentinel://`` with every sentinel and the master's name; with TLS also
+        ``ssl=true&sentinel_ssl=true`` and the CA and the client certificate (for both)."""
         hosts = ",".join(f"{HOST}:{p}" for p in self.sentinel_ports)
-        return f"sentinel://{hosts}/0?master_name={self.master_name}"
+        url = f"sentinel://{hosts}/0?master_name={self.master_name}"
+        if self.tls is not None:
+            url += f"&ssl=true&sentinel_ssl=true&{self.tls.url_query()}"
+        return url
+
+    def _url(self, port: int) -> str:
+        """The URL of the one server (data server or sentinel) on ``port``."""
+        if self.tls is not None:
+            return f"rediss://{HOST}:{port}/0?{self.tls.url_query()}"
+        return f"redis://{HOST}:{port}/0"
 
     def start(self) -> None:
         """Start the master, its replicas (in sync) and the sentinels (agreed on the master)."""
         binary = ensure_server_binary()
         self._dir = tempfile.mkdtemp(prefix="celery-leases-sentinel-")
         try:
-            master = RedisServer(binary=binary)
+            peers = _TLS_PEERS["replication"] * (self.tls is not None)
+            master = RedisServer(binary=binary, extra_args=peers, tls=self.tls)
             self.data.append(master)
             master.start()
             for _ in range(self._replicas):
                 replica = RedisServer(
-                    binary=binary, extra_args=["--replicaof", HOST, str(master.port)]
+                    binary=binary,
+                    extra_args=[*peers, "--replicaof", HOST, str(master.port)],
+                    tls=self.tls,
                 )
                 self.data.append(replica)
                 replica.start()
@@ -194,8 +237,15 @@ class LocalSentinel(StartStop):
         conf = os.path.join(workdir, "sentinel.conf")
         name = self.master_name
         with open(conf, "w") as fh:
+            if self.tls is None:
+                fh.write(f"port {port}\n")
+            else:
+                fh.write(f"port 0\ntls-port {port}\ntls-replication yes\n")
+                args = self.tls.server_args()  # --name value pairs
+                pairs = zip(args[::2], args[1::2], strict=True)
+                fh.writelines(f"{key.removeprefix('--')} {value}\n" for key, value in pairs)
             fh.write(
-                f"port {port}\nbind {HOST}\nprotected-mode no\ndir {workdir}\n"
+                f"bind {HOST}\nprotected-mode no\ndir {workdir}\n"
                 f"sentinel monitor {name} {HOST} {master_port} {quorum}\n"
                 f"sentinel down-after-milliseconds {name} {self._down_after_ms}\n"
                 f"sentinel failover-timeout {name} {self._failover_timeout_ms}\n"
@@ -210,7 +260,7 @@ class LocalSentinel(StartStop):
         self.sentinel_ports.append(port)
         _wait(
             f"sentinel on port {port} did not answer",
-            lambda: _answers(f"redis://{HOST}:{port}"),
+            lambda: _answers(self._url(port)),
             10.0,
         )
 
@@ -221,7 +271,7 @@ class LocalSentinel(StartStop):
 
     def master_port(self) -> int:
         """The port of the master the sentinels currently name."""
-        return _named_master(self.sentinel_ports[0], self.master_name)
+        return _named_master(self._url(self.sentinel_ports[0]), self.master_name)
 
     def master(self) -> RedisServer:
         """The data server the sentinels currently name as master."""
@@ -231,10 +281,10 @@ class LocalSentinel(StartStop):
     def _sentinels_agree(self) -> bool:
         expected = self.data[0].port
         for port in self.sentinel_ports:
-            if _named_master(port, self.master_name) != expected:
+            if _named_master(self._url(port), self.master_name) != expected:
                 return False
             # every sentinel must know the replicas and the other sentinels
-            client = _client(f"redis://{HOST}:{port}", 1.0)
+            client = _client(self._url(port), 1.0)
             try:
                 state = cast("dict[str, Any]", client.sentinel_master(self.master_name))
             finally:
@@ -249,10 +299,10 @@ class LocalSentinel(StartStop):
         """Wait until every sentinel names a master other than ``old_port`` and it takes writes."""
 
         def moved() -> bool:
-            ports = {_named_master(port, self.master_name) for port in self.sentinel_ports}
+            ports = {_named_master(self._url(p), self.master_name) for p in self.sentinel_ports}
             if ports == {old_port} or len(ports) != 1:
                 return False
-            return _info(f"redis://{HOST}:{ports.pop()}", "replication").get("role") == "master"
+            return _info(self._url(ports.pop()), "replication").get("role") == "master"
 
         _wait("no new master was promoted", moved, timeout)
         return self.master()
@@ -278,9 +328,26 @@ class LocalSentinel(StartStop):
         self.sentinel_ports = []
 
 
-def _named_master(sentinel_port: int, name: str) -> int:
-    """The port of the master that the sentinel on ``sentinel_port`` names."""
-    client = _client(f"redis://{HOST}:{sentinel_port}", 1.0)
+#: server arguments that make the servers talk TLS to each other (with TLS on)
+_TLS_PEERS: Final = {
+    "cluster": ["--tls-cluster", "yes", "--tls-replication", "yes"],
+    "replication": ["--tls-replication", "yes"],
+}
+
+
+def _cli_tls(tls: ServerTLS | None) -> list[str]:
+    """``redis-cli`` arguments for a TLS server (none without TLS)."""
+    if tls is None:
+        return []
+    return [
+        "--tls", "--cacert", tls.ca_certs,
+        "--cert", tls.client_certfile, "--key", tls.client_keyfile,
+    ]  # fmt: skip
+
+
+def _named_master(sentinel_url: str, name: str) -> int:
+    """The port of the master that the sentinel at ``sentinel_url`` names."""
+    client = _client(sentinel_url, 1.0)
     try:
         addr = cast("tuple[str, int]", client.sentinel_get_master_addr_by_name(name))
     finally:

@@ -15,7 +15,7 @@ from typing import Any, Final, Literal, NamedTuple
 import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import MovedError, NoScriptError, RedisError
+from redis.exceptions import MovedError, NoScriptError, RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -202,7 +202,10 @@ class LeaseStore:
                 retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
                 client_name="celery_leases",
             )
-        except (ValueError, TypeError, RedisError) as exc:
+        except (ValueError, TypeError, RedisError, RedisClusterException) as exc:
+            # a sync cluster client reads the slot map as it is made: an unreachable cluster,
+            # or one that refuses the TLS handshake, shows here (RedisClusterException is not
+            # a RedisError)
             msg = f"redis_url {safe_url(self.url)!r} is not usable: {exc}"
             raise LeaseConfigError(msg) from None
 

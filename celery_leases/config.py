@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, Literal
-from urllib.parse import quote
+from urllib.parse import parse_qsl, quote, urlsplit
 
 from pydantic import Field, ValidationError, field_serializer, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -33,6 +33,8 @@ from ._connect import parse_target
 from .exceptions import LeaseConfigError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from celery import Celery
 
 __all__ = (
@@ -403,7 +405,7 @@ def _safe_one(url: str) -> str:
     return f"{scheme}://{netloc}{_QUERY_PASSWORD.sub(_REDACTED, tail)}"
 
 
-_QUERY_PASSWORD: Final = re.compile(r"(?i)(?<=[?&])((?:sentinel_|ssl_)?password)=[^&#]*")
+_QUERY_PASSWORD: Final = re.compile(r"(?i)(?<=[?&])((?:sentinel_)?(?:ssl_)?password)=[^&#]*")
 _REDACTED: Final = r"\1=***"
 
 
@@ -420,11 +422,42 @@ def _url_problem(url: str) -> str | None:
         if target.kind == "single":
             kwargs: dict[str, Any] = parse_url(url)  # type: ignore[no-untyped-call]
         else:  # the options of the master's or the nodes' connections
-            kwargs = dict(target.options)
-            if kwargs.pop("ssl", False):
-                kwargs["connection_class"] = SSLConnection
+            kwargs = _with_connection_class(target.options)
     except ValueError:
         return None  # _check_url names what is wrong
+    problem = _connection_problem(kwargs)
+    if problem is not None:
+        if problem.startswith(_UNKNOWN) and "'ssl_" in problem:
+            hint = {
+                "single": "a rediss:// URL",
+                "cluster": "a rediss+cluster:// URL",
+                "sentinel": "ssl=true",
+            }[target.kind]
+            if kwargs.get("connection_class") is not SSLConnection:
+                problem += f" (TLS options need {hint})"
+        return problem
+    if target.kind == "sentinel" and target.sentinel_options:
+        written = {k for part in url.split(";") for k, _ in parse_qsl(urlsplit(part).query)}
+        sentinel = _with_connection_class(target.sentinel_options)
+        return _connection_problem(sentinel, lambda name: f"sentinel_{name}" in written)
+    return None
+
+
+_UNKNOWN: Final = "redis-py does not take the URL option"
+
+
+def _with_connection_class(options: Mapping[str, Any]) -> dict[str, Any]:
+    kwargs = dict(options)
+    if kwargs.pop("ssl", False):
+        kwargs["connection_class"] = SSLConnection
+    return kwargs
+
+
+def _connection_problem(
+    kwargs: dict[str, Any], sentinel_only: Callable[[str], bool] = lambda name: False
+) -> str | None:
+    """Why redis-py's connection class refuses ``kwargs``; an option for which
+    ``sentinel_only`` is true was written with the ``sentinel_`` prefix."""
     connection_class = kwargs.pop("connection_class", Connection)
     try:
         connection_class(**kwargs)  # builds the object only; nothing connects
@@ -432,12 +465,12 @@ def _url_problem(url: str) -> str | None:
         found = re.search(r"keyword argument '(\w+)'", str(exc))
         if found is None:
             return f"redis-py refuses its options: {exc}"
-        msg = f"redis-py does not take the URL option {found.group(1)!r}"
-        if found.group(1).startswith("ssl_") and not url.startswith("rediss://"):
-            msg += " (TLS options need a rediss:// URL)"
-        return msg
+        name = found.group(1)
+        return f"{_UNKNOWN} {('sentinel_' if sentinel_only(name) else '') + name!r}"
     except RedisError as exc:  # e.g. ssl_cert_reqs=CERT_REQUIRED
         return f"redis-py refuses its options: {exc}"
+    finally:
+        kwargs["connection_class"] = connection_class
     return None
 
 

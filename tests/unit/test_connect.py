@@ -99,3 +99,92 @@ def test_a_settings_error_does_not_show_the_password():
     with pytest.raises(LeaseConfigError) as info:
         resolve_settings(None, redis_url="sentinel://:hunter2@s1:26379/0")
     assert "hunter2" not in str(info.value)
+
+
+# --- TLS on Sentinel and Cluster --------------------------------------------------------------
+TLS_FILES = "ssl_ca_certs=/ca.pem&ssl_certfile=/c.pem&ssl_keyfile=/k.pem&ssl_cert_reqs=required"
+TLS_OPTIONS = {
+    "ssl_ca_certs": "/ca.pem",
+    "ssl_certfile": "/c.pem",
+    "ssl_keyfile": "/k.pem",
+    "ssl_cert_reqs": "required",
+}
+
+
+def test_sentinel_over_tls_to_the_sentinels_and_the_master():
+    url = f"sentinel://:pw@s1:26379,s2:26379/2?master_name=m&ssl=true&sentinel_ssl=true&{TLS_FILES}"
+    t = parse_target(url)
+    assert t.options == {**TLS_OPTIONS, "password": "pw", "db": 2, "ssl": True}
+    # the sentinels get the same files (and not the master's password)
+    assert t.sentinel_options == {**TLS_OPTIONS, "ssl": True}
+    assert resolve_settings(None, redis_url=url).redis_url == url
+
+
+def test_sentinel_tls_on_one_side_only_and_sentinel_only_files():
+    master_only = parse_target(f"sentinel://s1/0?master_name=m&ssl=true&{TLS_FILES}")
+    assert master_only.options["ssl"] is True
+    assert master_only.sentinel_options == {}
+    sentinels_only = parse_target(
+        f"sentinel://s1/0?master_name=m&sentinel_ssl=yes&{TLS_FILES}&sentinel_password=sp"
+        "&sentinel_ssl_certfile=/sc.pem&sentinel_ssl_keyfile=/sk.pem&sentinel_ssl_password=kp"
+    )
+    assert sentinels_only.options == {"db": 0}  # plain to the master, no TLS files
+    assert sentinels_only.sentinel_options == {
+        **TLS_OPTIONS,
+        "ssl_certfile": "/sc.pem",
+        "ssl_keyfile": "/sk.pem",
+        "ssl_password": "kp",
+        "password": "sp",
+        "ssl": True,
+    }
+    plain = parse_target("sentinel://s1/0?master_name=m&ssl=false&sentinel_ssl=0")
+    assert "ssl" not in plain.options
+    assert plain.sentinel_options == {}
+
+
+def test_cluster_over_tls_takes_the_tls_files():
+    t = parse_target(f"rediss+cluster://n1:7000,n2:7001?{TLS_FILES}&ssl_check_hostname=false")
+    assert t.options == {**TLS_OPTIONS, "ssl_check_hostname": False, "ssl": True}
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        (f"sentinel://s1/0?master_name=m&{TLS_FILES}", "add ssl=true"),
+        ("sentinel://s1/0?master_name=m&ssl=on", "ssl='on'; write ssl=true or ssl=false"),
+        ("sentinel://s1/0?master_name=m&sentinel_ssl=2", "sentinel_ssl=true or sentinel_ssl"),
+        (
+            "sentinel://s1/0?master_name=m&ssl=true&sentinel_ssl_ca_certs=/ca.pem",
+            "TLS options for the sentinels (sentinel_ssl_ca_certs) without sentinel_ssl=true",
+        ),
+        (
+            "sentinel://s1/0?master_name=m&sentinel_ssl=true&sentinel_ssl_ca_cert=/ca.pem",
+            "URL option 'sentinel_ssl_ca_cert'",
+        ),
+        ("sentinel://s1/0?master_name=m&ssl=true&ssl_ca_cert=/ca.pem", "URL option 'ssl_ca_cert'"),
+        (
+            "sentinel://s1/0?master_name=m&sentinel_ssl=true&ssl_cert_reqs=CERT_REQUIRED",
+            "CERT_REQUIRED",
+        ),
+        (
+            f"redis+cluster://n1:7000?{TLS_FILES}",
+            "'ssl_ca_certs' (TLS options need a rediss+cluster:// URL)",
+        ),
+    ],
+)
+def test_bad_tls_combinations_are_refused_at_start_up(url, problem):
+    with pytest.raises(LeaseConfigError) as info:
+        resolve_settings(None, redis_url=url)
+    assert "redis_url" in str(info.value)
+    assert problem in str(info.value)
+
+
+def test_tls_key_passwords_are_hidden_in_sentinel_and_cluster_urls():
+    for url in (
+        "sentinel://s1/0?master_name=m&ssl=true&ssl_password=hunter2",
+        "sentinel://s1/0?master_name=m&sentinel_ssl=true&sentinel_ssl_password=hunter2",
+        "rediss+cluster://n1:7000?ssl_keyfile=/k.pem&ssl_password=hunter2",
+    ):
+        shown = safe_url(url)
+        assert "hunter2" not in shown
+        assert "password=***" in shown

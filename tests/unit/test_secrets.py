@@ -27,6 +27,15 @@ URLS = [
     f"redis://cache.internal:6380/3?password={SECRET}",
     f"rediss://cache.internal:6380/3?ssl_certfile=/c.pem&ssl_keyfile=/k.pem&ssl_password={SECRET}",
 ]
+#: the key passwords of TLS to a Cluster and to Sentinel (its sentinels' own key too)
+TOPOLOGY_URLS = [
+    f"rediss+cluster://cache.internal:6380?ssl_certfile=/c.pem&ssl_keyfile=/k.pem"
+    f"&ssl_password={SECRET}",
+    f"sentinel://cache.internal:26379/3?master_name=m&ssl=true&ssl_certfile=/c.pem"
+    f"&ssl_keyfile=/k.pem&ssl_password={SECRET}",
+    f"sentinel://cache.internal:26379/3?master_name=m&sentinel_ssl=true"
+    f"&sentinel_ssl_certfile=/c.pem&sentinel_ssl_keyfile=/k.pem&sentinel_ssl_password={SECRET}",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +61,7 @@ def everything_shown(exc: BaseException) -> str:
     return "\n".join(parts)
 
 
-@pytest.mark.parametrize("url", URLS)
+@pytest.mark.parametrize("url", URLS + TOPOLOGY_URLS)
 def test_settings_never_show_the_password(url: str) -> None:
     settings = LeaseSettings(redis_url=url)
     assert settings.redis_url == url  # the real value is there, for the store
@@ -69,12 +78,17 @@ def test_settings_never_show_the_password(url: str) -> None:
         assert "***" in text
     assert settings.model_dump()["redis_url"] == safe_url(url)
     app = Celery("secrets", set_as_current=False)
+    if "+cluster://" in url:  # a cluster client connects at once: here to a host that is not
+        with pytest.raises(LeaseConfigError, match="not usable") as info:
+            Leases(app, redis_url=url, socket_connect_timeout=0.5)
+        assert SECRET not in everything_shown(info.value)
+        return
     leases = Leases(app, redis_url=url)
     assert SECRET not in repr(leases)
     leases.store.close()
 
 
-@pytest.mark.parametrize("url", URLS)
+@pytest.mark.parametrize("url", URLS + TOPOLOGY_URLS)
 @pytest.mark.parametrize("source", ["kwarg", "app.conf", "env"])
 def test_settings_errors_never_show_the_password(
     url: str, source: str, monkeypatch: pytest.MonkeyPatch
@@ -154,12 +168,12 @@ def test_url_options_redis_py_would_refuse_fail_at_settings(url: str, named: str
 
 def _documented_urls() -> list[str]:
     text = DOCS.read_text()
-    return re.findall(r"^(rediss?://\S+)$", text, flags=re.MULTILINE)
+    return re.findall(r"^((?:rediss?(?:\+cluster)?|sentinel)://\S+)$", text, flags=re.MULTILINE)
 
 
 def test_the_documented_url_forms_are_accepted_and_shown_without_password() -> None:
     urls = _documented_urls()
-    assert len(urls) >= 2, urls
+    assert len(urls) >= 4, urls  # one server twice, a cluster and Sentinel over TLS
     for url in urls:
         settings = resolve_settings(None, redis_url=url)
         assert settings.redis_url == url
