@@ -261,11 +261,16 @@ def _build(
         options.pop("retry", None)
         nodes = [node_class(host, port) for host, port in target.hosts]
         return cluster_class(startup_nodes=nodes, **options)
-    timeouts = {k: common[k] for k in ("socket_timeout", "socket_connect_timeout") if k in common}
+    # The sentinels' connections get the store's timeouts and retry policy too: redis-py's
+    # default retries each sentinel three times with backoff (about 20 s before a call fails
+    # when no sentinel answers), and a sentinel that does not answer is skipped for the next
+    # one anyway.
+    shared = ("socket_timeout", "socket_connect_timeout", "retry")
+    sentinel_common = {k: common[k] for k in shared if k in common}
     sentinel = sentinel_class(
         list(target.hosts),
-        sentinel_kwargs={**timeouts, **target.sentinel_options},
-        **timeouts,
+        sentinel_kwargs={**sentinel_common, **target.sentinel_options},
+        **{k: v for k, v in sentinel_common.items() if k != "retry"},
     )
     assert target.master_name is not None
     return sentinel.master_for(target.master_name, **options)
