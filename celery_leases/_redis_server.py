@@ -455,7 +455,7 @@ def _wait_gone(pid: int, timeout: float) -> bool:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    server = RedisServer(args.port, binary=ensure_server_binary(), detached=True)
+    server = RedisServer(args.port, binary=args.binary or ensure_server_binary(), detached=True)
     server.start()
     with open(args.pidfile, "w") as fh:
         fh.write(f"{server.pid}\n")
@@ -510,6 +510,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--pidfile", required=True)
     serve.add_argument("--urlfile", required=True)
     serve.add_argument("--port", type=int, default=None)
+    serve.add_argument("--binary", default=None, help="this redis-server, not the one found")
     serve.set_defaults(func=_serve)
     stop = commands.add_parser("stop", help="stop a server started by `serve`")
     stop.add_argument("--pidfile", required=True)
