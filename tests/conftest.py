@@ -19,6 +19,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
 
 
-from tests.topologies import redis_cluster, redis_sentinel, topology  # noqa: E402  (fixtures)
+from tests.topologies import (  # noqa: E402  (fixtures)
+    redis_cluster,
+    redis_cluster_replicated,
+    redis_sentinel,
+    topology,
+)
 
-__all__ = ["redis_cluster", "redis_sentinel", "topology"]
+__all__ = ["redis_cluster", "redis_cluster_replicated", "redis_sentinel", "topology"]

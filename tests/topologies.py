@@ -58,6 +58,13 @@ def redis_cluster() -> Iterator[LocalCluster]:
 
 
 @pytest.fixture(scope="session")
+def redis_cluster_replicated() -> Iterator[LocalCluster]:
+    """A 3-primary Redis Cluster with one replica per primary (for ``min_replicas``)."""
+    with LocalCluster(masters=3, replicas=1) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
 def redis_sentinel() -> Iterator[LocalSentinel]:
     """One master, one replica, three sentinels (``.url`` is ``sentinel://...``)."""
     with LocalSentinel(replicas=1, sentinels=3) as sentinel:
