@@ -18,8 +18,8 @@ from redis.asyncio.client import PubSub
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
+from redis.exceptions import AskError, NoScriptError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import _scripts
@@ -261,6 +261,9 @@ class _LoopState:
     subscriber: _Subscriber | None = None
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     queues: dict[tuple[Want, ...], _Queue] = field(default_factory=dict)
+    # on a cluster with min_replicas: plain clients of single nodes, (host, port, renewal?)
+    # -> client; a WAIT has no key, so it goes down the connection of the write before it
+    nodes: dict[tuple[str, int, bool], aredis.Redis] = field(default_factory=dict)
 
 
 @dataclass
@@ -283,12 +286,6 @@ class AsyncLeaseStore:
     """
 
     def __init__(self, store: LeaseStore) -> None:
-        if store.settings.min_replicas and store._cluster:
-            msg = (
-                "min_replicas is not supported by the asyncio API on a Redis Cluster yet (its "
-                "grants and renewals would not wait for replicas); use hold()/once() there"
-            )
-            raise LeaseConfigError(msg)
         self.store = store
         self.settings = store.settings
         self._lock = threading.Lock()
@@ -337,6 +334,8 @@ class AsyncLeaseStore:
             await state.subscriber.aclose()
         await aclose_client(state.client)
         await aclose_client(state.renew_client)
+        for node_client in state.nodes.values():
+            await node_client.aclose()
 
     def _spawn(self, state: _LoopState, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -422,9 +421,8 @@ class AsyncLeaseStore:
         try:
             if self.store._wait_replicas:
                 # the grant, then WAIT, in one round trip (see the min_replicas setting)
-                wait = self.store._wait_replicas
-                reply, acked = await _evalsha_all(
-                    state.client, _scripts.ACQUIRE, [(call.keys, call.args)], wait
+                (reply,), (acked,) = await self._evalsha_replicated(
+                    state, _scripts.ACQUIRE, [(call.keys, call.args)], renewal=False
                 )
                 if int(reply[0]) == 1 and int(acked) < self.store.settings.min_replicas:
                     granted = self.store.acquire_outcome(call, reply)
@@ -596,20 +594,97 @@ class AsyncLeaseStore:
             LeaseBackendError: Redis failed, or gave no reply within ``timeout``.
         """
         plan = self.store.renew_calls(held, owner)
-        client = self._state().renew_client
+        state = self._state()
         calls = [(keys, args) for _, keys, args in plan.calls]
-        wait = self.store._wait_replicas
-        sending = asyncio.ensure_future(_evalsha_all(client, _scripts.RENEW, calls, wait))
+        sending: asyncio.Future[tuple[list[Any], list[Any]]]
+        if self.store._wait_replicas:
+            replicated = self._evalsha_replicated(state, _scripts.RENEW, calls, renewal=True)
+            sending = asyncio.ensure_future(replicated)
+        else:
+            sending = asyncio.ensure_future(_unwaited(state.renew_client, _scripts.RENEW, calls))
         try:
             if not await _within(sending, timeout):
                 exc = RedisTimeoutError(f"no reply within {timeout:.2f}s")
                 raise self.store._backend_error("renew", exc)
-            replies = sending.result()
-            if wait:
-                self.store._check_replicated(replies.pop(), "renewal")
+            replies, acked = sending.result()
+            for count in acked:  # one WAIT reply per node
+                self.store._check_replicated(count, "renewal")
         except RedisError as exc:
             raise self.store._backend_error("renew", exc) from exc
         return self.store.renew_outcome(plan, replies, owner)
+
+    # --- min_replicas ---------------------------------------------------------------------
+    async def _evalsha_replicated(
+        self,
+        state: _LoopState,
+        source: str,
+        calls: Sequence[tuple[list[str], list[Any]]],
+        *,
+        renewal: bool,
+    ) -> tuple[list[Any], list[Any]]:
+        """EVALSHA each of ``calls``, each node's followed by ``WAIT`` on the same connection.
+
+        Returns the replies (in the order of ``calls``) and the WAIT replies (the replicas
+        that confirmed; one per node the calls went to). Off a cluster it is one round trip
+        on the loop's client (``renewal``: its renewal client). On a cluster a WAIT, having no
+        key, would go to any node, so the calls are grouped by the node serving their keys
+        and sent on a plain client of that node, all nodes at once: each node waits for its
+        own replicas. After a MOVED or ASK reply or a lost node the slot map is read again,
+        so the next attempt goes to the node that serves the slot now.
+        """
+        wait = self.store._wait_replicas
+        if not self.store._cluster:
+            client = state.renew_client if renewal else state.client
+            replies = await _evalsha_all(client, source, calls, wait)
+            return replies[:-1], replies[-1:]
+        routes: dict[tuple[str, int, bool], list[int]] = {}
+        try:
+            for i, (keys, _) in enumerate(calls):
+                node = await self._node_of(state, keys[0], renewal)
+                routes.setdefault(node, []).append(i)
+        except RedisConnectionError:
+            await _refresh_slots(state.client)
+            raise
+        sent = [
+            _evalsha_all(state.nodes[node], source, [calls[i] for i in idx], wait)
+            for node, idx in routes.items()
+        ]
+        got = await asyncio.gather(*sent, return_exceptions=True)
+        failed = [r for r in got if isinstance(r, BaseException)]
+        if failed:
+            # MovedError is an AskError: the slot moved (a failover, a resharding)
+            if any(isinstance(r, (AskError, RedisConnectionError)) for r in failed):
+                await _refresh_slots(state.client)
+            raise failed[0]
+        ordered: list[Any] = [None] * len(calls)
+        acked: list[Any] = []
+        for idx, node_replies in zip(routes.values(), got, strict=True):
+            assert isinstance(node_replies, list)
+            *results, count = node_replies  # the WAIT reply comes last
+            for i, reply in zip(idx, results, strict=True):
+                ordered[i] = reply
+            acked.append(count)
+        return ordered, acked
+
+    async def _node_of(self, state: _LoopState, key: str, renewal: bool) -> tuple[str, int, bool]:
+        """The node serving ``key`` in the loop's slot map; its plain client is made if new.
+
+        The slot map is the loop's cluster client's, which a grant has read before any
+        renewal on this loop (the loop's renewal client may never read one: it is not used
+        with min_replicas). A renewal's node clients are apart from the grants', as the
+        loop's renewal client is.
+        """
+        target: Any = state.client
+        try:
+            await target.initialize()  # reads the slot map, on first use only
+            node = target.get_node_from_key(key)
+        except RedisClusterException as exc:  # not a RedisError (a slot no node serves...)
+            raise RedisConnectionError(f"no cluster node for {key!r}: {exc}") from exc
+        name = (str(node.host), int(node.port), renewal)
+        if name not in state.nodes:
+            size = RENEW_CONNECTIONS if renewal else MAX_CONNECTIONS
+            state.nodes[name] = _node_client(node, size, self.settings.socket_timeout)
+        return name
 
     # --- release --------------------------------------------------------------------------
     async def release(self, held: Sequence[Held]) -> list[bool]:
@@ -687,6 +762,38 @@ async def _evalsha_all(
         if isinstance(reply, Exception):
             raise reply
     return replies
+
+
+async def _unwaited(
+    client: aredis.Redis, source: str, calls: Sequence[tuple[list[str], list[Any]]]
+) -> tuple[list[Any], list[Any]]:
+    """:func:`_evalsha_all` without WAIT, shaped as :meth:`AsyncLeaseStore._evalsha_replicated`."""
+    return await _evalsha_all(client, source, calls), []
+
+
+def _node_client(node: Any, max_connections: int, timeout: float) -> aredis.Redis:
+    """A plain client of one cluster node (its connection options, TLS too), not following
+    MOVED: a pipeline on it keeps every command on one connection."""
+    kwargs = {
+        **node.connection_kwargs,  # host, port, timeouts, client name, TLS files, ...
+        "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+    }
+    pool = aredis.BlockingConnectionPool(
+        connection_class=node.connection_class,
+        max_connections=max_connections,
+        timeout=timeout,
+        **kwargs,
+    )
+    return aredis.Redis.from_pool(pool)
+
+
+async def _refresh_slots(cluster: aredis.Redis) -> None:
+    """After a MOVED or ASK reply or a lost node: read the cluster's slot map again."""
+    manager: Any = getattr(cluster, "nodes_manager", None)
+    if manager is None:
+        return
+    with contextlib.suppress(RedisError, RedisClusterException):  # the next attempt tries again
+        await manager.initialize()
 
 
 async def _shielded(awaitable: Awaitable[T]) -> T:

@@ -7,12 +7,17 @@ slot group, on the connection that made the write:
   replica as soon as they count;
 - with one replica frozen (SIGSTOP), a grant in its primary's slots is refused with
   ``LeaseBackendError`` and given back, while the other primaries go on granting; a renewal
-  there fails, and the holder is told its lease is lost.
+  there fails, and the holder is told its lease is lost;
+- the asyncio API does the same (its own plain client per node, as a ``WAIT`` has no key), and
+  after a ``MOVED`` reply it reads the slot map again, so the next attempt reaches the right
+  node.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -141,6 +146,15 @@ def lost(lease: Any) -> bool:
     return False
 
 
+async def poll(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """:func:`wait_until` for a coroutine: the event loop (and its heartbeat) runs meanwhile."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
 # --- sync -------------------------------------------------------------------------------------
 def test_grants_and_renewals_are_on_the_replicas_of_every_primary(make, replicas) -> None:
     leases = make(ttl=GRANT_TTL)
@@ -187,3 +201,111 @@ def test_a_renewal_its_replica_cannot_confirm_fails_and_the_lease_is_lost(make, 
         finally:
             replica.resume()
     assert info.value.resource == there
+
+
+# --- asyncio ----------------------------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_asyncio_grants_and_renewals_are_on_the_replicas_of_every_primary(
+    make, replicas
+) -> None:
+    leases = make(ttl=GRANT_TTL)
+    names = every_group(leases)
+    try:
+        held = await leases.aacquire([Want(n) for n in names])
+        grants = [lease._held for lease in held]
+        try:
+            assert_on_replicas(leases, replicas, grants, min_pttl=0)
+            owner = leases.identity().owner
+            assert await leases.astore.renew(longer(grants), owner, timeout=5.0) == set()
+            assert_on_replicas(leases, replicas, grants, min_pttl=GRANT_TTL)
+        finally:
+            assert await leases.arelease(held) == []
+        # each node's calls went on a plain client of that node: one per primary, per kind
+        nodes = leases.astore._state().nodes
+        assert {(port, renewal) for _, port, renewal in nodes} == {
+            (port, renewal) for port in replicas for renewal in (False, True)
+        }
+    finally:
+        await leases.aclose()
+
+
+@pytest.mark.asyncio
+async def test_asyncio_a_grant_its_replica_cannot_confirm_is_refused_and_given_back(
+    make, replicas
+) -> None:
+    leases = make(ttl=GRANT_TTL)
+    replica, there, elsewhere = pick(leases, replicas)
+    owner = leases.identity().owner
+    try:
+        async with leases.ahold(elsewhere):  # the loop's clients know the slot map
+            pass
+        replica.pause()
+        try:
+            with pytest.raises(LeaseBackendError, match="replicas"):
+                async with leases.ahold(there):
+                    pass
+            assert leases.store.holders(there) == []
+            assert leases.store.entries(owner) == []
+            async with leases.ahold(elsewhere) as lease:  # another primary's replica confirms
+                lease.check()
+        finally:
+            replica.resume()
+        async with leases.ahold(there) as lease:  # with the replica back, granted
+            assert_on_replicas(leases, replicas, [lease._held], min_pttl=0)
+    finally:
+        await leases.aclose()
+
+
+@pytest.mark.asyncio
+async def test_asyncio_a_renewal_its_replica_cannot_confirm_fails_and_the_lease_is_lost(
+    make, replicas
+) -> None:
+    leases = make(ttl=2.0)
+    replica, there, _ = pick(leases, replicas)
+    owner = leases.identity().owner
+    try:
+        with pytest.raises(LeaseLost) as info:  # noqa: PT012
+            async with leases.ahold(there) as lease:
+                replica.pause()
+                try:
+                    with pytest.raises(LeaseBackendError, match="replicas"):
+                        await leases.astore.renew([lease._held], owner, timeout=5.0)
+                    await poll(lambda: lost(lease), 30, "the holder is told its lease is lost")
+                finally:
+                    replica.resume()
+        assert info.value.resource == there
+    finally:
+        await leases.aclose()
+
+
+@pytest.mark.asyncio
+async def test_asyncio_reads_the_slot_map_again_after_moved(make, replicas) -> None:
+    """A slot map gone stale (as after a resharding or a failover): the node client gets
+    MOVED, the attempt fails, the map is read again, and the next attempt is granted."""
+    leases = make(ttl=GRANT_TTL)
+    name = every_group(leases)[0]
+    key = xkey(leases, name)
+    owner = leases.identity().owner
+    try:
+        async with leases.ahold(name) as lease:
+            assert await leases.astore.renew([lease._held], owner, timeout=5.0) == set()
+        manager: Any = leases.astore._state().client.nodes_manager  # type: ignore[attr-defined]
+        slot = leases.store.client.keyslot(key)  # type: ignore[attr-defined]
+        right = manager.slots_cache[slot][0]
+        wrong = next(
+            n
+            for n in manager.nodes_cache.values()
+            if n.server_type == "primary" and n.port != right.port
+        )
+        manager.slots_cache[slot] = [wrong]  # a real node that does not serve the slot
+        with pytest.raises(LeaseBackendError, match="MovedError"):
+            await leases.aacquire([Want(name)])
+        async with leases.ahold(name) as lease:  # the map was read again
+            assert manager.slots_cache[slot][0].port == right.port
+            manager.slots_cache[slot] = [wrong]
+            with pytest.raises(LeaseBackendError, match="MovedError"):
+                await leases.astore.renew([lease._held], owner, timeout=5.0)
+            assert manager.slots_cache[slot][0].port == right.port
+            assert await leases.astore.renew([lease._held], owner, timeout=5.0) == set()
+    finally:
+        await leases.aclose()
