@@ -27,9 +27,9 @@ from ._connect import aclose_client, parse_target
 from ._connect import make_async_client as make_deployment_client
 from ._identity import Identity
 from ._lease import Held, Want
-from ._store import _EXPIRY_SLACK, Busy, Entry, LeaseStore
+from ._store import _EXPIRY_SLACK, Busy, Entry, LeaseStore, give_back_failed
 from .config import LeaseSettings, safe_url
-from .exceptions import LeaseBusy, LeaseConfigError, LeaseError
+from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseError
 
 __all__ = ("AsyncLeaseStore", "make_async_client")
 
@@ -373,9 +373,13 @@ class AsyncLeaseStore:
         taken: list[Held] = []
         for group in sorted(by_group):
             idx = sorted(by_group[group], key=lambda i: wants[i].resource)
-            outcome = await self._acquire_group(
-                group, [wants[i] for i in idx], ident, ttl, not fresh and group == 0, task_id
-            )
+            try:
+                outcome = await self._acquire_group(
+                    group, [wants[i] for i in idx], ident, ttl, not fresh and group == 0, task_id
+                )
+            except LeaseBackendError:
+                await self._give_back(taken)
+                raise
             if isinstance(outcome, Busy):
                 if taken:
                     await self.release(taken)
@@ -384,6 +388,15 @@ class AsyncLeaseStore:
                 out[i] = held
                 taken.append(held)
         return [h for h in out if h is not None]
+
+    async def _give_back(self, taken: Sequence[Held]) -> None:
+        """:meth:`LeaseStore.give_back` on this loop."""
+        if not taken:
+            return
+        try:
+            await self.release(taken)
+        except LeaseBackendError as exc:
+            give_back_failed(taken, exc)
 
     async def _acquire_with_home(
         self, group: int, wants: Sequence[Want], ident: Identity, ttl: float, task_id: str | None

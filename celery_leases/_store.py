@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple
 
 import redis
+from celery.utils.log import get_logger
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import MovedError, NoScriptError, RedisClusterException, RedisError
@@ -25,6 +26,8 @@ from ._keys import UNIQUE_PREFIX, Keyspace, escape, node_of_owner, unescape
 from ._lease import Held, Want
 from .config import LeaseSettings, safe_url
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError
+
+logger = get_logger(__name__)
 
 __all__ = ("ClaimHolder", "Claimed", "CleanupReport", "LeaseStore", "safe_url")
 
@@ -347,9 +350,13 @@ class LeaseStore:
         taken: list[Held] = []
         for group in sorted(by_group):
             idx = sorted(by_group[group], key=lambda i: wants[i].resource)
-            outcome = self._acquire_group(
-                group, [wants[i] for i in idx], ident, ttl, not fresh and group == 0, task_id
-            )
+            try:
+                outcome = self._acquire_group(
+                    group, [wants[i] for i in idx], ident, ttl, not fresh and group == 0, task_id
+                )
+            except LeaseBackendError:
+                self.give_back(taken)
+                raise
             if isinstance(outcome, Busy):
                 if taken:
                     self.release(taken)
@@ -358,6 +365,19 @@ class LeaseStore:
                 out[i] = held
                 taken.append(held)
         return [h for h in out if h is not None]
+
+    def give_back(self, taken: Sequence[Held]) -> None:
+        """Release the groups already granted to a request that Redis failed in a later group.
+
+        If Redis fails here too, they run out with their TTL (logged); the caller raises the
+        first failure either way.
+        """
+        if not taken:
+            return
+        try:
+            self.release(taken)
+        except LeaseBackendError as exc:
+            give_back_failed(taken, exc)
 
     def _acquire_with_home(
         self, group: int, wants: Sequence[Want], ident: Identity, ttl: float, task_id: str | None
@@ -1556,6 +1576,15 @@ class Claimed:
     task_id: str
     token: int
     again: bool = False
+
+
+def give_back_failed(taken: Sequence[Held], exc: LeaseBackendError) -> None:
+    """Log leases of a failed request that could not be given back either."""
+    logger.warning(
+        "leases: could not give back %s of a request Redis failed; they run out with their TTL: %s",
+        ", ".join(h.resource for h in taken),
+        exc,
+    )
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ and shows that every command the line allows is needed.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import pytest
@@ -111,3 +112,42 @@ def test_a_library_store_as_the_user_gets_a_backend_error_outside_its_prefix(
     leases = make_leases(redis_url=_user_url(acl_server, password), key_prefix="other")
     with pytest.raises(LeaseBackendError, match="permission"), leases.hold("x"):
         pass
+
+
+@pytest.mark.parametrize("api", ["sync", "asyncio"])
+def test_a_request_that_redis_fails_in_a_later_slot_group_gives_back_the_earlier_ones(
+    api: str, acl_server: RedisServer, make_leases: Callable[..., Leases]
+) -> None:
+    # the user may touch slot group 0 only: a request spanning groups 0 and k is granted in
+    # group 0, then refused (NOPERM) in group k; the grant in group 0 must not stay behind
+    admin = redis.Redis.from_url(acl_server.url)
+    password = create_documented_user(admin, key_pattern="{leases:0}*")
+    admin.close()
+    user = make_leases(
+        redis_url=_user_url(acl_server, password), key_prefix="leases", slot_groups=8
+    )
+    inspector = make_leases(
+        redis_url=f"redis://127.0.0.1:{acl_server.port}/15", key_prefix="leases", slot_groups=8
+    ).store
+    keys = user.store.keys
+    first = next(f"r{i}" for i in range(100) if keys.group_of(f"r{i}") == 0)
+    later = next(f"r{i}" for i in range(100) if keys.group_of(f"r{i}") != 0)
+
+    async def ahold() -> None:
+        try:
+            async with user.ahold([first, later]):
+                pass
+        finally:
+            await user.aclose()
+
+    def hold() -> None:
+        with user.hold([first, later]):
+            pass
+
+    with pytest.raises(LeaseBackendError, match="permission"):
+        hold() if api == "sync" else asyncio.run(ahold())
+    # the grant in group 0 went through before the refusal (the registration stays: it is
+    # the owner's, not the request's)
+    assert inspector.node_owners(user.identity().node) == [user.identity().owner]
+    assert inspector.holders(first) == []
+    assert inspector.entries(user.identity().owner) == []
