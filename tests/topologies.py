@@ -6,6 +6,7 @@ the session; tests keep to their own key prefix on them, as on the shared server
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -110,3 +111,20 @@ def reset_stats(urls: list[str]) -> None:
             client.config_resetstat()
         finally:
             client.close()
+
+
+async def check_a_waiter_is_woken_by_the_release(leases: Leases, name: str, wait: float) -> None:
+    """A coroutine waiting for ``name`` gets it once the holder's block ends: woken by the
+    release's notification, since the holder's TTL is an hour."""
+    order: list[str] = []
+
+    async def waiter() -> None:
+        async with leases.ahold(name, ttl=10, wait=wait):
+            order.append("waiter")
+
+    async with leases.ahold(name, ttl=3600):
+        task = asyncio.ensure_future(waiter())
+        await asyncio.sleep(0.2)  # the waiter starts waiting (it cannot get in either way)
+        order.append("holder done")
+    await asyncio.wait_for(task, wait)
+    assert order == ["holder done", "waiter"]

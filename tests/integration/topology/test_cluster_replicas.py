@@ -138,14 +138,6 @@ def longer(held: list[Held]) -> list[Held]:
     return [dataclasses.replace(h, ttl=RENEWED_TTL) for h in held]
 
 
-def lost(lease: Any) -> bool:
-    try:
-        lease.check()
-    except LeaseLost:
-        return True
-    return False
-
-
 async def poll(predicate: Callable[[], bool], timeout: float, what: str) -> None:
     """:func:`wait_until` for a coroutine: the event loop (and its heartbeat) runs meanwhile."""
     deadline = time.monotonic() + timeout
@@ -197,7 +189,7 @@ def test_a_renewal_its_replica_cannot_confirm_fails_and_the_lease_is_lost(make, 
             with pytest.raises(LeaseBackendError, match="replicas"):
                 leases.store.renew([lease._held], owner, timeout=5.0)
             # the heartbeat's renewals fail the same way until the lease's deadline passes
-            wait_until(lambda: lost(lease), 30, "the holder is told its lease is lost")
+            wait_until(lambda: lease.lost, 30, "the holder is told its lease is lost")
         finally:
             replica.resume()
     assert info.value.resource == there
@@ -270,7 +262,7 @@ async def test_asyncio_a_renewal_its_replica_cannot_confirm_fails_and_the_lease_
                 try:
                     with pytest.raises(LeaseBackendError, match="replicas"):
                         await leases.astore.renew([lease._held], owner, timeout=5.0)
-                    await poll(lambda: lost(lease), 30, "the holder is told its lease is lost")
+                    await poll(lambda: lease.lost, 30, "the holder is told its lease is lost")
                 finally:
                     replica.resume()
         assert info.value.resource == there

@@ -20,7 +20,13 @@ from celery_leases._connect import parse_target
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
 from tests.polling import wait_until
-from tests.topologies import Topology, command_calls, leases_factory, reset_stats
+from tests.topologies import (
+    Topology,
+    check_a_waiter_is_woken_by_the_release,
+    command_calls,
+    leases_factory,
+    reset_stats,
+)
 
 APP = "tests.integration.worker.wapp"
 
@@ -304,18 +310,7 @@ async def test_the_asyncio_api_on_the_deployment(make: Callable[..., Leases]) ->
             await asyncio.sleep(1.5)  # renewed past its ttl by the loop's heartbeat task
             for lease in held:
                 lease.check()
-        order: list[str] = []
-
-        async def waiter() -> None:
-            async with leases.ahold(names[-1], ttl=10, wait=60):
-                order.append("waiter")
-
-        async with leases.ahold(names[-1], ttl=3600):
-            task = asyncio.ensure_future(waiter())
-            await asyncio.sleep(0.2)
-            order.append("holder done")
-        await asyncio.wait_for(task, 60)  # woken by the release, not the hour-long expiry
-        assert order == ["holder done", "waiter"]
+        await check_a_waiter_is_woken_by_the_release(leases, names[-1], 60)
         # a new store's first grant, of one resource: where it lies outside slot group 0,
         # the owner's home call is sent with it (to two nodes at once on a cluster)
         other = make()

@@ -47,14 +47,6 @@ def make(sentinel: LocalSentinel) -> Iterator[Any]:
         yield make_leases
 
 
-def lost(lease: Any) -> bool:
-    try:
-        lease.check()
-    except LeaseLost:
-        return True
-    return False
-
-
 def fail_over(sentinel: LocalSentinel) -> int:
     """SIGKILL the master; return the new master's port once every sentinel names it."""
     old = sentinel.master()
@@ -113,7 +105,7 @@ def test_without_replication_a_lost_grant_is_reported_and_tokens_still_grow(sent
             master.kill()
             sentinel.wait_for_new_master(master.port, timeout=60)
             # the replica had "fo:solo" (granted while it listened) but not "fo:unseen"
-            wait_until(lambda: lost(unseen), 30, "the holder is told its lease is gone")
+            wait_until(lambda: unseen.lost, 30, "the holder is told its lease is gone")
             lease.check()
             with rival.hold("fo:unseen") as taken:
                 assert taken.token > unseen.token

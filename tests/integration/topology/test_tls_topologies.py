@@ -27,7 +27,11 @@ from celery_leases._connect import parse_target
 from celery_leases._lease import Want
 from celery_leases._redis_topology import LocalCluster, LocalSentinel
 from tests.tls import Certs
-from tests.topologies import CLUSTER_SLOT_GROUPS, leases_factory
+from tests.topologies import (
+    CLUSTER_SLOT_GROUPS,
+    check_a_waiter_is_woken_by_the_release,
+    leases_factory,
+)
 
 
 @pytest.fixture(scope="session")
@@ -142,18 +146,7 @@ async def test_ahold_grants_renews_and_releases_over_tls(make: Callable[..., Lea
             for lease in held:
                 lease.check()
         assert all(leases.store.holders(name) == [] for name in names)
-        order: list[str] = []
-
-        async def waiter() -> None:
-            async with leases.ahold(names[-1], ttl=10, wait=30):
-                order.append("waiter")
-
-        async with leases.ahold(names[-1], ttl=3600):
-            task = asyncio.ensure_future(waiter())
-            await asyncio.sleep(0.2)
-            order.append("holder done")
-        await asyncio.wait_for(task, 30)  # woken by the release (pub/sub over TLS)
-        assert order == ["holder done", "waiter"]
+        await check_a_waiter_is_woken_by_the_release(leases, names[-1], 30)  # pub/sub over TLS
     finally:
         await leases.aclose()
 
