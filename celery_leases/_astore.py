@@ -27,7 +27,7 @@ from ._connect import aclose_client, parse_target
 from ._connect import make_async_client as make_deployment_client
 from ._identity import Identity
 from ._lease import Held, Want
-from ._store import _EXPIRY_SLACK, Busy, Entry, LeaseStore, give_back_failed
+from ._store import _EXPIRY_SLACK, Busy, Entry, LeaseStore
 from .config import LeaseSettings, safe_url
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseError
 
@@ -378,7 +378,7 @@ class AsyncLeaseStore:
                     group, [wants[i] for i in idx], ident, ttl, not fresh and group == 0, task_id
                 )
             except LeaseBackendError:
-                await self._give_back(taken)
+                await self._release_quietly(taken)  # the groups already granted
                 raise
             if isinstance(outcome, Busy):
                 if taken:
@@ -388,15 +388,6 @@ class AsyncLeaseStore:
                 out[i] = held
                 taken.append(held)
         return [h for h in out if h is not None]
-
-    async def _give_back(self, taken: Sequence[Held]) -> None:
-        """:meth:`LeaseStore.give_back` on this loop."""
-        if not taken:
-            return
-        try:
-            await self.release(taken)
-        except LeaseBackendError as exc:
-            give_back_failed(taken, exc)
 
     async def _acquire_with_home(
         self, group: int, wants: Sequence[Want], ident: Identity, ttl: float, task_id: str | None
@@ -477,7 +468,7 @@ class AsyncLeaseStore:
         if isinstance(granted, list) and granted:
             self._spawn(state, self._release_quietly(granted))
 
-    async def _release_quietly(self, held: list[Held]) -> None:
+    async def _release_quietly(self, held: Sequence[Held]) -> None:
         try:
             await self.release(held)
         except LeaseError as exc:  # it runs out by its TTL; the registry lets a cleanup free it

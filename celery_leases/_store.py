@@ -355,7 +355,7 @@ class LeaseStore:
                     group, [wants[i] for i in idx], ident, ttl, not fresh and group == 0, task_id
                 )
             except LeaseBackendError:
-                self.give_back(taken)
+                self._release_quietly(taken)  # the groups already granted
                 raise
             if isinstance(outcome, Busy):
                 if taken:
@@ -366,18 +366,13 @@ class LeaseStore:
                 taken.append(held)
         return [h for h in out if h is not None]
 
-    def give_back(self, taken: Sequence[Held]) -> None:
-        """Release the groups already granted to a request that Redis failed in a later group.
-
-        If Redis fails here too, they run out with their TTL (logged); the caller raises the
-        first failure either way.
-        """
-        if not taken:
-            return
+    def _release_quietly(self, held: Sequence[Held]) -> None:
+        """Release ``held`` where a failure has nobody to tell: it runs out by its TTL (and
+        the owner registry lets a cleanup free it sooner)."""
         try:
-            self.release(taken)
+            self.release(held)
         except LeaseBackendError as exc:
-            give_back_failed(taken, exc)
+            logger.error("leases: could not release %d lease(s): %s", len(held), exc)
 
     def _acquire_with_home(
         self, group: int, wants: Sequence[Want], ident: Identity, ttl: float, task_id: str | None
@@ -1576,15 +1571,6 @@ class Claimed:
     task_id: str
     token: int
     again: bool = False
-
-
-def give_back_failed(taken: Sequence[Held], exc: LeaseBackendError) -> None:
-    """Log leases of a failed request that could not be given back either."""
-    logger.warning(
-        "leases: could not give back %s of a request Redis failed; they run out with their TTL: %s",
-        ", ".join(h.resource for h in taken),
-        exc,
-    )
 
 
 @dataclass(frozen=True)
