@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, NamedTuple
+from typing import Any, Final, Literal, NamedTuple, TypeVar
 
 import redis
 from celery.utils.log import get_logger
@@ -28,6 +28,10 @@ from .config import LeaseSettings, safe_url
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError
 
 logger = get_logger(__name__)
+
+#: reads of a running claim holder's task id, which a release at the wrong moment loses
+_HOLDER_READS: Final = 3
+_Outcome = TypeVar("_Outcome")
 
 __all__ = ("ClaimHolder", "Claimed", "CleanupReport", "LeaseStore", "safe_url")
 
@@ -1268,6 +1272,9 @@ class LeaseStore:
             :class:`Claimed` (``again`` when it was already queued for this task id), or the
             :class:`ClaimHolder` that has it.
         """
+        return self._holder_read(lambda: self._claim_attempt(key, task_id, ttl))
+
+    def _claim_attempt(self, key: str, task_id: str, ttl: float) -> Claimed | ClaimHolder:
         resource = self.keys.unique_resource(key)
         Want(resource)  # a name without a UTF-8 form is a LeaseConfigError, not a redis one
         rk = self.resource_keys(resource)
@@ -1288,6 +1295,11 @@ class LeaseStore:
 
         It succeeds when the claim is queued for ``task_id`` or when there is none.
         """
+        return self._holder_read(lambda: self._handover_attempt(key, task_id, ident, ttl))
+
+    def _handover_attempt(
+        self, key: str, task_id: str, ident: Identity, ttl: float
+    ) -> Held | ClaimHolder:
         resource = self.keys.unique_resource(key)
         Want(resource)
         rk = self.resource_keys(resource)
@@ -1356,7 +1368,7 @@ class LeaseStore:
         at once: waiting cannot make it ours.
         """
         start = time.monotonic()
-        outcome = self._handover_looked_twice(key, task_id, ident, ttl)
+        outcome = self.unique_handover(key, task_id, ident, ttl)
         if isinstance(outcome, Held) or not outcome.waits_for(task_id) or wait <= 0:
             return outcome
         deadline = start + wait
@@ -1368,7 +1380,7 @@ class LeaseStore:
                 pubsub.subscribe(channel)
                 self._await_subscribed(pubsub, [channel])
                 while True:
-                    outcome = self._handover_looked_twice(key, task_id, ident, ttl)
+                    outcome = self.unique_handover(key, task_id, ident, ttl)
                     now = time.monotonic()
                     if isinstance(outcome, Held) or not outcome.waits_for(task_id):
                         healthy = True
@@ -1386,17 +1398,22 @@ class LeaseStore:
                 else:
                     pubsub.close()
 
-    def _handover_looked_twice(
-        self, key: str, task_id: str, ident: Identity, ttl: float
-    ) -> Held | ClaimHolder:
-        """unique_handover, tried once more when the running holder's task id could not be
-        read: the holder's registry is read after the script, so a release in between
-        leaves no entry. The second look takes the freed claim (or reads its new holder); a
-        holder unreadable twice is a claim key written by something else."""
-        outcome = self.unique_handover(key, task_id, ident, ttl)
-        if isinstance(outcome, Held) or outcome.state != "running" or outcome.task_id:
-            return outcome
-        return self.unique_handover(key, task_id, ident, ttl)
+    @staticmethod
+    def _holder_read(attempt: Callable[[], _Outcome]) -> _Outcome:
+        """``attempt`` (a claim or a handover), made again while it names a running holder
+        whose task id could not be read.
+
+        The holder's task id is read from its registry after the script: a release in
+        between leaves no entry. The next attempt finds the claim free, or reads its new
+        holder; a holder unreadable ``_HOLDER_READS`` times is a key written by something
+        else.
+        """
+        outcome = attempt()
+        for _ in range(_HOLDER_READS - 1):
+            if not (isinstance(outcome, ClaimHolder) and outcome.holder_unread):
+                break
+            outcome = attempt()
+        return outcome
 
     def unique_requeue(self, held: Held, ttl: float) -> bool:
         """Put a running claim (``held``) back in the queued state for its task, for ``ttl``.
@@ -1594,6 +1611,11 @@ class ClaimHolder:
     token: int
     owner: str | None
     expires_in: float | None
+
+    @property
+    def holder_unread(self) -> bool:
+        """Running, but the holder's task id could not be read (see ``task_id``)."""
+        return self.state == "running" and self.task_id is None
 
     def waits_for(self, task_id: str) -> bool:
         """True if a taker for ``task_id`` should wait (not give up): the claim is held by

@@ -20,7 +20,7 @@ from kombu.utils.uuid import uuid
 from . import signals
 from ._heartbeat import heartbeat
 from ._lease import Held, Lease
-from ._store import Claimed, ClaimHolder
+from ._store import ClaimHolder
 from .config import OnDuplicate
 from .exceptions import DuplicateTask, LeaseBackendError, LeaseConfigError
 
@@ -38,8 +38,6 @@ logger = get_logger(__name__)
 UNIQUE_HEADER: Final = "lease_unique"
 #: header celery beat puts on what it sends
 _BEAT_HEADER: Final = "celery_beat_task"
-#: attempts at reading the task id of a running holder that changes hands meanwhile
-_CLAIM_ATTEMPTS: Final = 3
 #: extra seconds a redelivered task waits, past its lease TTL, for its first run's claim
 _REDELIVERY_SLACK: Final = 1.0
 
@@ -237,12 +235,7 @@ def _publish_unique(
         if running is not None and _requeue(ext, task_id, running, queue_ttl):
             ours = running.lease.token
         else:
-            outcome: Claimed | ClaimHolder = store.unique_claim(key, task_id, queue_ttl)
-            for _ in range(_CLAIM_ATTEMPTS - 1):
-                # a running holder whose registry entry was gone when read: it changed hands
-                if isinstance(outcome, Claimed) or outcome.task_id is not None:
-                    break
-                outcome = store.unique_claim(key, task_id, queue_ttl)
+            outcome = store.unique_claim(key, task_id, queue_ttl)
             if isinstance(outcome, ClaimHolder):
                 return _duplicate(ext, task, name, policy, outcome, task_id, headers, options)
             if not outcome.again:
