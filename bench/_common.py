@@ -8,7 +8,9 @@ import json
 import os
 import platform
 import re
+import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -28,6 +30,7 @@ from celery_leases._redis_server import RedisServer, ensure_server_binary
 __all__ = (
     "CommandStats",
     "Row",
+    "Worker",
     "WriteCounter",
     "format_rate",
     "machine_info",
@@ -38,6 +41,7 @@ __all__ = (
     "render_text",
     "replace_section",
     "server_version",
+    "spawn_worker",
     "timed",
     "write_json",
     "write_text",
@@ -164,6 +168,55 @@ def _send_owner() -> type:
         if "send_packed_command" in cls.__dict__:
             return cls
     raise RuntimeError("redis-py has no send_packed_command to count writes with")
+
+
+# --- workers ------------------------------------------------------------------------------------
+@dataclass
+class Worker:
+    """One ``celery worker`` subprocess of a benchmark."""
+
+    pool: str
+    concurrency: int
+    hostname: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+
+def spawn_worker(
+    app: str,
+    pool: str,
+    concurrency: int,
+    hostname: str,
+    log_path: Path,
+    env: dict[str, str],
+    cwd: Path,
+) -> Worker:
+    """Start ``celery -A app worker`` (no gossip, mingle or heartbeat), logging to ``log_path``;
+    the caller waits until it answers a ping."""
+    argv = [
+        sys.executable, "-m", "celery", "-A", app, "worker",
+        "-P", pool, "-c", str(concurrency), "-n", hostname,
+        "--without-gossip", "--without-mingle", "--without-heartbeat",
+        "-l", "warning",
+    ]  # fmt: skip
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    return Worker(pool, concurrency, hostname, proc, log_path)
 
 
 # --- statistics ---------------------------------------------------------------------------------

@@ -44,9 +44,7 @@ import json
 import os
 import random
 import secrets
-import signal
 import socket
-import subprocess
 import sys
 import textwrap
 import time
@@ -65,11 +63,13 @@ from celery_leases.config import safe_url
 
 from . import plot
 from ._common import (
+    Worker,
     machine_info,
     median,
     percentile,
     replace_section,
     server_version,
+    spawn_worker,
     write_json,
     write_text,
 )
@@ -143,30 +143,6 @@ class Config:
 
 
 # --- workers ------------------------------------------------------------------------------------
-@dataclass
-class Worker:
-    """One ``celery worker`` subprocess."""
-
-    hostname: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-    def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return "(no log)"
-
-
 def worker_env(
     cfg: Config, *, broker: str, ledger: str, lease_url: str, prefix: str, idle_queue: str
 ) -> dict[str, str]:
@@ -211,17 +187,7 @@ def start_workers(
         for i, (pool, concurrency) in enumerate(layout):
             hostname = f"fleet{i}-{run_id}@{socket.gethostname()}"
             log_path = log_dir / f"fleet-worker-{i}-{run_id}.log"
-            argv = [
-                sys.executable, "-m", "celery", "-A", APP, "worker",
-                "-P", pool, "-c", str(concurrency), "-n", hostname,
-                "--without-gossip", "--without-mingle", "--without-heartbeat",
-                "-l", "warning",
-            ]  # fmt: skip
-            with open(log_path, "wb") as out:
-                proc = subprocess.Popen(
-                    argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT
-                )
-            workers.append(Worker(hostname, proc, log_path))
+            workers.append(spawn_worker(APP, pool, concurrency, hostname, log_path, env, REPO))
         deadline = time.monotonic() + START_TIMEOUT
         for w in workers:
             while not app.app.control.ping(destination=[w.hostname], timeout=0.5):

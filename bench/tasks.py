@@ -30,9 +30,7 @@ import argparse
 import math
 import os
 import secrets
-import signal
 import socket
-import subprocess
 import sys
 import textwrap
 import time
@@ -46,7 +44,15 @@ from typing import Any, Final
 import redis
 
 from . import plot
-from ._common import machine_info, median, redis_target, replace_section, write_json
+from ._common import (
+    Worker,
+    machine_info,
+    median,
+    redis_target,
+    replace_section,
+    spawn_worker,
+    write_json,
+)
 
 REPO: Final = Path(__file__).resolve().parents[1]
 RESULTS_DIR: Final = REPO / "bench" / "results"
@@ -61,32 +67,6 @@ ROUND_TIMEOUT: Final = 300.0
 
 def progress(message: str) -> None:
     print(f"[bench.tasks] {message}", file=sys.stderr, flush=True)
-
-
-@dataclass
-class Worker:
-    """One ``celery worker`` subprocess of the benchmark."""
-
-    pool: str
-    concurrency: int
-    hostname: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-    def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return "(no log)"
 
 
 def worker_env(url: str, prefix: str, idle_queue: str) -> dict[str, str]:
@@ -124,18 +104,10 @@ def start_worker(
 ) -> Worker:
     hostname = f"bench-{pool}-{run_id}@{socket.gethostname()}"
     log_path = log_dir / f"tasks-worker-{pool}-{run_id}.log"
-    argv = [
-        sys.executable, "-m", "celery", "-A", APP, "worker",
-        "-P", pool, "-c", str(concurrency), "-n", hostname,
-        "--without-gossip", "--without-mingle", "--without-heartbeat",
-        "-l", "warning",
-    ]  # fmt: skip
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    worker = Worker(pool, concurrency, hostname, proc, log_path)
+    worker = spawn_worker(APP, pool, concurrency, hostname, log_path, env, REPO)
     deadline = time.monotonic() + START_TIMEOUT
     while not wapp.app.control.ping(destination=[hostname], timeout=0.5):
-        if proc.poll() is not None or time.monotonic() > deadline:
+        if worker.proc.poll() is not None or time.monotonic() > deadline:
             worker.stop()
             raise SystemExit(f"worker {hostname} did not come up:\n{worker.log_tail()}")
     return worker
