@@ -30,7 +30,7 @@ import json
 import math
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
@@ -214,16 +214,12 @@ def panel_handoff(b: dict[str, Any]) -> Canvas | None:
     values = [v for _, _, d in items for v in (d["median_ms"], d["p99_ms"]) if v > 0]
     lo = 10 ** math.floor(math.log10(min(values)))
     hi = 10 ** math.ceil(math.log10(max(values)))
-    span = math.log10(hi) - math.log10(lo)
-
-    def xs(v: float) -> float:
-        return x0 + (math.log10(max(v, lo)) - math.log10(lo)) / span * (x1 - x0)
+    xs = log_scale(lo, hi, x0, x1)
 
     bar_h, gap = 24, 14
     plot_top = y + 8
     plot_bottom = plot_top + len(items) * (bar_h + gap) - gap + 8
-    decade = lo
-    while decade <= hi * 1.0001:
+    for decade in decades(lo, hi):
         x = xs(decade)
         c.line(x, plot_top - 4, x, plot_bottom, GRID)
         c.text(x, plot_bottom + 16, fmt_tick(decade) + " ms", size=11, anchor="middle", fill=MUTED)
@@ -231,7 +227,6 @@ def panel_handoff(b: dict[str, Any]) -> Canvas | None:
             if decade * k < hi:
                 xm = xs(decade * k)
                 c.line(xm, plot_bottom - 4, xm, plot_bottom, GRID)
-        decade *= 10
     base = b.get("prl", {}).get("median_ms")
     for i, (key, label, d) in enumerate(items):
         by = plot_top + 4 + i * (bar_h + gap)
@@ -358,6 +353,25 @@ def log_bounds(values: Sequence[float]) -> tuple[float, float]:
     return lo, hi if hi > lo else lo * 10
 
 
+def log_scale(lo: float, hi: float, start: float, end: float) -> Callable[[float], float]:
+    """The coordinate of a value on a log axis from ``lo`` (at ``start``) to ``hi`` (at
+    ``end``); values below ``lo`` sit at ``start``."""
+    span = math.log10(hi) - math.log10(lo)
+
+    def at(v: float) -> float:
+        return start + (math.log10(max(v, lo)) - math.log10(lo)) / span * (end - start)
+
+    return at
+
+
+def decades(lo: float, hi: float) -> Iterator[float]:
+    """``lo``, ``10 lo``, ... up to ``hi``: the grid lines of a log axis."""
+    decade = lo
+    while decade <= hi * 1.0001:
+        yield decade
+        decade *= 10
+
+
 def fmt_count(value: float) -> str:
     """1, 10, 100, 1k, 10k, 100k, 1M."""
     for div, suffix in ((1e6, "M"), (1e3, "k")):
@@ -391,20 +405,15 @@ def panel_latency(runs: Sequence[dict[str, Any]]) -> Canvas | None:
     x0, x1 = MARGIN + LABEL_W, WIDTH - MARGIN - VALUE_W
     lo, hi = log_bounds(values)
     lo /= 10  # a decade below the smallest p50, so its bar has a length to compare
-    span = math.log10(hi) - math.log10(lo)
-
-    def xs(v: float) -> float:
-        return x0 + (math.log10(max(v, lo)) - math.log10(lo)) / span * (x1 - x0)
+    xs = log_scale(lo, hi, x0, x1)
 
     bar_h, gap = 20, 10
     plot_top = y + 8
     plot_bottom = plot_top + len(rows) * (bar_h + gap) - gap + 8
-    decade = lo
-    while decade <= hi * 1.0001:
+    for decade in decades(lo, hi):
         x = xs(decade)
         c.line(x, plot_top - 4, x, plot_bottom, GRID)
         c.text(x, plot_bottom + 16, fmt_tick(decade) + " ms", size=11, anchor="middle", fill=MUTED)
-        decade *= 10
     for i, (label, what, d) in enumerate(rows):
         by = plot_top + 4 + i * (bar_h + gap)
         mid = by + bar_h / 2
@@ -450,25 +459,14 @@ def panel_lines(
     xlo, xhi = log_bounds([p[0] for p in pts])
     ylo, yhi = log_bounds([p[1] for p in pts])
 
-    def px(v: float) -> float:
-        return x0 + (math.log10(v) - math.log10(xlo)) / (math.log10(xhi) - math.log10(xlo)) * (
-            x1 - x0
-        )
-
-    def py(v: float) -> float:
-        frac = (math.log10(v) - math.log10(ylo)) / (math.log10(yhi) - math.log10(ylo))
-        return plot_bottom - frac * (plot_bottom - plot_top)
-
-    decade = xlo
-    while decade <= xhi * 1.0001:
+    px = log_scale(xlo, xhi, x0, x1)
+    py = log_scale(ylo, yhi, plot_bottom, plot_top)
+    for decade in decades(xlo, xhi):
         c.line(px(decade), plot_top, px(decade), plot_bottom, GRID)
         c.text(px(decade), plot_bottom + 16, fmt_count(decade), 11, "middle", MUTED)
-        decade *= 10
-    decade = ylo
-    while decade <= yhi * 1.0001:
+    for decade in decades(ylo, yhi):
         c.line(x0, py(decade), x1, py(decade), GRID)
         c.text(x0 - 8, py(decade) + 4, f"{fmt_tick(decade)} {yunit}", 11, "end", MUTED)
-        decade *= 10
     c.line(x0, plot_bottom, x1, plot_bottom, MUTED)
     c.line(x0, plot_top, x0, plot_bottom, MUTED)
     ends: list[tuple[float, float, str, str]] = []  # (y, x, text, colour) of end labels
