@@ -128,3 +128,17 @@ async def check_a_waiter_is_woken_by_the_release(leases: Leases, name: str, wait
         order.append("holder done")
     await asyncio.wait_for(task, wait)
     assert order == ["holder done", "waiter"]
+
+
+def resources_in_distinct_groups(leases: Leases, count: int) -> list[str]:
+    """``count`` resource names that land in different slot groups (where there are several)."""
+    seen: dict[int, str] = {}
+    i = 0
+    while len(seen) < min(count, leases.store.settings.slot_groups):
+        name = f"spread:{i}"
+        seen.setdefault(leases.store.keys.group_of(name), name)
+        i += 1
+    names = list(seen.values())
+    while len(names) < count:
+        names.append(f"spread:extra:{len(names)}")
+    return names

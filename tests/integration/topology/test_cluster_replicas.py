@@ -31,7 +31,7 @@ from celery_leases._redis_server import RedisServer
 from celery_leases._redis_topology import LocalCluster
 from celery_leases.exceptions import LeaseBackendError
 from tests.polling import wait_until
-from tests.topologies import CLUSTER_SLOT_GROUPS, leases_factory
+from tests.topologies import CLUSTER_SLOT_GROUPS, leases_factory, resources_in_distinct_groups
 
 #: a grant's TTL here, and the longer one a renewal gives it (told apart on the replica)
 GRANT_TTL = 600.0
@@ -97,14 +97,10 @@ def on_replica(replica: RedisServer, key: str) -> tuple[str | None, int]:
 
 
 def every_group(leases: Leases) -> list[str]:
-    """One resource name per slot group (so every primary serves some of them)."""
-    seen: dict[int, str] = {}
-    i = 0
-    while len(seen) < CLUSTER_SLOT_GROUPS:
-        name = f"rep:{i}"
-        seen.setdefault(leases.store.keys.group_of(name), name)
-        i += 1
-    return [seen[g] for g in sorted(seen)]
+    """One resource name per slot group (so every primary serves some of them), in group
+    order."""
+    names = resources_in_distinct_groups(leases, CLUSTER_SLOT_GROUPS)
+    return sorted(names, key=leases.store.keys.group_of)
 
 
 def pick(leases: Leases, replicas: dict[int, RedisServer]) -> tuple[RedisServer, str, str]:

@@ -26,6 +26,7 @@ from tests.topologies import (
     command_calls,
     leases_factory,
     reset_stats,
+    resources_in_distinct_groups,
 )
 
 APP = "tests.integration.worker.wapp"
@@ -37,20 +38,6 @@ def make(topology: Topology) -> Iterator[Callable[..., Leases]]:
         topology.url, f"topo-{uuid.uuid4().hex[:8]}", **topology.settings
     ) as make_leases:
         yield make_leases
-
-
-def resources_in_distinct_groups(leases: Leases, count: int) -> list[str]:
-    """``count`` resource names that land in different slot groups (where there are several)."""
-    seen: dict[int, str] = {}
-    i = 0
-    while len(seen) < min(count, leases.store.settings.slot_groups):
-        name = f"spread:{i}"
-        seen.setdefault(leases.store.keys.group_of(name), name)
-        i += 1
-    names = list(seen.values())
-    while len(names) < count:
-        names.append(f"spread:extra:{len(names)}")
-    return names
 
 
 def test_the_url_selects_the_client(topology: Topology, make: Callable[..., Leases]) -> None:

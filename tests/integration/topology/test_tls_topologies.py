@@ -31,6 +31,7 @@ from tests.topologies import (
     CLUSTER_SLOT_GROUPS,
     check_a_waiter_is_woken_by_the_release,
     leases_factory,
+    resources_in_distinct_groups,
 )
 
 
@@ -78,17 +79,6 @@ def _without(url: str, *names: str) -> str:
     return urlunsplit(parts._replace(query=urlencode(query)))
 
 
-def _spread(leases: Leases, count: int) -> list[str]:
-    """``count`` resources in distinct slot groups (several nodes of a cluster)."""
-    seen: dict[int, str] = {}
-    i = 0
-    while len(seen) < min(count, leases.store.settings.slot_groups):
-        seen.setdefault(leases.store.keys.group_of(f"tls:{i}"), f"tls:{i}")
-        i += 1
-    names = list(seen.values())
-    return names + [f"tls:extra:{n}" for n in range(count - len(names))]
-
-
 def test_the_urls_name_tls_everywhere(deployment: LocalCluster | LocalSentinel) -> None:
     target = parse_target(deployment.url)
     assert target.options["ssl"] is True
@@ -119,7 +109,7 @@ def _answers_plain(port: int) -> bool:
 
 def test_hold_grants_renews_and_releases_over_tls(make: Callable[..., Leases]) -> None:
     leases = make()
-    names = _spread(leases, 3)
+    names = resources_in_distinct_groups(leases, 3)
     with leases.hold(names, ttl=1.0) as held:
         with pytest.raises(LeaseBusy):
             make().acquire([Want(names[0])])  # a second client over TLS sees the grant
@@ -137,7 +127,7 @@ def test_hold_grants_renews_and_releases_over_tls(make: Callable[..., Leases]) -
 @pytest.mark.asyncio
 async def test_ahold_grants_renews_and_releases_over_tls(make: Callable[..., Leases]) -> None:
     leases = make()
-    names = _spread(leases, 3)
+    names = resources_in_distinct_groups(leases, 3)
     try:
         async with leases.ahold(names, ttl=1.0) as held:
             with pytest.raises(LeaseBusy):
