@@ -265,12 +265,12 @@ def _build(
     # default retries each sentinel three times with backoff (about 20 s before a call fails
     # when no sentinel answers), and a sentinel that does not answer is skipped for the next
     # one anyway.
-    shared = ("socket_timeout", "socket_connect_timeout", "retry")
-    sentinel_common = {k: common[k] for k in shared if k in common}
+    timeouts = {k: common[k] for k in ("socket_timeout", "socket_connect_timeout") if k in common}
+    retry = {"retry": common["retry"]} if "retry" in common else {}
     sentinel = sentinel_class(
         list(target.hosts),
-        sentinel_kwargs={**sentinel_common, **target.sentinel_options},
-        **{k: v for k, v in sentinel_common.items() if k != "retry"},
+        sentinel_kwargs={**timeouts, **retry, **target.sentinel_options},
+        **timeouts,
     )
     assert target.master_name is not None
     return sentinel.master_for(target.master_name, **options)
