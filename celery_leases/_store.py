@@ -1293,7 +1293,8 @@ class LeaseStore:
     ) -> Held | ClaimHolder:
         """One attempt to take over ``key``'s claim for ``task_id`` as a lease of ``ident``.
 
-        It succeeds when the claim is queued for ``task_id`` or when there is none.
+        It succeeds when the claim is queued for ``task_id`` or when there is none. (A holder
+        that changed hands while it was read is looked at again: see :meth:`_holder_read`.)
         """
         return self._holder_read(lambda: self._handover_attempt(key, task_id, ident, ttl))
 
