@@ -421,22 +421,33 @@ class LeaseStore:
             by_group = {}
             for i, w in enumerate(wants):
                 by_group.setdefault(self.resource_keys(w.resource).group, []).append(i)
-        # The home call registers the owner under its node and refreshes its liveness. It can
-        # be skipped only while that liveness surely outlasts the new leases' horizon:
-        # - t0 the owner registers; t1 it idles past its liveness and a reconcile forgets it
-        #   (off the node's owner set); t2 it takes a lease; t3 its node restarts and must
-        #   find that lease.
-        # - t0 the owner's liveness is refreshed (it runs to t0 + settings.ttl); t1 it takes a
-        #   lease it counts held until t1 + horizon, later than that; t2 a reconcile finds the
-        #   liveness run out and frees the lease while its holder still counts it held.
-        # So with a lease ttl at least the ttl setting the liveness is always refreshed (in
-        # the same script call when the lease is in the home slot group).
+        return by_group, self.liveness_covers(owner, ttl)
+
+    def liveness_covers(self, owner: str, ttl: float) -> bool:
+        """True if ``owner``'s liveness surely outlasts a lease of ``ttl`` granted now.
+
+        The one rule every path that grants follows (plain grants, unique takeovers, once,
+        the beat leader and reconcile leases, sync and asyncio): a grant refreshes its owner's
+        liveness to at least the grant's horizon, by the home call (group 0), unless this
+        returns True. The home call registers the owner under its node and refreshes its
+        liveness; skipping it is safe only while that liveness outlasts the new lease's
+        horizon:
+
+        - t0 the owner registers; t1 it idles past its liveness and a reconcile forgets it
+          (off the node's owner set); t2 it takes a lease; t3 its node restarts and must
+          find that lease.
+        - t0 the owner's liveness is refreshed (it runs to t0 + settings.ttl); t1 it takes a
+          lease it counts held until t1 + horizon, later than that; t2 a reconcile finds the
+          liveness run out and frees the lease while its holder still counts it held.
+
+        So with a lease ttl at least the ttl setting the liveness is always refreshed (in the
+        same script call when the lease is in the home slot group).
+        """
         registered = self._registered.get(owner)
-        fresh = registered is not None and (
+        return registered is not None and (
             time.monotonic() + self.horizon(ttl)
             < registered + self.settings.ttl * self.settings.margin_fraction
         )
-        return by_group, fresh
 
     def _acquire_group(
         self,
@@ -1305,14 +1316,12 @@ class LeaseStore:
         Want(resource)
         rk = self.resource_keys(resource)
         group, owner = rk.group, ident.owner
-        registered = self._registered.get(owner)
-        fresh = registered is not None and (
-            time.monotonic() - registered < self.settings.ttl * self.settings.margin_fraction
-        )
-        if not fresh:
-            # register the owner first (as try_acquire does for a lease outside the home
-            # group): a lease in the registry of an unregistered owner is invisible to the
-            # start-up cleanup of its node and to the reconcile
+        if not self.liveness_covers(owner, ttl):
+            # register the owner and refresh its liveness first (as try_acquire does for a
+            # lease outside the home group): a lease in the registry of an unregistered owner
+            # is invisible to the start-up cleanup of its node and to the reconcile, and one
+            # whose owner's liveness runs out before the lease's horizon is freed by a
+            # reconcile while its holder still counts it held
             home = self._acquire_group(0, [], ident, ttl, True, task_id)
             if isinstance(home, Busy):
                 return ClaimHolder(key, "grace", None, 0, None, home.wait)
