@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -43,6 +44,9 @@ class AsyncHeartbeat:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._next_renew = 0.0
+        # RenewRound takes it around _next_renew; add() runs on this task's own event loop, so
+        # there is nothing to guard
+        self._lock = contextlib.nullcontext()
         self._planned: float | None = None  # clock time of the next look (None: looking now)
         self._failing = False
         self.renewals = 0  # renew calls sent (for tests)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
 
 from celery.utils.log import get_logger
@@ -184,6 +186,10 @@ class _Beat(Protocol):
     _next_renew: float
     renewals: int
 
+    @property
+    def _lock(self) -> AbstractContextManager[Any, Any]:
+        """Guards ``_next_renew`` against ``add()`` in other threads."""
+
     def _lose(self, held: Held, why: str) -> None: ...
 
 
@@ -225,6 +231,12 @@ class RenewRound(Generic[S]):
             self._stores[id(store)] = store
         self._jobs = sorted(groups.items(), key=lambda job: min(h.deadline for h in job[1]))
         self.ok = True
+        # The round plans the leases it renews; a lease added while it is in flight lowers
+        # the plan from here on, and finish() keeps that. Timeline: t0 the round starts on a
+        # slow Redis; t1 a lease of a short ttl is added, due before the round's interval
+        # ends; t2 the round ends and must not plan past that lease's deadline.
+        with beat._lock:
+            beat._next_renew = math.inf
 
     def batches(self) -> Iterator[tuple[S, str, list[Held], float, float]]:
         """``(store, owner, batch, budget, sent)`` of each batch worth renewing, in order."""
@@ -261,7 +273,8 @@ class RenewRound(Generic[S]):
             self._log.warning("leases: renewals succeed again")
         beat._failing = not self.ok
         retry = self.interval if self.ok else min(self.interval, RETRY_AFTER_FAILURE)
-        beat._next_renew = now + retry
+        with beat._lock:
+            beat._next_renew = min(beat._next_renew, now + retry)
 
 
 def renew_budget(
