@@ -118,6 +118,10 @@ def ledger(wapp: ModuleType, leases_redis_url: str) -> Iterator[Any]:
         def runs(self) -> int:
             return int(client.get(self.key("runs")) or 0)
 
+        def active(self, resource: str) -> int:
+            """How many task bodies are inside ``resource`` now (entered, not yet left)."""
+            return int(client.get(self.key("active", resource)) or 0)
+
         def tokens(self, resource: str) -> list[int]:
             return [int(t) for t in client.lrange(self.key("tokens", resource), 0, -1)]
 

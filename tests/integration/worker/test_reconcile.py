@@ -136,14 +136,19 @@ def test_live_worker_keeps_its_lease_across_reconcile_passes(
     result = send(wapp.sleeper, rid, seconds)
     ledger.wait_event(f"started:{rid}")
     (held,) = wait_until(lambda: store.holders(resource), 10, f"a holder of {resource}")
+    wait_until(lambda: ledger.active(resource), 10, "the body to enter")
     passes_at_start = len(trace.passes())
     samples = 0
 
     def sample() -> bool:
-        # every sample taken while the task runs must show the same holder and token
+        # every sample taken while the body runs must show the same holder and token. The body
+        # is known to run only if it is still inside after the read: its lease is released
+        # after it leaves and before Celery stores the result (t0 the body leaves; t1 the
+        # finalizer releases; t2 a sample reads no holder; t3 the result is stored), so
+        # result.ready() cannot tell (a busy machine once failed here that way)
         nonlocal samples
         holders = store.holders(resource)
-        if result.ready():
+        if not ledger.active(resource):
             return True
         assert [(h.owner, h.token) for h in holders] == [(held.owner, held.token)], (
             f"{resource} changed hands while its task ran: {holders}"
