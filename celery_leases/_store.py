@@ -892,7 +892,12 @@ class LeaseStore:
 
     # --- cleanup --------------------------------------------------------------------------
     def cleanup_owner(
-        self, owner: str, *, dead: bool = False, granted_before_us: int | None = None
+        self,
+        owner: str,
+        *,
+        dead: bool = False,
+        granted_before_us: int | None = None,
+        clock_offsets_us: Sequence[int] | None = None,
     ) -> CleanupReport:
         """Release every lease ``owner`` still holds, in O(leases it held).
 
@@ -903,7 +908,10 @@ class LeaseStore:
 
         With ``granted_before_us`` (Redis time in microseconds), only leases granted before
         it are released: a token is at least the Redis clock of its grant, so an entry with
-        a token from then on was granted later, to an owner that is alive again.
+        a token from then on was granted later, to an owner that is alive again. On a
+        cluster that time is read on the home group's node while the tokens of group ``g``
+        are made on the clock of the node serving ``g``: ``clock_offsets_us[g]`` (see
+        :meth:`clock_offsets_us`) is added to it for the entries of group ``g``.
         """
         report = CleanupReport(owners=[owner])
         spared = False
@@ -911,12 +919,15 @@ class LeaseStore:
             key = self.keys.registry(owner, group)
             with self._backend("read an owner registry"):
                 members = self.client.smembers(key)
+            before = granted_before_us
+            if before is not None and clock_offsets_us is not None:
+                before += clock_offsets_us[group]
             entries: list[Entry] = []
             for member in sorted(members):
                 parsed = _parse_entry(str(member))
                 if parsed is None:
                     report.kept.append((owner, str(member)))
-                elif granted_before_us is not None and parsed.token >= granted_before_us:
+                elif before is not None and parsed.token >= before:
                     spared = True
                 else:
                     entries.append(parsed)
@@ -974,11 +985,45 @@ class LeaseStore:
         must not free the lease of t2.
         """
         report = CleanupReport()
-        for owner, expired_ms in self._expired_owner_times(limit):
+        expired = self._expired_owner_times(limit)
+        offsets = self.clock_offsets_us() if expired else None
+        for owner, expired_ms in expired:
             report.merge(
-                self.cleanup_owner_isolated(owner, dead=False, granted_before_us=expired_ms * 1000)
+                self.cleanup_owner_isolated(
+                    owner,
+                    dead=False,
+                    granted_before_us=expired_ms * 1000,
+                    clock_offsets_us=offsets,
+                )
             )
         return report
+
+    def clock_offsets_us(self) -> list[int] | None:
+        """Per slot group, how far the clock of the node serving it is ahead of the home
+        group's node, in microseconds, at the least (None off a cluster: one clock).
+
+        The liveness a reconcile compares tokens with is made on the home group's node; a
+        token of group ``g`` on the clock of another node. Timeline, with that node 5 ms
+        behind: t0 an idle owner's liveness runs out (home node's clock E); t1 = E + 2 ms the
+        owner, alive again, is granted a lease in ``g`` with token E - 3 ms; t2 a reconcile
+        frees every lease of that owner granted before E, this one too. Both clocks are read
+        in one round trip, and its length is taken off the difference, so the offset is never
+        larger than the true one: a lease is then spared rather than wrongly freed.
+        """
+        if not self._cluster:
+            return None
+        groups = range(self.settings.slot_groups)
+
+        def queue(pipe: Any) -> None:
+            for group in groups:
+                pipe.execute_command("EVALSHA", self._now_sha, 1, self.keys.epoch(group))
+
+        with self._backend("read the cluster's clocks"):
+            start = time.monotonic()
+            replies = self._pipeline(self.client, queue, _NOW_SCRIPT)
+            spread_us = math.ceil((time.monotonic() - start) * 1_000_000)
+        clocks = [int(sec) * 1_000_000 + int(usec) for sec, usec in replies]
+        return [0] + [clock - clocks[0] - spread_us for clock in clocks[1:]]
 
     def node_owners(self, node: str) -> list[str]:
         """The owner ids registered under ``node`` (every incarnation and process)."""
@@ -986,11 +1031,21 @@ class LeaseStore:
             return sorted(str(o) for o in self.client.smembers(self.keys.node(node)))
 
     def cleanup_owner_isolated(
-        self, owner: str, *, dead: bool, granted_before_us: int | None = None
+        self,
+        owner: str,
+        *,
+        dead: bool,
+        granted_before_us: int | None = None,
+        clock_offsets_us: Sequence[int] | None = None,
     ) -> CleanupReport:
         """:meth:`cleanup_owner`, with a failure reported in the result instead of raised."""
         try:
-            return self.cleanup_owner(owner, dead=dead, granted_before_us=granted_before_us)
+            return self.cleanup_owner(
+                owner,
+                dead=dead,
+                granted_before_us=granted_before_us,
+                clock_offsets_us=clock_offsets_us,
+            )
         except LeaseBackendError as exc:
             return CleanupReport(owners=[owner], errors=[(owner, str(exc))])
 
