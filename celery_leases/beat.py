@@ -52,6 +52,7 @@ from celery.schedules import crontab
 from celery.schedules import schedule as interval_schedule
 from celery.utils.log import get_logger
 
+from ._identity import set_process_kind
 from ._lease import Lease, Want
 from .config import get_settings
 from .exceptions import LeaseBusy, LeaseError
@@ -68,6 +69,25 @@ LEADER_RESOURCE: Final = "celery_leases:beat:leader"
 
 def _replica_name() -> str:
     return f"beat@{socket.gethostname()}/{os.getpid()}"
+
+
+def _name_beat_process(ext: Leases) -> None:
+    """Name this process's node as a beat's (``<program>:beat:<pid>@<host>``).
+
+    A worker frees, at start-up, the leases of every owner of its own node name with another
+    incarnation; a beat must never share a worker's name, or the first worker to start frees
+    the beat's leader lease (two leaders). A worker's name always has an ``@``
+    (``celery.utils.nodenames``), so a ``node`` setting without one is safe here.
+    """
+    set_process_kind("beat")
+    node = ext.settings.node
+    if node is not None and "@" in node:
+        logger.warning(
+            "leases: beat uses the node name %r of the node setting; a worker started with "
+            "that name frees this beat's leases (its leader lease too) at start-up. Leave "
+            "node unset in beat, or use a name without '@' (no worker has one)",
+            node,
+        )
 
 
 class LeasedSchedulerMixin:
@@ -92,6 +112,7 @@ class LeasedSchedulerMixin:
             found = getattr(self.app, "leases", None)
             ext = found if isinstance(found, Leases) else Leases(self.app)
             self._leases_ext = ext
+            _name_beat_process(ext)
         return ext
 
     @property

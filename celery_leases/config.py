@@ -262,8 +262,12 @@ class LeaseSettings(BaseSettings):
     node: str | None = Field(
         None,
         description=(
-            "Node name used in owner ids. Default: the worker hostname inside a worker, else "
-            "'<program>@<host>'."
+            "Node name used in owner ids. Default: the worker hostname inside a worker "
+            "(celery@<host> unless -n), else '<program>:<kind>:<pid>@<host>' (kind: beat, "
+            "cli, the celery subcommand such as shell, or proc), which no worker gets unless "
+            "named so. A worker frees at start-up the leases of earlier incarnations of its "
+            "node name: set node only to a name no other live process uses, and in a process "
+            "that is not a worker to one without '@' (a worker's name always has one)."
         ),
     )
 
