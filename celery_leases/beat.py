@@ -27,7 +27,8 @@ is named by the entry and its due run, never by a replica's clock:
 
 A replica that loses a claim advances the entry as if it had sent it, so it never retries in a
 tight loop. Claims only grow: a replica whose clock lags cannot send a run that was already
-sent.
+sent. An entry's last claim is remembered ``beat_claim_keep`` seconds, and a crontab's at least
+three gaps to its next run (a weekly job's for three weeks), so it outlives the next claim.
 
 **leader mode** (``beat_mode="leader"``): one replica holds the ``celery_leases:beat:leader``
 lease (renewed by the heartbeat) and sends everything; the others stand by and one of them
@@ -65,6 +66,8 @@ __all__ = ("LeasedScheduler", "LeasedSchedulerMixin")
 logger = get_logger(__name__)
 
 LEADER_RESOURCE: Final = "celery_leases:beat:leader"
+#: a crontab claim is kept at least this many gaps to the schedule's next run
+_CLAIM_PERIODS: Final = 3
 
 
 def _replica_name() -> str:
@@ -158,7 +161,7 @@ class LeasedSchedulerMixin:
                 due_ms=due_ms,
                 bucket=None,
                 replica=self.replica,
-                keep=self._keep(),
+                keep=self._cron_keep(schedule, due),
             )
             self._log_claim(entry, won, winner, due.isoformat())
             return won
@@ -213,6 +216,26 @@ class LeasedSchedulerMixin:
 
     def _keep(self) -> float:
         return get_settings(self.app).beat_claim_keep
+
+    def _cron_keep(self, schedule: crontab, due: datetime) -> float:
+        """Seconds to remember the claim of crontab run ``due``: ``beat_claim_keep`` or more.
+
+        The claim key holds the last claimed run; a replica that lagged or was down presents
+        the run after its own ``last_run_at``, an older one, and must lose. The next claim
+        renews the key, so it has to outlive the gap to the next run: a key kept 24 h after a
+        weekly run was gone when a replica came back on day two, and that replica sent the
+        run again. So the claim is kept :data:`_CLAIM_PERIODS` times the gap from ``due`` to
+        the run after it (each claim measures its own gap: Friday's run of a weekday crontab
+        is followed by three days), and never less than ``beat_claim_keep``.
+        """
+        keep = self._keep()
+        try:
+            start, delta, _ = schedule.remaining_delta(due)
+            gap = (start + delta - due).total_seconds()
+        except (ValueError, OverflowError) as exc:  # a crontab with no run after this one
+            logger.debug("leases: no run of %s after %s: %s", schedule, due, exc)
+            return keep
+        return max(keep, _CLAIM_PERIODS * gap) if math.isfinite(gap) else keep
 
     def _log_claim(self, entry: ScheduleEntry, won: bool, winner: str, run: str) -> None:
         if won:

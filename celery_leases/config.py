@@ -238,7 +238,11 @@ class LeaseSettings(BaseSettings):
     beat_claim_keep: float = Field(
         86400.0,
         gt=0.0,
-        description="Seconds a beat entry's last claimed run is remembered in Redis.",
+        description=(
+            "Seconds a beat entry's last claimed run is remembered in Redis, at least; a "
+            "crontab entry's claim is kept at least three gaps to its next run (a weekly "
+            "entry's for three weeks), an interval entry's at least three intervals."
+        ),
     )
     unique_ttl: float = Field(
         3600.0,
