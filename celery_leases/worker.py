@@ -189,7 +189,9 @@ class LeaseBootstep(bootsteps.StartStopStep):
         ident = ext.identity()
         with self._lock:
             try:
-                before_us = round(ext.store.redis_time() * 1_000_000) if spare_newer else None
+                # a microsecond less than the float of seconds may say: erring low only spares
+                # a lease until the next pass
+                before_us = int(ext.store.redis_time() * 1_000_000) - 1 if spare_newer else None
                 owners = ext.store.node_owners(ident.node)
             except LeaseError as exc:
                 logger.error("leases: %s could not list owners: %s", what, exc)
