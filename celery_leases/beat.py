@@ -27,7 +27,8 @@ is named by the entry and its due run, never by a replica's clock:
 
 A replica that loses a claim advances the entry as if it had sent it, so it never retries in a
 tight loop. Claims only grow: a replica whose clock lags cannot send a run that was already
-sent.
+sent. An entry's last claim is remembered ``beat_claim_keep`` seconds, and a crontab's at least
+three gaps to its next run (a weekly job's for three weeks), so it outlives the next claim.
 
 **leader mode** (``beat_mode="leader"``): one replica holds the ``celery_leases:beat:leader``
 lease (renewed by the heartbeat) and sends everything; the others stand by and one of them
@@ -52,6 +53,7 @@ from celery.schedules import crontab
 from celery.schedules import schedule as interval_schedule
 from celery.utils.log import get_logger
 
+from ._identity import set_process_kind
 from ._lease import Lease, Want
 from .config import get_settings
 from .exceptions import LeaseBusy, LeaseError
@@ -64,10 +66,31 @@ __all__ = ("LeasedScheduler", "LeasedSchedulerMixin")
 logger = get_logger(__name__)
 
 LEADER_RESOURCE: Final = "celery_leases:beat:leader"
+#: a crontab claim is kept at least this many gaps to the schedule's next run
+_CLAIM_PERIODS: Final = 3
 
 
 def _replica_name() -> str:
     return f"beat@{socket.gethostname()}/{os.getpid()}"
+
+
+def _name_beat_process(ext: Leases) -> None:
+    """Name this process's node as a beat's (``<program>:beat:<pid>@<host>``).
+
+    A worker frees, at start-up, the leases of every owner of its own node name with another
+    incarnation; a beat must never share a worker's name, or the first worker to start frees
+    the beat's leader lease (two leaders). A worker's name always has an ``@``
+    (``celery.utils.nodenames``), so a ``node`` setting without one is safe here.
+    """
+    set_process_kind("beat")
+    node = ext.settings.node
+    if node is not None and "@" in node:
+        logger.warning(
+            "leases: beat uses the node name %r of the node setting; a worker started with "
+            "that name frees this beat's leases (its leader lease too) at start-up. Leave "
+            "node unset in beat, or use a name without '@' (no worker has one)",
+            node,
+        )
 
 
 class LeasedSchedulerMixin:
@@ -92,6 +115,7 @@ class LeasedSchedulerMixin:
             found = getattr(self.app, "leases", None)
             ext = found if isinstance(found, Leases) else Leases(self.app)
             self._leases_ext = ext
+            _name_beat_process(ext)
         return ext
 
     @property
@@ -137,7 +161,7 @@ class LeasedSchedulerMixin:
                 due_ms=due_ms,
                 bucket=None,
                 replica=self.replica,
-                keep=self._keep(),
+                keep=self._cron_keep(schedule, due),
             )
             self._log_claim(entry, won, winner, due.isoformat())
             return won
@@ -192,6 +216,26 @@ class LeasedSchedulerMixin:
 
     def _keep(self) -> float:
         return get_settings(self.app).beat_claim_keep
+
+    def _cron_keep(self, schedule: crontab, due: datetime) -> float:
+        """Seconds to remember the claim of crontab run ``due``: ``beat_claim_keep`` or more.
+
+        The claim key holds the last claimed run; a replica that lagged or was down presents
+        the run after its own ``last_run_at``, an older one, and must lose. The next claim
+        renews the key, so it has to outlive the gap to the next run: a key kept 24 h after a
+        weekly run was gone when a replica came back on day two, and that replica sent the
+        run again. So the claim is kept :data:`_CLAIM_PERIODS` times the gap from ``due`` to
+        the run after it (each claim measures its own gap: Friday's run of a weekday crontab
+        is followed by three days), and never less than ``beat_claim_keep``.
+        """
+        keep = self._keep()
+        try:
+            start, delta, _ = schedule.remaining_delta(due)
+            gap = (start + delta - due).total_seconds()
+        except (ValueError, OverflowError) as exc:  # a crontab with no run after this one
+            logger.debug("leases: no run of %s after %s: %s", schedule, due, exc)
+            return keep
+        return max(keep, _CLAIM_PERIODS * gap) if math.isfinite(gap) else keep
 
     def _log_claim(self, entry: ScheduleEntry, won: bool, winner: str, run: str) -> None:
         if won:

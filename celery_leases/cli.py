@@ -70,7 +70,7 @@ from celery._state import get_current_app
 from celery.bin.base import CeleryCommand, CLIContext
 from celery.utils.log import get_logger
 
-from ._identity import set_node
+from ._identity import default_node, set_node
 from ._keys import node_of_owner, unescape
 from ._store import AUDIT_KEEP, QUEUED_OWNER, Entry, Holder, LeaseStore
 from .app import Leases
@@ -527,8 +527,9 @@ def reconcile(ctx: click.Context, as_json: bool) -> None:
     store = ext.store
     store.ping()  # a Redis that does not answer is an error, not "someone else reconciles"
     if ext.settings.node is None:
-        # this process takes the reconcile lease as an owner of its own, not as "celery@host"
-        set_node(f"celery-leases-cli@{socket.gethostname()}")
+        # this process takes the reconcile lease as an owner of its own, never as a worker's
+        # node (a worker of that name would free the lease at start-up)
+        set_node(default_node("cli"))
     try:
         report = run_reconcile(ext)
     finally:

@@ -238,7 +238,11 @@ class LeaseSettings(BaseSettings):
     beat_claim_keep: float = Field(
         86400.0,
         gt=0.0,
-        description="Seconds a beat entry's last claimed run is remembered in Redis.",
+        description=(
+            "Seconds a beat entry's last claimed run is remembered in Redis, at least; a "
+            "crontab entry's claim is kept at least three gaps to its next run (a weekly "
+            "entry's for three weeks), an interval entry's at least three intervals."
+        ),
     )
     unique_ttl: float = Field(
         3600.0,
@@ -262,8 +266,12 @@ class LeaseSettings(BaseSettings):
     node: str | None = Field(
         None,
         description=(
-            "Node name used in owner ids. Default: the worker hostname inside a worker, else "
-            "'<program>@<host>'."
+            "Node name used in owner ids. Default: the worker hostname inside a worker "
+            "(celery@<host> unless -n), else '<program>:<kind>:<pid>@<host>' (kind: beat, "
+            "cli, the celery subcommand such as shell, or proc), which no worker gets unless "
+            "named so. A worker frees at start-up the leases of earlier incarnations of its "
+            "node name: set node only to a name no other live process uses, and in a process "
+            "that is not a worker to one without '@' (a worker's name always has one)."
         ),
     )
 

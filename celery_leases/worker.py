@@ -164,10 +164,24 @@ class LeaseBootstep(bootsteps.StartStopStep):
         def dead(pid: int) -> bool:
             return pid != self.pid and not _pid_alive(pid)
 
-        return self._clean_own("reaper", "reaper (dead pool process)", dead)
+        return self._clean_own("reaper", "reaper (dead pool process)", dead, spare_newer=True)
 
-    def _clean_own(self, kind: str, what: str, select: Callable[[int], bool]) -> CleanupReport:
-        """Clean the owners of this node's current incarnation whose pid ``select`` picks."""
+    def _clean_own(
+        self,
+        kind: str,
+        what: str,
+        select: Callable[[int], bool],
+        *,
+        spare_newer: bool = False,
+    ) -> CleanupReport:
+        """Clean the owners of this node's current incarnation whose pid ``select`` picks.
+
+        With ``spare_newer``, only leases granted before ``select`` looked are freed. A pid
+        can be reused: t0 ``select`` finds pid P dead; t1 a new pool process gets P, hence
+        the same owner id, and takes a lease; t2 the cleanup of that owner must not free it.
+        Its token is at least the Redis clock of its grant, so reading the clock before t0
+        and freeing only older tokens spares it (and keeps the owner registered).
+        """
         report = CleanupReport()
         ext = self.ext
         if ext is None:
@@ -175,6 +189,9 @@ class LeaseBootstep(bootsteps.StartStopStep):
         ident = ext.identity()
         with self._lock:
             try:
+                # a microsecond less than the float of seconds may say: erring low only spares
+                # a lease until the next pass
+                before_us = int(ext.store.redis_time() * 1_000_000) - 1 if spare_newer else None
                 owners = ext.store.node_owners(ident.node)
             except LeaseError as exc:
                 logger.error("leases: %s could not list owners: %s", what, exc)
@@ -182,7 +199,11 @@ class LeaseBootstep(bootsteps.StartStopStep):
             for owner in owners:
                 _, incarnation, pid = owner.rsplit("/", 2)
                 if incarnation == ident.incarnation and pid.isdigit() and select(int(pid)):
-                    report.merge(ext.store.cleanup_owner_isolated(owner, dead=True))
+                    report.merge(
+                        ext.store.cleanup_owner_isolated(
+                            owner, dead=True, granted_before_us=before_us
+                        )
+                    )
         _log_report(kind, what, report)
         return report
 

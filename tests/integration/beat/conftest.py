@@ -32,6 +32,8 @@ APP = "tests.integration.beat.bapp"
 LEASED = "celery_leases.beat:LeasedScheduler"
 SKEWED = f"{APP}:SkewedScheduler"
 START_TIMEOUT = 30.0
+#: the ``celery`` console script of this environment
+CELERY_SCRIPT = str(Path(sys.executable).with_name("celery"))
 
 _LINE = r"^\[(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}): \w+/MainProcess\] "
 CLAIMED_RE = re.compile(_LINE + r"leases: beat claimed (?P<entry>\S+) \((?P<run>[^)]*)\)$", re.M)
@@ -197,8 +199,13 @@ class BeatCluster:
         skew: float = 0.0,
         scheduler: str | None = None,
         env: dict[str, str] | None = None,
+        console_script: bool = False,
     ) -> BeatProc:
-        """Start replica ``label`` (not waiting for it); ``skew`` seconds off the real clock."""
+        """Start replica ``label`` (not waiting for it); ``skew`` seconds off the real clock.
+
+        ``console_script``: run it as the ``celery`` console script (argv[0] ``.../celery``, as
+        in production) instead of ``python -m celery``.
+        """
         base = {k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "LEASES_"))}
         full_env = {
             **base,
@@ -213,8 +220,9 @@ class BeatCluster:
             **(env or {}),
         }
         scheduler = scheduler or (SKEWED if skew else LEASED)
+        command = [CELERY_SCRIPT] if console_script else [sys.executable, "-m", "celery"]
         argv = [
-            sys.executable, "-m", "celery", "-A", APP, "beat",
+            *command, "-A", APP, "beat",
             "-S", scheduler, "-s", str(self.workdir / f"sched-{label}"),
             "--pidfile", "", "--max-interval", "1", "-l", "info",
         ]  # fmt: skip

@@ -8,7 +8,7 @@ Two scheduler instances on one app and one key prefix stand for two beat replica
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -18,6 +18,7 @@ from celery.schedules import crontab, schedule
 
 from celery_leases import Leases
 from celery_leases.beat import LeasedMemoryScheduler
+from tests.polling import wait_until
 
 #: a schedule that no tick() in these tests reaches twice
 HOUR = timedelta(hours=1)
@@ -101,6 +102,57 @@ def test_an_older_crontab_run_than_the_last_claimed_is_not_sent(
     assert behind.schedule["cron"].total_run_count == 1
     ahead.close()
     behind.close()
+
+
+def test_a_crontab_claim_outlives_beat_claim_keep_when_the_period_is_longer(
+    make_leases: Callable[..., Leases], sent: list[tuple[Scheduler, str, datetime]]
+) -> None:
+    """A weekly job and a 24 h keep, scaled down: a minutely crontab and a 1 s keep.
+
+    Timeline: t0 replica A claims and sends a run; t1 the keep has passed, the next run is not
+    due yet (nothing renewed the claim); t2 replica B, which was down, presents that same run
+    (its entry last ran before it). B must lose.
+    """
+    keep = 1.0
+    app = _app({"cron": {"task": "unit.cron", "schedule": crontab()}})
+    leases = make_leases(app, beat_claim_keep=keep)
+    client, key = leases.store.client, leases.store.keys.beat_claim("cron", "cron")
+    last = app.now() - timedelta(seconds=150)
+    a, b = _scheduler(app, last), _scheduler(app, last)
+
+    assert a.tick() == 0  # t0
+    claimed_at = leases.store.redis_time()
+    assert [s for s, _, _ in sent] == [a]
+    # t1: the old keep has passed on the Redis clock
+    wait_until(lambda: leases.store.redis_time() > claimed_at + keep + 0.2, 10, "keep to pass")
+
+    assert b.tick() == 0  # t2
+    assert [s for s, _, _ in sent] == [a], "a replica sent a run already sent (claim forgotten)"
+    assert b.schedule["cron"].total_run_count == 1  # it advanced past the run it lost
+    # A's claim is remembered for 3 periods of the schedule (60 s each), not beat_claim_keep
+    assert _claim(leases, "cron", "cron")[1] == a.replica
+    assert client.pttl(key) > 2 * 60 * 1000
+    a.close()
+    b.close()
+
+
+def test_crontab_claims_are_kept_three_gaps_to_the_next_run(
+    make_leases: Callable[..., Leases],
+) -> None:
+    """Each claim measures its own gap: Friday's run of a weekday job is followed by three days."""
+    day = 86400.0
+    weekdays = crontab(minute=0, hour=9, day_of_week="mon-fri")
+    app = _app({"weekdays": {"task": "unit.cron", "schedule": weekdays}})
+    make_leases(app, beat_claim_keep=3600.0)
+    s = _scheduler(app, app.now())
+    schedule = s.schedule["weekdays"].schedule
+    utc = timezone.utc
+    thursday, friday = datetime(2026, 12, 3, 9, tzinfo=utc), datetime(2026, 12, 4, 9, tzinfo=utc)
+    assert s._cron_keep(schedule, thursday) == 3 * day
+    assert s._cron_keep(schedule, friday) == 3 * 3 * day
+    # a schedule whose gaps are short keeps beat_claim_keep
+    assert s._cron_keep(crontab(app=app), thursday) == 3600.0
+    s.close()
 
 
 @pytest.mark.parametrize("skew", [0.0, 7.0, -5.0])
