@@ -911,7 +911,7 @@ class LeaseStore:
         a token from then on was granted later, to an owner that is alive again. On a
         cluster that time is read on the home group's node while the tokens of group ``g``
         are made on the clock of the node serving ``g``: ``clock_offsets_us[g]`` (see
-        :meth:`clock_offsets_us`) is added to it for the entries of group ``g``.
+        :meth:`clocks_us`) is added to it for the entries of group ``g``.
         """
         report = CleanupReport(owners=[owner])
         spared = False
@@ -986,7 +986,7 @@ class LeaseStore:
         """
         report = CleanupReport()
         expired = self._expired_owner_times(limit)
-        offsets = self.clock_offsets_us() if expired else None
+        offsets = self.clocks_us()[1] if expired else None
         for owner, expired_ms in expired:
             report.merge(
                 self.cleanup_owner_isolated(
@@ -998,9 +998,10 @@ class LeaseStore:
             )
         return report
 
-    def clock_offsets_us(self) -> list[int] | None:
-        """Per slot group, how far the clock of the node serving it is ahead of the home
-        group's node, in microseconds, at the least (None off a cluster: one clock).
+    def clocks_us(self) -> tuple[int, list[int] | None]:
+        """The Redis clock of the home group's node, in microseconds, and per slot group how
+        far the clock of the node serving it is ahead of that one, at the least (None off a
+        cluster: one clock). A cleanup's ``granted_before_us`` and ``clock_offsets_us``.
 
         The liveness a reconcile compares tokens with is made on the home group's node; a
         token of group ``g`` on the clock of another node. Timeline, with that node 5 ms
@@ -1011,7 +1012,7 @@ class LeaseStore:
         larger than the true one: a lease is then spared rather than wrongly freed.
         """
         if not self._cluster:
-            return None
+            return math.floor(self.redis_time() * 1_000_000), None
         groups = range(self.settings.slot_groups)
 
         def queue(pipe: Any) -> None:
@@ -1023,7 +1024,7 @@ class LeaseStore:
             replies = self._pipeline(self.client, queue, _NOW_SCRIPT)
             spread_us = math.ceil((time.monotonic() - start) * 1_000_000)
         clocks = [int(sec) * 1_000_000 + int(usec) for sec, usec in replies]
-        return [0] + [clock - clocks[0] - spread_us for clock in clocks[1:]]
+        return clocks[0], [0] + [clock - clocks[0] - spread_us for clock in clocks[1:]]
 
     def node_owners(self, node: str) -> list[str]:
         """The owner ids registered under ``node`` (every incarnation and process)."""

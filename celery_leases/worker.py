@@ -191,7 +191,9 @@ class LeaseBootstep(bootsteps.StartStopStep):
             try:
                 # a microsecond less than the float of seconds may say: erring low only spares
                 # a lease until the next pass
-                before_us = int(ext.store.redis_time() * 1_000_000) - 1 if spare_newer else None
+                before_us, offsets = ext.store.clocks_us() if spare_newer else (None, None)
+                if before_us is not None:
+                    before_us -= 1
                 owners = ext.store.node_owners(ident.node)
             except LeaseError as exc:
                 logger.error("leases: %s could not list owners: %s", what, exc)
@@ -201,7 +203,7 @@ class LeaseBootstep(bootsteps.StartStopStep):
                 if incarnation == ident.incarnation and pid.isdigit() and select(int(pid)):
                     report.merge(
                         ext.store.cleanup_owner_isolated(
-                            owner, dead=True, granted_before_us=before_us
+                            owner, dead=True, granted_before_us=before_us, clock_offsets_us=offsets
                         )
                     )
         _log_report(kind, what, report)
