@@ -446,3 +446,160 @@ async def test_an_asyncio_store_from_a_url(leases_redis_url: str, leases_prefix:
         assert await store.last_fence("u") == 1
     finally:
         await store.aclose()
+
+
+# --- the SQL recipe on SQLAlchemy and Django (sqlite, and PostgreSQL when it answers) -------
+def _postgres_or_skip() -> str:
+    psycopg = pytest.importorskip("psycopg")
+    try:
+        psycopg.connect(PG_URL, connect_timeout=3).close()
+    except psycopg.Error as exc:
+        pytest.skip(f"no PostgreSQL at {PG_URL}: {exc}")
+    return PG_URL
+
+
+def _table_name(prefix: str) -> str:
+    return "fence_" + "".join(c if c.isalnum() else "_" for c in prefix).lower()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def sql_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A SQLAlchemy URL: a sqlite file, or the local PostgreSQL (skipped when it is not there)."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'fence.db'}"
+    return _postgres_or_skip().replace("postgresql://", "postgresql+psycopg://", 1)
+
+
+def test_the_sqlalchemy_recipe(sql_url: str, leases_prefix: str) -> None:
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+    from sqlalchemy import BigInteger, Column, MetaData, String, Table, Text, update
+
+    if sql_url.startswith("sqlite"):
+        from sqlalchemy.dialects.sqlite import insert
+    else:
+        from sqlalchemy.dialects.postgresql import insert
+
+    metadata = MetaData()
+    results = Table(
+        _table_name(leases_prefix),
+        metadata,
+        Column("id", String(200), primary_key=True),
+        Column("value", Text, nullable=False),
+        Column("fence", BigInteger, nullable=False),
+    )
+
+    # the docs' code, verbatim
+    def fenced_write(conn: Any, id: str, value: str, token: int) -> bool:
+        """Write ``value`` unless a newer token has written; True if it was applied."""
+        stmt = insert(results).values(id=id, value=value, fence=token)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[results.c.id],
+            set_={"value": stmt.excluded.value, "fence": stmt.excluded.fence},
+            where=results.c.fence <= stmt.excluded.fence,
+        )
+        # RETURNING gives a row only if the row was inserted or updated (an INSERT's rowcount
+        # is not reliable through SQLAlchemy: -1 on psycopg unless preserve_rowcount is set)
+        return conn.execute(stmt.returning(results.c.fence)).first() is not None
+
+    def fenced_update(conn: Any, id: str, value: str, token: int) -> bool:
+        stmt = (
+            update(results)
+            .where(results.c.id == id, results.c.fence <= token)
+            .values(value=value, fence=token)
+        )
+        return bool(conn.execute(stmt).rowcount == 1)
+
+    engine = sqlalchemy.create_engine(sql_url)
+    metadata.create_all(engine)
+    try:
+        with engine.begin() as conn:
+            assert [fenced_write(conn, "r", f"v{t}", t) for t in (5, 5, 4, 6)] == [
+                True,
+                True,
+                False,
+                True,
+            ]
+            assert fenced_update(conn, "r", "old", 2) is False
+            assert fenced_update(conn, "r", "same", 6) is True
+            assert fenced_write(conn, "s", "first", 2**62) is True  # BIGINT holds any token
+            assert fenced_write(conn, "s", "older", 2**62 - 1) is False
+            rows = conn.execute(results.select().order_by(results.c.id)).all()
+        assert [tuple(r) for r in rows] == [("r", "same", 6), ("s", "first", 2**62)]
+    finally:
+        metadata.drop_all(engine)
+        engine.dispose()
+
+
+DJANGO_RECIPE = textwrap.dedent(
+    """
+    import json, sys
+
+    import django
+    from django.conf import settings
+
+    from urllib.parse import urlsplit
+
+    engine, where, table = sys.argv[1:4]
+    db = {"ENGINE": f"django.db.backends.{engine}", "NAME": where}
+    if engine == "postgresql":  # where is a postgresql:// URL
+        url = urlsplit(where)
+        db.update(NAME=url.path.lstrip("/"), USER=url.username or "", HOST=url.hostname,
+                  PORT=str(url.port or 5432), PASSWORD=url.password or "")
+    settings.configure(DATABASES={"default": db}, INSTALLED_APPS=[], USE_TZ=True)
+    django.setup()
+
+    from django.db import IntegrityError, connection, models, transaction
+
+    class Result(models.Model):
+        id = models.CharField(primary_key=True, max_length=200)
+        value = models.TextField()
+        fence = models.BigIntegerField()
+
+        class Meta:
+            app_label = "fencetest"
+            db_table = table
+
+    # the docs' code, verbatim
+    def fenced_save(id: str, value: str, token: int) -> bool:
+        \"\"\"Save ``value`` unless a newer token has written; True if it was applied.\"\"\"
+        rows = Result.objects.filter(pk=id, fence__lte=token)
+        if rows.update(value=value, fence=token):
+            return True
+        try:
+            with transaction.atomic():  # the first write of this row
+                Result.objects.create(id=id, value=value, fence=token)
+            return True
+        except IntegrityError:  # the row exists: a newer token wrote, or a first write raced
+            return rows.update(value=value, fence=token) == 1
+
+    with connection.schema_editor() as editor:
+        editor.create_model(Result)
+    try:
+        out = [fenced_save("r", f"v{t}", t) for t in (5, 5, 4, 6)]
+        out.append(fenced_save("s", "first", 2**62))
+        out.append(fenced_save("s", "older", 2**62 - 1))
+        rows = list(Result.objects.order_by("id").values_list("id", "value", "fence"))
+    finally:
+        with connection.schema_editor() as editor:
+            editor.delete_model(Result)
+    print(json.dumps({"applied": out, "rows": rows}))
+    """
+)
+
+
+@pytest.mark.parametrize("engine", ["sqlite3", "postgresql"])
+def test_the_django_recipe(engine: str, leases_prefix: str, tmp_path: Path) -> None:
+    pytest.importorskip("django")
+    name = str(tmp_path / "fence.db") if engine == "sqlite3" else _postgres_or_skip()
+    proc = subprocess.run(
+        [sys.executable, "-c", DJANGO_RECIPE, engine, name, _table_name(leases_prefix)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["applied"] == [True, True, False, True, True, False]
+    assert result["rows"] == [["r", "v6", 6], ["s", "first", 2**62]]
