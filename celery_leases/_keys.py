@@ -159,7 +159,8 @@ def fenced_keys(prefix: str, name: str) -> tuple[str, str]:
     ``{<prefix>:<name>}`` and ``{<prefix>:<name>}:fence``, both escaped: the whole data key is
     one hash tag, and the record carries the same tag, so a Redis Cluster keeps them in one
     slot whatever the name holds (escaped braces cannot end the tag early), and different
-    names spread over the slots.
+    names spread over the slots. A colon in the prefix is escaped too, so the first colon ends
+    the prefix: store ``a`` name ``b:c`` and store ``a:b`` name ``c`` never share a key.
     """
-    tag = f"{{{escape(prefix)}:{escape(name)}}}"
+    tag = f"{{{escape(prefix).replace(':', '%3A')}:{escape(name)}}}"
     return tag, f"{tag}:fence"

@@ -130,7 +130,7 @@ class Ledger:
             )
             self._pid = os.getpid()
             self._enter = self._client.register_script(ENTER_LUA)
-            self._fenced = FencedRedis(self._client, prefix=f"{self.prefix}:fenced")
+            self._fenced = FencedRedis(self._client, prefix=f"{self.prefix}-fenced")
             self._done = self._client.register_script(DONE_LUA)
             self._event = self._client.register_script(EVENT_LUA)
         return self._client
