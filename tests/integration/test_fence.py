@@ -431,7 +431,8 @@ async def test_asyncio_holders_are_fenced(
         results = await asyncio.gather(
             *(afenced.set("doc:b", str(t), fence=t) for t in (3, 1, 2, 5, 4))
         )
-        assert results.count(True) >= 2
+        # whichever order they reached Redis in, the first applied and 5 (the largest) too
+        assert results[3] is True
         assert await afenced.last_fence("doc:b") == 5
         assert await afenced.get("doc:b") == "5"
     finally:
