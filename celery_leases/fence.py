@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Final, Literal, cast
 
 import redis
 import redis.asyncio
-from redis.exceptions import RedisError
+from redis.exceptions import DataError, RedisError
 
 from . import _scripts
 from ._connect import RedisTarget, aclose_client, make_async_client, make_client, parse_target
@@ -93,7 +93,11 @@ def _check_name(name: str) -> None:
 def _ttl_ms(ttl: float | None) -> int:
     if ttl is None:
         return 0
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
+    if (
+        isinstance(ttl, bool)
+        or not isinstance(ttl, (int, float))
+        or not 0 < ttl < math.inf  # NaN fails both
+    ):
         msg = f"ttl must be a number of seconds > 0 or None, not {ttl!r}"
         raise LeaseConfigError(msg)
     # rounded up: the data lives at least ttl, never a millisecond less (and never 0 = none)
@@ -151,6 +155,9 @@ class _Fenced:
     def _backend(self, what: str) -> Iterator[None]:
         try:
             yield
+        except DataError as exc:  # redis-py cannot encode a value (None, a dict...): ours
+            msg = f"cannot {what}: {exc}"
+            raise LeaseConfigError(msg) from exc
         except RedisError as exc:
             msg = f"redis{self._where} failed to {what}: {type(exc).__name__}: {exc}"
             raise LeaseBackendError(msg) from exc
