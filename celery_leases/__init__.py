@@ -12,7 +12,7 @@ its own, and a restarted worker clears what its dead predecessor held at once.
     leases = Leases(app)
 
     with leases.hold("report:42", ttl=30, wait=10) as lease:
-        write(report, fence=lease.token)
+        results.set("report:42", report, fence=lease)   # a FencedRedis: refuses older holders
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ from .exceptions import (
     LeaseConfigError,
     LeaseError,
     LeaseLost,
+    StaleFence,
 )
+from .fence import AsyncFencedRedis, FencedRedis
 from .task import LeasedTask, current_leases
 
 try:
@@ -39,8 +41,10 @@ except _PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 __all__ = (
+    "AsyncFencedRedis",
     "current_leases",
     "DuplicateTask",
+    "FencedRedis",
     "Lease",
     "LeaseBackendError",
     "LeaseBusy",
@@ -51,4 +55,5 @@ __all__ = (
     "Leases",
     "LeaseSettings",
     "Shared",
+    "StaleFence",
 )

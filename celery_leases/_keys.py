@@ -7,7 +7,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ("UNIQUE_PREFIX", "Keyspace", "escape", "unescape")
+__all__ = ("UNIQUE_PREFIX", "Keyspace", "escape", "fenced_keys", "unescape")
 
 _UNSAFE: Final = re.compile(r"[%{}\x00-\x20\x7f]")
 #: the resource name of a unique claim is this prefix + the rendered unique key
@@ -151,3 +151,16 @@ def owner_id(node: str, incarnation: str, pid: int) -> str:
 def node_of_owner(owner: str) -> str:
     """The node name inside an owner id."""
     return unescape(owner.rsplit("/", 2)[0])
+
+
+def fenced_keys(prefix: str, name: str) -> tuple[str, str]:
+    """``(data, fence record)`` keys of the fenced-write target ``name`` under ``prefix``.
+
+    ``{<prefix>:<name>}`` and ``{<prefix>:<name>}:fence``, both escaped: the whole data key is
+    one hash tag, and the record carries the same tag, so a Redis Cluster keeps them in one
+    slot whatever the name holds (escaped braces cannot end the tag early), and different
+    names spread over the slots. A colon in the prefix is escaped too, so the first colon ends
+    the prefix: store ``a`` name ``b:c`` and store ``a:b`` name ``c`` never share a key.
+    """
+    tag = f"{{{escape(prefix).replace(':', '%3A')}:{escape(name)}}}"
+    return tag, f"{tag}:fence"

@@ -11,6 +11,7 @@ __all__ = (
     "BEAT_CLAIM",
     "COMMIT_RECEIPT",
     "EXPIRED_OWNERS",
+    "FENCED_WRITE",
     "FORGET_OWNER",
     "RELEASE",
     "RENEW",
@@ -36,6 +37,7 @@ UNIQUE_CLAIM: Final = _read("unique_claim")
 UNIQUE_HANDOVER: Final = _read("unique_handover")
 UNIQUE_REQUEUE: Final = _read("unique_requeue")
 UNIQUE_UNCLAIM: Final = _read("unique_unclaim")
+FENCED_WRITE: Final = _read("fenced_write")
 
 ALL: Final[dict[str, str]] = {
     "acquire": ACQUIRE,
@@ -49,4 +51,5 @@ ALL: Final[dict[str, str]] = {
     "unique_handover": UNIQUE_HANDOVER,
     "unique_requeue": UNIQUE_REQUEUE,
     "unique_unclaim": UNIQUE_UNCLAIM,
+    "fenced_write": FENCED_WRITE,
 }

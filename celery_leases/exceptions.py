@@ -8,6 +8,8 @@ Catch :class:`LeaseError` to handle every one of them::
     │   └── DuplicateTask       a unique task's key is claimed by a queued or running copy;
     │                           .key, .task_id, .state
     ├── LeaseLost               our lease expired or was taken over; .resource, .held_for
+    ├── StaleFence              a fenced write was refused: a newer token was accepted;
+    │                           .name, .token, .last
     └── LeaseBackendError       Redis failed or could not be reached; raised from the redis error
 
 No raw ``redis`` exception escapes the public API: each is wrapped in
@@ -23,6 +25,7 @@ __all__ = (
     "LeaseConfigError",
     "LeaseError",
     "LeaseLost",
+    "StaleFence",
 )
 
 
@@ -115,6 +118,34 @@ class LeaseLost(LeaseError):
         return (
             f"lease on {self.resource!r} was lost after {self.held_for:.1f}s; "
             "the work may have overlapped with another holder"
+        )
+
+
+class StaleFence(LeaseError):
+    """A fenced write was refused: a newer fencing token was already accepted for its key.
+
+    Raised by the fenced stores of :mod:`celery_leases.fence` when called with
+    ``raise_stale=True``. The write changed nothing: the writer's lease was lost (it was
+    paused or cut off past its TTL) and a later holder has written since.
+
+    Attributes:
+        name: the name the write was for.
+        token: the refused fencing token.
+        last: the last token the store accepted for ``name`` (larger than ``token``).
+
+    .. versionadded:: 0.2
+    """
+
+    def __init__(self, name: str, token: int, last: int) -> None:
+        super().__init__(name, token, last)
+        self.name = name
+        self.token = token
+        self.last = last
+
+    def __str__(self) -> str:
+        return (
+            f"fenced write to {self.name!r} with token {self.token} was refused: "
+            f"token {self.last} was accepted since; a newer holder has written"
         )
 
 

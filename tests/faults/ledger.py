@@ -11,9 +11,10 @@ What it records, per scenario:
   and *leaves* it in a ``finally``. Entering while another holder is inside whose process is
   still alive is an overlap. A holder whose process is dead (kill -9) left no ``finally``
   behind; it is dropped, not counted: a dead process runs no code.
-- **the fenced store**: every body writes through :data:`FENCE_LUA`, which accepts a write
-  only if its fencing token is at least the last accepted token of the resource, and
-  records every rejected write (a *stale writer*).
+- **the fenced store**: every body writes through the library's own
+  :class:`~celery_leases.FencedRedis` (what users get), which accepts a write only if its
+  fencing token is at least the last accepted token of the resource; the ledger counts the
+  accepted writes and logs every refused one (a *stale writer*) with the token that beat it.
 - **token regressions**: a grant whose token is not above every token that entered the
   resource before it.
 - **completions** (a set of task ids, with the first completion time), body runs, retries by
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import Any, Final
 
 import redis
+
+from celery_leases import FencedRedis, StaleFence
 
 #: enter a resource: add the holder, bump the run count and check the token's order.
 #: KEYS: inside hash, runs counter, max token, regressions counter, per-pid set, entered zset,
@@ -60,24 +63,6 @@ for i = 1, #all, 2 do
   end
 end
 return others
-"""
-
-#: the fenced store: accept a write only from a token >= the last accepted one.
-#: KEYS: last accepted token, accepted counter, rejected counter, rejected log
-#: ARGV: token, "<task>|<resource>" (for the log of rejected writes: task|resource|token|last)
-#: returns 1 accepted, 0 rejected
-FENCE_LUA: Final = """
-local raw = redis.call('GET', KEYS[1]) or '0'
-local last = tonumber(raw)
-local token = tonumber(ARGV[1])
-if token >= last then
-  redis.call('SET', KEYS[1], ARGV[1])
-  redis.call('INCR', KEYS[2])
-  return 1
-end
-redis.call('INCR', KEYS[3])
-redis.call('RPUSH', KEYS[4], ARGV[2] .. '|' .. ARGV[1] .. '|' .. raw)
-return 0
 """
 
 #: record that a task completed: first completion time (ms), completion count.
@@ -145,7 +130,7 @@ class Ledger:
             )
             self._pid = os.getpid()
             self._enter = self._client.register_script(ENTER_LUA)
-            self._fence = self._client.register_script(FENCE_LUA)
+            self._fenced = FencedRedis(self._client, prefix=f"{self.prefix}-fenced")
             self._done = self._client.register_script(DONE_LUA)
             self._event = self._client.register_script(EVENT_LUA)
         return self._client
@@ -198,14 +183,17 @@ class Ledger:
 
     def write(self, resource: str, token: int, task_id: str) -> bool:
         """Write through the fenced store; False if it refused the token."""
-        keys = [
-            self.key("fence", resource),
-            self.key("writes_ok"),
-            self.key("writes_rejected"),
-            self.key("rejected_log"),
-        ]
         r = self.r
-        return bool(self._fence(keys, [token, f"{task_id}|{resource}"], client=r))
+        try:
+            self._fenced.set(resource, f"{task_id}|{token}", fence=token, raise_stale=True)
+        except StaleFence as stale:
+            pipe = r.pipeline(transaction=False)
+            pipe.incr(self.key("writes_rejected"))
+            pipe.rpush(self.key("rejected_log"), f"{task_id}|{resource}|{token}|{stale.last}")
+            pipe.execute()
+            return False
+        r.incr(self.key("writes_ok"))
+        return True
 
     def done(self, task_id: str) -> int:
         r = self.r

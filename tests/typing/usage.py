@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import redis
+import redis.asyncio
 from celery import Celery
 
 from celery_leases import (
+    AsyncFencedRedis,
     DuplicateTask,
+    FencedRedis,
     Lease,
     LeaseBusy,
     LeasedTask,
     LeaseLost,
     Leases,
     Shared,
+    StaleFence,
     current_leases,
 )
 
@@ -83,3 +88,29 @@ async def aonce_usage() -> object:
     cleared: bool = await leases.aforget("analysis:42:input")
     await leases.aclose()
     return (first, again, stored, cleared)
+
+
+def fenced() -> int | None:
+    results = FencedRedis(redis.Redis(), prefix="results")
+    with leases.hold("report:42") as lease:
+        applied: bool = results.set("report:42", b"data", fence=lease, ttl=60.0)
+        results.hset("report:42:meta", {"rows": 12, "state": "done"}, fence=lease.token)
+        try:
+            results.set("report:42", "again", fence=lease, raise_stale=True)
+        except StaleFence as exc:
+            newer: int = exc.last
+            return newer
+    value: bytes | str | None = results.get("report:42")
+    key: str = results.key("report:42")
+    from_url = FencedRedis("redis+cluster://127.0.0.1:7000")
+    from_url.close()
+    return results.last_fence("report:42") if applied and value and key else None
+
+
+async def afenced() -> int | None:
+    results = AsyncFencedRedis(redis.asyncio.Redis(), prefix="results")
+    async with leases.ahold("report:42") as lease:
+        await results.set("report:42", "data", fence=lease)
+        await results.hset("meta", {"a": 1}, fence=lease, raise_stale=True)
+    await results.aclose()
+    return await results.last_fence("report:42")

@@ -15,13 +15,16 @@ from celery_leases import (
     LeaseConfigError,
     LeaseError,
     LeaseLost,
+    StaleFence,
 )
 from celery_leases._redis_server import free_port
 from celery_leases._store import LeaseStore, safe_url
 from celery_leases.config import resolve_settings
 
 
-@pytest.mark.parametrize("cls", [LeaseBusy, LeaseLost, LeaseConfigError, LeaseBackendError])
+@pytest.mark.parametrize(
+    "cls", [LeaseBusy, LeaseLost, LeaseConfigError, LeaseBackendError, StaleFence]
+)
 def test_every_error_is_a_lease_error(cls):
     assert issubclass(cls, LeaseError)
     assert issubclass(LeaseError, Exception)
@@ -135,3 +138,24 @@ def test_errors_survive_celerys_json_result_backend(err):
     assert type(back) is type(err)
     assert back.resource == "res:a"
     assert str(back) == str(err)
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_stale_fence_survives_pickling(protocol):
+    err = StaleFence("report:{42}", 17, 18)
+    back = pickle.loads(pickle.dumps(err, protocol=protocol))
+    assert type(back) is StaleFence
+    assert (back.name, back.token, back.last) == ("report:{42}", 17, 18)
+    assert str(back) == str(err)
+    assert "'report:{42}'" in str(err)
+    assert "17" in str(err)
+    assert "18" in str(err)
+    assert not issubclass(StaleFence, (LeaseBusy, LeaseLost, ValueError))
+
+
+def test_stale_fence_survives_celerys_json_result_backend():
+    err = StaleFence("r", 1, 2)
+    backend = BaseBackend(Celery("exc-test", set_as_current=False), serializer="json")
+    back = backend.exception_to_python(backend.prepare_exception(err, serializer="json"))
+    assert type(back) is StaleFence
+    assert (back.name, back.token, back.last) == ("r", 1, 2)

@@ -10,7 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from celery_leases._keys import Keyspace, escape, node_of_owner, owner_id, unescape
+from celery_leases._keys import (
+    Keyspace,
+    escape,
+    fenced_keys,
+    node_of_owner,
+    owner_id,
+    unescape,
+)
 from tests.cluster import hash_tag
 
 # no example database written into the work tree, and no per-example deadline on slow CI
@@ -182,3 +189,27 @@ def test_node_survives_the_owner_id(node):
     owner = owner_id(node, "abc123", 4242)
     assert node_of_owner(owner) == node
     assert " " not in owner  # owner ids are written space-separated in holder values
+
+
+@given(prefix=names.filter(bool), name=names.filter(bool))
+def test_a_fenced_key_and_its_record_share_one_whole_key_hash_tag(prefix, name):
+    data, record = fenced_keys(prefix, name)
+    assert record == data + ":fence"
+    # the data key is exactly one hash tag, and the record hashes the same text
+    assert data[0] == "{"
+    assert data[-1] == "}"
+    assert hash_tag(data) == hash_tag(record) == data[1:-1]
+
+
+@given(st.tuples(names, names), st.tuples(names, names))
+def test_fenced_keys_are_distinct_for_distinct_prefix_and_name(a, b):
+    if a != b:
+        assert set(fenced_keys(*a)).isdisjoint(fenced_keys(*b))
+
+
+@pytest.mark.parametrize(
+    ("a", "b"),
+    [(("a", "b:c"), ("a:b", "c")), (("a", "%3A"), ("a%", "3A")), (("x", "}"), ("x}", ""))],
+)
+def test_fenced_keys_of_tricky_pairs_differ(a, b):
+    assert set(fenced_keys(*a)).isdisjoint(fenced_keys(*b))
