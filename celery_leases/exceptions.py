@@ -133,7 +133,7 @@ class StaleFence(LeaseError):
         token: the refused fencing token.
         last: the last token the store accepted for ``name`` (larger than ``token``).
 
-    .. versionadded:: 0.2
+    .. versionadded:: 0.1
     """
 
     def __init__(self, name: str, token: int, last: int) -> None:

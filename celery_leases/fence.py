@@ -31,7 +31,7 @@ a plain ``SET`` or ``EXPIRE`` on the data key bypasses the check.
 
 For SQL stores, see the recipe in the docs (``hold-and-once.md``, "Fenced writes").
 
-.. versionadded:: 0.2
+.. versionadded:: 0.1
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ class FencedRedis(_Fenced):
             client made from a URL is closed by :meth:`close`.
         prefix: every key of this store is in the hash tag ``{<prefix>:<name>}``.
 
-    .. versionadded:: 0.2
+    .. versionadded:: 0.1
     """
 
     def __init__(
@@ -281,7 +281,7 @@ class AsyncFencedRedis(_Fenced):
     The keys, the script and the rules are those of :class:`FencedRedis`, so sync and asyncio
     writers of one name fence each other.
 
-    .. versionadded:: 0.2
+    .. versionadded:: 0.1
     """
 
     def __init__(
