@@ -12,15 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
-
-
-def python_blocks(page: str) -> list[str]:
-    """The ```python blocks of one page of docs/, in order."""
-    return _BLOCK.findall((ROOT / "docs" / page).read_text())
-
+from tests.docs_blocks import python_blocks
 
 # Appended to the page's conftest: each test's `app` is finalized before the test body declares
 # its tasks, as a project's app is once a worker or `app.tasks` touched it. With Celery's

@@ -19,7 +19,7 @@ from celery.schedules import crontab
 
 from celery_leases import Leases
 from celery_leases.beat import LeasedSchedulerMixin
-from tests.integration.test_docs_examples import python_blocks
+from tests.docs_blocks import python_blocks
 
 redbeat = pytest.importorskip("redbeat")
 
