@@ -42,7 +42,9 @@ def render() -> str:
         default = field.default
         shown = "*(see meaning)*" if default is None else f"`{default!r}`"
         where = f"`{CONF_PREFIX}{name}`<br>`{ENV_PREFIX}{name.upper()}`"
-        meaning = (field.description or "").replace("|", "\\|")
+        # "|" would end the table cell; "[" would start a Markdown reference link, as in
+        # "host:port[,host:port...][/db]", which mkdocs-autorefs then reports as unresolved
+        meaning = (field.description or "").replace("|", "\\|").replace("[", "\\[")
         rows.append(f"| `{name}` | {where} | {shown} | {meaning} |")
     return HEADER + "\n".join(rows) + "\n"
 
