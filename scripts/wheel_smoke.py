@@ -191,7 +191,7 @@ def _stop_worker(worker: subprocess.Popen[bytes]) -> int:
         try:
             worker.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            worker.kill()
+            os.killpg(worker.pid, signal.SIGKILL)
             worker.wait()
     return worker.returncode
 
@@ -260,6 +260,8 @@ def smoke(url: str, work: Path) -> None:
             env=env,
             stdout=log_file,
             stderr=subprocess.STDOUT,
+            # its own process group, so that a SIGKILL fallback takes the pool child too
+            start_new_session=True,
         )
     try:
         try:
