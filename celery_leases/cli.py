@@ -72,6 +72,7 @@ from celery.utils.log import get_logger
 
 from ._identity import set_node
 from ._keys import node_of_owner, unescape
+from ._render import printable, table
 from ._store import AUDIT_KEEP, QUEUED_OWNER, Entry, Holder, LeaseStore
 from .app import Leases
 from .exceptions import LeaseBackendError, LeaseConfigError, LeaseError
@@ -153,24 +154,67 @@ def _echo_json(value: object) -> None:
 
 
 def _table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
-    """An aligned plain-text table (two spaces between columns)."""
-    cells = [list(headers), *([str(c) for c in row] for row in rows)]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
-    )
+    """An aligned table; names escaped, long ones shortened (``--json`` keeps them whole)."""
+    return table(headers, rows, limits=_LIMITS)
 
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-def _liveness_text(liveness: float | None) -> str:
+def _seconds(value: float) -> str:
+    return f"{value:.0f} s" if value >= 10 else f"{value:.1f} s"
+
+
+def renewed_ago(liveness: float | None, ttl: float) -> float | None:
+    """Seconds since an owner last refreshed its liveness, or None if that cannot be told.
+
+    Every grant and renewal sets the owner's liveness score to its Redis time plus the
+    ``ttl`` setting (acquire.lua, renew.lua), so the last refresh was ``ttl - liveness``
+    seconds ago. A liveness longer than this process's ``ttl`` comes from an owner with a
+    longer ``ttl`` setting: when it renewed is then unknown.
+    """
+    if liveness is None or liveness > ttl:
+        return None
+    return max(ttl - liveness, 0.0)
+
+
+def liveness_state(liveness: float | None, ttl: float) -> str:
+    """``alive``, ``late``, ``expired`` or ``unregistered``: what an owner's liveness says.
+
+    Alive only while its renewals come as often as a holder's heartbeat sends them (every
+    ``ttl / 3`` at most) with some slack: an owner killed a moment ago is ``late`` (its
+    liveness has not run out yet, so a reconcile leaves it alone) until it ``expired``. An
+    idle owner (it holds nothing, so nothing renews it) is late and then expired too.
+    """
+    if liveness is None:
+        return "unregistered"
+    if liveness <= 0:
+        return "expired"
+    ago = renewed_ago(liveness, ttl)
+    if ago is not None and ago > _renew_deadline(ttl):
+        return "late"
+    return "alive"
+
+
+def _renew_deadline(ttl: float) -> float:
+    # the heartbeat renews every min(lease horizon) / 3 <= ttl / 3; the slack covers a round
+    # that took a while, not a missed one
+    return ttl / 3 + min(2.0, ttl / 6)
+
+
+def _liveness_text(liveness: float | None, ttl: float) -> str:
+    state = liveness_state(liveness, ttl)
     if liveness is None:
         return "dead (not registered)"
-    if liveness > 0:
-        return f"alive ({liveness:.1f}s left)"
-    return f"dead ({-liveness:.1f}s ago)"
+    if state == "expired":
+        return f"dead (expired {_seconds(-liveness)} ago)"
+    ago = renewed_ago(liveness, ttl)
+    if ago is None:
+        return f"alive ({_seconds(liveness)} left)"
+    if state == "late":
+        return f"renewed {_seconds(ago)} ago, expires in {_seconds(liveness)}"
+    return f"alive (renewed {_seconds(ago)} ago)"
 
 
 def _non_empty(what: str, value: str | None) -> None:
@@ -215,7 +259,8 @@ class _Row:
     def holder(self) -> Holder:
         return Holder(self.resource, self.mode, self.token, self.owner, self.expires_in)
 
-    def as_json(self) -> dict[str, object]:
+    def as_json(self, ttl: float) -> dict[str, object]:
+        ago = None if self.queued else renewed_ago(self.liveness, ttl)
         return {
             "resource": self.resource,
             "mode": "queued" if self.queued else _MODES[self.mode],
@@ -226,9 +271,11 @@ class _Row:
             "expires_in": _round(self.expires_in),
             "alive": self.alive,
             "liveness": _round(self.liveness),
+            "status": "queued" if self.queued else liveness_state(self.liveness, ttl),
+            "renewed_ago": _round(ago),
         }
 
-    def cells(self) -> list[object]:
+    def cells(self, ttl: float) -> list[object]:
         return [
             self.resource,
             "queued" if self.queued else _MODES[self.mode],
@@ -236,10 +283,13 @@ class _Row:
             f"{self.expires_in:.1f}s",
             self.node,
             "-" if self.queued else self.owner,
-            "queued (not started)" if self.queued else _liveness_text(self.liveness),
+            "queued (not started)" if self.queued else _liveness_text(self.liveness, ttl),
             self.task_id or "-",
         ]
 
+
+#: the widest a column of user data is shown, in terminal columns (``--json``: whole)
+_LIMITS: Final = {"RESOURCE": 60, "NODE": 40, "OWNER": 64, "TASK_ID": 40, "BY": 40}
 
 _ROW_HEADERS: Final = (
     "RESOURCE",
@@ -363,14 +413,16 @@ def ls(ctx: click.Context, owner: str | None, pattern: str | None, as_json: bool
     """
     _non_empty("--owner", owner)
     _non_empty("--resource", pattern)
-    census = _census(_ext(ctx).store, owner=owner, pattern=pattern)
+    store = _ext(ctx).store
+    ttl = store.settings.ttl
+    census = _census(store, owner=owner, pattern=pattern)
     rows = sorted(census.held + census.queued, key=lambda r: (r.resource, r.token, r.owner))
     if as_json:
-        _echo_json([row.as_json() for row in rows])
+        _echo_json([row.as_json(ttl) for row in rows])
     elif not rows:
         click.echo("no leases held")
     else:
-        click.echo(_table(_ROW_HEADERS, (row.cells() for row in rows)))
+        click.echo(_table(_ROW_HEADERS, (row.cells(ttl) for row in rows)))
 
 
 @leases.command("show", cls=_Command)
@@ -383,11 +435,13 @@ def show(ctx: click.Context, resource: str, as_json: bool) -> None:
     Each holder with its owner's liveness and the id of the task that holds it.
     """
     _non_empty("RESOURCE", resource)
-    rows = _holder_rows(_ext(ctx).store, resource)
+    store = _ext(ctx).store
+    ttl = store.settings.ttl
+    rows = _holder_rows(store, resource)
     if as_json:
-        _echo_json([row.as_json() for row in rows])
+        _echo_json([row.as_json(ttl) for row in rows])
     else:
-        click.echo(_table(_ROW_HEADERS, (row.cells() for row in rows)))
+        click.echo(_table(_ROW_HEADERS, (row.cells(ttl) for row in rows)))
 
 
 @leases.command("release", cls=_Command)
@@ -460,12 +514,13 @@ def release(ctx: click.Context, resource: str, force: bool, yes: bool) -> None:
             }
         )
         state = "live" if row.alive else "dead"
+        shown, task = printable(resource), printable(row.task_id or "-")
         if freed and row.queued:
-            click.echo(f"released {resource} (queued claim of task {row.task_id})")
+            click.echo(f"released {shown} (queued claim of task {task})")
         elif freed:
-            click.echo(f"released {resource} ({_MODES[row.mode]}) of {state} owner {row.owner}")
+            click.echo(f"released {shown} ({_MODES[row.mode]}) of {state} owner {row.owner}")
         else:
-            click.echo(f"{resource} of {row.owner} was no longer held (released meanwhile)")
+            click.echo(f"{shown} of {row.owner} was no longer held (released meanwhile)")
 
 
 @leases.command("owners", cls=_Command)
@@ -477,7 +532,9 @@ def owners(ctx: click.Context, as_json: bool) -> None:
     With the seconds left on each one's liveness (negative: it ran out) and the number of
     leases it holds.
     """
-    census = _census(_ext(ctx).store)
+    store = _ext(ctx).store
+    ttl = store.settings.ttl
+    census = _census(store)
     counts: dict[str, int] = {}
     for row in census.held:
         counts[row.owner] = counts.get(row.owner, 0) + 1
@@ -495,6 +552,8 @@ def owners(ctx: click.Context, as_json: bool) -> None:
                     "pid": int(pid) if pid.isdigit() else pid,
                     "liveness": _round(liveness),
                     "alive": liveness is not None and liveness > 0,
+                    "status": liveness_state(liveness, ttl),
+                    "renewed_ago": _round(renewed_ago(liveness, ttl)),
                     "leases": counts.get(owner, 0),
                 }
             )
@@ -506,7 +565,7 @@ def owners(ctx: click.Context, as_json: bool) -> None:
             [
                 node_of_owner(owner),
                 owner,
-                _liveness_text(census.liveness[owner]),
+                _liveness_text(census.liveness[owner], ttl),
                 counts.get(owner, 0),
             ]
             for owner in listed
@@ -559,7 +618,7 @@ def reconcile(ctx: click.Context, as_json: bool) -> None:
             f"entr{'y' if report.expired == 1 else 'ies'}"
         )
         for owner, resource in report.released:
-            click.echo(f"  released {resource} of {owner}")
+            click.echo(f"  released {printable(resource)} of {owner}")
         for owner, entry in report.kept:
             click.echo(f"  kept an unreadable registry entry of {owner}: {entry!r}")
         for owner, error in report.errors:
