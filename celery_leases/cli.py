@@ -59,8 +59,9 @@ import getpass
 import json
 import logging
 import socket
+import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any, Final, TypeVar
@@ -91,6 +92,8 @@ EX_TEMPFAIL: Final = 75
 EX_CONFIG: Final = 78
 
 _MODES: Final = {"x": "exclusive", "s": "shared"}
+#: how long ls and show wait for the workers to name their tasks, in seconds
+_NAMES_TIMEOUT: Final = 1.0
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -241,6 +244,7 @@ class _Row:
     task_id: str | None
     expires_in: float
     liveness: float | None  # seconds left on the owner's liveness; None: not registered
+    task_name: str | None = None  # as the owner's live worker tells it (see _named)
 
     @property
     def queued(self) -> bool:
@@ -268,6 +272,7 @@ class _Row:
             "owner": None if self.queued else self.owner,
             "node": None if self.queued else self.node,
             "task_id": self.task_id,
+            "task_name": self.task_name,
             "expires_in": _round(self.expires_in),
             "alive": self.alive,
             "liveness": _round(self.liveness),
@@ -285,11 +290,19 @@ class _Row:
             "-" if self.queued else self.owner,
             "queued (not started)" if self.queued else _liveness_text(self.liveness, ttl),
             self.task_id or "-",
+            self.task_name or "-",
         ]
 
 
 #: the widest a column of user data is shown, in terminal columns (``--json``: whole)
-_LIMITS: Final = {"RESOURCE": 60, "NODE": 40, "OWNER": 64, "TASK_ID": 40, "BY": 40}
+_LIMITS: Final = {
+    "RESOURCE": 60,
+    "NODE": 40,
+    "OWNER": 64,
+    "TASK_ID": 40,
+    "TASK": 48,
+    "BY": 40,
+}
 
 _ROW_HEADERS: Final = (
     "RESOURCE",
@@ -300,6 +313,7 @@ _ROW_HEADERS: Final = (
     "OWNER",
     "LIVENESS",
     "TASK_ID",
+    "TASK",
 )
 
 
@@ -379,6 +393,48 @@ def _holder_rows(store: LeaseStore, resource: str) -> list[_Row]:
     return rows
 
 
+def _named(app: Celery, rows: list[_Row]) -> list[_Row]:
+    """``rows`` with the names of their tasks, as the workers still running them tell.
+
+    The registry records a task's id only (its entry format is read by every worker of a
+    rolling deploy, and a name written at each grant would cost the hot path), so the names
+    come from the live workers themselves: one remote-control ``query_task`` to the nodes of
+    live owners, waited for at most ``_NAMES_TIMEOUT`` (an unreachable broker or a busy
+    worker costs that, never an error). A dead worker names nothing.
+    """
+    ids: dict[str, set[str]] = {}  # node -> ids of the tasks holding its leases
+    for row in rows:
+        if row.task_id is not None and not row.queued and row.alive:
+            ids.setdefault(row.node, set()).add(row.task_id)
+    if not ids:
+        return rows
+    replies: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            inspect = app.control.inspect(
+                destination=sorted(ids), timeout=_NAMES_TIMEOUT, limit=len(ids)
+            )
+            replies.update(inspect.query_task(*sorted(set().union(*ids.values()))) or {})
+        except Exception as exc:  # the broker is optional to this command
+            logger.debug("leases: could not ask the workers for task names: %s", exc)
+
+    # in a thread: a broker that does not answer must not hold the listing up
+    asker = threading.Thread(target=ask, name="celery-leases-names", daemon=True)
+    asker.start()
+    asker.join(_NAMES_TIMEOUT + 0.5)
+    names: dict[tuple[str, str], str] = {}
+    for node, tasks in dict(replies).items():
+        for task_id, (_, info) in (tasks or {}).items():
+            name = info.get("name") if isinstance(info, dict) else None
+            if isinstance(name, str):
+                names[(node, task_id)] = name
+    return [
+        replace(row, task_name=names.get((row.node, row.task_id or ""), row.task_name))
+        for row in rows
+    ]
+
+
 # --- the commands ---------------------------------------------------------------------------
 @click.group(name="leases")
 def leases() -> None:
@@ -417,6 +473,7 @@ def ls(ctx: click.Context, owner: str | None, pattern: str | None, as_json: bool
     ttl = store.settings.ttl
     census = _census(store, owner=owner, pattern=pattern)
     rows = sorted(census.held + census.queued, key=lambda r: (r.resource, r.token, r.owner))
+    rows = _named(_app(ctx), rows)
     if as_json:
         _echo_json([row.as_json(ttl) for row in rows])
     elif not rows:
@@ -437,7 +494,7 @@ def show(ctx: click.Context, resource: str, as_json: bool) -> None:
     _non_empty("RESOURCE", resource)
     store = _ext(ctx).store
     ttl = store.settings.ttl
-    rows = _holder_rows(store, resource)
+    rows = _named(_app(ctx), _holder_rows(store, resource))
     if as_json:
         _echo_json([row.as_json(ttl) for row in rows])
     else:

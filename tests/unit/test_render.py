@@ -33,7 +33,7 @@ NASTY = [
 
 def row(resource: str, marker: str) -> list[object]:
     """An ``ls`` row whose MODE column holds ``marker`` (to find where that column starts)."""
-    return [resource, marker, 1, "1.0s", "celery@h", "celery%40h/abc/1", "alive", "t-1"]
+    return [resource, marker, 1, "1.0s", "celery@h", "celery%40h/abc/1", "alive", "t-1", "p.t"]
 
 
 def column_start(line: str, text: str) -> int:

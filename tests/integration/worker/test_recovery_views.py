@@ -67,27 +67,27 @@ def test_a_killed_worker_shows_renewed_n_s_ago_never_alive_until_it_expires(
     mine = escape(w.hostname) + "/"
     kill_whole_worker(w)
 
-    def owner_row(kind: str) -> tuple[dict[str, Any], str] | None:
-        """``(json of the killed owner, its table line)`` once the owner is late, else None."""
+    def owner_row(state: str, status: str) -> tuple[dict[str, Any], str] | None:
+        """``(json, table line)`` of the killed owner once its line says ``state`` and its
+        json ``status`` (read just before), else None."""
         (listed,) = [
             o
             for o in json.loads(leases_cli(env, "owners", "--json").stdout)
             if o["owner"].startswith(mine) and o["leases"]
         ]
-        if listed["status"] != kind:
-            return None
         table = leases_cli(env, "owners").stdout
         (line,) = [line for line in table.splitlines() if listed["owner"] in line]
-        return listed, line
+        assert "alive" not in line or listed["liveness"] > LIVENESS_TTL / 2, line
+        return (listed, line) if state in line and listed["status"] == status else None
 
-    # the liveness has not run out: the old view said "alive (N s left)" all this time
-    late, line = wait_until(lambda: owner_row("late"), 30, "the killed owner to be late")
-    assert late["alive"] is True  # not run out yet: a reconcile or release leaves it alone
+    # its liveness has not run out: the old view said "alive (N s left)" all this time
+    late, line = wait_until(
+        lambda: owner_row("renewed", "late"), 30, "the killed owner to show late"
+    )
     assert late["liveness"] > 0
+    assert late["alive"] is True  # not run out yet: a reconcile or release leaves it alone
     assert late["renewed_ago"] > LIVENESS_TTL / 3
-    if "renewed" in line:  # else it expired between the two calls: still never "alive"
-        assert " s ago, expires in " in line
-    assert "alive" not in line
+    assert " s ago, expires in " in line
 
     def ls_row() -> str | None:
         (row,) = [r for r in leases_cli(env, "ls").stdout.splitlines() if r.startswith("res:k ")]
@@ -95,9 +95,10 @@ def test_a_killed_worker_shows_renewed_n_s_ago_never_alive_until_it_expires(
 
     assert "alive" not in wait_until(ls_row, 30, "ls to show the killed owner as late")
 
-    expired, line = wait_until(lambda: owner_row("expired"), 30, "the killed owner to expire")
+    expired, line = wait_until(
+        lambda: owner_row("dead (expired", "expired"), 30, "the owner to expire"
+    )
     assert expired["alive"] is False
-    assert "dead (expired" in line
 
 
 # --- recovery log lines -------------------------------------------------------------------------
@@ -166,6 +167,30 @@ def test_a_killed_childs_leases_leave_the_held_gauge_when_the_reaper_frees_them(
         kill_whole_worker(w)
 
 
+# --- task names ----------------------------------------------------------------------------------
+def test_ls_and_show_name_the_task_next_to_its_id_as_its_live_worker_tells(
+    start_worker: Any, wapp: Any, send: Any, ledger: Any, worker_env: dict[str, str]
+) -> None:
+    env = {**worker_env, **LONG}
+    w = start_worker("prefork", 1, env=LONG)
+    try:
+        task = send(wapp.sleeper, "named", 300)
+        ledger.wait_event("started:named")
+        (listed,) = json.loads(leases_cli(env, "ls", "--json").stdout)
+        assert (listed["task_id"], listed["task_name"]) == (task.id, wapp.sleeper.name)
+        (row,) = [r for r in leases_cli(env, "ls").stdout.splitlines() if r.startswith("res:")]
+        assert row.endswith(f"{task.id}  {wapp.sleeper.name}")
+        (shown,) = json.loads(leases_cli(env, "show", "res:named", "--json").stdout)
+        assert shown["task_name"] == wapp.sleeper.name
+        kill_whole_worker(w)
+        # a dead worker names nothing: the id is all the registry has
+        (listed,) = json.loads(leases_cli(env, "ls", "--json").stdout)
+        assert (listed["task_id"], listed["task_name"]) == (task.id, None)
+    finally:
+        if w.alive():
+            kill_whole_worker(w)
+
+
 # --- names that would break a table -------------------------------------------------------------
 NAMES = ["nl\nname", "esc\x1b[31mred", "tab\tname", "nul\x00name", "日本語😀", "long:" + "x" * 200]
 
@@ -174,10 +199,9 @@ def test_ls_shows_any_resource_name_on_one_aligned_line_and_json_keeps_it_whole(
     worker_env: dict[str, str], test_leases: Any
 ) -> None:
     with test_leases.hold(NAMES, ttl=30):
-        listed = json.loads(leases_cli(worker_env, "ls", "--json").stdout)
-        assert sorted(x["resource"] for x in listed) == sorted(NAMES)
-        assert all(x["status"] == "alive" for x in listed)
         table = leases_cli(worker_env, "ls").stdout
+        listed = json.loads(leases_cli(worker_env, "ls", "--json").stdout)
+    assert sorted(x["resource"] for x in listed) == sorted(NAMES)
     header, *rows = table.rstrip("\n").split("\n")
     assert len(rows) == len(NAMES)
     assert all(row.isprintable() for row in rows)
