@@ -19,10 +19,15 @@ The commands run against the ``-A`` app's settings (its ``Leases(app)``, or one 
   takes a node name (a worker hostname such as ``celery@pod-7``) or one full owner id;
   ``--resource`` an ``fnmatch`` pattern, case-sensitive (``'repo:*'``). ``--json`` prints a
   list of objects with ``resource``, ``mode``, ``token``, ``owner``, ``node``, ``task_id``,
-  ``expires_in``, ``alive`` and ``liveness``. Claims of tasks declared ``unique=`` show as
-  resources ``celery_leases:unique:<key>``: a running one as the exclusive lease of the worker
-  process that runs it, a queued one (its task not started yet; read from each slot group's
-  index of queued claims) with mode ``queued``, no owner or node (null), and its task's id.
+  ``task_name``, ``expires_in``, ``alive``, ``liveness``, ``status`` and ``renewed_ago``. The
+  task name is asked of the live workers (remote control, at most 1 s): the registry records
+  the id only. The LIVENESS column says ``alive`` only while the owner renews on time,
+  ``renewed N s ago`` once it missed renewals (killed, stalled or idle) until its liveness runs
+  out, then ``dead``. Names are escaped and shortened in the table, whole in ``--json``.
+  Claims of tasks declared ``unique=`` show as resources ``celery_leases:unique:<key>``: a
+  running one as the exclusive lease of the worker process that runs it, a queued one (its
+  task not started yet; read from each slot group's index of queued claims) with mode
+  ``queued``, no owner or node (null), and its task's id.
   ``--owner`` leaves queued claims out (no process holds them).
 - ``show RESOURCE``: the holders of one resource, read from its own keys, with each owner's
   liveness and the task id from that owner's registry entry.
@@ -33,8 +38,9 @@ The commands run against the ``-A`` app's settings (its ``Leases(app)``, or one 
   a task body by default). Every release is logged (a forced one at WARNING, through celery's
   logger) and appended to the audit list in Redis, ``forced`` telling whether the owner was
   alive.
-- ``owners``: every registered owner by node, the seconds left on its liveness (negative: it
-  ran out) and the number of leases it holds. An owner whose liveness ran out is dead, or alive
+- ``owners``: every registered owner by node, its liveness (as in ``ls``; ``--json`` adds
+  ``status`` and ``renewed_ago`` to the seconds left, negative once it ran out) and the number
+  of leases it holds. An owner whose liveness ran out is dead, or alive
   but idle: a process holding nothing does not renew its liveness; a reconcile forgets it.
 - ``reconcile``: one orphan-reconcile pass now (what workers do every ``reconcile_interval``):
   frees the leases of owners whose liveness ran out, and reports them.
