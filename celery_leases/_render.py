@@ -2,10 +2,10 @@
 
 Resource names, task ids and node names are user data: they may hold newlines, tabs, NULs
 or ANSI escapes that would break a table or take over the operator's terminal, and wide
-(CJK, emoji) characters that take two columns. :func:`printable` makes a name safe to show,
-:func:`shorten` fits it into a column by display width, and :func:`table` lays the rows out
-with ``rich`` (its markup, emoji codes and highlighting off: nothing in a name is
-interpreted). ``--json`` output never goes through here: it keeps every name whole.
+(CJK, emoji) characters that take two columns. :func:`printable` (from ``_text``) makes a
+name safe to show, :func:`shorten` fits it into a column by display width, and :func:`table`
+lays the rows out with ``rich`` (its markup, emoji codes and highlighting off: nothing in a
+name is interpreted). ``--json`` output never goes through here: it keeps every name whole.
 """
 
 from __future__ import annotations
@@ -19,42 +19,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ._text import printable
+
 __all__ = ("ELLIPSIS", "printable", "shorten", "table")
 
 ELLIPSIS: Final = "…"
-_NAMED: Final = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def _escaped(char: str) -> str:
-    named = _NAMED.get(char)
-    if named is not None:
-        return named
-    code = ord(char)
-    if code <= 0xFF:
-        return f"\\x{code:02x}"
-    if code <= 0xFFFF:
-        return f"\\u{code:04x}"
-    return f"\\U{code:08x}"
-
-
-def printable(text: str) -> str:
-    """``text`` with every character that a terminal would not just show escaped.
-
-    What Python does not count printable becomes ``\\n``, ``\\x1b``, ``\\u202e`` ... as in
-    a Python literal: control characters (``\\n``, ``\\t``, ``\\x00``, the ESC that starts
-    an ANSI sequence), bidi and other format characters (zero-width ones too), line
-    separators, spaces other than the ASCII one, private-use and unassigned code points.
-    Everything else, unicode letters and emoji included, is kept.
-
-    Args:
-        text: the name to show.
-
-    Returns:
-        the text, one line, that prints as what it is.
-    """
-    if text.isprintable():  # the common case, at no cost
-        return text
-    return "".join(c if c.isprintable() else _escaped(c) for c in text)
 
 
 def shorten(text: str, max_cells: int) -> str:

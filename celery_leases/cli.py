@@ -70,7 +70,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 
 import click
 from celery._state import get_current_app
@@ -87,6 +87,8 @@ from .worker import RECONCILE_RESOURCE, run_reconcile
 
 if TYPE_CHECKING:
     from celery import Celery
+
+    from .config import LeaseSettings
 
 __all__ = ("leases",)
 
@@ -175,7 +177,21 @@ def _seconds(value: float) -> str:
     return f"{value:.0f} s" if value >= 10 else f"{value:.1f} s"
 
 
-def renewed_ago(liveness: float | None, ttl: float) -> float | None:
+class Renewals(NamedTuple):
+    """How owners renew their liveness: the ``ttl`` setting, and the heartbeat's interval."""
+
+    ttl: float
+    every: float  # the longest a holder's heartbeat waits between renewals
+
+    @classmethod
+    def of(cls, settings: LeaseSettings) -> Renewals:
+        """The renewals that workers with ``settings`` make."""
+        # the heartbeat renews every min(lease horizon) / 3, a horizon being at most
+        # ttl * margin_fraction (see LeaseStore.horizon)
+        return cls(settings.ttl, settings.ttl * settings.margin_fraction / 3)
+
+
+def renewed_ago(liveness: float | None, renewals: Renewals) -> float | None:
     """Seconds since an owner last refreshed its liveness, or None if that cannot be told.
 
     Every grant and renewal sets the owner's liveness score to its Redis time plus the
@@ -183,42 +199,37 @@ def renewed_ago(liveness: float | None, ttl: float) -> float | None:
     seconds ago. A liveness longer than this process's ``ttl`` comes from an owner with a
     longer ``ttl`` setting: when it renewed is then unknown.
     """
-    if liveness is None or liveness > ttl:
+    if liveness is None or liveness > renewals.ttl:
         return None
-    return max(ttl - liveness, 0.0)
+    return max(renewals.ttl - liveness, 0.0)
 
 
-def liveness_state(liveness: float | None, ttl: float) -> str:
+def liveness_state(liveness: float | None, renewals: Renewals) -> str:
     """``alive``, ``late``, ``expired`` or ``unregistered``: what an owner's liveness says.
 
-    Alive only while its renewals come as often as a holder's heartbeat sends them (every
-    ``ttl / 3`` at most) with some slack: an owner killed a moment ago is ``late`` (its
-    liveness has not run out yet, so a reconcile leaves it alone) until it ``expired``. An
-    idle owner (it holds nothing, so nothing renews it) is late and then expired too.
+    Alive only while its renewals come as often as a holder's heartbeat sends them, with a
+    little slack: an owner killed a moment ago is ``late`` (its liveness has not run out yet,
+    so a reconcile leaves it alone) until it ``expired``. An idle owner (it holds nothing, so
+    nothing renews it) is late and then expired too.
     """
     if liveness is None:
         return "unregistered"
     if liveness <= 0:
         return "expired"
-    ago = renewed_ago(liveness, ttl)
-    if ago is not None and ago > _renew_deadline(ttl):
+    ago = renewed_ago(liveness, renewals)
+    # the slack covers a renewal that took a moment to reach Redis, not a missed one
+    if ago is not None and ago > renewals.every + min(1.0, renewals.every / 3):
         return "late"
     return "alive"
 
 
-def _renew_deadline(ttl: float) -> float:
-    # the heartbeat renews every min(lease horizon) / 3 <= ttl / 3; the slack covers a round
-    # that took a while, not a missed one
-    return ttl / 3 + min(2.0, ttl / 6)
-
-
-def _liveness_text(liveness: float | None, ttl: float) -> str:
-    state = liveness_state(liveness, ttl)
+def _liveness_text(liveness: float | None, renewals: Renewals) -> str:
+    state = liveness_state(liveness, renewals)
     if liveness is None:
         return "dead (not registered)"
     if state == "expired":
         return f"dead (expired {_seconds(-liveness)} ago)"
-    ago = renewed_ago(liveness, ttl)
+    ago = renewed_ago(liveness, renewals)
     if ago is None:
         return f"alive ({_seconds(liveness)} left)"
     if state == "late":
@@ -269,8 +280,8 @@ class _Row:
     def holder(self) -> Holder:
         return Holder(self.resource, self.mode, self.token, self.owner, self.expires_in)
 
-    def as_json(self, ttl: float) -> dict[str, object]:
-        ago = None if self.queued else renewed_ago(self.liveness, ttl)
+    def as_json(self, renewals: Renewals) -> dict[str, object]:
+        ago = None if self.queued else renewed_ago(self.liveness, renewals)
         return {
             "resource": self.resource,
             "mode": "queued" if self.queued else _MODES[self.mode],
@@ -282,11 +293,11 @@ class _Row:
             "expires_in": _round(self.expires_in),
             "alive": self.alive,
             "liveness": _round(self.liveness),
-            "status": "queued" if self.queued else liveness_state(self.liveness, ttl),
+            "status": "queued" if self.queued else liveness_state(self.liveness, renewals),
             "renewed_ago": _round(ago),
         }
 
-    def cells(self, ttl: float) -> list[object]:
+    def cells(self, renewals: Renewals) -> list[object]:
         return [
             self.resource,
             "queued" if self.queued else _MODES[self.mode],
@@ -294,7 +305,7 @@ class _Row:
             f"{self.expires_in:.1f}s",
             self.node,
             "-" if self.queued else self.owner,
-            "queued (not started)" if self.queued else _liveness_text(self.liveness, ttl),
+            "queued (not started)" if self.queued else _liveness_text(self.liveness, renewals),
             self.task_id or "-",
             self.task_name or "-",
         ]
@@ -476,16 +487,16 @@ def ls(ctx: click.Context, owner: str | None, pattern: str | None, as_json: bool
     _non_empty("--owner", owner)
     _non_empty("--resource", pattern)
     store = _ext(ctx).store
-    ttl = store.settings.ttl
+    renewals = Renewals.of(store.settings)
     census = _census(store, owner=owner, pattern=pattern)
     rows = sorted(census.held + census.queued, key=lambda r: (r.resource, r.token, r.owner))
     rows = _named(_app(ctx), rows)
     if as_json:
-        _echo_json([row.as_json(ttl) for row in rows])
+        _echo_json([row.as_json(renewals) for row in rows])
     elif not rows:
         click.echo("no leases held")
     else:
-        click.echo(_table(_ROW_HEADERS, (row.cells(ttl) for row in rows)))
+        click.echo(_table(_ROW_HEADERS, (row.cells(renewals) for row in rows)))
 
 
 @leases.command("show", cls=_Command)
@@ -499,12 +510,12 @@ def show(ctx: click.Context, resource: str, as_json: bool) -> None:
     """
     _non_empty("RESOURCE", resource)
     store = _ext(ctx).store
-    ttl = store.settings.ttl
+    renewals = Renewals.of(store.settings)
     rows = _named(_app(ctx), _holder_rows(store, resource))
     if as_json:
-        _echo_json([row.as_json(ttl) for row in rows])
+        _echo_json([row.as_json(renewals) for row in rows])
     else:
-        click.echo(_table(_ROW_HEADERS, (row.cells(ttl) for row in rows)))
+        click.echo(_table(_ROW_HEADERS, (row.cells(renewals) for row in rows)))
 
 
 @leases.command("release", cls=_Command)
@@ -596,7 +607,7 @@ def owners(ctx: click.Context, as_json: bool) -> None:
     leases it holds.
     """
     store = _ext(ctx).store
-    ttl = store.settings.ttl
+    renewals = Renewals.of(store.settings)
     census = _census(store)
     counts: dict[str, int] = {}
     for row in census.held:
@@ -615,8 +626,8 @@ def owners(ctx: click.Context, as_json: bool) -> None:
                     "pid": int(pid) if pid.isdigit() else pid,
                     "liveness": _round(liveness),
                     "alive": liveness is not None and liveness > 0,
-                    "status": liveness_state(liveness, ttl),
-                    "renewed_ago": _round(renewed_ago(liveness, ttl)),
+                    "status": liveness_state(liveness, renewals),
+                    "renewed_ago": _round(renewed_ago(liveness, renewals)),
                     "leases": counts.get(owner, 0),
                 }
             )
@@ -628,7 +639,7 @@ def owners(ctx: click.Context, as_json: bool) -> None:
             [
                 node_of_owner(owner),
                 owner,
-                _liveness_text(census.liveness[owner], ttl),
+                _liveness_text(census.liveness[owner], renewals),
                 counts.get(owner, 0),
             ]
             for owner in listed

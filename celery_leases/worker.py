@@ -25,6 +25,7 @@ from celery.worker import state as worker_state
 from ._identity import set_node
 from ._lease import Want
 from ._store import CleanupReport
+from ._text import printable
 from .exceptions import LeaseError
 
 if TYPE_CHECKING:
@@ -89,9 +90,10 @@ def _log_report(
             "leases: %s released %d lease(s): %s",
             what,
             len(report.released),
-            ", ".join(sorted({r for _, r in report.released})),
+            ", ".join(sorted({printable(r) for _, r in report.released})),
         )
     # one line per owner and task: the owner whose leases these were, and the task holding them
+    # (names escaped: a newline in a resource name must not forge a log line)
     by_holder: dict[tuple[str, str | None], list[str]] = {}
     for owner, freed in report.freed:
         by_holder.setdefault((owner, freed.task_id), []).append(freed.resource)
@@ -106,7 +108,7 @@ def _log_report(
             whose,
             owner,
             _task_text(task_id, names),
-            ", ".join(sorted(resources)),
+            ", ".join(sorted(printable(r) for r in resources)),
         )
     for owner, entry in report.kept:
         logger.error("leases: %s kept an unreadable registry entry of %s: %r", what, owner, entry)
@@ -118,7 +120,8 @@ def _task_text(task_id: str | None, names: Mapping[str, str] | None) -> str:
     if task_id is None:
         return "held outside a task"
     name = (names or {}).get(task_id)
-    return f"task {task_id} ({name})" if name else f"task {task_id}"
+    shown = printable(task_id)
+    return f"task {shown} ({printable(name)})" if name else f"task {shown}"
 
 
 class LeaseBootstep(bootsteps.StartStopStep):

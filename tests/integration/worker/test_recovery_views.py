@@ -106,17 +106,20 @@ def test_the_reaper_logs_the_dead_owner_and_the_task_of_each_freed_lease(
     start_worker: Any, wapp: Any, send: Any, ledger: Any, test_leases: Any
 ) -> None:
     w = start_worker("prefork", 2, env=LONG)
+    rid = "reaped\n[2026-01-01 00:00:00,000: INFO] forged"  # a newline must not forge a line
+    resource = f"res:{rid}"
     try:
-        task = send(wapp.sleeper, "reaped", 300)
-        ledger.wait_event("started:reaped")
-        holder = holder_of(test_leases, "res:reaped")
+        task = send(wapp.sleeper, rid, 300)
+        ledger.wait_event(f"started:{rid}")
+        holder = holder_of(test_leases, resource)
         os.kill(int(holder.owner.rsplit("/", 1)[1]), signal.SIGKILL)
-        wait_until(lambda: not test_leases.store.holders("res:reaped"), 20, "the reaper to free it")
+        wait_until(lambda: not test_leases.store.holders(resource), 20, "the reaper to free it")
+        shown = resource.replace("\n", "\\n")
         line = (
             f"reaper (dead pool process) freed 1 lease(s) of dead owner {holder.owner}, "
-            f"task {task.id} ({wapp.sleeper.name}): res:reaped"
+            f"task {task.id} ({wapp.sleeper.name}): {shown}"
         )
-        w.wait_for_log(line, 10)
+        w.wait_for_log(line, 10)  # the whole line, the newline escaped
     finally:
         kill_whole_worker(w)
 
