@@ -442,7 +442,9 @@ def _named(app: Celery, rows: list[_Row]) -> list[_Row]:
     asker.join(_NAMES_TIMEOUT + 0.5)
     names: dict[tuple[str, str], str] = {}
     for node, tasks in dict(replies).items():
-        for task_id, (_, info) in (tasks or {}).items():
+        # {task id: [state, info]}; anything else (an error reply) names nothing
+        for task_id, reply in tasks.items() if isinstance(tasks, dict) else ():
+            info = reply[1] if isinstance(reply, (list, tuple)) and len(reply) == 2 else None
             name = info.get("name") if isinstance(info, dict) else None
             if isinstance(name, str):
                 names[(node, task_id)] = name
