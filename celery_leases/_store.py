@@ -112,6 +112,8 @@ class CleanupReport:
         expired: registry entries whose lease had already run out (removed).
         kept: registry entries that could not be understood; kept, never dropped silently.
         errors: ``(owner, message)`` of owners whose cleanup failed; the others went on.
+        freed: ``(owner, registry entry)`` of each lease in ``released``, in the same order:
+            the entry tells the holding task's id.
     """
 
     owners: list[str] = field(default_factory=list)
@@ -119,10 +121,12 @@ class CleanupReport:
     expired: int = 0
     kept: list[tuple[str, str]] = field(default_factory=list)
     errors: list[tuple[str, str]] = field(default_factory=list)
+    freed: list[tuple[str, Entry]] = field(default_factory=list)
 
     def merge(self, other: CleanupReport) -> None:
         self.owners += other.owners
         self.released += other.released
+        self.freed += other.freed
         self.expired += other.expired
         self.kept += other.kept
         self.errors += other.errors
@@ -938,6 +942,7 @@ class LeaseStore:
                 for entry, was_held in zip(batch, freed, strict=True):
                     if was_held:
                         report.released.append((owner, entry.resource))
+                        report.freed.append((owner, entry))
                     else:
                         report.expired += 1
         if not report.kept and not spared:

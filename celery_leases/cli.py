@@ -19,10 +19,15 @@ The commands run against the ``-A`` app's settings (its ``Leases(app)``, or one 
   takes a node name (a worker hostname such as ``celery@pod-7``) or one full owner id;
   ``--resource`` an ``fnmatch`` pattern, case-sensitive (``'repo:*'``). ``--json`` prints a
   list of objects with ``resource``, ``mode``, ``token``, ``owner``, ``node``, ``task_id``,
-  ``expires_in``, ``alive`` and ``liveness``. Claims of tasks declared ``unique=`` show as
-  resources ``celery_leases:unique:<key>``: a running one as the exclusive lease of the worker
-  process that runs it, a queued one (its task not started yet; read from each slot group's
-  index of queued claims) with mode ``queued``, no owner or node (null), and its task's id.
+  ``task_name``, ``expires_in``, ``alive``, ``liveness``, ``status`` and ``renewed_ago``. The
+  task name is asked of the live workers (remote control, at most 1 s): the registry records
+  the id only. The LIVENESS column says ``alive`` only while the owner renews on time,
+  ``renewed N s ago`` once it missed renewals (killed, stalled or idle) until its liveness runs
+  out, then ``dead``. Names are escaped and shortened in the table, whole in ``--json``.
+  Claims of tasks declared ``unique=`` show as resources ``celery_leases:unique:<key>``: a
+  running one as the exclusive lease of the worker process that runs it, a queued one (its
+  task not started yet; read from each slot group's index of queued claims) with mode
+  ``queued``, no owner or node (null), and its task's id.
   ``--owner`` leaves queued claims out (no process holds them).
 - ``show RESOURCE``: the holders of one resource, read from its own keys, with each owner's
   liveness and the task id from that owner's registry entry.
@@ -33,8 +38,9 @@ The commands run against the ``-A`` app's settings (its ``Leases(app)``, or one 
   a task body by default). Every release is logged (a forced one at WARNING, through celery's
   logger) and appended to the audit list in Redis, ``forced`` telling whether the owner was
   alive.
-- ``owners``: every registered owner by node, the seconds left on its liveness (negative: it
-  ran out) and the number of leases it holds. An owner whose liveness ran out is dead, or alive
+- ``owners``: every registered owner by node, its liveness (as in ``ls``; ``--json`` adds
+  ``status`` and ``renewed_ago`` to the seconds left, negative once it ran out) and the number
+  of leases it holds. An owner whose liveness ran out is dead, or alive
   but idle: a process holding nothing does not renew its liveness; a reconcile forgets it.
 - ``reconcile``: one orphan-reconcile pass now (what workers do every ``reconcile_interval``):
   frees the leases of owners whose liveness ran out, and reports them.
@@ -59,11 +65,12 @@ import getpass
 import json
 import logging
 import socket
+import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 
 import click
 from celery._state import get_current_app
@@ -72,6 +79,7 @@ from celery.utils.log import get_logger
 
 from ._identity import default_node, set_node
 from ._keys import node_of_owner, unescape
+from ._render import printable, table
 from ._store import AUDIT_KEEP, QUEUED_OWNER, Entry, Holder, LeaseStore
 from .app import Leases
 from .exceptions import LeaseBackendError, LeaseConfigError, LeaseError
@@ -79,6 +87,8 @@ from .worker import RECONCILE_RESOURCE, run_reconcile
 
 if TYPE_CHECKING:
     from celery import Celery
+
+    from .config import LeaseSettings
 
 __all__ = ("leases",)
 
@@ -90,6 +100,8 @@ EX_TEMPFAIL: Final = 75
 EX_CONFIG: Final = 78
 
 _MODES: Final = {"x": "exclusive", "s": "shared"}
+#: how long ls and show wait for the workers to name their tasks, in seconds
+_NAMES_TIMEOUT: Final = 1.0
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -153,24 +165,76 @@ def _echo_json(value: object) -> None:
 
 
 def _table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
-    """An aligned plain-text table (two spaces between columns)."""
-    cells = [list(headers), *([str(c) for c in row] for row in rows)]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
-    )
+    """An aligned table; names escaped, long ones shortened (``--json`` keeps them whole)."""
+    return table(headers, rows, limits=_LIMITS)
 
 
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
 
-def _liveness_text(liveness: float | None) -> str:
+def _seconds(value: float) -> str:
+    return f"{value:.0f} s" if value >= 10 else f"{value:.1f} s"
+
+
+class Renewals(NamedTuple):
+    """How owners renew their liveness: the ``ttl`` setting, and the heartbeat's interval."""
+
+    ttl: float
+    every: float  # the longest a holder's heartbeat waits between renewals
+
+    @classmethod
+    def of(cls, settings: LeaseSettings) -> Renewals:
+        """The renewals that workers with ``settings`` make."""
+        # the heartbeat renews every min(lease horizon) / 3, a horizon being at most
+        # ttl * margin_fraction (see LeaseStore.horizon)
+        return cls(settings.ttl, settings.ttl * settings.margin_fraction / 3)
+
+
+def renewed_ago(liveness: float | None, renewals: Renewals) -> float | None:
+    """Seconds since an owner last refreshed its liveness, or None if that cannot be told.
+
+    Every grant and renewal sets the owner's liveness score to its Redis time plus the
+    ``ttl`` setting (acquire.lua, renew.lua), so the last refresh was ``ttl - liveness``
+    seconds ago. A liveness longer than this process's ``ttl`` comes from an owner with a
+    longer ``ttl`` setting: when it renewed is then unknown.
+    """
+    if liveness is None or liveness > renewals.ttl:
+        return None
+    return max(renewals.ttl - liveness, 0.0)
+
+
+def liveness_state(liveness: float | None, renewals: Renewals) -> str:
+    """``alive``, ``late``, ``expired`` or ``unregistered``: what an owner's liveness says.
+
+    Alive only while its renewals come as often as a holder's heartbeat sends them, with a
+    little slack: an owner killed a moment ago is ``late`` (its liveness has not run out yet,
+    so a reconcile leaves it alone) until it ``expired``. An idle owner (it holds nothing, so
+    nothing renews it) is late and then expired too.
+    """
+    if liveness is None:
+        return "unregistered"
+    if liveness <= 0:
+        return "expired"
+    ago = renewed_ago(liveness, renewals)
+    # the slack covers a renewal that took a moment to reach Redis, not a missed one
+    if ago is not None and ago > renewals.every + min(1.0, renewals.every / 3):
+        return "late"
+    return "alive"
+
+
+def _liveness_text(liveness: float | None, renewals: Renewals) -> str:
+    state = liveness_state(liveness, renewals)
     if liveness is None:
         return "dead (not registered)"
-    if liveness > 0:
-        return f"alive ({liveness:.1f}s left)"
-    return f"dead ({-liveness:.1f}s ago)"
+    if state == "expired":
+        return f"dead (expired {_seconds(-liveness)} ago)"
+    ago = renewed_ago(liveness, renewals)
+    if ago is None:
+        return f"alive ({_seconds(liveness)} left)"
+    if state == "late":
+        return f"renewed {_seconds(ago)} ago, expires in {_seconds(liveness)}"
+    return f"alive (renewed {_seconds(ago)} ago)"
 
 
 def _non_empty(what: str, value: str | None) -> None:
@@ -197,6 +261,7 @@ class _Row:
     task_id: str | None
     expires_in: float
     liveness: float | None  # seconds left on the owner's liveness; None: not registered
+    task_name: str | None = None  # as the owner's live worker tells it (see _named)
 
     @property
     def queued(self) -> bool:
@@ -215,7 +280,8 @@ class _Row:
     def holder(self) -> Holder:
         return Holder(self.resource, self.mode, self.token, self.owner, self.expires_in)
 
-    def as_json(self) -> dict[str, object]:
+    def as_json(self, renewals: Renewals) -> dict[str, object]:
+        ago = None if self.queued else renewed_ago(self.liveness, renewals)
         return {
             "resource": self.resource,
             "mode": "queued" if self.queued else _MODES[self.mode],
@@ -223,12 +289,15 @@ class _Row:
             "owner": None if self.queued else self.owner,
             "node": None if self.queued else self.node,
             "task_id": self.task_id,
+            "task_name": self.task_name,
             "expires_in": _round(self.expires_in),
             "alive": self.alive,
             "liveness": _round(self.liveness),
+            "status": "queued" if self.queued else liveness_state(self.liveness, renewals),
+            "renewed_ago": _round(ago),
         }
 
-    def cells(self) -> list[object]:
+    def cells(self, renewals: Renewals) -> list[object]:
         return [
             self.resource,
             "queued" if self.queued else _MODES[self.mode],
@@ -236,10 +305,21 @@ class _Row:
             f"{self.expires_in:.1f}s",
             self.node,
             "-" if self.queued else self.owner,
-            "queued (not started)" if self.queued else _liveness_text(self.liveness),
+            "queued (not started)" if self.queued else _liveness_text(self.liveness, renewals),
             self.task_id or "-",
+            self.task_name or "-",
         ]
 
+
+#: the widest a column of user data is shown, in terminal columns (``--json``: whole)
+_LIMITS: Final = {
+    "RESOURCE": 60,
+    "NODE": 40,
+    "OWNER": 64,
+    "TASK_ID": 40,
+    "TASK": 48,
+    "BY": 40,
+}
 
 _ROW_HEADERS: Final = (
     "RESOURCE",
@@ -250,6 +330,7 @@ _ROW_HEADERS: Final = (
     "OWNER",
     "LIVENESS",
     "TASK_ID",
+    "TASK",
 )
 
 
@@ -329,6 +410,50 @@ def _holder_rows(store: LeaseStore, resource: str) -> list[_Row]:
     return rows
 
 
+def _named(app: Celery, rows: list[_Row]) -> list[_Row]:
+    """``rows`` with the names of their tasks, as the workers still running them tell.
+
+    The registry records a task's id only (its entry format is read by every worker of a
+    rolling deploy, and a name written at each grant would cost the hot path), so the names
+    come from the live workers themselves: one remote-control ``query_task`` to the nodes of
+    live owners, waited for at most ``_NAMES_TIMEOUT`` (an unreachable broker or a busy
+    worker costs that, never an error). A dead worker names nothing.
+    """
+    ids: dict[str, set[str]] = {}  # node -> ids of the tasks holding its leases
+    for row in rows:
+        if row.task_id is not None and not row.queued and row.alive:
+            ids.setdefault(row.node, set()).add(row.task_id)
+    if not ids:
+        return rows
+    replies: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            inspect = app.control.inspect(
+                destination=sorted(ids), timeout=_NAMES_TIMEOUT, limit=len(ids)
+            )
+            replies.update(inspect.query_task(*sorted(set().union(*ids.values()))) or {})
+        except Exception as exc:  # the broker is optional to this command
+            logger.debug("leases: could not ask the workers for task names: %s", exc)
+
+    # in a thread: a broker that does not answer must not hold the listing up
+    asker = threading.Thread(target=ask, name="celery-leases-names", daemon=True)
+    asker.start()
+    asker.join(_NAMES_TIMEOUT + 0.5)
+    names: dict[tuple[str, str], str] = {}
+    for node, tasks in dict(replies).items():
+        # {task id: [state, info]}; anything else (an error reply) names nothing
+        for task_id, reply in tasks.items() if isinstance(tasks, dict) else ():
+            info = reply[1] if isinstance(reply, (list, tuple)) and len(reply) == 2 else None
+            name = info.get("name") if isinstance(info, dict) else None
+            if isinstance(name, str):
+                names[(node, task_id)] = name
+    return [
+        replace(row, task_name=names.get((row.node, row.task_id or ""), row.task_name))
+        for row in rows
+    ]
+
+
 # --- the commands ---------------------------------------------------------------------------
 @click.group(name="leases")
 def leases() -> None:
@@ -363,14 +488,17 @@ def ls(ctx: click.Context, owner: str | None, pattern: str | None, as_json: bool
     """
     _non_empty("--owner", owner)
     _non_empty("--resource", pattern)
-    census = _census(_ext(ctx).store, owner=owner, pattern=pattern)
+    store = _ext(ctx).store
+    renewals = Renewals.of(store.settings)
+    census = _census(store, owner=owner, pattern=pattern)
     rows = sorted(census.held + census.queued, key=lambda r: (r.resource, r.token, r.owner))
+    rows = _named(_app(ctx), rows)
     if as_json:
-        _echo_json([row.as_json() for row in rows])
+        _echo_json([row.as_json(renewals) for row in rows])
     elif not rows:
         click.echo("no leases held")
     else:
-        click.echo(_table(_ROW_HEADERS, (row.cells() for row in rows)))
+        click.echo(_table(_ROW_HEADERS, (row.cells(renewals) for row in rows)))
 
 
 @leases.command("show", cls=_Command)
@@ -383,11 +511,13 @@ def show(ctx: click.Context, resource: str, as_json: bool) -> None:
     Each holder with its owner's liveness and the id of the task that holds it.
     """
     _non_empty("RESOURCE", resource)
-    rows = _holder_rows(_ext(ctx).store, resource)
+    store = _ext(ctx).store
+    renewals = Renewals.of(store.settings)
+    rows = _named(_app(ctx), _holder_rows(store, resource))
     if as_json:
-        _echo_json([row.as_json() for row in rows])
+        _echo_json([row.as_json(renewals) for row in rows])
     else:
-        click.echo(_table(_ROW_HEADERS, (row.cells() for row in rows)))
+        click.echo(_table(_ROW_HEADERS, (row.cells(renewals) for row in rows)))
 
 
 @leases.command("release", cls=_Command)
@@ -460,12 +590,13 @@ def release(ctx: click.Context, resource: str, force: bool, yes: bool) -> None:
             }
         )
         state = "live" if row.alive else "dead"
+        shown, task = printable(resource), printable(row.task_id or "-")
         if freed and row.queued:
-            click.echo(f"released {resource} (queued claim of task {row.task_id})")
+            click.echo(f"released {shown} (queued claim of task {task})")
         elif freed:
-            click.echo(f"released {resource} ({_MODES[row.mode]}) of {state} owner {row.owner}")
+            click.echo(f"released {shown} ({_MODES[row.mode]}) of {state} owner {row.owner}")
         else:
-            click.echo(f"{resource} of {row.owner} was no longer held (released meanwhile)")
+            click.echo(f"{shown} of {row.owner} was no longer held (released meanwhile)")
 
 
 @leases.command("owners", cls=_Command)
@@ -477,7 +608,9 @@ def owners(ctx: click.Context, as_json: bool) -> None:
     With the seconds left on each one's liveness (negative: it ran out) and the number of
     leases it holds.
     """
-    census = _census(_ext(ctx).store)
+    store = _ext(ctx).store
+    renewals = Renewals.of(store.settings)
+    census = _census(store)
     counts: dict[str, int] = {}
     for row in census.held:
         counts[row.owner] = counts.get(row.owner, 0) + 1
@@ -495,6 +628,8 @@ def owners(ctx: click.Context, as_json: bool) -> None:
                     "pid": int(pid) if pid.isdigit() else pid,
                     "liveness": _round(liveness),
                     "alive": liveness is not None and liveness > 0,
+                    "status": liveness_state(liveness, renewals),
+                    "renewed_ago": _round(renewed_ago(liveness, renewals)),
                     "leases": counts.get(owner, 0),
                 }
             )
@@ -506,7 +641,7 @@ def owners(ctx: click.Context, as_json: bool) -> None:
             [
                 node_of_owner(owner),
                 owner,
-                _liveness_text(census.liveness[owner]),
+                _liveness_text(census.liveness[owner], renewals),
                 counts.get(owner, 0),
             ]
             for owner in listed
@@ -560,7 +695,7 @@ def reconcile(ctx: click.Context, as_json: bool) -> None:
             f"entr{'y' if report.expired == 1 else 'ies'}"
         )
         for owner, resource in report.released:
-            click.echo(f"  released {resource} of {owner}")
+            click.echo(f"  released {printable(resource)} of {owner}")
         for owner, entry in report.kept:
             click.echo(f"  kept an unreadable registry entry of {owner}: {entry!r}")
         for owner, error in report.errors:

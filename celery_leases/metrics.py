@@ -306,5 +306,41 @@ class LeaseMetrics:
             self.renew_failures_total.inc()
 
     def observe_cleanup(self, kind: str, report: CleanupReport) -> None:
-        """Worker hook: a cleanup pass of ``kind`` is done."""
+        """Worker hook: a cleanup pass of ``kind`` is done.
+
+        After the reaper freed the leases of dead pool children, their values leave the
+        ``leases_held`` gauge in multiprocess mode: a child killed with SIGKILL never ran
+        ``worker_process_shutdown`` to mark itself dead, so its gauge file would go on adding
+        the leases it held to the sum.
+        """
         self.cleanup_released_total.labels(kind).inc(len(report.released))
+        if kind == "reaper":
+            _mark_dead(report.owners)
+
+
+def _multiproc_dir() -> str | None:
+    # prometheus_client reads either spelling (the lower-case one is deprecated)
+    legacy = "prometheus_multiproc_dir"
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get(legacy)
+
+
+def _mark_dead(owners: list[str]) -> None:
+    """Drop the multiprocess gauge files of the dead processes among ``owners``.
+
+    The reaper only reports owners of this node's incarnation whose process it found gone:
+    dead pool children. Race: t0 the reaper finds pid P dead; t1 the kernel gives P to a new
+    process that opens a gauge file; t2 this drops that file. It needs the pid space to wrap
+    between t0 and t2 (milliseconds), so it is left alone.
+    """
+    path = _multiproc_dir()
+    if not path:
+        return
+    from prometheus_client import multiprocess
+
+    for owner in owners:
+        pid = owner.rsplit("/", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                multiprocess.mark_process_dead(int(pid), path)  # type: ignore[no-untyped-call]
+            except OSError as exc:
+                logger.warning("leases: metrics could not drop the files of pid %s: %s", pid, exc)

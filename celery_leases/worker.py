@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from celery import bootsteps, signals
 from celery.utils.log import get_logger
+from celery.worker import state as worker_state
 
 from ._identity import set_node
 from ._lease import Want
 from ._store import CleanupReport
+from ._text import printable
 from .exceptions import LeaseError
 
 if TYPE_CHECKING:
@@ -40,6 +42,8 @@ _CHILD_DEATHS: Final = ("WorkerLostError", "TimeLimitExceeded", "Terminated")
 #: delay before looking again for a child killed after a hard time limit (billiard sends
 #: SIGTERM first and SIGKILL about 0.1 s later)
 _REAP_AGAIN_AFTER: Final = 1.0
+#: names of tasks whose child died that the main process keeps for the reaper's log lines
+_NAMES_KEPT: Final = 256
 
 #: ``observer(kind, report)`` after a cleanup pass; kind is "startup", "reaper", "reconcile" or
 #: "shutdown"
@@ -69,7 +73,13 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def _log_report(kind: str, what: str, report: CleanupReport) -> None:
+def _log_report(
+    kind: str, what: str, report: CleanupReport, names: Mapping[str, str] | None = None
+) -> None:
+    """Tell the observers, and log what a cleanup pass freed, whose it was and whose task.
+
+    ``names`` maps the task ids this process knows to their task names.
+    """
     for observer in tuple(cleanup_observers):
         try:
             observer(kind, report)
@@ -80,12 +90,38 @@ def _log_report(kind: str, what: str, report: CleanupReport) -> None:
             "leases: %s released %d lease(s): %s",
             what,
             len(report.released),
-            ", ".join(sorted({r for _, r in report.released})),
+            ", ".join(sorted({printable(r) for _, r in report.released})),
+        )
+    # one line per owner and task: the owner whose leases these were, and the task holding them
+    # (names escaped: a newline in a resource name must not forge a log line)
+    by_holder: dict[tuple[str, str | None], list[str]] = {}
+    for owner, freed in report.freed:
+        by_holder.setdefault((owner, freed.task_id), []).append(freed.resource)
+    whose = "owner" if kind == "shutdown" else "dead owner"
+    for (owner, task_id), resources in sorted(
+        by_holder.items(), key=lambda i: (i[0][0], i[0][1] or "")
+    ):
+        logger.info(
+            "leases: %s freed %d lease(s) of %s %s, %s: %s",
+            what,
+            len(resources),
+            whose,
+            owner,
+            _task_text(task_id, names),
+            ", ".join(sorted(printable(r) for r in resources)),
         )
     for owner, entry in report.kept:
         logger.error("leases: %s kept an unreadable registry entry of %s: %r", what, owner, entry)
     for owner, error in report.errors:
         logger.error("leases: %s could not clean owner %s: %s", what, owner, error)
+
+
+def _task_text(task_id: str | None, names: Mapping[str, str] | None) -> str:
+    if task_id is None:
+        return "held outside a task"
+    name = (names or {}).get(task_id)
+    shown = printable(task_id)
+    return f"task {shown} ({printable(name)})" if name else f"task {shown}"
 
 
 class LeaseBootstep(bootsteps.StartStopStep):
@@ -109,6 +145,8 @@ class LeaseBootstep(bootsteps.StartStopStep):
         self.worker = worker
         self._timers: list[Any] = []
         self._lock = threading.Lock()
+        # task id -> name of tasks that ended with their child's death, newest last
+        self._names: dict[str, str] = {}
         if ext is not None and ext.settings.node is None:
             set_node(worker.hostname)
 
@@ -206,8 +244,36 @@ class LeaseBootstep(bootsteps.StartStopStep):
                             owner, dead=True, granted_before_us=before_us, clock_offsets_us=offsets
                         )
                     )
-        _log_report(kind, what, report)
+        _log_report(kind, what, report, self._task_names(report))
         return report
+
+    def note_task(self, task_id: str | None, name: str | None) -> None:
+        """Remember the name of a task whose child may have died, for the reaper's log."""
+        if task_id and name:
+            names = self._names
+            names.pop(task_id, None)
+            names[task_id] = name
+            while len(names) > _NAMES_KEPT:
+                names.pop(next(iter(names)), None)
+
+    def _task_names(self, report: CleanupReport) -> dict[str, str]:
+        """The names this process knows of the tasks whose leases ``report`` freed.
+
+        The registry records task ids only; the main process learnt the names of the tasks
+        that ended with a dead child (``note_task``) or still tracks them as requests.
+        """
+        out: dict[str, str] = {}
+        for _, entry in report.freed:
+            task_id = entry.task_id
+            if task_id is None or task_id in out:
+                continue
+            name = self._names.get(task_id)
+            if name is None:
+                request = worker_state.requests.get(task_id)
+                name = getattr(request, "name", None)
+            if isinstance(name, str):
+                out[task_id] = name
+        return out
 
     def reconcile(self) -> CleanupReport | None:
         """Release the leases of owners whose liveness ran out, if no other worker is at it.
@@ -272,6 +338,7 @@ def on_task_failure(exception: BaseException | None = None, **kwargs: Any) -> No
         if step is None or os.getpid() != step.pid:
             return
         if type(exception).__name__ in _CHILD_DEATHS:
+            step.note_task(kwargs.get("task_id"), getattr(kwargs.get("sender"), "name", None))
             step.reap_soon()
     except Exception:
         logger.exception("leases: task_failure handler failed")
@@ -282,6 +349,10 @@ def on_task_revoked(terminated: bool = False, **kwargs: Any) -> None:
     try:
         step = _active
         if step is not None and terminated and os.getpid() == step.pid:
+            request = kwargs.get("request")
+            step.note_task(
+                getattr(request, "id", None), getattr(kwargs.get("sender"), "name", None)
+            )
             step.reap_soon()
     except Exception:
         logger.exception("leases: task_revoked handler failed")

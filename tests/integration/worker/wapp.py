@@ -40,6 +40,12 @@ app.conf.update(
 )
 leases = Leases(app)
 
+if os.environ.get("LEASES_TEST_METRICS"):
+    # prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR set by the test)
+    from celery_leases import metrics
+
+    metrics.install()
+
 #: a per-process client for the ledger (never the store under test)
 ledger = PerProcessClient(LEDGER_URL)
 
