@@ -13,6 +13,10 @@ or put the behaviour on another scheduler with the mixin::
     class Scheduler(LeasedSchedulerMixin, DatabaseScheduler):
         pass
 
+(redbeat's ``RedBeatScheduler`` likewise, with ``app.conf.redbeat_lock_key = None``: its lock
+would make one replica the only ticker, and block the others for its ``lock_timeout`` after
+that replica dies).
+
 **claim mode** (the default, setting ``beat_mode="claim"``): every replica ticks; just before
 sending a due run it claims the run in Redis, and only the replica that wins sends it. A run
 is named by the entry and its due run, never by a replica's clock:
