@@ -144,8 +144,22 @@ class LeasedSchedulerMixin:
     def info(self) -> str:
         base: str = super().info  # type: ignore[misc]
         line = f"leases -> {self.lease_mode} mode, prefix {self.leases.settings.key_prefix!r}"
+        return f"{base}\n    . {line}" if base else f". {line}"
+
+    _lock_checked: bool = False
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        """Run the scheduler's tick (the first one also checks for redbeat's lock)."""
+        if not self._lock_checked:
+            # here, not in the banner: beat prints the banner before it sets up logging
+            self._lock_checked = True
+            self._warn_redbeat_lock()
+        interval: float = super().tick(*args, **kwargs)  # type: ignore[misc]
+        return interval
+
+    def _warn_redbeat_lock(self) -> None:
         lock_key = getattr(self, "lock_key", None)  # redbeat's leader lock
-        if lock_key:
+        if lock_key and self.lease_mode == "claim":
             logger.warning(
                 "leases: redbeat's lock %r is on: only the replica that holds it ticks, and "
                 "after it dies the others wait up to its lock_timeout (%ss) before one takes "
@@ -153,7 +167,6 @@ class LeasedSchedulerMixin:
                 lock_key,
                 getattr(self, "lock_timeout", "?"),
             )
-        return f"{base}\n    . {line}" if base else f". {line}"
 
     # --- the hooks ----------------------------------------------------------------------
     # A due run is claimed where the scheduler advances the entry past it, once per due run
