@@ -13,6 +13,10 @@ or put the behaviour on another scheduler with the mixin::
     class Scheduler(LeasedSchedulerMixin, DatabaseScheduler):
         pass
 
+(redbeat's ``RedBeatScheduler`` likewise, with ``app.conf.redbeat_lock_key = None``: its lock
+would make one replica the only ticker, and block the others for its ``lock_timeout`` after
+that replica dies).
+
 **claim mode** (the default, setting ``beat_mode="claim"``): every replica ticks; just before
 sending a due run it claims the run in Redis, and only the replica that wins sends it. A run
 is named by the entry and its due run, never by a replica's clock:
@@ -72,6 +76,14 @@ _CLAIM_PERIODS: Final = 3
 
 def _replica_name() -> str:
     return f"beat@{socket.gethostname()}/{os.getpid()}"
+
+
+def _is_redbeat_entry(entry: ScheduleEntry) -> bool:
+    """Whether ``entry`` is redbeat's ``RedBeatSchedulerEntry`` (redbeat is not imported)."""
+    return any(
+        cls.__name__ == "RedBeatSchedulerEntry" and cls.__module__.startswith("redbeat.")
+        for cls in type(entry).__mro__
+    )
 
 
 def _name_beat_process(ext: Leases) -> None:
@@ -134,24 +146,115 @@ class LeasedSchedulerMixin:
         line = f"leases -> {self.lease_mode} mode, prefix {self.leases.settings.key_prefix!r}"
         return f"{base}\n    . {line}" if base else f". {line}"
 
-    # --- the hook -----------------------------------------------------------------------
+    _lock_checked: bool = False
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        """Run the scheduler's tick (the first one also checks for redbeat's lock)."""
+        if not self._lock_checked:
+            # here, not in the banner: beat prints the banner before it sets up logging
+            self._lock_checked = True
+            self._warn_redbeat_lock()
+        interval: float = super().tick(*args, **kwargs)  # type: ignore[misc]
+        return interval
+
+    def _warn_redbeat_lock(self) -> None:
+        lock_key = getattr(self, "lock_key", None)  # redbeat's leader lock
+        if lock_key and self.lease_mode == "claim":
+            logger.warning(
+                "leases: redbeat's lock %r is on: only the replica that holds it ticks, and "
+                "after it dies the others wait up to its lock_timeout (%ss) before one takes "
+                "over. The claims send each run once without it: set redbeat_lock_key = None",
+                lock_key,
+                getattr(self, "lock_timeout", "?"),
+            )
+
+    # --- the hooks ----------------------------------------------------------------------
+    # A due run is claimed where the scheduler advances the entry past it, once per due run
+    # per replica, and sent only by the winner:
+    #
+    # - ``Scheduler.tick`` (the base and persistent schedulers, django-celery-beat's
+    #   ``DatabaseScheduler``) calls ``reserve(entry)``, then ``apply_entry(entry)``, which
+    #   sends with ``apply_async(entry, advance=False)``;
+    # - redbeat's ``RedBeatScheduler.tick`` never calls ``apply_entry``: its ``maybe_due`` calls
+    #   ``apply_async(entry)`` (``advance=True``), which reserves and sends in one go.
+    #
+    # So ``reserve`` claims and leaves its decision for ``apply_entry``, and ``apply_async``
+    # claims itself when it is asked to advance. Winners and losers advance alike, in the
+    # scheduler's own store (its reserve: the schedule file, the database row, redbeat's hash).
+
+    def reserve(self, entry: ScheduleEntry) -> Any:  # celery-types says event_t: it is wrong
+        """Claim ``entry``'s due run, then advance the entry past it (winner or loser)."""
+        new_entry, send, aligned = self._claim_and_advance(entry)
+        name = entry.name
+        # django-celery-beat's reserve leaves the old entry (and its old last_run_at) in
+        # self.schedule; the heap is rebuilt from there (below, and whenever the schedule
+        # changes), so it must hold the advanced entry, or the run is claimed again each tick
+        schedule = self.schedule  # type: ignore[attr-defined]
+        if name in schedule and schedule[name] is not new_entry:
+            schedule[name] = new_entry
+        if aligned:
+            # the heap holds the time to look at the entry next; tick() re-checks is_due then
+            self._heap = None
+        self._pending = (entry, send)
+        return new_entry
+
     def apply_entry(self, entry: ScheduleEntry, producer: Any = None) -> None:
-        """Send ``entry``'s due run if this replica wins it; else only advance."""
-        try:
-            send = self._should_send(entry)
-        except LeaseError as exc:
-            logger.error("leases: beat could not claim %s, not sending it: %s", entry.name, exc)
-            return
+        """Send ``entry``'s due run if this replica won it in ``reserve``; else do nothing."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] is entry:
+            send = pending[1]
+        else:  # called without reserve(): claim now (the entry is not advanced here)
+            send, last_run_at = self._claim(entry)
+            current = self.schedule.get(entry.name)  # type: ignore[attr-defined]
+            if last_run_at is not None and current is not None:
+                self._store_last_run_at(current, last_run_at)
+                self._heap = None
         if send:
             super().apply_entry(entry, producer=producer)  # type: ignore[misc]
         else:
             logger.debug("leases: %s is sent by another replica", entry.name)
 
-    def _should_send(self, entry: ScheduleEntry) -> bool:
+    def apply_async(
+        self, entry: ScheduleEntry, producer: Any = None, advance: bool = True, **kwargs: Any
+    ) -> Any:
+        """Send ``entry``; with ``advance`` (redbeat's ``maybe_due``), only if this replica
+        wins the due run, advancing the entry either way. Returns the result, or None."""
+        if advance:
+            new_entry, send, _ = self._claim_and_advance(entry)
+            if not send:
+                logger.debug("leases: %s is sent by another replica", entry.name)
+                return None
+            entry = new_entry
+        return super().apply_async(  # type: ignore[misc]
+            entry, producer=producer, advance=False, **kwargs
+        )
+
+    _pending: tuple[ScheduleEntry, bool] | None = None
+
+    def _claim_and_advance(self, entry: ScheduleEntry) -> tuple[ScheduleEntry, bool, bool]:
+        """Claim the due run, advance the entry with the scheduler's ``reserve``.
+
+        Returns ``(advanced entry, send it?, realigned on the Redis clock?)``.
+        """
+        send, last_run_at = self._claim(entry)
+        new_entry: ScheduleEntry = super().reserve(entry)  # type: ignore[misc]
+        if last_run_at is not None:
+            self._store_last_run_at(new_entry, last_run_at)
+        return new_entry, send, last_run_at is not None
+
+    def _claim(self, entry: ScheduleEntry) -> tuple[bool, datetime | None]:
+        """``(send?, last_run_at that aligns the entry on the Redis clock, or None)``."""
+        try:
+            return self._should_send(entry)
+        except LeaseError as exc:
+            logger.error("leases: beat could not claim %s, not sending it: %s", entry.name, exc)
+            return False, None
+
+    def _should_send(self, entry: ScheduleEntry) -> tuple[bool, datetime | None]:
         schedule = entry.schedule
         name = str(entry.name or entry.task)
         if self.lease_mode == "leader":
-            return self._is_leader()
+            return self._is_leader(), None
         if isinstance(schedule, crontab):
             last, delta, _ = schedule.remaining_delta(entry.last_run_at or self._local_now(entry))
             due: datetime = last + delta
@@ -164,12 +267,12 @@ class LeasedSchedulerMixin:
                 keep=self._cron_keep(schedule, due),
             )
             self._log_claim(entry, won, winner, due.isoformat())
-            return won
+            return won, None
         run_every = getattr(schedule, "run_every", None)
         if isinstance(schedule, interval_schedule) and isinstance(run_every, timedelta):
             every = run_every.total_seconds()
             if not every > 0 or not math.isfinite(every):
-                return self._is_leader()
+                return self._is_leader(), None
             local_before = self._local_now(entry)
             won, bucket, redis_ms, winner = self.leases.store.beat_claim(
                 name,
@@ -178,10 +281,10 @@ class LeasedSchedulerMixin:
                 replica=self.replica,
                 keep=max(self._keep(), 3 * every),
             )
-            self._align(entry, every, bucket, redis_ms, local_before)
+            aligned = self._align(entry, every, bucket, redis_ms, local_before)
             self._log_claim(entry, won, winner, f"bucket {bucket}")
-            return won
-        return self._is_leader()
+            return won, aligned
+        return self._is_leader(), None
 
     # --- interval alignment ---------------------------------------------------------------
     def _local_now(self, entry: ScheduleEntry) -> datetime:
@@ -195,8 +298,8 @@ class LeasedSchedulerMixin:
         bucket: int,
         redis_ms: int,
         local_before: datetime,
-    ) -> None:
-        """Make the entry due again in the middle of the next Redis-time bucket.
+    ) -> datetime:
+        """The ``last_run_at`` that makes the entry due in the middle of the next bucket.
 
         ``offset`` = Redis clock - this replica's clock (as the schedule sees it), measured
         around the claim; the next due time on the Redis clock is ``(bucket + 1.5) * every``,
@@ -206,13 +309,19 @@ class LeasedSchedulerMixin:
         local_mid = local_before + (local_after - local_before) / 2
         offset = redis_ms / 1000 - local_mid.timestamp()
         next_due_local = (bucket + 1.5) * every - offset
-        current = self.schedule.get(entry.name)  # type: ignore[attr-defined]
-        if current is None:
-            return
-        last_run = datetime.fromtimestamp(next_due_local - every, tz=local_mid.tzinfo)
-        current.last_run_at = last_run
-        # the heap holds the time to look at the entry next; tick() re-checks is_due then
-        self._heap = None
+        return datetime.fromtimestamp(next_due_local - every, tz=local_mid.tzinfo)
+
+    def _store_last_run_at(self, entry: ScheduleEntry, last_run_at: datetime) -> None:
+        """Set an advanced entry's ``last_run_at`` where its scheduler keeps it."""
+        entry.last_run_at = last_run_at
+        model = getattr(entry, "model", None)
+        if model is not None and hasattr(model, "last_run_at"):
+            # django-celery-beat's ModelEntry: sync() writes the row from the model
+            model.last_run_at = last_run_at
+        if _is_redbeat_entry(entry):
+            # redbeat keeps it in Redis (the entry's meta and its score in the schedule);
+            # this is how redbeat itself moves last_run_at without counting a run
+            entry._next_instance(last_run_at=last_run_at, only_update_last_run_at=True)  # type: ignore[attr-defined]
 
     def _keep(self) -> float:
         return get_settings(self.app).beat_claim_keep
@@ -240,8 +349,10 @@ class LeasedSchedulerMixin:
     def _log_claim(self, entry: ScheduleEntry, won: bool, winner: str, run: str) -> None:
         if won:
             logger.info("leases: beat claimed %s (%s)", entry.name, run)
-        else:
+        elif winner:
             logger.info("leases: beat skips %s (%s): sent by %s", entry.name, run, winner)
+        else:  # older than the last claimed run: who sent this one is no longer recorded
+            logger.info("leases: beat skips %s (%s): a later run is claimed", entry.name, run)
 
     # --- leader mode ----------------------------------------------------------------------
     def _is_leader(self) -> bool:

@@ -8,7 +8,7 @@
 -- ARGV[1] due run id, or "" to use the current Redis-time bucket
 -- ARGV[2] bucket length in ms (when ARGV[1] is "")   ARGV[3] claim key ttl in ms
 -- ARGV[4] claimant (replica) name
--- returns {won (1 or 0), run id, Redis time in ms, winner of the run}
+-- returns {won (1 or 0), run id, Redis time in ms, winner of the run ('' if not known)}
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -29,5 +29,9 @@ local id = string.format('%.0f', due)
 if due > last then
   redis.call('SET', KEYS[1], id .. ' ' .. ARGV[4], 'PX', ARGV[3])
   return {1, id, string.format('%.0f', now), ARGV[4]}
+end
+-- the key holds the winner of the last claimed run only: of an older run, it is not known
+if due < last then
+  winner = ''
 end
 return {0, id, string.format('%.0f', now), winner}

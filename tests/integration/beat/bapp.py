@@ -4,7 +4,9 @@ Configured from the environment: ``LEASES_BEAT_BROKER`` (the test Redis), ``LEAS
 (where this test's runs are sent), ``LEASES_BEAT_REPLICA`` (a label for this replica),
 ``LEASES_BEAT_SKEW`` (seconds this replica's clock is off, for ``SkewedScheduler``),
 ``LEASES_BEAT_ENTRIES`` (``every``, ``cron`` or both, comma-separated), plus every
-``CELERY_LEASES_*`` setting (key prefix, TTL, beat mode).
+``CELERY_LEASES_*`` setting (key prefix, TTL, beat mode). For redbeat's scheduler,
+``LEASES_BEAT_REDBEAT_PREFIX`` (its key prefix, on the broker Redis) and
+``LEASES_BEAT_REDBEAT_LOCK`` (``on`` keeps redbeat's lock, off by default).
 
 No worker consumes the queue: a test counts the messages in the Redis list named after it.
 Each message is stamped, in the sending beat process just before it is published, with the
@@ -54,6 +56,13 @@ if "every" in ENTRIES:
 if "cron" in ENTRIES:
     _schedule[CRON_ENTRY] = {"task": CRON_TASK, "schedule": crontab()}
 app.conf.beat_schedule = _schedule
+if "LEASES_BEAT_REDBEAT_PREFIX" in os.environ:  # the redbeat replicas (see ``composed``)
+    app.conf.update(
+        redbeat_redis_url=BROKER,
+        redbeat_key_prefix=os.environ["LEASES_BEAT_REDBEAT_PREFIX"],
+    )
+    if os.environ.get("LEASES_BEAT_REDBEAT_LOCK") != "on":
+        app.conf.redbeat_lock_key = None  # as docs/beat.md says: the claims dedupe
 leases = Leases(app)
 
 

@@ -104,6 +104,34 @@ def test_an_older_crontab_run_than_the_last_claimed_is_not_sent(
     behind.close()
 
 
+def test_a_skipped_older_crontab_run_does_not_name_the_winner_of_a_later_run(
+    make_leases: Callable[..., Leases],
+    sent: list[tuple[Scheduler, str, datetime]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The claim key holds the winner of the last claimed run only. A replica that presents
+    an older run must not be told (nor log) that the later run's winner sent it."""
+    app = _app({"cron": {"task": "unit.cron", "schedule": crontab()}})
+    make_leases(app)
+    now = app.now()
+    ahead = _scheduler(app, now - timedelta(seconds=90))
+    behind = _scheduler(app, now - timedelta(seconds=150))
+    same = _scheduler(app, now - timedelta(seconds=90))
+    ahead.tick()
+    caplog.set_level("INFO", logger="celery_leases.beat")
+    behind.tick()
+    same.tick()
+    skips = [r.getMessage() for r in caplog.records if "beat skips" in r.getMessage()]
+    assert len(skips) == 2, skips
+    older, equal = skips
+    assert ahead.replica not in older, f"{older!r} names the winner of a later run"
+    assert older.endswith(": a later run is claimed")
+    assert equal.endswith(f": sent by {ahead.replica}")
+    assert [s for s, _, _ in sent] == [ahead]
+    for s in (ahead, behind, same):
+        s.close()
+
+
 def test_a_crontab_claim_outlives_beat_claim_keep_when_the_period_is_longer(
     make_leases: Callable[..., Leases], sent: list[tuple[Scheduler, str, datetime]]
 ) -> None:

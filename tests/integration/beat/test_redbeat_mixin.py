@@ -18,7 +18,6 @@ from celery.beat import ScheduleEntry, Scheduler
 from celery.schedules import crontab
 
 from celery_leases import Leases
-from celery_leases.beat import LeasedSchedulerMixin
 from tests.docs_blocks import python_blocks
 
 redbeat = pytest.importorskip("redbeat")
@@ -47,10 +46,6 @@ def _page_scheduler() -> type[Scheduler]:
     exec(compile(block, "docs/migration.md", "exec"), namespace)
     cls: type[Scheduler] = namespace["Scheduler"]
     return cls
-
-
-class _BareMixin(LeasedSchedulerMixin, redbeat.RedBeatScheduler):  # type: ignore[misc,name-defined]
-    """The mixin on redbeat without the page's maybe_due."""
 
 
 def _two_replicas_tick_at_once(
@@ -95,15 +90,3 @@ def test_page_redbeat_scheduler_sends_a_due_run_once(
     cls = _page_scheduler()
     record = _two_replicas_tick_at_once(cls, app, sent)
     assert [name for _, name in record] == ["cron"]
-
-
-def test_bare_mixin_on_redbeat_sends_it_twice(
-    make_leases: Callable[..., Leases],
-    leases_redis_url: str,
-    leases_prefix: str,
-    sent: list[tuple[Scheduler, str]],
-) -> None:
-    # why the page overrides maybe_due: redbeat's tick never calls apply_entry
-    app = _app(make_leases, leases_redis_url, leases_prefix)
-    record = _two_replicas_tick_at_once(_BareMixin, app, sent)
-    assert [name for _, name in record] == ["cron", "cron"]

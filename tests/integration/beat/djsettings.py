@@ -1,0 +1,23 @@
+"""Django settings for django-celery-beat's ``DatabaseScheduler`` in the beat tests.
+
+The database is the sqlite file ``LEASES_BEAT_DJANGO_DB``, shared by the replicas of a test
+(migrated once before they start, in WAL mode; a busy writer makes the others wait up to
+``timeout`` seconds instead of failing with "database is locked").
+"""
+
+from __future__ import annotations
+
+import os
+
+SECRET_KEY = "celery-leases-tests"
+USE_TZ = True
+TIME_ZONE = "UTC"
+INSTALLED_APPS = ["django_celery_beat"]
+DEFAULT_AUTO_FIELD = "django.db.models.AutoField"
+DATABASES = {
+    "default": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": os.environ.get("LEASES_BEAT_DJANGO_DB", ":memory:"),
+        "OPTIONS": {"timeout": 20},
+    }
+}
