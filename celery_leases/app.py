@@ -135,9 +135,10 @@ class Leases:
                 block itself raised).
             LeaseBackendError: Redis failed.
         """
+        _check_wait(wait)
         if isinstance(resource, (str, Shared)):
             return self._hold_one(resource, ttl, wait)
-        return self._hold_many(list(resource), ttl, wait)
+        return self._hold_many(_resource_list("hold", resource), ttl, wait)
 
     @contextmanager
     def _hold_one(
@@ -152,7 +153,7 @@ class Leases:
     ) -> Iterator[list[Lease]]:
         if not resources:
             raise LeaseConfigError("hold() needs at least one resource")
-        leases = self.acquire([want_of(r) for r in resources], ttl=ttl, wait=wait)
+        leases = self.acquire(_wants("hold", resources), ttl=ttl, wait=wait)
         failed = True
         try:
             yield leases
@@ -290,12 +291,10 @@ class Leases:
 
         .. versionadded:: 0.1
         """
+        _check_wait(wait)
         if isinstance(resource, (str, Shared)):
             return self._ahold_one(resource, ttl, wait)
-        if not isinstance(resource, (list, tuple)):
-            msg = f"ahold() needs a name, a Shared(...) or a list of them, not {resource!r}"
-            raise LeaseConfigError(msg)
-        return self._ahold_many(list(resource), ttl, wait)
+        return self._ahold_many(_resource_list("ahold", resource), ttl, wait)
 
     @asynccontextmanager
     async def _ahold_one(
@@ -310,7 +309,7 @@ class Leases:
     ) -> AsyncIterator[list[Lease]]:
         if not resources:
             raise LeaseConfigError("ahold() needs at least one resource")
-        leases = await self.aacquire([want_of(r) for r in resources], ttl=ttl, wait=wait)
+        leases = await self.aacquire(_wants("ahold", resources), ttl=ttl, wait=wait)
         failed = True
         try:
             yield leases
@@ -403,9 +402,33 @@ class Leases:
 
 
 def _check_wait(wait: object) -> None:
-    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float))):
+    if wait is None:
+        return
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)):
         msg = f"wait must be a number of seconds or None, not {wait!r}"
         raise LeaseConfigError(msg)
+    if not wait >= 0:  # also refuses NaN
+        msg = f"wait must be 0 (try once), a positive number of seconds or None, not {wait!r}"
+        raise LeaseConfigError(msg)
+
+
+def _resource_list(what: str, resource: object) -> list[Resource]:
+    """``resource`` (a list or tuple of names) as a list; a TypeError names a wrong argument."""
+    if not isinstance(resource, (list, tuple)):
+        msg = (
+            f"{what}(resource): resource must be a name (str), a Shared(...) or a list of "
+            f"them, not {resource!r} ({type(resource).__name__})"
+        )
+        raise TypeError(msg)
+    return list(resource)
+
+
+def _wants(what: str, resources: Sequence[object]) -> list[Want]:
+    """The Wants of a user's resources; errors name the argument (``hold(resource[1])``)."""
+    return [
+        want_of(r, f"{what}(resource)" if len(resources) == 1 else f"{what}(resource[{i}])")  # type: ignore[arg-type]
+        for i, r in enumerate(resources)
+    ]
 
 
 def _busy(busy: LeaseBusy, task_id: str | None) -> None:

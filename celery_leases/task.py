@@ -87,7 +87,7 @@ from celery import Task
 from celery.exceptions import Retry
 from celery.utils.log import get_logger
 
-from ._lease import Held, Lease, Shared, Want
+from ._lease import Held, Lease, Shared, Want, check_user_name
 from ._unique import release_claim, take_claim
 from .app import Leases
 from .config import LeaseSettings, OnBackendError, OnBusy, OnDuplicate, OnLost, get_settings
@@ -173,6 +173,14 @@ class _Template:
         except (KeyError, AttributeError, IndexError, ValueError, TypeError) as exc:
             msg = f"task {task_name!r}: cannot render {self.what} {self.text!r}: {exc!r}"
             raise LeaseConfigError(msg) from None
+        if not name:
+            msg = (
+                f"task {task_name!r}: {self.what} template {self.text!r} renders to an empty "
+                "name for these arguments"
+            )
+            raise LeaseConfigError(msg)
+        if self.what == "lease":
+            check_user_name(name, f"task {task_name!r}: lease {self.text!r} renders to")
         return Want(name, "x" if self.mode == "x" else "s", self.limit)
 
 
