@@ -193,9 +193,16 @@ class Leases:
         """
         return _once.once(self, name, fn, ttl=ttl, wait=wait, receipt_ttl=receipt_ttl)
 
-    def receipt(self, name: str) -> Any:
-        """The receipt of ``once(name, ...)``, or None when there is none."""
-        return _once.receipt(self, name)
+    def receipt(self, name: str, default: Any = None) -> Any:
+        """The receipt of ``once(name, ...)``, or ``default`` when there is none.
+
+        Args:
+            name: the receipt's name.
+            default: returned when there is no receipt (None). A receipt can itself be None
+                (an initializer that returned None): pass a sentinel of your own, e.g.
+                ``leases.receipt(name, default=MISSING) is MISSING``, to tell the two apart.
+        """
+        return _once.receipt(self, name, default)
 
     def forget(self, name: str) -> bool:
         """Delete the receipt of ``once(name, ...)`` (the next ``once`` runs again)."""
@@ -340,12 +347,12 @@ class Leases:
         """
         return await _once.aonce(self, name, fn, ttl=ttl, wait=wait, receipt_ttl=receipt_ttl)
 
-    async def areceipt(self, name: str) -> Any:
-        """:meth:`receipt` for asyncio.
+    async def areceipt(self, name: str, default: Any = None) -> Any:
+        """:meth:`receipt` for asyncio (``default`` as there).
 
         .. versionadded:: 0.1
         """
-        return await _once.areceipt(self, name)
+        return await _once.areceipt(self, name, default)
 
     async def aforget(self, name: str) -> bool:
         """:meth:`forget` for asyncio.
