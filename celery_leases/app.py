@@ -40,7 +40,7 @@ from ._identity import Identity, current_identity
 from ._lease import Held, Lease, Shared, Want, want_of
 from ._store import LeaseStore, safe_url
 from ._unique import install as install_unique
-from .config import LeaseSettings, resolve_settings, set_settings
+from .config import AppSettings, LeaseSettings, set_settings
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseLost
 from .worker import install
 
@@ -69,19 +69,56 @@ class Leases:
     """
 
     def __init__(self, app: Celery, **settings: Any) -> None:
+        existing = app.__dict__.get("leases")
+        if isinstance(existing, Leases):
+            msg = (
+                f"app {app.main!r} already has Leases(app) ({existing!r}); create it once, next "
+                "to the app, and import that one (app.leases is it). A second one would take "
+                "over the app's settings and signals from the first"
+            )
+            raise LeaseConfigError(msg)
         self.app = app
-        self.settings: LeaseSettings = resolve_settings(app, **settings)
-        set_settings(app, self.settings)
-        self.store = LeaseStore(self.settings)
+        # resolved now (an invalid value fails here) and again at first use (Celery reads its
+        # config lazily: a key set after Leases(app) still counts), then fixed
+        self._settings = AppSettings(app, settings)
+        set_settings(app, self._settings)
+        self._store = LeaseStore(self._settings.peek())  # a cluster URL is tried here
         self._astore: AsyncLeaseStore | None = None
         self._astore_lock = threading.Lock()
         app.leases = self  # type: ignore[attr-defined]
         install(self)
         install_unique(self)
 
+    @property
+    def settings(self) -> LeaseSettings:
+        """The settings in force (resolved at first use, then fixed; see the configuration docs).
+
+        .. versionadded:: 0.1
+        """
+        return self._settings.current()
+
+    @property
+    def store(self) -> LeaseStore:
+        """The Redis store, on the settings in force (see :attr:`settings`)."""
+        settings = self.settings
+        store = self._store
+        if store.settings is not settings:
+            # first use found settings made after Leases(app): nothing used the old store
+            with self._astore_lock:
+                store = self._store
+                if store.settings is not settings:
+                    store.close()
+                    store = self._store = LeaseStore(settings)
+        return store
+
+    def _check_settings(self, *, full: bool = False) -> LeaseSettings:
+        """The settings, refusing a ``leases_*`` key changed since their first use."""
+        return self._settings.check(full=full)
+
     def __repr__(self) -> str:
-        where = safe_url(self.settings.url)
-        return f"<Leases {self.app.main!r} at {where} prefix={self.settings.key_prefix!r}>"
+        settings = self._settings.peek()
+        where = safe_url(settings.url)
+        return f"<Leases {self.app.main!r} at {where} prefix={settings.key_prefix!r}>"
 
     # --- identity -----------------------------------------------------------------------
     def identity(self) -> Identity:
@@ -219,6 +256,7 @@ class Leases:
         on_lost: Callable[[Held], None] | None = None,
     ) -> list[Lease]:
         """Acquire ``wants`` all or nothing and start renewing them; see :meth:`hold`."""
+        self._check_settings()
         ttl = self._ttl(ttl)
         _check_wait(wait)
         ident = self.identity()
@@ -380,6 +418,7 @@ class Leases:
         wait: float | None = 0.0,
     ) -> list[Lease]:
         """:meth:`acquire` for asyncio: renewed by the running loop's heartbeat."""
+        self._check_settings()
         ttl = self._ttl(ttl)
         _check_wait(wait)
         ident = self.identity()

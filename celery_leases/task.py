@@ -102,6 +102,7 @@ BUSY_SINCE_HEADER: Final = "lease_busy_since"
 BUSY_ATTEMPT_HEADER: Final = "lease_busy_attempt"
 
 _current: ContextVar[tuple[Lease, ...]] = ContextVar("celery_leases_current", default=())
+_extension_lock = threading.Lock()
 
 
 def current_leases() -> tuple[Lease, ...]:
@@ -387,6 +388,13 @@ class LeasedTask(Task[Any, Any]):
         ext = getattr(self.app, "leases", None)
         if isinstance(ext, Leases):
             return ext
+        with _extension_lock:  # two threads' first tasks: one Leases(app), the second is an error
+            ext = getattr(self.app, "leases", None)
+            if isinstance(ext, Leases):
+                return ext
+            return self._make_extension()
+
+    def _make_extension(self) -> Leases:
         logger.warning(
             "leases: Leases(app) was never created for app %r; creating it now. Create it "
             "next to the app so the worker lifecycle (start-up cleanup, reconcile) runs too.",

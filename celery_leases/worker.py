@@ -119,6 +119,8 @@ class LeaseBootstep(bootsteps.StartStopStep):
         if ext is None:
             return
         _active = self
+        # a leases_* key changed since the settings' first use is refused here, at start
+        ext._check_settings(full=True)
         ident = ext.identity()
         try:
             report = ext.store.cleanup_node(ident.node, keep_incarnation=ident.incarnation)
