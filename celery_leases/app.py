@@ -88,6 +88,10 @@ class Leases:
         app.leases = self  # type: ignore[attr-defined]
         install(self)
         install_unique(self)
+        # task.py imports this module (LeasedTask needs Leases): imported here, not at the top
+        from .task import adopt_tasks
+
+        adopt_tasks(app)
 
     @property
     def settings(self) -> LeaseSettings:

@@ -121,6 +121,13 @@ class LeaseBootstep(bootsteps.StartStopStep):
         _active = self
         # a leases_* key changed since the settings' first use is refused here, at start
         ext._check_settings(full=True)
+        # task.py imports app.py, which imports this module: imported here, not at the top
+        from .task import adopt
+
+        # tasks registered after finalize without going through Celery's task factory
+        # (app.register_task) get LeasedTask's behaviour before the pool forks
+        for task in list(worker.app.tasks.values()):
+            adopt(task)
         ident = ext.identity()
         try:
             report = ext.store.cleanup_node(ident.node, keep_incarnation=ident.incarnation)

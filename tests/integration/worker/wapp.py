@@ -304,3 +304,16 @@ def sees_own(rid: str, n: int, timeout: float = 20.0) -> dict[str, Any]:
         "together": together,
         "leases": [lease.resource for lease in current_leases()],
     }
+
+
+# --- lease options on a task without base=LeasedTask (celery-once style) ------------------
+@app.task(lease="res:{rid}")
+def plain_guarded(rid: str, seconds: float = 0.0) -> dict[str, Any]:
+    """``@app.task(lease=...)`` without ``base=LeasedTask``: Leases(app) gives it the lease."""
+    return _guarded(seconds)
+
+
+@app.task(lease="res:{rid}", on_busy="skip")
+def plain_skip(rid: str) -> dict[str, Any]:
+    """As :func:`plain_guarded`, skipped while ``res:<rid>`` is held elsewhere."""
+    return _guarded(0)
