@@ -13,7 +13,14 @@ from .exceptions import LeaseConfigError, LeaseLost
 if TYPE_CHECKING:
     from ._store import LeaseStore
 
-__all__ = ("RESERVED_PREFIX", "Lease", "Shared", "check_user_name", "want_of")
+__all__ = (
+    "RESERVED_PREFIX",
+    "Lease",
+    "LeaseArgumentError",
+    "Shared",
+    "check_user_name",
+    "want_of",
+)
 
 Mode = Literal["x", "s"]
 
@@ -61,6 +68,10 @@ class Want:
             raise LeaseConfigError(msg) from None
 
 
+class LeaseArgumentError(LeaseConfigError, TypeError):
+    """An argument of the wrong type: a TypeError, and a LeaseConfigError as it always was."""
+
+
 #: resource names the library takes for itself (once receipts, unique claims, beat, reconcile)
 RESERVED_PREFIX: Final = "celery_leases:"
 
@@ -84,7 +95,8 @@ def want_of(item: str | Shared, what: str = "resource") -> Want:
     """Turn a user's ``"name"`` or ``Shared(...)`` into a :class:`Want`.
 
     Raises:
-        TypeError: ``item`` is neither a str nor a Shared; the message names ``what``.
+        LeaseArgumentError: (a TypeError and a LeaseConfigError) ``item`` is neither a str
+            nor a Shared; the message names ``what``.
         LeaseConfigError: the name is empty or inside the library's own namespace.
     """
     if isinstance(item, Shared):
@@ -96,7 +108,7 @@ def want_of(item: str | Shared, what: str = "resource") -> Want:
         want = Want(item, "x", 0)
     else:
         msg = f"{what} must be a name (str) or a Shared(...), not {item!r} ({type(item).__name__})"
-        raise TypeError(msg)
+        raise LeaseArgumentError(msg)
     check_user_name(want.resource, what)
     return want
 

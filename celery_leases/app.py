@@ -37,7 +37,7 @@ from ._aheartbeat import loop_heartbeat
 from ._astore import AsyncLeaseStore
 from ._heartbeat import heartbeat
 from ._identity import Identity, current_identity
-from ._lease import Held, Lease, Shared, Want, want_of
+from ._lease import Held, Lease, LeaseArgumentError, Shared, Want, want_of
 from ._store import LeaseStore, safe_url
 from ._unique import install as install_unique
 from .config import AppSettings, LeaseSettings, set_settings
@@ -463,13 +463,17 @@ def _check_wait(wait: object) -> None:
 
 
 def _resource_list(what: str, resource: object) -> list[Resource]:
-    """``resource`` (a list or tuple of names) as a list; a TypeError names a wrong argument."""
+    """``resource`` (a list or tuple of names) as a list.
+
+    Raises:
+        LeaseArgumentError: (a TypeError and a LeaseConfigError) naming the argument.
+    """
     if not isinstance(resource, (list, tuple)):
         msg = (
             f"{what}(resource): resource must be a name (str), a Shared(...) or a list of "
             f"them, not {resource!r} ({type(resource).__name__})"
         )
-        raise TypeError(msg)
+        raise LeaseArgumentError(msg)
     return list(resource)
 
 

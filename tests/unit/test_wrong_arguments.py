@@ -41,6 +41,8 @@ def test_hold_of_a_non_name_raises_type_error_naming_the_argument(
         enter(leases.hold(resource))
     assert repr(resource) in str(info.value)
     assert "not iterable" not in str(info.value)
+    # also a LeaseConfigError, which ahold(5) raised before: both old and new catches work
+    assert isinstance(info.value, LeaseConfigError)
 
 
 def test_hold_of_a_list_with_a_non_name_names_its_index(leases: Leases) -> None:
