@@ -3,12 +3,16 @@
 Every setting can be given in four places; the first that has it wins:
 
 1. keyword arguments: ``Leases(app, ttl=60)``
-2. the Celery config: ``app.conf.leases_ttl = 60``
+2. the Celery config: ``app.conf.leases_ttl = 60``, or ``CELERY_LEASES_TTL`` in the object of
+   ``app.config_from_object(obj, namespace="CELERY")``, looked up as Celery looks up its own
+   keys (the namespaced spelling first, in each map: ``app.conf`` writes, then the object)
 3. the environment: ``CELERY_LEASES_TTL=60``
 4. the default below.
 
 An invalid value fails at ``Leases(app)`` (or the first :func:`get_settings`) with a
 :class:`~celery_leases.exceptions.LeaseConfigError` that names the setting and where it came from.
+``Leases(app)`` resolves them again at first use (:class:`AppSettings`): Celery's config is
+lazy, and a key set after ``Leases(app)`` counts; one changed after first use is refused.
 """
 
 from __future__ import annotations
