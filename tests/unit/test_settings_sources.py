@@ -85,16 +85,19 @@ def test_precedence_app_conf_then_namespaced_object_then_plain_key_then_env(
 ) -> None:
     monkeypatch.setenv("CELERY_LEASES_TTL", "40")
     monkeypatch.setenv("CELERY_LEASES_ON_BUSY", "wait")
+    monkeypatch.setenv("CELERY_LEASES_BUSY_TIMEOUT", "99")
 
     class Both:
         CELERY_LEASES_TTL = 12.0  # the namespaced spelling wins within the config object,
         leases_ttl = 13.0  # as Celery resolves its own keys
         leases_on_lost = "log"  # an un-namespaced key still counts
+        CELERY_LEASES_BUSY_TIMEOUT = 5.0  # the config key wins over the same-named env var
 
     app = namespaced_app(Both)
     settings = resolve_settings(app)
     assert settings.ttl == 12.0
     assert settings.on_lost == "log"
+    assert settings.busy_timeout == 5.0
     assert settings.on_busy == "wait"  # not in the config at all: the environment
     # app.conf.x = ... (Celery's "changes") comes before the config object
     app.conf.leases_ttl = 14.0
