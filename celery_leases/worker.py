@@ -111,6 +111,16 @@ class LeaseBootstep(bootsteps.StartStopStep):
         self._lock = threading.Lock()
         if ext is not None and ext.settings.node is None:
             set_node(worker.hostname)
+        if ext is not None:
+            # task.py imports app.py, which imports this module: imported here, not at the top
+            from .task import adopt
+
+            # Tasks registered after finalize without Celery's task factory
+            # (app.register_task) get LeasedTask's behaviour here: the steps are made after
+            # the task modules are imported, before the pool forks (a child builds its
+            # tracers from the classes it inherits) and before any task runs.
+            for task in list(worker.app.tasks.values()):
+                adopt(task)
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self, worker: Any) -> None:
@@ -121,13 +131,6 @@ class LeaseBootstep(bootsteps.StartStopStep):
         _active = self
         # a leases_* key changed since the settings' first use is refused here, at start
         ext._check_settings(full=True)
-        # task.py imports app.py, which imports this module: imported here, not at the top
-        from .task import adopt
-
-        # tasks registered after finalize without going through Celery's task factory
-        # (app.register_task) get LeasedTask's behaviour before the pool forks
-        for task in list(worker.app.tasks.values()):
-            adopt(task)
         ident = ext.identity()
         try:
             report = ext.store.cleanup_node(ident.node, keep_incarnation=ident.incarnation)

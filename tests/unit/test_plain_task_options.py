@@ -9,6 +9,7 @@ Every task is declared with ``shared=False`` (see test_task_declaration.py).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from celery import Celery, Task
 
 from celery_leases import LeasedTask, Leases
 from celery_leases.exceptions import LeaseConfigError
+from celery_leases.worker import LeaseBootstep
 
 
 def test_plain_task_declared_after_leases_is_a_leased_task() -> None:
@@ -113,3 +115,40 @@ def test_task_that_cannot_take_the_behaviour_is_refused_naming_it() -> None:
 
         @app.task(shared=False, base=Sealed, lease="s:{x}")
         def sealed_task(x: int) -> None: ...
+
+
+def test_task_registered_after_finalize_is_adopted_at_worker_start() -> None:
+    """``app.register_task`` bypasses Celery's task factory: the bootstep adopts it."""
+    app = Celery("plain-registered", set_as_current=False)
+    app.finalize()
+    Leases(app, node="unit@host")  # a node of its own: the bootstep must not set the process's
+
+    class Registered(app.Task):  # type: ignore[name-defined,misc]
+        name = "plain.registered"
+        lease = "reg:{x}"
+
+        def run(self, x: int) -> int:
+            return x
+
+    app.register_task(Registered())
+    assert not isinstance(app.tasks["plain.registered"], LeasedTask)
+    LeaseBootstep(SimpleNamespace(app=app, hostname="unit@host"))
+    task = app.tasks["plain.registered"]
+    assert isinstance(task, LeasedTask)
+    assert [w.resource for w in task._render_leases((5,), {})] == ["reg:5"]
+
+
+def test_bad_registered_task_is_refused_at_worker_start() -> None:
+    app = Celery("plain-registered-bad", set_as_current=False)
+    app.finalize()
+    Leases(app, node="unit@host")
+
+    class Broken(app.Task):  # type: ignore[name-defined,misc]
+        name = "plain.broken"
+        lease = "b:{missing}"
+
+        def run(self, x: int) -> None: ...
+
+    app.register_task(Broken())
+    with pytest.raises(LeaseConfigError, match=r"plain\.broken.*\{missing\}"):
+        LeaseBootstep(SimpleNamespace(app=app, hostname="unit@host"))
