@@ -85,13 +85,14 @@ class Leases:
         self._store = LeaseStore(self._settings.peek())  # a cluster URL is tried here
         self._astore: AsyncLeaseStore | None = None
         self._astore_lock = threading.Lock()
-        app.leases = self  # type: ignore[attr-defined]
-        install(self)
-        install_unique(self)
         # task.py imports this module (LeasedTask needs Leases): imported here, not at the top
         from .task import adopt_tasks
 
+        # first, so that a task refused here leaves the app without a half-made Leases
         adopt_tasks(app)
+        app.leases = self  # type: ignore[attr-defined]
+        install(self)
+        install_unique(self)
 
     @property
     def settings(self) -> LeaseSettings:

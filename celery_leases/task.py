@@ -634,7 +634,7 @@ def adopt_tasks(app: Any) -> None:
     the worker's bootstep adopts every registered task once more at start. Idempotent.
     """
     for task in list(app._tasks.values()):
-        adopt(task)
+        adopt(task)  # may raise: nothing is installed yet
     make = app.__dict__.get("_task_from_fun")
     if make is None or not getattr(make, "_celery_leases", False):
         original = app._task_from_fun

@@ -152,3 +152,15 @@ def test_bad_registered_task_is_refused_at_worker_start() -> None:
     app.register_task(Broken())
     with pytest.raises(LeaseConfigError, match=r"plain\.broken.*\{missing\}"):
         LeaseBootstep(SimpleNamespace(app=app, hostname="unit@host"))
+
+
+def test_a_task_refused_at_leases_leaves_no_half_made_leases() -> None:
+    app = Celery("plain-refused-early", set_as_current=False)
+    app.finalize()
+
+    @app.task(shared=False, lease="a:{nope}")
+    def early_bad(x: int) -> None: ...
+
+    with pytest.raises(LeaseConfigError, match=r"early_bad.*\{nope\}"):
+        Leases(app)
+    assert "leases" not in app.__dict__  # fixing the task and trying again is possible
