@@ -19,6 +19,9 @@ def test_plain_task_takes_its_lease_in_a_worker(
     assert result["leases"][0][1] > 0
     assert test_leases.store.holders("res:plain") == []
     assert ledger.runs() == 1
+    # one declared above Leases(app) in the app module is leased as well
+    early = send(wapp.plain_early, "early").get(timeout=30)
+    assert [name for name, _ in early["leases"]] == ["res:early"]
 
 
 def test_plain_task_on_busy_is_honoured_in_a_worker(

@@ -38,6 +38,14 @@ app.conf.update(
     result_expires=600,
     worker_prefetch_multiplier=1,
 )
+
+
+@app.task(lease="res:{rid}")
+def plain_early(rid: str) -> dict[str, Any]:
+    """Declared before ``Leases(app)``, without ``base=LeasedTask``: it gets the lease too."""
+    return _guarded(0)
+
+
 leases = Leases(app)
 
 #: a per-process client for the ledger (never the store under test)
