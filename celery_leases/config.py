@@ -625,7 +625,7 @@ class AppSettings:
         self._value = _resolve(app, self._kwargs, self._found)
         self._fixed = False
         self._lock = threading.Lock()
-        self._conf_id = 0
+        self._conf: Any = None  # app.conf at first use (kept: an id could be reused)
         self._changes: dict[str, Any] = {}
 
     @property
@@ -643,13 +643,15 @@ class AppSettings:
             return self._value
         with self._lock:
             if not self._fixed:
+                # the config and the environment as they are now; the same object when
+                # nothing changed, so the store made at Leases(app) stays
                 found = _conf_with_origins(self._app)
-                if found != self._found:
-                    self._value = _resolve(self._app, self._kwargs, found)
-                    self._found = found
-                conf = _loaded_conf(self._app)
-                self._conf_id = id(conf)
-                self._changes = _changes_of(conf)
+                value = _resolve(self._app, self._kwargs, found)
+                if value != self._value:
+                    self._value = value
+                self._found = found
+                self._conf = _loaded_conf(self._app)
+                self._changes = _changes_of(self._conf)
                 self._fixed = True
         return self._value
 
@@ -665,13 +667,13 @@ class AppSettings:
         """
         settings = self.current()
         conf: Any = self._app.conf  # a new config_from_object makes a new (pending) one
-        if not full and id(conf) == self._conf_id and _changes_of(conf) == self._changes:
+        if not full and conf is self._conf and _changes_of(conf) == self._changes:
             return settings
         found = _conf_with_origins(self._app)
         if found != self._found:
             raise LeaseConfigError(self._changed_message(found))
-        conf = _loaded_conf(self._app)
-        self._conf_id, self._changes = id(conf), _changes_of(conf)
+        self._conf = _loaded_conf(self._app)
+        self._changes = _changes_of(self._conf)
         return settings
 
     def _changed_message(self, found: Mapping[str, tuple[Any, str]]) -> str:

@@ -53,7 +53,7 @@ After the first use they never change, and are never half-applied. A `leases_*` 
 values (`... changed after their first use: leases_ttl (30.0 -> 9.0) ...`): every acquire looks
 at what was written to `app.conf` and at a new `config_from_object` (about 1 µs), and worker and
 beat start read every key again, the config object's included. Environment variables are read
-at the first use only. To change a setting, restart the process.
+at `Leases(app)` and at the first use, not after. To change a setting, restart the process.
 
 One app has one `Leases(app)`: a second one raises `LeaseConfigError`; import the first one
 (it is also `app.leases`).

@@ -184,3 +184,22 @@ def test_second_leases_on_one_app_is_an_error() -> None:
         Leases(app, key_prefix="second")
     assert app.leases is first  # type: ignore[attr-defined]
     assert get_settings(app).key_prefix == "first"
+
+
+def test_environment_set_after_leases_and_before_first_use_is_honoured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    app = Celery("late-env", set_as_current=False)
+    leases = Leases(app)
+    monkeypatch.setenv("CELERY_LEASES_KEY_PREFIX", "from-env")
+    try:
+        assert leases.store.settings.key_prefix == "from-env"
+    finally:
+        leases.store.close()
+
+
+def test_first_use_keeps_the_store_when_nothing_changed() -> None:
+    app = Celery("same", set_as_current=False)
+    leases = Leases(app)
+    made = leases._store
+    assert leases.store is made  # first use: same settings, so the same store (no new client)
