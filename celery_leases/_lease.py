@@ -6,14 +6,21 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 from .exceptions import LeaseConfigError, LeaseLost
 
 if TYPE_CHECKING:
     from ._store import LeaseStore
 
-__all__ = ("Lease", "Shared")
+__all__ = (
+    "RESERVED_PREFIX",
+    "Lease",
+    "LeaseArgumentError",
+    "Shared",
+    "check_user_name",
+    "want_of",
+)
 
 Mode = Literal["x", "s"]
 
@@ -61,14 +68,49 @@ class Want:
             raise LeaseConfigError(msg) from None
 
 
-def want_of(item: str | Shared) -> Want:
-    """Turn a user's ``"name"`` or ``Shared(...)`` into a :class:`Want`."""
+class LeaseArgumentError(LeaseConfigError, TypeError):
+    """An argument of the wrong type: a TypeError, and a LeaseConfigError as it always was."""
+
+
+#: resource names the library takes for itself (once receipts, unique claims, beat, reconcile)
+RESERVED_PREFIX: Final = "celery_leases:"
+
+
+def check_user_name(name: str, what: str) -> None:
+    """Refuse a user's resource name inside the library's own namespace.
+
+    Raises:
+        LeaseConfigError: ``name`` starts with ``celery_leases:``.
+    """
+    if name.startswith(RESERVED_PREFIX):
+        msg = (
+            f"{what} {name!r} is inside celery_leases' own namespace ({RESERVED_PREFIX}...), "
+            "which holds its once receipts, unique claims and beat and reconcile leases; "
+            "choose another name"
+        )
+        raise LeaseConfigError(msg)
+
+
+def want_of(item: str | Shared, what: str = "resource") -> Want:
+    """Turn a user's ``"name"`` or ``Shared(...)`` into a :class:`Want`.
+
+    Raises:
+        LeaseArgumentError: (a TypeError and a LeaseConfigError) ``item`` is neither a str
+            nor a Shared; the message names ``what``.
+        LeaseConfigError: the name is empty or inside the library's own namespace.
+    """
     if isinstance(item, Shared):
-        return Want(item.name, "s", item.limit or 0)
-    if isinstance(item, str) and item:
-        return Want(item, "x", 0)
-    msg = f"a resource must be a non-empty str or Shared(...), got {item!r}"
-    raise LeaseConfigError(msg)
+        want = Want(item.name, "s", item.limit or 0)
+    elif isinstance(item, str):
+        if not item:
+            msg = f"{what} must be a non-empty name, got {item!r}"
+            raise LeaseConfigError(msg)
+        want = Want(item, "x", 0)
+    else:
+        msg = f"{what} must be a name (str) or a Shared(...), not {item!r} ({type(item).__name__})"
+        raise LeaseArgumentError(msg)
+    check_user_name(want.resource, what)
+    return want
 
 
 @dataclass(eq=False)

@@ -37,10 +37,10 @@ from ._aheartbeat import loop_heartbeat
 from ._astore import AsyncLeaseStore
 from ._heartbeat import heartbeat
 from ._identity import Identity, current_identity
-from ._lease import Held, Lease, Shared, Want, want_of
+from ._lease import Held, Lease, LeaseArgumentError, Shared, Want, want_of
 from ._store import LeaseStore, safe_url
 from ._unique import install as install_unique
-from .config import LeaseSettings, resolve_settings, set_settings
+from .config import AppSettings, LeaseSettings, set_settings
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseLost
 from .worker import install
 
@@ -69,19 +69,61 @@ class Leases:
     """
 
     def __init__(self, app: Celery, **settings: Any) -> None:
+        existing = app.__dict__.get("leases")
+        if isinstance(existing, Leases):
+            msg = (
+                f"app {app.main!r} already has Leases(app) ({existing!r}); create it once, next "
+                "to the app, and import that one (app.leases is it). A second one would take "
+                "over the app's settings and signals from the first"
+            )
+            raise LeaseConfigError(msg)
         self.app = app
-        self.settings: LeaseSettings = resolve_settings(app, **settings)
-        set_settings(app, self.settings)
-        self.store = LeaseStore(self.settings)
+        # resolved now (an invalid value fails here) and again at first use (Celery reads its
+        # config lazily: a key set after Leases(app) still counts), then fixed
+        self._settings = AppSettings(app, settings)
+        set_settings(app, self._settings)
+        self._store = LeaseStore(self._settings.peek())  # a cluster URL is tried here
         self._astore: AsyncLeaseStore | None = None
         self._astore_lock = threading.Lock()
+        # task.py imports this module (LeasedTask needs Leases): imported here, not at the top
+        from .task import adopt_tasks
+
+        # first, so that a task refused here leaves the app without a half-made Leases
+        adopt_tasks(app)
         app.leases = self  # type: ignore[attr-defined]
         install(self)
         install_unique(self)
 
+    @property
+    def settings(self) -> LeaseSettings:
+        """The settings in force (resolved at first use, then fixed; see the configuration docs).
+
+        .. versionadded:: 0.1
+        """
+        return self._settings.current()
+
+    @property
+    def store(self) -> LeaseStore:
+        """The Redis store, on the settings in force (see :attr:`settings`)."""
+        settings = self.settings
+        store = self._store
+        if store.settings is not settings:
+            # first use found settings made after Leases(app): nothing used the old store
+            with self._astore_lock:
+                store = self._store
+                if store.settings is not settings:
+                    store.close()
+                    store = self._store = LeaseStore(settings)
+        return store
+
+    def _check_settings(self, *, full: bool = False) -> LeaseSettings:
+        """The settings, refusing a ``leases_*`` key changed since their first use."""
+        return self._settings.check(full=full)
+
     def __repr__(self) -> str:
-        where = safe_url(self.settings.url)
-        return f"<Leases {self.app.main!r} at {where} prefix={self.settings.key_prefix!r}>"
+        settings = self._settings.peek()
+        where = safe_url(settings.url)
+        return f"<Leases {self.app.main!r} at {where} prefix={settings.key_prefix!r}>"
 
     # --- identity -----------------------------------------------------------------------
     def identity(self) -> Identity:
@@ -135,9 +177,10 @@ class Leases:
                 block itself raised).
             LeaseBackendError: Redis failed.
         """
+        _check_wait(wait)
         if isinstance(resource, (str, Shared)):
             return self._hold_one(resource, ttl, wait)
-        return self._hold_many(list(resource), ttl, wait)
+        return self._hold_many(_resource_list("hold", resource), ttl, wait)
 
     @contextmanager
     def _hold_one(
@@ -152,7 +195,7 @@ class Leases:
     ) -> Iterator[list[Lease]]:
         if not resources:
             raise LeaseConfigError("hold() needs at least one resource")
-        leases = self.acquire([want_of(r) for r in resources], ttl=ttl, wait=wait)
+        leases = self.acquire(_wants("hold", resources), ttl=ttl, wait=wait)
         failed = True
         try:
             yield leases
@@ -192,9 +235,16 @@ class Leases:
         """
         return _once.once(self, name, fn, ttl=ttl, wait=wait, receipt_ttl=receipt_ttl)
 
-    def receipt(self, name: str) -> Any:
-        """The receipt of ``once(name, ...)``, or None when there is none."""
-        return _once.receipt(self, name)
+    def receipt(self, name: str, default: Any = None) -> Any:
+        """The receipt of ``once(name, ...)``, or ``default`` when there is none.
+
+        Args:
+            name: the receipt's name.
+            default: returned when there is no receipt (None). A receipt can itself be None
+                (an initializer that returned None): pass a sentinel of your own, e.g.
+                ``leases.receipt(name, default=MISSING) is MISSING``, to tell the two apart.
+        """
+        return _once.receipt(self, name, default)
 
     def forget(self, name: str) -> bool:
         """Delete the receipt of ``once(name, ...)`` (the next ``once`` runs again)."""
@@ -211,6 +261,7 @@ class Leases:
         on_lost: Callable[[Held], None] | None = None,
     ) -> list[Lease]:
         """Acquire ``wants`` all or nothing and start renewing them; see :meth:`hold`."""
+        self._check_settings()
         ttl = self._ttl(ttl)
         _check_wait(wait)
         ident = self.identity()
@@ -290,12 +341,10 @@ class Leases:
 
         .. versionadded:: 0.1
         """
+        _check_wait(wait)
         if isinstance(resource, (str, Shared)):
             return self._ahold_one(resource, ttl, wait)
-        if not isinstance(resource, (list, tuple)):
-            msg = f"ahold() needs a name, a Shared(...) or a list of them, not {resource!r}"
-            raise LeaseConfigError(msg)
-        return self._ahold_many(list(resource), ttl, wait)
+        return self._ahold_many(_resource_list("ahold", resource), ttl, wait)
 
     @asynccontextmanager
     async def _ahold_one(
@@ -310,7 +359,7 @@ class Leases:
     ) -> AsyncIterator[list[Lease]]:
         if not resources:
             raise LeaseConfigError("ahold() needs at least one resource")
-        leases = await self.aacquire([want_of(r) for r in resources], ttl=ttl, wait=wait)
+        leases = await self.aacquire(_wants("ahold", resources), ttl=ttl, wait=wait)
         failed = True
         try:
             yield leases
@@ -341,12 +390,12 @@ class Leases:
         """
         return await _once.aonce(self, name, fn, ttl=ttl, wait=wait, receipt_ttl=receipt_ttl)
 
-    async def areceipt(self, name: str) -> Any:
-        """:meth:`receipt` for asyncio.
+    async def areceipt(self, name: str, default: Any = None) -> Any:
+        """:meth:`receipt` for asyncio (``default`` as there).
 
         .. versionadded:: 0.1
         """
-        return await _once.areceipt(self, name)
+        return await _once.areceipt(self, name, default)
 
     async def aforget(self, name: str) -> bool:
         """:meth:`forget` for asyncio.
@@ -374,6 +423,7 @@ class Leases:
         wait: float | None = 0.0,
     ) -> list[Lease]:
         """:meth:`acquire` for asyncio: renewed by the running loop's heartbeat."""
+        self._check_settings()
         ttl = self._ttl(ttl)
         _check_wait(wait)
         ident = self.identity()
@@ -403,9 +453,37 @@ class Leases:
 
 
 def _check_wait(wait: object) -> None:
-    if wait is not None and (isinstance(wait, bool) or not isinstance(wait, (int, float))):
+    if wait is None:
+        return
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)):
         msg = f"wait must be a number of seconds or None, not {wait!r}"
         raise LeaseConfigError(msg)
+    if not wait >= 0:  # also refuses NaN
+        msg = f"wait must be 0 (try once), a positive number of seconds or None, not {wait!r}"
+        raise LeaseConfigError(msg)
+
+
+def _resource_list(what: str, resource: object) -> list[Resource]:
+    """``resource`` (a list or tuple of names) as a list.
+
+    Raises:
+        LeaseArgumentError: (a TypeError and a LeaseConfigError) naming the argument.
+    """
+    if not isinstance(resource, (list, tuple)):
+        msg = (
+            f"{what}(resource): resource must be a name (str), a Shared(...) or a list of "
+            f"them, not {resource!r} ({type(resource).__name__})"
+        )
+        raise LeaseArgumentError(msg)
+    return list(resource)
+
+
+def _wants(what: str, resources: Sequence[object]) -> list[Want]:
+    """The Wants of a user's resources; errors name the argument (``hold(resource[1])``)."""
+    return [
+        want_of(r, f"{what}(resource)" if len(resources) == 1 else f"{what}(resource[{i}])")  # type: ignore[arg-type]
+        for i, r in enumerate(resources)
+    ]
 
 
 def _busy(busy: LeaseBusy, task_id: str | None) -> None:

@@ -126,6 +126,7 @@ class LeasedSchedulerMixin:
 
             found = getattr(self.app, "leases", None)
             ext = found if isinstance(found, Leases) else Leases(self.app)
+            ext._check_settings(full=True)  # beat start: refuse a key changed since first use
             self._leases_ext = ext
             _name_beat_process(ext)
         return ext

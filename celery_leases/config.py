@@ -3,18 +3,23 @@
 Every setting can be given in four places; the first that has it wins:
 
 1. keyword arguments: ``Leases(app, ttl=60)``
-2. the Celery config: ``app.conf.leases_ttl = 60``
+2. the Celery config: ``app.conf.leases_ttl = 60``, or ``CELERY_LEASES_TTL`` in the object of
+   ``app.config_from_object(obj, namespace="CELERY")``, looked up as Celery looks up its own
+   keys (the namespaced spelling first, in each map: ``app.conf`` writes, then the object)
 3. the environment: ``CELERY_LEASES_TTL=60``
 4. the default below.
 
 An invalid value fails at ``Leases(app)`` (or the first :func:`get_settings`) with a
 :class:`~celery_leases.exceptions.LeaseConfigError` that names the setting and where it came from.
+``Leases(app)`` resolves them again at first use (:class:`AppSettings`): Celery's config is
+lazy, and a key set after ``Leases(app)`` counts; one changed after first use is refused.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import threading
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -61,6 +66,10 @@ _PREFIX_RE: Final = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
 
 _app_conf: ContextVar[Mapping[str, Any]] = ContextVar(
     "celery_leases_app_conf", default=MappingProxyType({})
+)
+# leases_<name> -> the config key it was read from (CELERY_LEASES_TTL under a namespace)
+_origins: ContextVar[Mapping[str, str]] = ContextVar(
+    "celery_leases_conf_origins", default=MappingProxyType({})
 )
 
 
@@ -359,6 +368,9 @@ def _conf_context(conf: Mapping[str, Any]) -> Iterator[None]:
 def _describe_source(field: str, kwargs: Mapping[str, Any], conf: Mapping[str, Any]) -> str:
     if field in kwargs:
         return f"keyword argument {field}="
+    origin = _origins.get().get(CONF_PREFIX + field)
+    if origin is not None and origin != CONF_PREFIX + field:
+        return f"{origin} in the Celery config"
     if CONF_PREFIX + field in conf:
         return f"app.conf.{CONF_PREFIX}{field}"
     env = ENV_PREFIX + field.upper()
@@ -483,10 +495,75 @@ def _connection_problem(
 
 
 def _conf_of(app: Celery | None) -> dict[str, Any]:
+    """The ``leases_*`` settings of ``app.conf``, read the way Celery reads its own.
+
+    After ``app.config_from_object(obj, namespace="CELERY")`` Celery looks a setting up as
+    ``CELERY_<NAME>`` first and then as ``<name>``, in each of its maps in turn (changes made
+    with ``app.conf.x = ...`` first, then the config object); ``app.conf.get`` does exactly
+    that, so every key found under either spelling is read through it. The result maps
+    ``leases_<name>`` to the value in force.
+    """
+    return {key: value for key, (value, _) in _conf_with_origins(app).items()}
+
+
+def _loaded_conf(app: Celery) -> Any:
+    """``app.conf`` as Celery's Settings (a pending configuration is loaded now, as any read
+    of it would)."""
+    conf: Any = app.conf
+    # Until a key is read, app.conf is a view over a PendingConfiguration: the first read
+    # loads the config (config_from_object's object, its namespace) into the same object.
+    finalize = getattr(conf, "finalize", None)
+    if callable(finalize):
+        finalize()
+    return conf
+
+
+def _namespaced(conf: Any) -> str | None:
+    """``CELERY_LEASES_`` (cased as Celery matches it) when ``conf`` has a namespace."""
+    prefix = conf.__dict__.get("prefix") if hasattr(conf, "__dict__") else None
+    if not isinstance(prefix, str) or not prefix:
+        return None
+    return _match_case(prefix + CONF_PREFIX, prefix)
+
+
+def _match_case(text: str, like: str) -> str:
+    """celery.utils.text.match_case: ``text`` upper-cased if ``like`` is, else lower-cased."""
+    return text.upper() if like.isupper() else text.lower()
+
+
+def _conf_with_origins(app: Celery | None) -> dict[str, tuple[Any, str]]:
+    """``leases_<name>`` -> (value in force, the config key it came from)."""
     if app is None:
         return {}
-    conf = app.conf
-    return {k: conf[k] for k in list(conf.keys()) if k.startswith(CONF_PREFIX)}
+    conf = _loaded_conf(app)
+    namespaced = _namespaced(conf)
+    found: dict[str, tuple[Any, str]] = {}
+    for key in list(conf.keys()):
+        if not isinstance(key, str):
+            continue
+        if namespaced is not None and key.startswith(namespaced) and len(key) > len(namespaced):
+            name = CONF_PREFIX + key[len(namespaced) :].lower()
+        elif key.startswith(CONF_PREFIX):
+            name = key
+        else:
+            continue
+        if name in found:
+            continue
+        # Celery's own lookup: the namespaced spelling wins within each map
+        spelled = (
+            _match_case(namespaced + name.removeprefix(CONF_PREFIX), namespaced)
+            if (namespaced is not None)
+            else None
+        )
+        origin = name
+        for mapping in conf.maps:
+            if spelled is not None and spelled in mapping:
+                origin = spelled
+                break
+            if name in mapping:
+                break
+        found[name] = (conf.get(name), origin)
+    return found
 
 
 def _broker_default(app: Celery | None) -> str:
@@ -509,33 +586,154 @@ def _broker_default(app: Celery | None) -> str:
 def resolve_settings(app: Celery | None = None, **kwargs: Any) -> LeaseSettings:
     """Build the settings from keyword arguments, ``app.conf``, the environment and defaults.
 
+    ``app.conf`` is read as Celery reads it: after ``app.config_from_object(obj,
+    namespace="CELERY")`` a ``CELERY_LEASES_TTL`` of ``obj`` is the ``ttl`` setting (and wins
+    over a ``leases_ttl`` of the same map), and a misspelt ``CELERY_LEASES_TTLL`` is refused
+    like a misspelt ``leases_ttll``.
+
     Raises:
         LeaseConfigError: a value is invalid or a ``leases_*`` key is unknown; the message
             names the setting and the place it came from.
     """
-    conf = _conf_of(app)
+    return _resolve(app, kwargs, _conf_with_origins(app))
+
+
+def _resolve(
+    app: Celery | None, kwargs: Mapping[str, Any], found: Mapping[str, tuple[Any, str]]
+) -> LeaseSettings:
+    conf = {key: value for key, (value, _) in found.items()}
+    origins = {key: origin for key, (_, origin) in found.items()}
+    token = _origins.set(origins)
     try:
         with _conf_context(conf):
             settings = LeaseSettings(**kwargs)
     except ValidationError as exc:
         raise LeaseConfigError(_config_error(exc, kwargs, conf)) from None
+    finally:
+        _origins.reset(token)
     if settings.redis_url is None:
         settings = settings.model_copy(update={"redis_url": _broker_default(app)})
     return settings
 
 
-_cache: weakref.WeakKeyDictionary[Celery, LeaseSettings] = weakref.WeakKeyDictionary()
+class AppSettings:
+    """The settings of one app's ``Leases(app, **kwargs)``: resolved then, and at first use.
+
+    Celery reads its configuration lazily, so a project may set ``app.conf.leases_ttl`` or
+    call ``app.config_from_object`` after ``Leases(app)``. The settings are resolved at
+    ``Leases(app)`` (an invalid value fails there) and once more at first use (the first
+    :meth:`current`), which is what they then stay. A ``leases_*`` key changed after that is
+    refused by :meth:`check` with a :class:`LeaseConfigError`, never half-applied.
+    """
+
+    def __init__(self, app: Celery, kwargs: Mapping[str, Any]) -> None:
+        self._app = app
+        self._kwargs = dict(kwargs)
+        self._found = _conf_with_origins(app)
+        self._value = _resolve(app, self._kwargs, self._found)
+        self._fixed = False
+        self._lock = threading.Lock()
+        self._conf: Any = None  # app.conf at first use (kept: an id could be reused)
+        self._changes: dict[str, Any] = {}
+
+    @property
+    def fixed(self) -> bool:
+        """True once the settings were first used (they no longer change)."""
+        return self._fixed
+
+    def peek(self) -> LeaseSettings:
+        """The settings as resolved last, without counting as a use."""
+        return self._value
+
+    def current(self) -> LeaseSettings:
+        """The settings in force; the first call resolves them again and fixes them."""
+        if self._fixed:
+            return self._value
+        with self._lock:
+            if not self._fixed:
+                # the config and the environment as they are now; the same object when
+                # nothing changed, so the store made at Leases(app) stays
+                found = _conf_with_origins(self._app)
+                value = _resolve(self._app, self._kwargs, found)
+                if value != self._value:
+                    self._value = value
+                self._found = found
+                self._conf = _loaded_conf(self._app)
+                self._changes = _changes_of(self._conf)
+                self._fixed = True
+        return self._value
+
+    def check(self, *, full: bool = False) -> LeaseSettings:
+        """:meth:`current`, refusing a ``leases_*`` key changed since the first use.
+
+        The cheap form (every acquire) looks at what ``app.conf.x = ...``, ``app.conf.update``
+        and a new ``config_from_object`` change; ``full=True`` (worker and beat start) reads
+        every key again, config object included.
+
+        Raises:
+            LeaseConfigError: a setting changed after first use; the message names it.
+        """
+        settings = self.current()
+        conf: Any = self._app.conf  # a new config_from_object makes a new (pending) one
+        if not full and conf is self._conf and _changes_of(conf) == self._changes:
+            return settings
+        found = _conf_with_origins(self._app)
+        if found != self._found:
+            raise LeaseConfigError(self._changed_message(found))
+        self._conf = _loaded_conf(self._app)
+        self._changes = _changes_of(self._conf)
+        return settings
+
+    def _changed_message(self, found: Mapping[str, tuple[Any, str]]) -> str:
+        names = sorted(
+            set(found) ^ set(self._found)
+            | {k for k in set(found) & set(self._found) if found[k][0] != self._found[k][0]}
+        )
+        parts = []
+        for name in names:
+            origin = (found.get(name) or self._found[name])[1]
+            before, after = (_shown(name, side) for side in (self._found, found))
+            parts.append(f"{origin} ({before} -> {after})")
+        return (
+            f"celery_leases settings of app {self._app.main!r} changed after their first use: "
+            f"{'; '.join(parts)}. They are read once, at first use, and never half-applied: "
+            "set them before the first lease (or restart the process)"
+        )
+
+
+def _shown(name: str, found: Mapping[str, tuple[Any, str]]) -> str:
+    """The value of ``name`` in ``found`` for a message (a URL without its password)."""
+    if name not in found:
+        return "unset"
+    value = found[name][0]
+    if name == CONF_PREFIX + "redis_url" and isinstance(value, str):
+        value = safe_url(value)
+    return repr(value)
+
+
+def _changes_of(conf: Any) -> dict[str, Any]:
+    """The ``leases_*`` keys (either spelling) of what was set on ``conf`` directly."""
+    changes = conf.__dict__.get("changes")
+    if not isinstance(changes, dict):
+        return {}
+    starts = (CONF_PREFIX, _namespaced(conf) or CONF_PREFIX)
+    return {k: v for k, v in changes.items() if isinstance(k, str) and k.startswith(starts)}
+
+
+_cache: weakref.WeakKeyDictionary[Celery, LeaseSettings | AppSettings] = weakref.WeakKeyDictionary()
 
 
 def get_settings(app: Celery) -> LeaseSettings:
-    """The settings of ``app``: those given to ``Leases(app, ...)``, else resolved now."""
+    """The settings of ``app``: those of its ``Leases(app, ...)``, else resolved now."""
     try:
-        return _cache[app]
+        held = _cache[app]
     except KeyError:
-        settings = _cache[app] = resolve_settings(app)
+        settings = resolve_settings(app)
+        _cache[app] = settings
         return settings
+    return held.current() if isinstance(held, AppSettings) else held
 
 
-def set_settings(app: Celery, settings: LeaseSettings) -> None:
+def set_settings(app: Celery, settings: LeaseSettings | AppSettings) -> None:
     """Remember ``settings`` as the ones of ``app`` (called by ``Leases(app, ...)``)."""
     _cache[app] = settings

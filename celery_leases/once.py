@@ -25,6 +25,9 @@ same plain value (the JSON round trip of what it returned).
 - The value is not JSON-serialisable: ``TypeError`` naming the receipt, and nothing is stored.
 - ``receipt_ttl`` (or the ``receipt_ttl`` setting) makes receipts expire; by default they stay
   until ``forget(name)``.
+- ``receipt(name)`` returns None when there is no receipt, and also when the initializer
+  returned None; ``receipt(name, default=MISSING)`` with a sentinel of your own tells them
+  apart (``once`` itself always does: a None receipt is a receipt, and ``fn`` is not run again).
 """
 
 from __future__ import annotations
@@ -71,11 +74,15 @@ def _encode(name: str, value: object, owner: str, token: int) -> str:
         raise TypeError(msg) from exc
 
 
-def receipt(ext: Leases, name: str) -> Any:
-    """The receipt of ``once(name, ...)``, or None when there is none."""
+def receipt(ext: Leases, name: str, default: Any = None) -> Any:
+    """The receipt of ``once(name, ...)``, or ``default`` (None) when there is none.
+
+    A receipt may itself be None (an initializer that returned None): pass a ``default`` of
+    your own to tell the two apart.
+    """
     _check_name(name)
     text = ext.store.get_receipt(name)
-    return None if text is None else _decode(name, text)
+    return default if text is None else _decode(name, text)
 
 
 def forget(ext: Leases, name: str) -> bool:
@@ -156,11 +163,11 @@ def once(
 # --- asyncio ----------------------------------------------------------------------------------
 
 
-async def areceipt(ext: Leases, name: str) -> Any:
+async def areceipt(ext: Leases, name: str, default: Any = None) -> Any:
     """:func:`receipt` for asyncio."""
     _check_name(name)
     text = await ext.astore.get_receipt(name)
-    return None if text is None else _decode(name, text)
+    return default if text is None else _decode(name, text)
 
 
 async def aforget(ext: Leases, name: str) -> bool:

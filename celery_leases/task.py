@@ -87,7 +87,7 @@ from celery import Task
 from celery.exceptions import Retry
 from celery.utils.log import get_logger
 
-from ._lease import Held, Lease, Shared, Want
+from ._lease import Held, Lease, Shared, Want, check_user_name
 from ._unique import release_claim, take_claim
 from .app import Leases
 from .config import LeaseSettings, OnBackendError, OnBusy, OnDuplicate, OnLost, get_settings
@@ -102,6 +102,7 @@ BUSY_SINCE_HEADER: Final = "lease_busy_since"
 BUSY_ATTEMPT_HEADER: Final = "lease_busy_attempt"
 
 _current: ContextVar[tuple[Lease, ...]] = ContextVar("celery_leases_current", default=())
+_extension_lock = threading.Lock()
 
 
 def current_leases() -> tuple[Lease, ...]:
@@ -173,6 +174,14 @@ class _Template:
         except (KeyError, AttributeError, IndexError, ValueError, TypeError) as exc:
             msg = f"task {task_name!r}: cannot render {self.what} {self.text!r}: {exc!r}"
             raise LeaseConfigError(msg) from None
+        if not name:
+            msg = (
+                f"task {task_name!r}: {self.what} template {self.text!r} renders to an empty "
+                "name for these arguments"
+            )
+            raise LeaseConfigError(msg)
+        if self.what == "lease":
+            check_user_name(name, f"task {task_name!r}: lease {self.text!r} renders to")
         return Want(name, "x" if self.mode == "x" else "s", self.limit)
 
 
@@ -336,7 +345,9 @@ class LeasedTask(Task[Any, Any]):
 
     @classmethod
     def _run_signature(cls) -> inspect.Signature:
-        run = cls.__dict__.get("run") or getattr(cls, "run", None)
+        # the class that defines run says what it is: a function task's class holds a
+        # staticmethod (or, bind=True, a function taking self), which a subclass inherits
+        run = next((k.__dict__["run"] for k in cls.__mro__ if "run" in k.__dict__), None)
         if isinstance(run, staticmethod):
             return inspect.signature(run.__func__)
         if run is None:
@@ -379,6 +390,13 @@ class LeasedTask(Task[Any, Any]):
         ext = getattr(self.app, "leases", None)
         if isinstance(ext, Leases):
             return ext
+        with _extension_lock:  # two threads' first tasks: one Leases(app), the second is an error
+            ext = getattr(self.app, "leases", None)
+            if isinstance(ext, Leases):
+                return ext
+            return self._make_extension()
+
+    def _make_extension(self) -> Leases:
         logger.warning(
             "leases: Leases(app) was never created for app %r; creating it now. Create it "
             "next to the app so the worker lifecycle (start-up cleanup, reconcile) runs too.",
@@ -549,3 +567,88 @@ def _headers(request: Any) -> dict[str, Any]:
         if value is not None:
             out[name] = value
     return {k: v for k, v in out.items() if k in (BUSY_SINCE_HEADER, BUSY_ATTEMPT_HEADER)}
+
+
+#: the task options only LeasedTask acts on; a task of another class that sets one is adopted
+LEASE_OPTIONS: Final = (
+    "lease",
+    "leases",
+    "lease_ttl",
+    "on_busy",
+    "on_lost",
+    "on_backend_error",
+    "busy_timeout",
+    "wait_timeout",
+    "unique",
+    "unique_ttl",
+    "on_duplicate",
+)
+
+
+def adopt(task: object) -> bool:
+    """Give a task declared with lease options but without ``base=LeasedTask`` its behaviour.
+
+    ``@app.task(lease="x:{a}")`` makes a subclass of the app's task class with ``lease`` as a
+    plain class attribute, which Celery never looks at. The task's class is replaced by a
+    subclass of it and of LeasedTask (its own ``__call__``, a custom ``task_cls``'s included,
+    still runs first; the leases are taken inside it), and the options are checked as at a
+    LeasedTask declaration. True if ``task`` was adopted now.
+
+    Raises:
+        LeaseConfigError: an option is invalid, or the task's class cannot take the behaviour
+            (the message names the task; declare it with ``base=LeasedTask``).
+    """
+    if isinstance(task, LeasedTask) or not isinstance(task, Task):
+        return False
+    cls = type(task)
+    given = [o for o in LEASE_OPTIONS if getattr(cls, o, None) is not None]
+    if not given:
+        return False
+    name = str(getattr(cls, "name", None) or cls.__qualname__)
+    namespace: dict[str, Any] = {
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+        "name": name,
+    }
+    # the options stay where the user put them: on cls, which comes first in the MRO
+    try:
+        leased = type(str(cls.__name__), (cls, LeasedTask), namespace)
+        task.__class__ = leased
+    except TypeError as exc:  # an MRO or instance-layout conflict (e.g. __slots__)
+        msg = (
+            f"task {name!r} sets {', '.join(given)} but its class {cls.__qualname__} cannot be "
+            f"given LeasedTask's behaviour ({exc}); declare it with base=LeasedTask"
+        )
+        raise LeaseConfigError(msg) from None
+    logger.debug("leases: task %s given LeasedTask's behaviour for %s", name, ", ".join(given))
+    return True
+
+
+def adopt_tasks(app: Any) -> None:
+    """Adopt (see :func:`adopt`) every task of ``app`` with lease options, now and later.
+
+    Now: the tasks already made. Later: each task Celery makes (``_task_from_fun``, through
+    which ``@app.task`` and ``@shared_task`` go, at once or when the app is finalized), and
+    every registered task again after finalize (tasks declared before ``Leases(app)``);
+    the worker's bootstep adopts every registered task once more at start. Idempotent.
+    """
+    for task in list(app._tasks.values()):
+        adopt(task)  # may raise: nothing is installed yet
+    make = app.__dict__.get("_task_from_fun")
+    if make is None or not getattr(make, "_celery_leases", False):
+        original = app._task_from_fun
+
+        def _task_from_fun(fun: Any, *args: Any, **options: Any) -> Any:
+            task = original(fun, *args, **options)
+            adopt(task)
+            return task
+
+        _task_from_fun._celery_leases = True  # type: ignore[attr-defined]
+        app._task_from_fun = _task_from_fun
+
+        def _finalized(sender: Any = None, **kwargs: Any) -> None:
+            for task in list(app._tasks.values()):
+                adopt(task)
+
+        app.on_after_finalize.connect(_finalized, weak=False)

@@ -149,6 +149,16 @@ class LeaseBootstep(bootsteps.StartStopStep):
         self._names: dict[str, str] = {}
         if ext is not None and ext.settings.node is None:
             set_node(worker.hostname)
+        if ext is not None:
+            # task.py imports app.py, which imports this module: imported here, not at the top
+            from .task import adopt
+
+            # Tasks registered after finalize without Celery's task factory
+            # (app.register_task) get LeasedTask's behaviour here: the steps are made after
+            # the task modules are imported, before the pool forks (a child builds its
+            # tracers from the classes it inherits) and before any task runs.
+            for task in list(worker.app.tasks.values()):
+                adopt(task)
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self, worker: Any) -> None:
@@ -157,6 +167,8 @@ class LeaseBootstep(bootsteps.StartStopStep):
         if ext is None:
             return
         _active = self
+        # a leases_* key changed since the settings' first use is refused here, at start
+        ext._check_settings(full=True)
         ident = ext.identity()
         try:
             report = ext.store.cleanup_node(ident.node, keep_incarnation=ident.incarnation)

@@ -19,17 +19,48 @@ HEADER = """# Configuration
 Every setting can be given in four places; the first that has it wins:
 
 1. keyword arguments: `Leases(app, ttl=60)`
-2. the Celery config: `app.conf.leases_ttl = 60`
+2. the Celery config: `app.conf.leases_ttl = 60`, or `CELERY_LEASES_TTL = 60` in the object
+   given to `app.config_from_object(obj, namespace="CELERY")`
 3. the environment: `CELERY_LEASES_TTL=60`
 4. the default below.
 
+The Celery config is read the way Celery reads its own settings. After
+`app.config_from_object("django.conf:settings", namespace="CELERY")` a setting is looked up as
+`CELERY_LEASES_<NAME>` first and as `leases_<name>` second, in each of Celery's maps in turn:
+what was set on `app.conf` directly (`app.conf.leases_ttl = ...`, `app.conf.update(...)`)
+before the config object. Without a namespace only `leases_<name>` keys count, as for Celery's
+own settings. The environment variable `CELERY_LEASES_TTL` and the config key
+`CELERY_LEASES_TTL` are different places: the config key wins, and the environment is read only
+for a setting the config does not have.
+
 A wrong value fails at `Leases(app)` with a `LeaseConfigError` (also a `ValueError`) that names
 the setting and where it came from, e.g. `setting 'ttl' from app.conf.leases_ttl: Input should
-be greater than or equal to 0.05 (got -1)`. An unknown `app.conf.leases_*` key is an error too,
-so a typo never goes unnoticed.
+be greater than or equal to 0.05 (got -1)`. An unknown key is an error too, under either
+spelling (`leases_ttll`, or `CELERY_LEASES_TTLL` in a namespaced config object), so a typo never
+goes unnoticed.
+
+## When settings are read
+
+Celery reads its configuration lazily, so `Leases(app)` may come before the config is complete
+(a Django project's `celery.py` often makes the app, `Leases(app)`, and only then calls
+`app.config_from_object`). The settings are resolved at `Leases(app)`, so that a wrong value
+fails there, and **again at first use** — the first lease, `once`, receipt read, worker start
+or beat start — which is what they then stay. A key set between `Leases(app)` and the first use
+counts; an invalid one fails at the first use.
+
+After the first use they never change, and are never half-applied. A `leases_*` or
+`CELERY_LEASES_*` key changed later is refused with a `LeaseConfigError` naming it and both
+values (`... changed after their first use: leases_ttl (30.0 -> 9.0) ...`): every acquire looks
+at what was written to `app.conf` and at a new `config_from_object` (about 1 µs), and worker and
+beat start read every key again, the config object's included. Environment variables are read
+at `Leases(app)` and at the first use, not after. To change a setting, restart the process.
+
+One app has one `Leases(app)`: a second one raises `LeaseConfigError`; import the first one
+(it is also `app.leases`).
 
 Per task, `LeasedTask` takes `lease_ttl`, `on_busy`, `on_lost`, `busy_timeout` and
-`wait_timeout` as task options; the settings below are their app-wide defaults.
+`wait_timeout` as task options (also on a plain `@app.task` of an app with `Leases(app)`, see
+[Tasks](tasks.md)); the settings below are their app-wide defaults.
 
 | setting | `app.conf` key / environment variable | default | meaning |
 | --- | --- | --- | --- |

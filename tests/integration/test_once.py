@@ -25,6 +25,7 @@ from celery import Celery
 
 from celery_leases import LeaseBusy, LeaseLost, Leases
 from tests.integration.worker.conftest import WorkerProc, wait_until
+from tests.reserved import hold_reserved
 
 REPO = Path(__file__).resolve().parents[2]
 HELPER = "tests.integration.once_helpers"
@@ -259,7 +260,7 @@ def test_initializer_that_lost_its_lease_stores_nothing(
         def fn() -> str:
             # what expiry does, without waiting for it; then the successor is granted the lease
             leases_redis.delete(first.store.keys.exclusive(resource))
-            taken.append(stack.enter_context(successor.hold(resource, wait=0)))
+            taken.append(stack.enter_context(hold_reserved(successor, resource, wait=0)))
             return "late"
 
         with pytest.raises(LeaseLost):

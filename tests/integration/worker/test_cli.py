@@ -25,6 +25,7 @@ from celery_leases import LeaseLost, Shared
 from celery_leases._keys import Keyspace, escape
 from celery_leases._store import Holder
 from celery_leases.worker import RECONCILE_RESOURCE
+from tests.reserved import hold_reserved
 
 from .conftest import APP, REPO, kill_whole_worker, wait_until
 
@@ -334,7 +335,7 @@ def test_errors_are_one_line_without_traceback_or_password(
         assert SECRET not in result.stdout + result.stderr
 
     # a reconcile while another process holds the reconcile lease: "try again", naming it
-    with test_leases.hold(RECONCILE_RESOURCE, ttl=30) as lease:
+    with hold_reserved(test_leases, RECONCILE_RESOURCE, ttl=30) as lease:
         busy = cli("reconcile")
         line = assert_one_line_error(busy, 75)
         assert "another process is reconciling" in line

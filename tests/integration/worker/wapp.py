@@ -38,6 +38,14 @@ app.conf.update(
     result_expires=600,
     worker_prefetch_multiplier=1,
 )
+
+
+@app.task(lease="res:{rid}")
+def plain_early(rid: str) -> dict[str, Any]:
+    """Declared before ``Leases(app)``, without ``base=LeasedTask``: it gets the lease too."""
+    return _guarded(0)
+
+
 leases = Leases(app)
 
 if os.environ.get("LEASES_TEST_METRICS"):
@@ -310,3 +318,16 @@ def sees_own(rid: str, n: int, timeout: float = 20.0) -> dict[str, Any]:
         "together": together,
         "leases": [lease.resource for lease in current_leases()],
     }
+
+
+# --- lease options on a task without base=LeasedTask (celery-once style) ------------------
+@app.task(lease="res:{rid}")
+def plain_guarded(rid: str, seconds: float = 0.0) -> dict[str, Any]:
+    """``@app.task(lease=...)`` without ``base=LeasedTask``: Leases(app) gives it the lease."""
+    return _guarded(seconds)
+
+
+@app.task(lease="res:{rid}", on_busy="skip")
+def plain_skip(rid: str) -> dict[str, Any]:
+    """As :func:`plain_guarded`, skipped while ``res:<rid>`` is held elsewhere."""
+    return _guarded(0)
