@@ -578,7 +578,11 @@ class LeaseStore:
         if not isinstance(outcome, Busy):
             return outcome
         if wait is not None and wait <= 0:
-            raise LeaseBusy(outcome.resource, retry_after=outcome.wait)
+            raise LeaseBusy(
+                outcome.resource,
+                retry_after=outcome.wait,
+                holder_task=self.holder_task(outcome.resource),
+            )
         deadline = math.inf if wait is None else start + wait
         channels = sorted({self.resource_keys(w.resource).channel for w in wants})
         with self._backend("wait for a release"):
@@ -596,7 +600,10 @@ class LeaseStore:
                     if now >= deadline:
                         healthy = True
                         raise LeaseBusy(
-                            outcome.resource, retry_after=outcome.wait, waited=now - start
+                            outcome.resource,
+                            retry_after=outcome.wait,
+                            waited=now - start,
+                            holder_task=self.holder_task(outcome.resource),
                         )
                     # woken by a release, or by the blocking holder's expiry at the latest;
                     # a message of an earlier wait on this connection costs one extra attempt
@@ -1588,6 +1595,27 @@ class LeaseStore:
         return ClaimHolder(
             key, "running", self._registry_task(who, resource, token), token, who, expires_in
         )
+
+    def holder_task(self, resource: str) -> str | None:
+        """The task id of the exclusive holder of ``resource``, for a busy error's message.
+
+        Only the busy path pays for it (two reads). None when the resource is held shared,
+        not by a task, not at all any more, or when Redis fails: a busy error must stay a
+        busy error, not become a backend error over a detail of its message.
+        """
+        try:
+            value = self.client.get(self.resource_keys(resource).exclusive)
+            if value is None:
+                return None
+            token, _, owner = str(value).partition(" ")
+            if owner.startswith(QUEUED_OWNER):  # a queued unique claim names its task
+                return unescape(owner.removeprefix(QUEUED_OWNER)) or None
+            if not token.isdigit() or not owner:
+                return None
+            return self._registry_task(owner, resource, int(token))
+        except (RedisError, LeaseBackendError) as exc:
+            logger.debug("leases: could not read the holder of %s: %s", resource, exc)
+            return None
 
     def _registry_task(self, owner: str, resource: str, token: int) -> str | None:
         """The task id ``owner``'s registry records for its lease ``resource``/``token``.

@@ -291,8 +291,14 @@ class LeasedTask(Task[Any, Any]):
     _lease_signature: ClassVar[inspect.Signature | None] = None
     _unique_template: ClassVar[_Template | None] = None
 
+    #: a busy lease is an expected end (on_busy="fail", a "wait" or "retry" that ran out):
+    #: Celery logs it at INFO without a traceback, not at ERROR
+    throws: tuple[type[Exception], ...] = (LeaseBusy,)
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if not any(issubclass(LeaseBusy, t) for t in cls.throws):  # a task's own throws=
+            cls.throws = (*cls.throws, LeaseBusy)
         cls._declare_leases()
 
     @classmethod
@@ -495,15 +501,12 @@ class LeasedTask(Task[Any, Any]):
             headers={**headers, **options},
         )
         sig.apply_async()
-        logger.info(
-            "leases: %s[%s] retries in %.1fs: %s is busy",
-            self.name,
-            request.id,
-            countdown,
-            busy.resource,
-        )
+        # The one INFO line of a busy retry is Celery's own ("Task <name>[<id>] retry: ..."),
+        # which logs the Retry's message: so the message says it all, and ours is DEBUG.
+        message = f"retrying in {countdown:.1f}s: {busy}"
+        logger.debug("leases: %s[%s] %s", self.name, request.id, message)
         # celery types `when` as numbers.Real, which mypy does not match with float
-        raise Retry(exc=busy, when=countdown, sig=sig)  # type: ignore[arg-type]
+        raise Retry(message, exc=busy, when=countdown, sig=sig)  # type: ignore[arg-type]
 
     def _backend_failed(self, exc: LeaseBackendError) -> NoReturn:
         """Redis failed as the task took its leases: retry the task (on_backend_error)."""
