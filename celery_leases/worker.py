@@ -2,7 +2,8 @@
 
 - At start-up, before the first task is consumed, the bootstep releases every lease that
   earlier incarnations of the same node name held (a pod restarted under the same name), in
-  O(leases they held). A node with no past pays one command.
+  O(leases they held). A node with no past pays one command. Until the leases Redis answers,
+  the worker waits there, consuming nothing.
 - A reaper in the main process frees the leases of pool children that died without running
   their finalizers (SIGKILL, hard time limit, ``revoke(terminate=True, signal="SIGKILL")``): at
   once when Celery reports such an end, and every ``ttl / 3`` seconds otherwise.
