@@ -7,7 +7,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple, TypeVar
@@ -1604,15 +1604,10 @@ class LeaseStore:
         busy error, not become a backend error over a detail of its message.
         """
         try:
-            value = self.client.get(self.resource_keys(resource).exclusive)
-            if value is None:
-                return None
-            token, _, owner = str(value).partition(" ")
-            if owner.startswith(QUEUED_OWNER):  # a queued unique claim names its task
-                return unescape(owner.removeprefix(QUEUED_OWNER)) or None
-            if not token.isdigit() or not owner:
-                return None
-            return self._registry_task(owner, resource, int(token))
+            holder = split_holder(self.client.get(self.resource_keys(resource).exclusive))
+            if holder is None or isinstance(holder, str):
+                return holder
+            return self._registry_task(holder[0], resource, holder[1])
         except (RedisError, LeaseBackendError) as exc:
             logger.debug("leases: could not read the holder of %s: %s", resource, exc)
             return None
@@ -1626,15 +1621,33 @@ class LeaseStore:
         group = self.resource_keys(resource).group
         with self._backend("read an owner registry"):
             members = self.client.smembers(self._registry_key(owner, group))
-        for member in members:
-            entry = _parse_entry(str(member))
-            if entry is not None and (entry.mode, entry.token, entry.resource) == (
-                "x",
-                token,
-                resource,
-            ):
-                return entry.task_id
+        return task_in_registry(members, resource, token)
+
+
+def split_holder(value: object) -> tuple[str, int] | str | None:
+    """An exclusive key's value, read: ``(owner, token)``, or the task id of a queued unique
+    claim, or None (no holder, or a value this release cannot read)."""
+    if value is None:
         return None
+    token, _, owner = str(value).partition(" ")
+    if owner.startswith(QUEUED_OWNER):
+        return unescape(owner.removeprefix(QUEUED_OWNER)) or None
+    if not token.isdigit() or not owner:
+        return None
+    return owner, int(token)
+
+
+def task_in_registry(members: Iterable[object], resource: str, token: int) -> str | None:
+    """The task id that a registry's ``members`` record for the exclusive ``resource``/``token``."""
+    for member in members:
+        entry = _parse_entry(str(member))
+        if entry is not None and (entry.mode, entry.token, entry.resource) == (
+            "x",
+            token,
+            resource,
+        ):
+            return entry.task_id
+    return None
 
 
 class Entry(NamedTuple):

@@ -35,3 +35,19 @@ def test_busy_without_a_task_or_shared_names_none(make_leases: Callable[..., Lea
     with leases.hold(Shared("busy:shared", limit=1)), pytest.raises(LeaseBusy) as shared:
         leases.acquire([Want("busy:shared", "s", 1)])
     assert shared.value.holder_task is None
+
+
+@pytest.mark.asyncio
+async def test_asyncio_busy_names_the_holders_task(make_leases: Callable[..., Leases]) -> None:
+    leases = make_leases(ttl=5)
+    held = leases.acquire([Want("busy:aio")], task_id="holder-task-2")
+    try:
+        with pytest.raises(LeaseBusy) as tried_once:
+            await leases.aacquire([Want("busy:aio")])
+        with pytest.raises(LeaseBusy) as waited:
+            await leases.aacquire([Want("busy:aio")], wait=0.2)
+    finally:
+        leases.release(held)
+        await leases.astore.aclose()
+    assert tried_once.value.holder_task == "holder-task-2"
+    assert waited.value.holder_task == "holder-task-2"
