@@ -1,7 +1,8 @@
 """The lease lifecycle under the gevent and eventlet pools, in real workers.
 
 Start-up cleanup, heartbeat renewals past the TTL, the interrupt of a body whose lease is
-lost, and the release on success, failure, ``self.retry`` and ``revoke(terminate=True)``.
+lost, and the release on success, failure, ``self.retry``, ``revoke(terminate=True)`` and (gevent:
+Celery's eventlet pool enforces none) the hard time limit.
 Under both pools every task is a greenlet of the worker's one process, and the heartbeat a
 greenlet too (Celery monkey-patches the process before it imports the app).
 """
@@ -83,6 +84,17 @@ def test_revoke_terminate_releases(
         15,
         f"res:{pool}-rv to be released after revoke(terminate=True)",
     )
+    if pool == "gevent":  # Celery's eventlet pool enforces no time limit at all
+        # the hard time limit: the pool raises its Timeout inside the greenlet
+        limited = send(wapp.hard_limited, f"{pool}-hard")
+        held_by(test_leases, worker, f"res:{pool}-hard")
+        limited.get(timeout=RESULT_TIMEOUT, propagate=False)
+        assert limited.state == "FAILURE"
+        wait_until(
+            lambda: test_leases.store.holders(f"res:{pool}-hard") == [],
+            15,
+            f"res:{pool}-hard to be released after the hard time limit",
+        )
     # the worker still works
     assert send(wapp.guarded, f"{pool}-rv", 0.1).get(timeout=RESULT_TIMEOUT)["leases"]
 
