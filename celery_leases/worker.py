@@ -115,7 +115,7 @@ def _note_redis_url(ext: Leases) -> None:
         "leases: no redis_url is set and the broker (%s) is not Redis: leases use the default "
         "%s. Every worker of the fleet must use the same leases Redis; set leases_redis_url "
         "(or CELERY_LEASES_REDIS_URL) to name it.",
-        safe_url(broker) if isinstance(broker, str) else broker,
+        safe_url(broker) if isinstance(broker, str) else "Celery's default, amqp",
         url,
     )
 

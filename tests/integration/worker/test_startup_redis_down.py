@@ -80,6 +80,10 @@ def test_the_localhost_fallback_is_logged(caplog: pytest.LogCaptureFixture, monk
     assert "redis://localhost:6379/0" in record.getMessage()
     assert "secret" not in record.getMessage()
     caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="celery_leases.worker"):
+        _note_redis_url(Leases(Celery("nobroker", set_as_current=False)))
+    assert ["Celery's default, amqp" in r.getMessage() for r in caplog.records] == [True]
+    caplog.clear()
     given = Leases(
         Celery("given", broker="amqp://127.0.0.1//", set_as_current=False),
         redis_url="redis://127.0.0.1:6390/1",
