@@ -27,7 +27,7 @@ from ._connect import aclose_client, parse_target
 from ._connect import make_async_client as make_deployment_client
 from ._identity import Identity
 from ._lease import Held, Want
-from ._store import _EXPIRY_SLACK, Busy, Entry, LeaseStore
+from ._store import _EXPIRY_SLACK, Busy, Entry, LeaseStore, split_holder, task_in_registry
 from .config import LeaseSettings, safe_url
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseError
 
@@ -501,7 +501,11 @@ class AsyncLeaseStore:
         if not isinstance(outcome, Busy):
             return outcome
         if wait is not None and wait <= 0:
-            raise LeaseBusy(outcome.resource, retry_after=outcome.wait)
+            raise LeaseBusy(
+                outcome.resource,
+                retry_after=outcome.wait,
+                holder_task=await self.holder_task(outcome.resource),
+            )
         deadline = math.inf if wait is None else start + wait
         state = self._state()
         key = tuple(wants)
@@ -516,7 +520,12 @@ class AsyncLeaseStore:
                 queue.lock.acquire(), deadline - time.monotonic(), undo=queue.lock.release
             ):
                 waited = time.monotonic() - start
-                raise LeaseBusy(outcome.resource, retry_after=outcome.wait, waited=waited)
+                raise LeaseBusy(
+                    outcome.resource,
+                    retry_after=outcome.wait,
+                    waited=waited,
+                    holder_task=await self.holder_task(outcome.resource),
+                )
             try:
                 return await self._wait(state, wants, ident, ttl, task_id, start, deadline)
             finally:
@@ -550,7 +559,12 @@ class AsyncLeaseStore:
                     return outcome
                 now = time.monotonic()
                 if now >= deadline:
-                    raise LeaseBusy(outcome.resource, retry_after=outcome.wait, waited=now - start)
+                    raise LeaseBusy(
+                        outcome.resource,
+                        retry_after=outcome.wait,
+                        waited=now - start,
+                        holder_task=await self.holder_task(outcome.resource),
+                    )
                 # woken by a release, or by the blocking holder's expiry at the latest
                 timer = loop.call_later(
                     min(deadline - now, outcome.wait + _EXPIRY_SLACK), event.set
@@ -709,6 +723,22 @@ class AsyncLeaseStore:
                 raise self.store._backend_error("release", exc) from exc
             out.update(zip(idx, [x == 1 for x in reply], strict=True))
         return [out[i] for i in range(len(held))]
+
+    async def holder_task(self, resource: str) -> str | None:
+        """:meth:`LeaseStore.holder_task` for asyncio: the busy path only, never raises."""
+        store = self.store
+        client = self._state().client
+        try:
+            keys = store.resource_keys(resource)
+            holder = split_holder(await _shielded(client.get(keys.exclusive)))
+            if holder is None or isinstance(holder, str):
+                return holder
+            owner, token = holder
+            members = await _shielded(client.smembers(store._registry_key(owner, keys.group)))
+        except (RedisError, LeaseError) as exc:
+            logger.debug("leases: could not read the holder of %s: %s", resource, exc)
+            return None
+        return task_in_registry(members, resource, token)
 
     # --- once receipts --------------------------------------------------------------------
     async def get_receipt(self, name: str) -> str | None:

@@ -7,7 +7,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple, TypeVar
@@ -582,7 +582,11 @@ class LeaseStore:
         if not isinstance(outcome, Busy):
             return outcome
         if wait is not None and wait <= 0:
-            raise LeaseBusy(outcome.resource, retry_after=outcome.wait)
+            raise LeaseBusy(
+                outcome.resource,
+                retry_after=outcome.wait,
+                holder_task=self.holder_task(outcome.resource),
+            )
         deadline = math.inf if wait is None else start + wait
         channels = sorted({self.resource_keys(w.resource).channel for w in wants})
         with self._backend("wait for a release"):
@@ -600,7 +604,10 @@ class LeaseStore:
                     if now >= deadline:
                         healthy = True
                         raise LeaseBusy(
-                            outcome.resource, retry_after=outcome.wait, waited=now - start
+                            outcome.resource,
+                            retry_after=outcome.wait,
+                            waited=now - start,
+                            holder_task=self.holder_task(outcome.resource),
                         )
                     # woken by a release, or by the blocking holder's expiry at the latest;
                     # a message of an earlier wait on this connection costs one extra attempt
@@ -1594,6 +1601,22 @@ class LeaseStore:
             key, "running", self._registry_task(who, resource, token), token, who, expires_in
         )
 
+    def holder_task(self, resource: str) -> str | None:
+        """The task id of the exclusive holder of ``resource``, for a busy error's message.
+
+        Only the busy path pays for it (two reads). None when the resource is held shared,
+        not by a task, not at all any more, or when Redis fails: a busy error must stay a
+        busy error, not become a backend error over a detail of its message.
+        """
+        try:
+            holder = split_holder(self.client.get(self.resource_keys(resource).exclusive))
+            if holder is None or isinstance(holder, str):
+                return holder
+            return self._registry_task(holder[0], resource, holder[1])
+        except (RedisError, LeaseBackendError) as exc:
+            logger.debug("leases: could not read the holder of %s: %s", resource, exc)
+            return None
+
     def _registry_task(self, owner: str, resource: str, token: int) -> str | None:
         """The task id ``owner``'s registry records for its lease ``resource``/``token``.
 
@@ -1603,15 +1626,33 @@ class LeaseStore:
         group = self.resource_keys(resource).group
         with self._backend("read an owner registry"):
             members = self.client.smembers(self._registry_key(owner, group))
-        for member in members:
-            entry = _parse_entry(str(member))
-            if entry is not None and (entry.mode, entry.token, entry.resource) == (
-                "x",
-                token,
-                resource,
-            ):
-                return entry.task_id
+        return task_in_registry(members, resource, token)
+
+
+def split_holder(value: object) -> tuple[str, int] | str | None:
+    """An exclusive key's value, read: ``(owner, token)``, or the task id of a queued unique
+    claim, or None (no holder, or a value this release cannot read)."""
+    if value is None:
         return None
+    token, _, owner = str(value).partition(" ")
+    if owner.startswith(QUEUED_OWNER):
+        return unescape(owner.removeprefix(QUEUED_OWNER)) or None
+    if not token.isdigit() or not owner:
+        return None
+    return owner, int(token)
+
+
+def task_in_registry(members: Iterable[object], resource: str, token: int) -> str | None:
+    """The task id that a registry's ``members`` record for the exclusive ``resource``/``token``."""
+    for member in members:
+        entry = _parse_entry(str(member))
+        if entry is not None and (entry.mode, entry.token, entry.resource) == (
+            "x",
+            token,
+            resource,
+        ):
+            return entry.task_id
+    return None
 
 
 class Entry(NamedTuple):

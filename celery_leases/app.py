@@ -487,7 +487,14 @@ def _wants(what: str, resources: Sequence[object]) -> list[Want]:
 
 
 def _busy(busy: LeaseBusy, task_id: str | None) -> None:
-    logger.info("leases: %s is busy (retry after %.1fs)", busy.resource, busy.retry_after or 0)
+    # DEBUG: what the busy leads to (a task's retry, skip or failure, or LeaseBusy to the
+    # caller of hold) is logged or raised once, by whoever decides it
+    logger.debug(
+        "leases: %s is busy: %s; its holder runs out in %.1fs unless it renews",
+        busy.resource,
+        busy,
+        busy.retry_after or 0,
+    )
     _send(signals.lease_busy, busy.resource, retry_after=busy.retry_after, task_id=task_id)
 
 

@@ -4,7 +4,8 @@ Catch :class:`LeaseError` to handle every one of them::
 
     LeaseError                  root; catch this one
     ├── LeaseConfigError        also a ValueError: invalid settings or task options
-    ├── LeaseBusy               another holder has it; .resource, .retry_after
+    ├── LeaseBusy               another holder has it; .resource, .retry_after,
+    │                           .holder_task
     │   └── DuplicateTask       a unique task's key is claimed by a queued or running copy;
     │                           .key, .task_id, .state
     ├── LeaseLost               our lease expired or was taken over; .resource, .held_for
@@ -45,21 +46,34 @@ class LeaseBusy(LeaseError):
         retry_after: seconds until the current holder's lease runs out unless renewed; a
             hint for when trying again could succeed, never a promise.
         waited: seconds spent waiting before giving up.
+        holder_task: the id of the task that holds the resource, when the holder is a
+            leased task and Redis could tell (an exclusive lease); else None.
 
     The details are kept in ``args`` (not just in the message), so the exception survives
     Celery's JSON result serialisation, which rebuilds an exception as ``cls(*args)``.
     """
 
     def __init__(
-        self, resource: str, retry_after: float | None = None, waited: float = 0.0
+        self,
+        resource: str,
+        retry_after: float | None = None,
+        waited: float = 0.0,
+        holder_task: str | None = None,
     ) -> None:
-        super().__init__(resource, retry_after, waited)
+        # holder_task joins args only when known: the 3-tuple of earlier releases stays what
+        # every busy without a known holder pickles to, for workers of either release
+        if holder_task is None:
+            super().__init__(resource, retry_after, waited)
+        else:
+            super().__init__(resource, retry_after, waited, holder_task)
         self.resource = resource
         self.retry_after = retry_after
         self.waited = waited
+        self.holder_task = holder_task
 
     def __str__(self) -> str:
-        msg = f"lease on {self.resource!r} is held by another owner"
+        holder = f"task {self.holder_task}" if self.holder_task else "another owner"
+        msg = f"lease on {self.resource!r} is held by {holder}"
         if self.waited > 0:
             msg += f" (waited {self.waited:.1f}s)"
         return msg

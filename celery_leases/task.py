@@ -72,13 +72,15 @@ whole worker killed                      freed when a worker with the same name 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import inspect
 import random
 import signal
 import string
+import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from types import FrameType
 from typing import Any, ClassVar, Final, NoReturn, get_args
@@ -206,6 +208,48 @@ def _check_seconds(task_name: str, option: str, value: object, *, zero_ok: bool)
         raise LeaseConfigError(msg)
 
 
+class _GreenTarget:
+    """The greenlet running a task body under the gevent or eventlet pool.
+
+    An exception is thrown into it from the hub, as both libraries' own ``Timeout`` (and so
+    Celery's soft time limit there) do: a throw from the heartbeat's greenlet would switch
+    into the body and never come back to the heartbeat.
+    """
+
+    __slots__ = ("glet", "schedule")
+
+    def __init__(self, glet: Any, schedule: Callable[[Callable[[], None]], Any]) -> None:
+        self.glet = glet
+        self.schedule = schedule
+
+    def throw_later(self, pick: Callable[[], BaseException | None]) -> None:
+        """In the hub, soon: throw what ``pick()`` returns into the greenlet (if anything)."""
+        glet = self.glet
+
+        def throw() -> None:
+            exc = pick()
+            if exc is not None and not glet.dead:
+                glet.throw(exc)
+
+        self.schedule(throw)
+
+
+def _green_target() -> _GreenTarget | None:
+    """The calling greenlet, if this process runs on a monkey-patched gevent or eventlet."""
+    # imported by name: neither library is a dependency, and neither ships type hints
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is not None and monkey.is_module_patched("threading"):
+        gevent: Any = importlib.import_module("gevent")
+        return _GreenTarget(gevent.getcurrent(), gevent.get_hub().loop.run_callback)
+    patcher = sys.modules.get("eventlet.patcher")
+    if patcher is not None and patcher.is_monkey_patched("thread"):
+        hubs: Any = importlib.import_module("eventlet.hubs")
+        greenlet: Any = importlib.import_module("greenlet")
+        hub = hubs.get_hub()
+        return _GreenTarget(greenlet.getcurrent(), lambda fn: hub.schedule_call_global(0, fn))
+    return None
+
+
 class _Interrupter:
     """Raises LeaseLost inside the thread running a task body, once, only while it runs.
 
@@ -220,7 +264,9 @@ class _Interrupter:
 
     def __init__(self) -> None:
         self.thread_id = threading.get_ident()
-        self.main = threading.current_thread() is threading.main_thread()
+        # gevent/eventlet pools: the body runs in a greenlet, not in a thread of its own
+        self.green = _green_target()
+        self.main = self.green is None and threading.current_thread() is threading.main_thread()
         self.running = False
         self.fired: LeaseLost | None = None
         self._lock = threading.Lock()
@@ -236,13 +282,22 @@ class _Interrupter:
     def __exit__(self, *exc: object) -> None:
         with self._lock:
             self.running = False
-            if self.fired is not None and not self.main:
+            if self.fired is not None and not self.main and self.green is None:
                 # cancel an asynchronous exception that did not land yet
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
         if self.main and self.fired is None:
             signal.signal(self.SIGNAL, self._old_handler or signal.SIG_DFL)
         # After a fired interrupt our handler stays, inert (running is False): restoring the
         # default action could let a signal still in flight terminate the process.
+
+    def _throw_green(self) -> Any:
+        """The exception to throw into the body's greenlet now, or None (it has finished).
+
+        Runs in the hub, which the body's greenlet is suspended in: the body cannot move
+        between this check and the throw (no lock: the hub must never block).
+        """
+        fired, running = self.fired, self.running
+        return fired if running and fired is not None else None
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # No lock here: the handler runs in the main thread, which may hold it in __exit__.
@@ -255,7 +310,9 @@ class _Interrupter:
             if not self.running or self.fired is not None:
                 return
             self.fired = LeaseLost(held.resource, held_for=time.monotonic() - held.acquired_at)
-            if self.main:
+            if self.green is not None:
+                self.green.throw_later(self._throw_green)
+            elif self.main:
                 signal.pthread_kill(self.thread_id, self.SIGNAL)
             else:
                 # an asynchronous exception is instantiated without arguments: give it a
@@ -300,8 +357,14 @@ class LeasedTask(Task[Any, Any]):
     _lease_signature: ClassVar[inspect.Signature | None] = None
     _unique_template: ClassVar[_Template | None] = None
 
+    #: a busy lease is an expected end (on_busy="fail", a "wait" or "retry" that ran out):
+    #: Celery logs it at INFO without a traceback, not at ERROR
+    throws: tuple[type[Exception], ...] = (LeaseBusy,)
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if not any(issubclass(LeaseBusy, t) for t in cls.throws):  # a task's own throws=
+            cls.throws = (*cls.throws, LeaseBusy)
         cls._declare_leases()
 
     @classmethod
@@ -513,15 +576,12 @@ class LeasedTask(Task[Any, Any]):
             headers={**headers, **options},
         )
         sig.apply_async()
-        logger.info(
-            "leases: %s[%s] retries in %.1fs: %s is busy",
-            self.name,
-            request.id,
-            countdown,
-            busy.resource,
-        )
+        # The one INFO line of a busy retry is Celery's own ("Task <name>[<id>] retry: ..."),
+        # which logs the Retry's message: so the message says it all, and ours is DEBUG.
+        message = f"retrying in {countdown:.1f}s: {busy}"
+        logger.debug("leases: %s[%s] %s", self.name, request.id, message)
         # celery types `when` as numbers.Real, which mypy does not match with float
-        raise Retry(exc=busy, when=countdown, sig=sig)  # type: ignore[arg-type]
+        raise Retry(message, exc=busy, when=countdown, sig=sig)  # type: ignore[arg-type]
 
     def _backend_failed(self, exc: LeaseBackendError) -> NoReturn:
         """Redis failed as the task took its leases: retry the task (on_backend_error)."""

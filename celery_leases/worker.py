@@ -2,7 +2,8 @@
 
 - At start-up, before the first task is consumed, the bootstep releases every lease that
   earlier incarnations of the same node name held (a pod restarted under the same name), in
-  O(leases they held). A node with no past pays one command.
+  O(leases they held). A node with no past pays one command. Until the leases Redis answers,
+  the worker waits there, consuming nothing.
 - A reaper in the main process frees the leases of pool children that died without running
   their finalizers (SIGKILL, hard time limit, ``revoke(terminate=True, signal="SIGKILL")``): at
   once when Celery reports such an end, and every ``ttl / 3`` seconds otherwise.
@@ -15,18 +16,21 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from celery import bootsteps, signals
+from celery.exceptions import WorkerShutdown, WorkerTerminate
 from celery.utils.log import get_logger
 from celery.worker import state as worker_state
 
 from ._identity import set_node
 from ._lease import Want
-from ._store import CleanupReport
+from ._store import CleanupReport, safe_url
 from ._text import printable
-from .exceptions import LeaseError
+from .config import DEFAULT_REDIS_URL
+from .exceptions import LeaseBackendError, LeaseError
 
 if TYPE_CHECKING:
     from .app import Leases
@@ -44,6 +48,11 @@ _CHILD_DEATHS: Final = ("WorkerLostError", "TimeLimitExceeded", "Terminated")
 _REAP_AGAIN_AFTER: Final = 1.0
 #: names of tasks whose child died that the main process keeps for the reaper's log lines
 _NAMES_KEPT: Final = 256
+#: start-up tries of an unreachable leases Redis: 0.5 s, doubling, at most 10 s apart
+_STARTUP_RETRY_FIRST: Final = 0.5
+_STARTUP_RETRY_MAX: Final = 10.0
+#: how often a start-up wait looks for a shutdown request
+_STARTUP_POLL: Final = 0.2
 
 #: ``observer(kind, report)`` after a cleanup pass; kind is "startup", "reaper", "reconcile" or
 #: "shutdown"
@@ -124,6 +133,69 @@ def _task_text(task_id: str | None, names: Mapping[str, str] | None) -> str:
     return f"task {shown} ({printable(name)})" if name else f"task {shown}"
 
 
+def _note_redis_url(ext: Leases) -> None:
+    """Warn at start-up when the leases Redis is localhost only because the broker is not Redis.
+
+    Every worker of a fleet must share one leases Redis; a localhost default on each machine
+    gives each its own, and no exclusion between them.
+    """
+    url = ext.settings.url
+    broker = ext.app.conf.broker_url
+    given = os.environ.get("CELERY_LEASES_REDIS_URL") or ext.app.conf.get("leases_redis_url")
+    if given or url != DEFAULT_REDIS_URL:
+        return
+    if isinstance(broker, str) and broker.startswith(("redis://", "rediss://", "sentinel://")):
+        return
+    logger.warning(
+        "leases: no redis_url is set and the broker (%s) is not Redis: leases use the default "
+        "%s. Every worker of the fleet must use the same leases Redis; set leases_redis_url "
+        "(or CELERY_LEASES_REDIS_URL) to name it.",
+        safe_url(broker) if isinstance(broker, str) else "Celery's default, amqp",
+        url,
+    )
+
+
+def _startup_cleanup(ext: Leases, node: str, incarnation: str) -> CleanupReport | None:
+    """The start-up cleanup, tried until the leases Redis answers; None if it failed otherwise.
+
+    ``LeaseBootstep.start`` runs before the consumer, so while this waits the worker takes no
+    task off the queue and does not say "ready": a worker that cannot reach the leases Redis
+    would otherwise take every leased task and fail or retry it. A warm or cold shutdown asked
+    for meanwhile (Celery's signal handlers only set a flag) ends the wait.
+    """
+    attempt = 0
+    while True:
+        try:
+            return ext.store.cleanup_node(node, keep_incarnation=incarnation)
+        except LeaseBackendError as exc:
+            delay = min(_STARTUP_RETRY_MAX, _STARTUP_RETRY_FIRST * 2**attempt)
+            attempt += 1
+            logger.warning(
+                "leases: the leases Redis does not answer at start-up (attempt %d): %s; not "
+                "consuming tasks until it does, next try in %.1fs",
+                attempt,
+                exc,
+                delay,
+            )
+        except LeaseError as exc:
+            logger.error("leases: start-up cleanup of node %s failed: %s", node, exc)
+            return None
+        deadline = time.monotonic() + delay
+        while time.monotonic() < deadline:
+            _raise_if_shutdown_asked()
+            time.sleep(min(_STARTUP_POLL, max(0.0, deadline - time.monotonic())))
+        _raise_if_shutdown_asked()
+
+
+def _raise_if_shutdown_asked() -> None:
+    # Celery's SIGTERM/SIGINT/SIGQUIT handlers set these flags; its WorkController.start
+    # turns the exceptions into a warm or cold shutdown
+    if worker_state.should_terminate is not None and worker_state.should_terminate is not False:
+        raise WorkerTerminate(worker_state.should_terminate)
+    if worker_state.should_stop is not None and worker_state.should_stop is not False:
+        raise WorkerShutdown(worker_state.should_stop)
+
+
 class LeaseBootstep(bootsteps.StartStopStep):
     """Worker bootstep: start-up cleanup, the dead-child reaper and the periodic reconcile.
 
@@ -169,12 +241,10 @@ class LeaseBootstep(bootsteps.StartStopStep):
         _active = self
         # a leases_* key changed since the settings' first use is refused here, at start
         ext._check_settings(full=True)
+        _note_redis_url(ext)
         ident = ext.identity()
-        try:
-            report = ext.store.cleanup_node(ident.node, keep_incarnation=ident.incarnation)
-        except LeaseError as exc:
-            logger.error("leases: start-up cleanup of node %s failed: %s", ident.node, exc)
-        else:
+        report = _startup_cleanup(ext, ident.node, ident.incarnation)
+        if report is not None:
             _log_report(
                 "startup", f"start-up cleanup of earlier incarnations of {ident.node}", report
             )

@@ -26,7 +26,7 @@ def test_reaper_spares_a_lease_taken_by_a_process_that_reused_a_dead_pid(
     node = "reaper@test-host"
     ext = make_leases(ttl=30, node=node)  # the node setting: no process-wide naming here
     store = ext.store
-    step = worker.LeaseBootstep(SimpleNamespace(app=SimpleNamespace(leases=ext), hostname=node))
+    step = worker.LeaseBootstep(SimpleNamespace(app=ext.app, hostname=node))
     mine = ext.identity()
     child = Identity(node, mine.incarnation, PID)
 

@@ -159,3 +159,32 @@ def test_stale_fence_survives_celerys_json_result_backend():
     back = backend.exception_to_python(backend.prepare_exception(err, serializer="json"))
     assert type(back) is StaleFence
     assert (back.name, back.token, back.last) == ("r", 1, 2)
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_busy_with_its_holders_task_survives_pickling(protocol):
+    err = LeaseBusy("res:x", retry_after=2.0, waited=0.5, holder_task="t-1")
+    back = pickle.loads(pickle.dumps(err, protocol=protocol))
+    assert (back.resource, back.retry_after, back.waited, back.holder_task) == (
+        "res:x",
+        2.0,
+        0.5,
+        "t-1",
+    )
+    assert "held by task t-1" in str(back)
+    assert str(back) == str(err)
+
+
+def test_busy_without_a_known_holder_keeps_its_three_args():
+    """Old and new workers rebuild each other's busy errors as ``cls(*args)``."""
+    assert LeaseBusy("r", 1.0).args == ("r", 1.0, 0.0)
+    assert LeaseBusy("r", 1.0).holder_task is None
+    assert "another owner" in str(LeaseBusy("r"))
+
+
+def test_busy_with_its_holders_task_survives_the_json_result_backend():
+    backend = BaseBackend(Celery(set_as_current=False), serializer="json")
+    err = LeaseBusy("res:x", retry_after=2.0, holder_task="t-1")
+    back = backend.exception_to_python(backend.prepare_exception(err, "json"))
+    assert isinstance(back, LeaseBusy)
+    assert (back.resource, back.retry_after, back.holder_task) == ("res:x", 2.0, "t-1")

@@ -228,3 +228,15 @@ def test_arguments_that_do_not_fit_fail_with_a_config_error(app: Celery) -> None
     made = declare(app, task, lease="a:{a}")
     with pytest.raises(LeaseConfigError, match="do not fit"):
         made._render_leases((), {})
+
+
+def test_lease_busy_is_an_expected_end_next_to_the_tasks_own_throws(app: Celery) -> None:
+    from celery_leases import LeaseBusy
+
+    def plain(rid: str) -> None: ...
+
+    def own(rid: str) -> None: ...
+
+    assert declare(app, plain, lease="r:{rid}").throws == (LeaseBusy,)
+    assert declare(app, own, lease="r:{rid}", throws=(KeyError,)).throws == (KeyError, LeaseBusy)
+    assert LeasedTask.throws == (LeaseBusy,)

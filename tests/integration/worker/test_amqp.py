@@ -47,7 +47,7 @@ def test_leased_task_over_amqp_runs_retries_while_busy_and_releases(
         result = amqp_client.send_task(wapp.retry_no_budget.name, ["amqp-busy"], queue=queue)
         wait_until(lambda: result.state == "RETRY", RESULT_TIMEOUT, "state RETRY")
         wait_until(
-            lambda: worker.log().count(f"[{result.id}] retries in") >= 2,
+            lambda: worker.log().count(f"[{result.id}] retry: retrying in") >= 2,
             RESULT_TIMEOUT,
             "two busy retries",
         )

@@ -45,7 +45,7 @@ class Ctx:
 
     def busy_retries(self, task_id: str) -> int:
         """How many times the worker logged a busy retry of ``task_id``."""
-        return self.worker.log().count(f"[{task_id}] retries in")
+        return self.worker.log().count(f"[{task_id}] retry: retrying in")
 
 
 @pytest.fixture
@@ -171,7 +171,7 @@ def test_busy_timeout_is_counted_on_the_redis_clock(start_worker, wapp, send, te
     with test_leases.hold("res:skew"):
         result = send(wapp.busy_retry_short, "skew", 0.0, _options={"headers": headers})
         wait_until(
-            lambda: result.ready() or worker.log().count(f"[{result.id}] retries in") >= 2,
+            lambda: result.ready() or worker.log().count(f"[{result.id}] retry: retrying in") >= 2,
             RESULT_TIMEOUT,
             "two busy retries",
         )

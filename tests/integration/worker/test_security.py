@@ -169,8 +169,17 @@ def test_a_worker_with_a_wrong_password_never_logs_it(
 ) -> None:
     wrong = f"wrong-{SECRET}"
     env = {**FAST, "CELERY_LEASES_REDIS_URL": _user_url(user_server, wrong)}
-    w = start_worker("prefork", 1, env=env, extra=["-l", "debug"])
-    w.wait_for_log("start-up cleanup of node", 30)
+    w = start_worker("prefork", 1, env=env, extra=["-l", "debug"], wait=False)
+    # refused at start-up: the worker says why and waits, taking no task
+    w.wait_for_log("the leases Redis does not answer at start-up (attempt 2)", 30)
+    assert "ready." not in w.current_log()
+    # the password becomes right: the worker starts; then wrong again, on new connections
+    admin = redis.Redis.from_url(user_server.url)
+    admin.execute_command("ACL", "SETUSER", USER, f">{wrong}")
+    w.wait_ready()
+    admin.execute_command("ACL", "SETUSER", USER, f"<{wrong}")
+    admin.execute_command("CLIENT", "KILL", "USER", USER)
+    admin.close()
     failed = send(wapp.guarded, "a")
     with pytest.raises(LeaseBackendError, match="invalid username-password pair"):
         failed.get(timeout=30)

@@ -62,6 +62,6 @@ def test_hundreds_of_leased_tasks_on_few_resources_across_three_pools(
     for worker in workers:
         pids = set(worker.children()) if worker.pool == "prefork" else {worker.pid}
         assert sum(by_pid[p] for p in pids) > 0, f"{worker.pool} worker ran no task"
-    retried = sum(w.log().count("retries in") for w in workers)
+    retried = sum(w.log().count("] retry: retrying in") for w in workers)
     assert retried > 0, "no task ever found its resource busy: the load did not contend"
     print(f"{TASKS} tasks on {RESOURCES} resources in {elapsed:.1f}s; {retried} busy retries")
