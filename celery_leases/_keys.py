@@ -86,6 +86,12 @@ class Keyspace:
         """STRING: Redis time (ms) when this group was first used; gone after a data loss."""
         return f"{self.tag(group)}:epoch"
 
+    def lifetime(self, group: int) -> str:
+        """STRING ``"<grace until, Redis time in ms> <run_id>/<master_replid>"``: the server
+        lifetime that last checked this group, and until when nothing is granted in it (see
+        lua/_lifetime.lua)."""
+        return f"{self.tag(group)}:life"
+
     # --- home group ---------------------------------------------------------------------
     @property
     def owners(self) -> str:
