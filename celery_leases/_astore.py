@@ -325,13 +325,8 @@ class AsyncLeaseStore:
 
     def _connect_check(self) -> Callable[[Any], Awaitable[None]] | None:
         """The restart check each new connection runs first (see _lifetime)."""
-        keys, slot_groups = self.store.keys, self.settings.slot_groups
-        return _lifetime.connect_hook(  # type: ignore[return-value]
-            [keys.lifetime(g) for g in range(slot_groups)],
-            self.settings,
-            cluster=parse_target(self.settings.url).kind == "cluster",
-            asyncio=True,
-        )
+        cluster = parse_target(self.settings.url).kind == "cluster"
+        return _lifetime.aconnect_hook(self.store.keys, self.settings, cluster=cluster)
 
     async def aclose(self) -> None:
         """Close the running event loop's connections (new ones are made on next use)."""

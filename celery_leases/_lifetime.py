@@ -27,6 +27,7 @@ from celery.utils.log import get_logger
 from redis.exceptions import AskError, MovedError, NoScriptError, ResponseError
 
 from . import _scripts
+from ._keys import Keyspace
 from .config import LeaseSettings
 
 logger = get_logger(__name__)
@@ -151,13 +152,27 @@ class ConnectCheck:
         return replies
 
 
-def connect_hook(
-    records: Sequence[str], settings: LeaseSettings, *, cluster: bool, asyncio: bool = False
-) -> Callable[[Any], None] | Callable[[Any], Awaitable[None]] | None:
-    """The ``redis_connect_func`` of a store's client, or None when nothing is to be checked
-    on connect (``kept_grace`` is 0: only a missing record is looked at, by the scripts)."""
+def _check(keys: Keyspace, settings: LeaseSettings, *, cluster: bool, asyncio: bool) -> Any:
     if not kept_grace(settings):
-        return None
+        return None  # only a missing record is looked at, by the scripts that grant
+    records = [keys.lifetime(group) for group in range(settings.slot_groups)]
     # the asyncio cluster client has no connect step of its own to run before the hook
-    check = ConnectCheck(records, settings, per_group=cluster, connect_first=asyncio or not cluster)
-    return check.acall if asyncio else check
+    connect_first = asyncio or not cluster
+    return ConnectCheck(records, settings, per_group=cluster, connect_first=connect_first)
+
+
+def connect_hook(
+    keys: Keyspace, settings: LeaseSettings, *, cluster: bool
+) -> Callable[[Any], None] | None:
+    """The sync client's ``redis_connect_func``: the check on every group's record, or None
+    when restarts that keep data are not checked (``kept_grace`` is 0)."""
+    check: ConnectCheck | None = _check(keys, settings, cluster=cluster, asyncio=False)
+    return check
+
+
+def aconnect_hook(
+    keys: Keyspace, settings: LeaseSettings, *, cluster: bool
+) -> Callable[[Any], Awaitable[None]] | None:
+    """The asyncio client's ``redis_connect_func``, as :func:`connect_hook`."""
+    check: ConnectCheck | None = _check(keys, settings, cluster=cluster, asyncio=True)
+    return None if check is None else check.acall

@@ -219,9 +219,8 @@ class LeaseStore:
 
     def _connect_check(self) -> Callable[[Any], None] | None:
         """The restart check each new connection runs first (see _lifetime)."""
-        records = [self.keys.lifetime(g) for g in range(self.settings.slot_groups)]
         cluster = self._target.kind == "cluster"
-        return _lifetime.connect_hook(records, self.settings, cluster=cluster)  # type: ignore[return-value]
+        return _lifetime.connect_hook(self.keys, self.settings, cluster=cluster)
 
     def _register_scripts(self, client: redis.Redis) -> None:
         # register_script only hashes locally; each store keeps its own Script objects
