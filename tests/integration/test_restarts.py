@@ -23,13 +23,16 @@ import pytest
 import redis
 
 from celery_leases import LeaseBusy, LeaseLost, Leases
+from celery_leases._lease import Held
 from celery_leases._redis_server import RedisServer
-from celery_leases._redis_topology import LocalSentinel
+from celery_leases._redis_topology import LocalCluster, LocalSentinel
+from celery_leases._store import Claimed, ClaimHolder
 from celery_leases.signals import lease_lost
 from tests import oldest_redis
 from tests.acl import USER, create_documented_user
 from tests.integration.test_lost import LostLog, confirmed_once, leave_lost, poll
 from tests.lifetimes import server_identity
+from tests.polling import wait_until
 
 #: long enough that the holder's first renewal after the restart (every ttl / 3) comes well
 #: after the restart itself, so that without the check the second grant would come first
@@ -285,3 +288,72 @@ def test_without_info_in_the_acl_a_warning_says_what_is_not_recognised(
         pass
     (warning,) = [r for r in caplog.records if r.name == "celery_leases._lifetime"]
     assert "INFO is refused" in warning.getMessage()
+
+
+def test_rdb_restore_of_one_cluster_node_holds_off_its_groups(
+    make_leases: Any, lost_log: LostLog
+) -> None:
+    # each node has its own run id: the restored node's groups wait, the connection check of
+    # a cluster client runs per group and skips the groups of the other nodes (MOVED)
+    ttl = 10.0  # renewals stall while the node restarts and rejoins (a few seconds)
+    with LocalCluster(masters=3) as cluster:
+        settings: dict[str, Any] = {"redis_url": cluster.url, "slot_groups": 16, "ttl": ttl}
+        holder = make_leases(node="holder", **settings)
+        second = make_leases(node="second", **settings)
+        # a node that does not serve group 0: every owner registers there first
+        home = _port_of(holder, holder.store.keys.owners)
+        server = next(s for s in cluster.servers if s.port != home)
+        names = [f"c:{i}" for i in range(2000)]
+        before, after = [n for n in names if _port_of(holder, _xkey(holder, n)) == server.port][:2]
+        with ExitStack() as stack:
+            kept = stack.enter_context(holder.hold(before))
+            with admin(server.url) as client:
+                client.save()
+            gone = stack.enter_context(holder.hold(after))
+            poll(lambda: confirmed_once(gone), ttl, "a first renewal")
+            server.restart(keep_data=True)
+            wait_until(lambda: _cluster_ok(server), 30, "the restored node serving its slots")
+            # the groups of the other nodes are not held back
+            elsewhere = next(n for n in names if _port_of(holder, _xkey(holder, n)) == home)
+            with second.hold(elsewhere, wait=0):
+                pass
+            check_after_restart(holder, second, lost_log, stack, kept, gone, ttl=ttl)
+
+
+def _cluster_ok(server: RedisServer) -> bool:
+    with admin(server.url) as client:
+        info = client.cluster("INFO")
+    return bool(info.get("cluster_state") == "ok")
+
+
+def _xkey(leases: Leases, name: str) -> str:
+    return leases.store.resource_keys(name).exclusive
+
+
+def _port_of(leases: Leases, key: str) -> int:
+    """The port of the cluster node that serves ``key``."""
+    node = leases.store.client.get_node_from_key(key)  # type: ignore[attr-defined]
+    return int(node.port)
+
+
+def test_rdb_restore_holds_off_the_takeover_of_a_unique_claim(
+    make_redis_server: Callable[..., RedisServer], make_leases: Any
+) -> None:
+    # a running task's claim (taken over after the snapshot) is lost by the restore; a second
+    # publish queues the same key again, and its worker must not take it over while the first
+    # run may still count it held
+    server = make_redis_server()
+    first = make_leases(redis_url=server.url, node="first", ttl=TTL)
+    other = make_leases(redis_url=server.url, node="other", ttl=TTL)
+    store = first.store
+    assert store.ping()  # connected: the records are there, and in the snapshot
+    with admin(server.url) as client:
+        client.save()
+    store.unique_claim("u:1", "task-1", 60)
+    running = store.unique_handover("u:1", "task-1", first.identity(), TTL)
+    assert isinstance(running, Held)
+    server.restart(keep_data=True)
+    assert isinstance(other.store.unique_claim("u:1", "task-2", 60), Claimed)  # the claim is gone
+    outcome = other.store.unique_handover("u:1", "task-2", other.identity(), TTL)
+    assert isinstance(outcome, ClaimHolder)
+    assert outcome.state == "grace"
