@@ -17,34 +17,32 @@
 -- (every restart and every failover drops every connection, so the check always runs first
 -- in a new lifetime).
 
--- the server's identity, or nil when INFO is refused (an ACL without +info), and its role;
--- read once per script call
-local lifetime_known, lifetime_id, lifetime_role = false, nil, 'master'
-local function lifetime_identity()
-  if lifetime_known then
-    return lifetime_id, lifetime_role
-  end
-  lifetime_known = true
-  local server = redis.pcall('INFO', 'server')
-  local repl = redis.pcall('INFO', 'replication')
-  if type(server) ~= 'string' or type(repl) ~= 'string' then
-    return nil, 'master'
-  end
-  local run_id = string.match(server, 'run_id:(%x+)') or '-'
-  local replid = string.match(repl, 'master_replid:(%x+)') or '-'
-  lifetime_id = run_id .. '/' .. replid
-  lifetime_role = string.match(repl, 'role:(%a+)') or 'master'
-  return lifetime_id, lifetime_role
-end
-
--- ms to wait before anything may be granted in the group of record key `key`; writes the
--- record when it is missing or from another lifetime
-local function lifetime_check(key, now, kept_ms, empty_ms)
+-- One function, so that a call defines one closure: on the hot path (the record is there and
+-- `check` is false) it is one GET. Returns the ms to wait before anything may be granted in
+-- the group of record `key`. With `check`, or when the record is missing, the record is
+-- compared with the server's identity and rewritten when it is missing or from another
+-- lifetime; `known` (a table, or nil) keeps the identity read by INFO for the next call of
+-- the same script (known.identity is nil when INFO is refused: an ACL without +info).
+local function lifetime_wait(key, now, kept_ms, empty_ms, check, known)
   local record = redis.call('GET', key)
-  local identity, role = lifetime_identity()
-  if role ~= 'master' then
-    return 0  -- a replica takes no grants; its record comes from its master
+  if record and not check then
+    return math.max((tonumber(string.match(record, '^%d+')) or 0) - now, 0)
   end
+  known = known or {}
+  if known.role == nil then
+    known.role = 'master'
+    local server = redis.pcall('INFO', 'server')
+    local repl = redis.pcall('INFO', 'replication')
+    if type(server) == 'string' and type(repl) == 'string' then
+      known.role = string.match(repl, 'role:(%a+)') or 'master'
+      known.identity = (string.match(server, 'run_id:(%x+)') or '-') .. '/' ..
+        (string.match(repl, 'master_replid:(%x+)') or '-')
+    end
+  end
+  if known.role ~= 'master' then
+    return 0  -- a replica takes no grants; its records come from its master
+  end
+  local identity = known.identity
   local until_ms
   if not record then
     until_ms = now + empty_ms
@@ -59,14 +57,3 @@ local function lifetime_check(key, now, kept_ms, empty_ms)
   redis.call('SET', key, string.format('%.0f', until_ms) .. ' ' .. (identity or '-'))
   return math.max(until_ms - now, 0)
 end
-
--- the hot path: one GET while the record is there
-local function lifetime_wait(key, now, empty_ms)
-  local record = redis.call('GET', key)
-  if not record then
-    return lifetime_check(key, now, 0, empty_ms)
-  end
-  local until_ms = tonumber(string.match(record, '^%d+')) or 0
-  return math.max(until_ms - now, 0)
-end
-

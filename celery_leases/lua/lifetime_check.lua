@@ -10,9 +10,8 @@
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local kept_ms, empty_ms = tonumber(ARGV[1]), tonumber(ARGV[2])
-local wait = 0
+local wait, known = 0, {}
 for i = 1, #KEYS do
-  wait = math.max(wait, lifetime_check(KEYS[i], now, kept_ms, empty_ms))
+  wait = math.max(wait, lifetime_wait(KEYS[i], now, kept_ms, empty_ms, true, known))
 end
-local identity = lifetime_identity()
-return {wait, identity and 1 or 0}
+return {wait, known.identity and 1 or 0}

@@ -26,7 +26,7 @@ local owner, grace = ARGV[1], tonumber(ARGV[3])
 local function num(x) return string.format('%.0f', x) end
 
 if grace >= 0 then
-  local wait = lifetime_wait(KEYS[1], now, grace)
+  local wait = lifetime_wait(KEYS[1], now, 0, grace, false, nil)
   if wait > 0 then
     return {-1, wait}
   end
