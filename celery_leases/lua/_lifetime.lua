@@ -11,11 +11,11 @@
 -- record is a new Redis or one that came back empty: the server cannot tell them apart, so
 -- that grace (empty_ms) is the restart_grace setting, 0 by default.
 --
--- INFO costs about 6 to 15 us of server time, so the scripts that grant call it only when the
--- record is missing; a kept record is compared with the server's identity by
--- lifetime_check.lua, which the client runs on every new connection before anything else
--- (every restart and every failover drops every connection, so the check always runs first
--- in a new lifetime).
+-- INFO server and INFO replication add 6 to 10 us of server time to a grant (measured), so
+-- the scripts that grant call them only when the record is missing; a kept record is compared
+-- with the server's identity by lifetime_check.lua, which the client runs on every new
+-- connection before anything else (every restart and every failover drops every connection,
+-- so the check always runs first in a new lifetime).
 
 -- One function, so that a call defines one closure: on the hot path (the record is there and
 -- `check` is false) it is one GET. Returns the ms to wait before anything may be granted in
