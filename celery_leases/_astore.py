@@ -22,7 +22,7 @@ from redis.exceptions import AskError, NoScriptError, RedisClusterException, Red
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from . import _scripts
+from . import _lifetime, _scripts
 from ._connect import aclose_client, parse_target
 from ._connect import make_async_client as make_deployment_client
 from ._identity import Identity
@@ -45,13 +45,17 @@ RENEW_CONNECTIONS: Final = 2
 
 
 def make_async_client(
-    settings: LeaseSettings, *, max_connections: int = MAX_CONNECTIONS
+    settings: LeaseSettings,
+    *,
+    max_connections: int = MAX_CONNECTIONS,
+    on_connect: Callable[[Any], Awaitable[None]] | None = None,
 ) -> aredis.Redis:
     """An asyncio client for ``settings``, with the options of the sync store's client.
 
     The one place asyncio clients are made. A client's connections belong to the event loop
     that opened them, so the store makes one per loop. Its pool blocks when all of its
-    connections are in use (up to ``socket_timeout``) rather than failing.
+    connections are in use (up to ``socket_timeout``) rather than failing. ``on_connect``
+    runs first on each new connection (the restart check: see _lifetime).
     """
     common: dict[str, Any] = {
         "decode_responses": True,
@@ -64,7 +68,9 @@ def make_async_client(
     try:
         target = parse_target(settings.url)
         if target.kind != "single":  # Sentinel or Cluster: their own pools
-            return make_deployment_client(target, **common)
+            return make_deployment_client(target, on_connect, **common)
+        if on_connect is not None:
+            common["redis_connect_func"] = on_connect
         pool = aredis.BlockingConnectionPool.from_url(
             settings.url, timeout=settings.socket_timeout, **common
         )
@@ -305,7 +311,7 @@ class AsyncLeaseStore:
                 del self._loops[old]  # its connections went with it
             state = self._loops.get(loop)
             if state is None:
-                client = make_async_client(self.settings)
+                client = make_async_client(self.settings, on_connect=self._connect_check())
                 state = self._loops[loop] = _LoopState(
                     client=client,
                     renew_client=make_async_client(
@@ -316,6 +322,11 @@ class AsyncLeaseStore:
                     commit_receipt=client.register_script(_scripts.COMMIT_RECEIPT),
                 )
             return state
+
+    def _connect_check(self) -> Callable[[Any], Awaitable[None]] | None:
+        """The restart check each new connection runs first (see _lifetime)."""
+        cluster = parse_target(self.settings.url).kind == "cluster"
+        return _lifetime.aconnect_hook(self.store.keys, self.settings, cluster=cluster)
 
     async def aclose(self) -> None:
         """Close the running event loop's connections (new ones are made on next use)."""

@@ -31,7 +31,7 @@ from redis.connection import parse_url
 from redis.sentinel import Sentinel
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
 __all__ = (
     "RedisTarget",
@@ -220,19 +220,33 @@ def _flag(args: dict[str, str], name: str) -> bool:
     raise ValueError(f"has {name}={value!r}; write {name}=true or {name}=false")
 
 
-def make_client(target: RedisTarget, **common: Any) -> redis.Redis:
+def make_client(
+    target: RedisTarget, on_connect: Callable[[Any], None] | None = None, **common: Any
+) -> redis.Redis:
     """The client for ``target``; ``common`` are the store's own options (timeouts, name...).
 
     A :class:`~redis.cluster.RedisCluster` is returned typed as :class:`redis.Redis`: the store
     calls only commands both have (scripts on keys of one slot, pipelines, pub/sub).
+    ``on_connect(connection)`` runs on every new data connection before anything else is sent
+    on it (after redis-py's own connect step on a cluster; instead of it elsewhere, so it
+    must call ``connection.on_connect()`` first: see ``_lifetime.ConnectCheck``).
     """
+    if on_connect is not None:
+        common = {**common, "redis_connect_func": on_connect}
     client = _build(target, common, redis.Redis.from_url, RedisCluster, ClusterNode, Sentinel)
     return cast("redis.Redis", client)
 
 
-def make_async_client(target: RedisTarget, **common: Any) -> redis.asyncio.Redis:
+def make_async_client(
+    target: RedisTarget,
+    on_connect: Callable[[Any], Awaitable[None]] | None = None,
+    **common: Any,
+) -> redis.asyncio.Redis:
     """The asyncio client for ``target``: the same deployments and options as
-    :func:`make_client`, on ``redis.asyncio`` (a cluster client typed as the plain one too)."""
+    :func:`make_client`, on ``redis.asyncio`` (a cluster client typed as the plain one too).
+    ``on_connect`` runs instead of redis-py's connect step on every topology."""
+    if on_connect is not None and target.kind != "cluster":
+        common = {**common, "redis_connect_func": on_connect}
     client = _build(
         target,
         common,
@@ -241,6 +255,12 @@ def make_async_client(target: RedisTarget, **common: Any) -> redis.asyncio.Redis
         AsyncClusterNode,
         AsyncSentinel,
     )
+    if on_connect is not None and target.kind == "cluster":
+        # the asyncio cluster client takes no redis_connect_func: give it to the nodes it
+        # made from the seeds and to those it will find (their connections are made lazily)
+        client.nodes_manager.connection_kwargs["redis_connect_func"] = on_connect
+        for node in client.nodes_manager.startup_nodes.values():
+            node.connection_kwargs["redis_connect_func"] = on_connect
     return cast("redis.asyncio.Redis", client)
 
 

@@ -83,8 +83,17 @@ class Keyspace:
         return f"{self.tag(group)}:reg:{owner}"
 
     def epoch(self, group: int) -> str:
-        """STRING: Redis time (ms) when this group was first used; gone after a data loss."""
+        """STRING: Redis time (ms) when this group was first used; gone after a data loss.
+
+        Read (and written) only by versions before :meth:`lifetime`, with restart_grace set;
+        named here so that the key layout of a rolling deploy stays known."""
         return f"{self.tag(group)}:epoch"
+
+    def lifetime(self, group: int) -> str:
+        """STRING ``"<grace until, Redis time in ms> <run_id>/<master_replid>"``: the server
+        lifetime that last checked this group, and until when nothing is granted in it (see
+        lua/_lifetime.lua)."""
+        return f"{self.tag(group)}:life"
 
     # --- home group ---------------------------------------------------------------------
     @property

@@ -231,6 +231,13 @@ class RedisServer(StartStop):
         return f"redis://{HOST}:{self._port}/0"
 
     @property
+    def dir(self) -> str:
+        """The server's working dir (its data files and log), while it is started."""
+        if self._dir is None:
+            raise RuntimeError(f"server on port {self._port} is not started")
+        return self._dir
+
+    @property
     def tls(self) -> ServerTLS | None:
         return self._tls
 
@@ -296,11 +303,16 @@ class RedisServer(StartStop):
         proc.kill()
         proc.wait()
 
-    def restart(self) -> None:
-        """Kill the server with SIGKILL and start a new, empty one on the same port."""
+    def restart(self, *, keep_data: bool = False) -> None:
+        """Kill the server with SIGKILL and start a new one on the same port: empty, or with
+        ``keep_data`` from what its dir holds (its last RDB snapshot, its AOF), as a crashed
+        server comes back."""
         self._running()
         self._kill()
         assert self._dir is not None
+        if keep_data:
+            self._spawn()
+            return
         for name in os.listdir(self._dir):  # drop any data files, keep the log
             path = os.path.join(self._dir, name)
             if name == _LOG_NAME:

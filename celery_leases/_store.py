@@ -20,7 +20,7 @@ from redis.exceptions import MovedError, NoScriptError, RedisClusterException, R
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from . import _connect, _scripts
+from . import _connect, _lifetime, _scripts
 from ._identity import Identity
 from ._keys import UNIQUE_PREFIX, Keyspace, escape, node_of_owner, unescape
 from ._lease import Held, Want
@@ -166,7 +166,7 @@ class LeaseStore:
         # hot-path caches: key names of recently used resources and registries
         self._rkeys: dict[str, ResourceKeys] = {}
         self._regkeys: dict[tuple[str, int], str] = {}
-        self._grace_ms = math.ceil(settings.restart_grace * 1000)
+        self._grace_ms = _lifetime.grace_arg(settings)
         self._pubsubs: list[redis.client.PubSub] = []  # idle subscribers of this process
         self._pubsub_pid = os.getpid()
         self._liveness = str(self._ms(settings.ttl))
@@ -207,6 +207,7 @@ class LeaseStore:
         try:
             return _connect.make_client(
                 self._target,
+                self._connect_check(),
                 decode_responses=True,
                 socket_timeout=s.socket_timeout,
                 socket_connect_timeout=s.socket_connect_timeout,
@@ -219,6 +220,11 @@ class LeaseStore:
             # a RedisError)
             msg = f"redis_url {safe_url(self.url)!r} is not usable: {exc}"
             raise LeaseConfigError(msg) from None
+
+    def _connect_check(self) -> Callable[[Any], None] | None:
+        """The restart check each new connection runs first (see _lifetime)."""
+        cluster = self._target.kind == "cluster"
+        return _lifetime.connect_hook(self.keys, self.settings, cluster=cluster)
 
     def _register_scripts(self, client: redis.Redis) -> None:
         # register_script only hashes locally; each store keeps its own Script objects
@@ -485,7 +491,7 @@ class LeaseStore:
         owner = ident.owner
         now = time.monotonic()
         registry_s = self._registry_expiry(owner, group, ttl, now) if wants else 0.0
-        keys = [self.keys.epoch(group), self._registry_key(owner, group)]
+        keys = [self.keys.lifetime(group), self._registry_key(owner, group)]
         args: list[Any] = [owner, self._ms(ttl), self._grace_ms]
         home = home and group == 0
         if home:
@@ -1396,7 +1402,7 @@ class LeaseStore:
         now = time.monotonic()
         registry_s = self._registry_expiry(owner, group, ttl, now)
         keys = [
-            self.keys.epoch(group),
+            self.keys.lifetime(group),
             self._registry_key(owner, group),
             rk.exclusive,
             rk.counter,

@@ -228,8 +228,24 @@ class LeaseSettings(BaseSettings):
         ge=0.0,
         description=(
             "Seconds during which no lease is granted after Redis is found empty (restarted "
-            "without persistence). Set it to your longest TTL so that a holder always learns "
-            "of the loss before anyone else is granted the resource. 0 turns it off."
+            "without persistence, or its keys deleted). Redis cannot tell that from a new, "
+            "never used Redis, which this grace holds back too, hence 0 (off) by default. "
+            "Set it to the ttl setting (or more) when Redis may come back empty, so that a "
+            "holder always learns of the loss before anyone else is granted the resource. "
+            "Restarts that keep data are covered by restore_grace."
+        ),
+    )
+    restore_grace: float | None = Field(
+        None,
+        ge=0.0,
+        description=(
+            "Seconds during which no lease is granted after Redis restarted from an RDB "
+            "snapshot or an AOF, or failed over to a replica (its run id or replication id "
+            "changed while the library's records were kept), since the grants made after the "
+            "snapshot or the last replicated write are lost while their holders still count "
+            "them held. None (the default): the ttl setting, or restart_grace if that is "
+            "longer; a holder counts a lease held for at most ttl after its last renewal. "
+            "Costs nothing on a new Redis. 0 turns the check off. Needs INFO in the ACL."
         ),
     )
     receipt_ttl: float | None = Field(

@@ -5,11 +5,12 @@
 -- so tokens keep growing after the lease or counter key expired, and after Redis lost its data.
 -- Every grant is recorded in the owner's registry in this same script.
 --
--- KEYS[1] epoch of the group      KEYS[2] owner registry in the group
+-- KEYS[1] lifetime record of the group      KEYS[2] owner registry in the group
 -- when ARGV[4] == "1" (home group): KEYS[3] owners index  KEYS[4] node's owner set  KEYS[5] node set
 -- then per resource i: exclusive key, shared key, token counter key
 -- ARGV[1] owner id   ARGV[2] ttl in milliseconds
--- ARGV[3] restart grace in milliseconds (0: the epoch is not even read)
+-- ARGV[3] grace in milliseconds after Redis is found without the lifetime record (the
+--         restart_grace setting; -1: the record is not even read): see _lifetime.lua
 -- ARGV[4] "1" when the home keys are given (register the owner, refresh its liveness)
 -- ARGV[5] owner liveness in milliseconds   ARGV[6] escaped node name
 -- ARGV[7] token counter memory in milliseconds
@@ -19,7 +20,7 @@
 -- returns {1, token_1, ..., token_n}  granted
 --         {0, i, wait_ms}             resource i (1-based) is busy; its blocking holder runs out
 --                                     in wait_ms unless renewed
---         {-1, wait_ms}               restart grace: Redis lost its data less than grace ago
+--         {-1, wait_ms}               restart grace: Redis restarted or failed over (see above)
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -28,16 +29,10 @@ local owner, ttl, grace = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local home = ARGV[4] == '1'
 local function num(x) return string.format('%.0f', x) end
 
-if grace > 0 then
-  local epoch = redis.call('GET', KEYS[1])
-  if not epoch then
-    epoch = now
-    redis.call('SET', KEYS[1], num(now))
-  else
-    epoch = tonumber(epoch)
-  end
-  if now < epoch + grace then
-    return {-1, epoch + grace - now}
+if grace >= 0 then
+  local wait = lifetime_wait(KEYS[1], now, 0, grace, false, nil)
+  if wait > 0 then
+    return {-1, wait}
   end
 end
 

@@ -6,17 +6,18 @@
 -- then on: recorded in its registry, renewed by its heartbeat, released by release.lua (by the
 -- task's finalizer, or by the cleanup of a dead owner).
 --
--- KEYS[1] epoch of the group   KEYS[2] owner registry in the group   KEYS[3] claim key
+-- KEYS[1] lifetime record of the group   KEYS[2] owner registry in the group   KEYS[3] claim key
 -- KEYS[4] token counter of the claim resource   KEYS[5] queued-claims index of the group
 -- ARGV[1] owner id   ARGV[2] lease ttl in milliseconds
--- ARGV[3] restart grace in milliseconds (0: the epoch is not even read)
+-- ARGV[3] grace in milliseconds after Redis is found without the lifetime record (the
+--         restart_grace setting; -1: the record is not even read): see _lifetime.lua
 -- ARGV[4] token counter memory in milliseconds
 -- ARGV[5] registry expiry to set in milliseconds (0: the caller knows it is long enough)
 -- ARGV[6] task id, escaped   ARGV[7] claim resource name
 -- returns {1, token}          taken: it was queued for this task, or free
 --         {0, holder, pttl}   held by another: "<token> <owner>" ("%queued/<task>" while
 --                             queued), pttl ms until it runs out unless renewed (-1: never)
---         {-1, wait_ms}       restart grace: Redis lost its data less than grace ago
+--         {-1, wait_ms}       restart grace: Redis restarted or failed over (see above)
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -24,16 +25,10 @@ local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local owner, grace = ARGV[1], tonumber(ARGV[3])
 local function num(x) return string.format('%.0f', x) end
 
-if grace > 0 then
-  local epoch = redis.call('GET', KEYS[1])
-  if not epoch then
-    epoch = now
-    redis.call('SET', KEYS[1], num(now))
-  else
-    epoch = tonumber(epoch)
-  end
-  if now < epoch + grace then
-    return {-1, epoch + grace - now}
+if grace >= 0 then
+  local wait = lifetime_wait(KEYS[1], now, 0, grace, false, nil)
+  if wait > 0 then
+    return {-1, wait}
   end
 end
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import redis
 
 from tests.faults.conftest import TTL, Fleet, ScenarioReport, hold_for
 from tests.polling import wait_until
@@ -193,6 +194,52 @@ def test_redis_restart_with_restart_grace(
         fleet,
         reports,
         note="restart_grace=ttl: no grant for ttl after Redis is found empty (recovery >= ttl)",
+    )
+
+
+def test_redis_restart_from_a_snapshot(
+    make_fleet: Any, make_leases: Any, reports: list[ScenarioReport]
+) -> None:
+    """The defaults: after a restore from an RDB snapshot nothing is granted until every
+    holder of a grant made after the snapshot knows it is gone (restore_grace = ttl)."""
+    fleet = make_fleet("restart-snapshot")
+    standard_fleet(fleet)
+    ledger = fleet.ledger
+
+    def snapshot() -> None:
+        with redis.Redis.from_url(fleet.server.url, socket_timeout=30) as client:
+            client.save()
+
+    snapshot()
+    fleet.send("polite", "probe", 60.0)  # granted after the snapshot: the restore loses it
+    old_token = probe_started(fleet, "probe")
+    fleet.server.restart(keep_data=True)
+    fleet.fault("restart from a snapshot (probe)")
+    harness = make_leases(redis_url=fleet.server.url, key_prefix="faults-restart-snapshot", ttl=TTL)
+    with harness.hold("r:probe", wait=4 * TTL) as lease:
+        granted_ms = ledger.now_ms()
+        overlapped = ledger.enter("r:probe", lease.token, "harness")
+        ledger.leave("r:probe", lease.token, "harness")
+    lost = ledger.events("lost:probe")
+    assert lost, "the old holder was never told its lease was lost"
+    assert lost[0][0] <= granted_ms, "the new holder was granted before the old one knew"
+    assert overlapped == 0
+    assert lease.token > old_token
+
+    fleet.send_work(TASKS, RESOURCES, seed=4)
+    for fraction in (0.2, 0.5, 0.8):
+        at(fleet, fraction)
+        snapshot()
+        at(fleet, fraction + 0.05)  # grants made after the snapshot, lost by the restore
+        fleet.server.restart(keep_data=True)
+        fleet.fault("restart from a snapshot")
+    check_guarantees(
+        fleet,
+        reports,
+        note=(
+            "defaults (restore_grace = ttl): no grant for ttl after Redis comes back from "
+            "an RDB snapshot (recovery >= ttl)"
+        ),
     )
 
 

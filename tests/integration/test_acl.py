@@ -61,7 +61,6 @@ def test_the_documented_user_is_refused_everything_else(acl_server: RedisServer)
             ("SCAN", lambda: client.scan(0)),
             ("CONFIG GET", lambda: client.config_get("*")),
             ("CONFIG SET", lambda: client.config_set("maxmemory", "1")),
-            ("INFO", client.info),
             ("CLIENT LIST", client.client_list),
             ("CLIENT KILL", lambda: client.client_kill_filter(skipme=False)),
             ("DEBUG", lambda: client.execute_command("DEBUG", "SLEEP", "0")),

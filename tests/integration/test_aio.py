@@ -24,6 +24,7 @@ import redis
 from celery_leases import LeaseBusy, LeaseConfigError, LeaseLost, Leases, Shared
 from celery_leases._aheartbeat import loop_heartbeat
 from celery_leases._lease import Want
+from tests.lifetimes import mark_up
 
 pytestmark = pytest.mark.asyncio
 
@@ -655,7 +656,7 @@ async def test_a_grant_outside_the_home_group_registers_the_owner_or_is_given_ba
     names = [f"r{i}" for i in range(100) if store.keys.group_of(f"r{i}") != 0]
     first, second = names[0], next(n for n in names if n != names[0])
     for name in (first, second):
-        leases_redis.set(store.keys.epoch(store.keys.group_of(name)), "1")  # up for ages
+        mark_up(leases_redis, store.keys.lifetime(store.keys.group_of(name)))
     owner = leases.identity().owner
 
     # the home group still in its restart grace refuses the owner: the grant is given back
@@ -666,7 +667,7 @@ async def test_a_grant_outside_the_home_group_registers_the_owner_or_is_given_ba
     assert store.entries(owner) == []
 
     # once the home group is up, the same round trip registers the owner and grants
-    leases_redis.set(store.keys.epoch(0), "1")
+    mark_up(leases_redis, store.keys.lifetime(0))
     (lease,) = await leases.aacquire([Want(second)])
     assert [h.token for h in store.holders(second)] == [lease.token]
     assert owner in store.node_owners(leases.identity().node)

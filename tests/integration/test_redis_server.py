@@ -120,6 +120,21 @@ def test_restart_gives_empty_server_on_same_port(server: RedisServer) -> None:
         assert cli.dbsize() == 0
 
 
+def test_restart_keeping_data_comes_back_from_the_last_snapshot(server: RedisServer) -> None:
+    pid = server.pid
+    with redis.Redis.from_url(server.url) as cli:
+        cli.set("leases:saved", "1")
+        cli.save()
+        cli.set("leases:after", "1")  # not in the snapshot: a crash loses it
+
+    server.restart(keep_data=True)
+
+    assert server.pid != pid
+    with redis.Redis.from_url(server.url) as cli:
+        assert cli.get("leases:saved") == b"1"
+        assert cli.get("leases:after") is None
+
+
 def test_stop_leaves_no_process() -> None:
     _require_binary()
     with RedisServer() as srv:

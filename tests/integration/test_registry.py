@@ -6,6 +6,7 @@ import pytest
 
 from celery_leases import LeaseBusy, Leases
 from celery_leases._lease import Want
+from tests.lifetimes import mark_up
 
 
 def test_registry_records_mode_token_task_and_resource(leases: Leases):
@@ -62,7 +63,7 @@ def test_a_grant_outside_the_home_group_is_given_back_when_the_home_call_is_refu
     leases = make_leases(slot_groups=8, restart_grace=30.0)
     store = leases.store
     name = next(f"r{i}" for i in range(100) if store.keys.group_of(f"r{i}") != 0)
-    leases_redis.set(store.keys.epoch(store.keys.group_of(name)), "1")  # up for ages
+    mark_up(leases_redis, store.keys.lifetime(store.keys.group_of(name)))
     with pytest.raises(LeaseBusy) as busy:
         leases.acquire([Want(name)])
     assert busy.value.resource == "(owner registration)"

@@ -242,6 +242,7 @@ def test_claim_keys_share_one_hash_tag(make_leases_store, leases_redis: redis.Re
             store.keys.unique_queued(rk.group),
             store.keys.registry(A.owner, rk.group),
             store.keys.epoch(rk.group),
+            store.keys.lifetime(rk.group),
         ]
         assert len({hash_tag(k) for k in keys}) == 1, keys
         assert store.unique_unclaim(key, f"task-{i}")

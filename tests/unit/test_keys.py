@@ -125,6 +125,7 @@ def test_every_key_stays_inside_its_prefix(prefix, name):
         *all_keys(ks, name),
         ks.registry(owner_id(name or "n", "inc", 1), 0),
         ks.epoch(0),
+        ks.lifetime(0),
         ks.owners,
         ks.node(name),
         ks.nodes,

@@ -83,9 +83,11 @@ def test_held_leases_survive_a_failover_with_min_replicas(sentinel, make) -> Non
         for r in RESOURCES:
             with pytest.raises(LeaseBusy):
                 rival.acquire([Want(r)])
-    # released on the new master; the next grants have larger tokens
+    # released on the new master; the next grants have larger tokens. They wait out the
+    # new master's restore_grace (ttl): a failover is recognised, and Redis cannot know that
+    # nothing was lost
     for r in RESOURCES:
-        with rival.hold(r) as again:
+        with rival.hold(r, wait=30) as again:
             assert again.token > before[r]
 
 
@@ -107,7 +109,7 @@ def test_without_replication_a_lost_grant_is_reported_and_tokens_still_grow(sent
             # the replica had "fo:solo" (granted while it listened) but not "fo:unseen"
             wait_until(lambda: unseen.lost, 30, "the holder is told its lease is gone")
             lease.check()
-            with rival.hold("fo:unseen") as taken:
+            with rival.hold("fo:unseen", wait=30) as taken:  # after the restore_grace
                 assert taken.token > unseen.token
             with pytest.raises(LeaseBusy):
                 rival.acquire([Want("fo:solo")])
