@@ -533,19 +533,23 @@ class AsyncLeaseStore:
         """:meth:`LeaseStore.recover_grant`: the same decision, made without blocking the loop."""
         store = self.store
         book = [store.resource_keys(r).exclusive for r, _ in wants]
+        client = self._state().client
         end = time.monotonic() + 2 * self.settings.socket_timeout
-        while not BOOK.quiet(owner, book):
+        while True:
+            seq = BOOK.quiet(owner, book)
+            if seq is not None:
+                pipe = client.pipeline(transaction=False)
+                for resource, _ in wants:
+                    rk = store.resource_keys(resource)
+                    pipe.get(rk.exclusive)
+                    pipe.zrange(rk.shared, 0, -1)
+                pipe.smembers(store._registry_key(owner, group))
+                replies = await _shielded(pipe.execute())
+                if BOOK.unchanged(owner, book, seq):  # see GrantBook
+                    break
             if time.monotonic() >= end:
                 raise RedisTimeoutError("other grant calls of this process are still in flight")
             await asyncio.sleep(_QUIET_POLL)
-        client = self._state().client
-        pipe = client.pipeline(transaction=False)
-        for resource, _ in wants:
-            rk = store.resource_keys(resource)
-            pipe.get(rk.exclusive)
-            pipe.zrange(rk.shared, 0, -1)
-        pipe.smembers(store._registry_key(owner, group))
-        replies = await _shielded(pipe.execute())
         found, entries = _own_grants(owner, [r for r, _ in wants], replies)
         held = {r: BOOK.held(owner, k) for (r, _), k in zip(wants, book, strict=True)}
         decision = grant_recovery(
@@ -846,12 +850,19 @@ class AsyncLeaseStore:
             try:
                 with one_attempt():  # the task _shielded makes inherits it
                     reply = await _shielded(state.release(keys, args, client=state.client))
+                self.store.released(owner, entries)
                 return [x == 1 for x in reply]
             except UNKNOWN:
                 # idempotent (token-checked): sent again (see release_recovered)
                 reply = await _shielded(state.release(keys, args, client=state.client))
+        except asyncio.CancelledError:
+            # the release goes on in its own task: its tokens stay counted as live leases
+            # (a recovery leaves such a grant alone) rather than before it ran
+            raise
         except RedisError as exc:
+            self.store.released(owner, entries)
             raise self.store._backend_error("release", exc) from exc
+        self.store.released(owner, entries)
         freed = [x == 1 for x in reply]
         return freed if counted is None else release_recovered(freed, counted)
 

@@ -138,6 +138,7 @@ class AsyncOnceRetry(AsyncRetry):
 class _Slot:
     inflight: int = 0  # grant calls sent whose outcome this process has not recorded yet
     recovering: int = 0  # of those, the ones whose reply was lost
+    began: int = 0  # GrantBook sequence number of the last call that began
     tokens: set[int] = field(default_factory=set)  # tokens of leases returned to callers
 
 
@@ -151,6 +152,14 @@ class GrantBook:
     the grant of a call still under way. So every grant call is counted while in flight,
     and a recovery first waits until no call but lost ones is in flight on its resources:
     then a grant of this owner id with a token no caller holds is an orphan of a lost call.
+    A call that begins while the recovery reads Redis makes it read again (:meth:`quiet`
+    returns a sequence number, :meth:`unchanged` compares): t0 the recovery finds the
+    resource quiet; t1 another thread's shared grant runs; t2 the recovery reads that grant,
+    whose reply is still on its way, and must not take it for an orphan.
+
+    A released token leaves the book only once its release is over (:meth:`drop` after the
+    call): t0 thread A sends the release of token T; t1 thread B's lost grant call (busy
+    because of T) reads T back; t2 B must not adopt T, which A's release deletes at t3.
 
     Process-wide (two stores of one process may hold the same resource under one owner id);
     a forked child starts empty (see :func:`os.register_at_fork`).
@@ -159,11 +168,13 @@ class GrantBook:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._slots: dict[tuple[str, str], _Slot] = {}
+        self._seq = 0
 
     def reset(self) -> None:
         """Forget everything (a forked child holds nothing of its parent's)."""
         self._lock = threading.Lock()
         self._slots = {}
+        self._seq = 0
 
     def begin(self, owner: str, keys: Sequence[str]) -> None:
         """A grant call on ``keys`` is about to be sent."""
@@ -173,6 +184,8 @@ class GrantBook:
                 if slot is None:
                     slot = self._slots[(owner, key)] = _Slot()
                 slot.inflight += 1
+                self._seq += 1
+                slot.began = self._seq
 
     def end(self, owner: str, keys: Sequence[str], *, recovered: bool = False) -> None:
         """The call is over (its grants, if any, are recorded with :meth:`hold`)."""
@@ -214,13 +227,21 @@ class GrantBook:
         if slot.inflight <= 0 and not slot.tokens:
             del self._slots[(owner, key)]
 
-    def quiet(self, owner: str, keys: Sequence[str]) -> bool:
-        """True when every call in flight on ``keys`` is a lost one (being recovered)."""
+    def quiet(self, owner: str, keys: Sequence[str]) -> int | None:
+        """When every call in flight on ``keys`` is a lost one (being recovered): a sequence
+        number for :meth:`unchanged`; else None."""
         with self._lock:
-            return all(
+            if all(
                 (s := self._slots.get((owner, k))) is None or s.inflight <= s.recovering
                 for k in keys
-            )
+            ):
+                return self._seq
+            return None
+
+    def unchanged(self, owner: str, keys: Sequence[str], seq: int) -> bool:
+        """True if no grant call on ``keys`` began since :meth:`quiet` returned ``seq``."""
+        with self._lock:
+            return all((s := self._slots.get((owner, k))) is None or s.began <= seq for k in keys)
 
     def alone(self, owner: str, keys: Sequence[str]) -> bool:
         """True when the caller's is the only lost call on ``keys``."""

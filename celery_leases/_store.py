@@ -578,11 +578,6 @@ class LeaseStore:
         process has its token) is released. Raises a redis error if Redis cannot be read.
         """
         book = [self.resource_keys(r).exclusive for r, _ in wants]
-        end = time.monotonic() + 2 * self.settings.socket_timeout
-        while not BOOK.quiet(owner, book):
-            if time.monotonic() >= end:
-                raise RedisTimeoutError("other grant calls of this process are still in flight")
-            time.sleep(_QUIET_POLL)
         registry = self._registry_key(owner, group)
 
         def build(pipe: Any) -> None:
@@ -592,7 +587,16 @@ class LeaseStore:
                 pipe.zrange(rk.shared, 0, -1)
             pipe.smembers(registry)
 
-        replies = self._pipeline(self.client, build, _NOW_SCRIPT)
+        end = time.monotonic() + 2 * self.settings.socket_timeout
+        while True:
+            seq = BOOK.quiet(owner, book)
+            if seq is not None:
+                replies = self._pipeline(self.client, build, _NOW_SCRIPT)
+                if BOOK.unchanged(owner, book, seq):
+                    break
+            if time.monotonic() >= end:
+                raise RedisTimeoutError("other grant calls of this process are still in flight")
+            time.sleep(_QUIET_POLL)
         found, entries = _own_grants(owner, [r for r, _ in wants], replies)
         held = {r: BOOK.held(owner, k) for (r, _), k in zip(wants, book, strict=True)}
         decision = grant_recovery(
@@ -1040,6 +1044,8 @@ class LeaseStore:
                 reply = self._release(keys, args, client=client)
         except RedisError as exc:
             raise self._backend_error("release", exc) from exc
+        finally:
+            self.released(owner, entries)
         freed = [x == 1 for x in reply]
         return freed if counted is None else release_recovered(freed, counted)
 
@@ -1053,10 +1059,13 @@ class LeaseStore:
             rk = self.resource_keys(e.resource)
             keys.append(rk.exclusive if e.mode == "x" else rk.shared)
             args += (e.mode, e.token, e.text, rk.channel)
-            # from now on a grant of this token is no live lease of this process: a recovery
-            # may give it back (if this release fails, it is the lease nobody holds any more)
-            BOOK.drop(owner, rk.exclusive, e.token)
         return keys, args
+
+    def released(self, owner: str, entries: Sequence[Entry]) -> None:
+        """The release of ``entries`` is over (done or failed): no live lease of this process
+        has their tokens any more, so a lost reply's recovery may give such a grant back."""
+        for e in entries:
+            BOOK.drop(owner, self.resource_keys(e.resource).exclusive, e.token)
 
     # --- cleanup --------------------------------------------------------------------------
     def cleanup_owner(
