@@ -384,3 +384,56 @@ def test_a_lost_unique_requeue_reply_is_read_back(
     holder = producer.unique_holder("job:k")
     assert isinstance(holder, ClaimHolder)
     assert (holder.state, holder.task_id, holder.token) == ("queued", "task-1", held.token)
+
+
+# --- once receipts -------------------------------------------------------------------------------
+@HOW
+def test_once_stores_its_receipt_when_the_commit_reply_is_lost(
+    make_lossy: Callable[..., Leases],
+    make_leases: Callable[..., Leases],
+    proxy: LossyProxy,
+    how: str,
+):
+    mine = make_lossy()
+    other = make_leases(node="other-node")
+    lose(proxy, _scripts.COMMIT_RECEIPT, how)
+    receipt = mine.once("setup", lambda: "made", wait=2.0)
+    assert not proxy.armed()
+    assert other.once("setup", lambda: "again", wait=2.0) == receipt
+    assert registry_empty(mine)
+
+
+# --- asyncio ----------------------------------------------------------------------------------
+@HOW
+def test_asyncio_release_and_receipt_survive_lost_replies(
+    make_lossy: Callable[..., Leases],
+    make_leases: Callable[..., Leases],
+    proxy: LossyProxy,
+    how: str,
+):
+    import asyncio
+
+    mine = make_lossy()
+    other = make_leases(node="other-node")
+
+    async def run() -> tuple[object, object]:
+        try:
+            async with mine.ahold("printer"):
+                lose(proxy, _scripts.RELEASE, how)
+            # no LeaseLost on the way out: the lease still counted held when released
+            assert not proxy.armed()
+            lose(proxy, _scripts.ACQUIRE, how)
+            first = await mine.aonce("setup", lambda: "made", wait=2.0)
+            assert not proxy.armed()
+            lose(proxy, _scripts.COMMIT_RECEIPT, how)
+            second = await mine.aonce("setup-2", lambda: "made 2", wait=2.0)
+            assert not proxy.armed()
+            return first, second
+        finally:
+            await mine.astore.aclose()
+
+    first, second = asyncio.run(run())
+    assert other.once("setup", lambda: "again", wait=2.0) == first
+    assert other.once("setup-2", lambda: "again", wait=2.0) == second
+    assert registry_empty(mine)
+    assert_free_for_others(other, "printer")
