@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
@@ -75,17 +74,20 @@ POLICIES: Final[Mapping[str, str]] = {
 _ONE_ATTEMPT: ContextVar[bool] = ContextVar("celery_leases_one_attempt", default=False)
 
 
-@contextmanager
-def one_attempt() -> Iterator[None]:
+class one_attempt:  # lower case: used as a function, ``with one_attempt():``
     """Within this block (thread or asyncio task), redis-py does not retry a failed command.
 
-    An asyncio task made inside the block inherits it (a task copies the context it is made in).
+    An asyncio task made inside the block inherits it (a task copies the context it is made
+    in). A class, not a generator: it is on the hot path of every grant and release.
     """
-    token = _ONE_ATTEMPT.set(True)
-    try:
-        yield
-    finally:
-        _ONE_ATTEMPT.reset(token)
+
+    __slots__ = ("_token",)
+
+    def __enter__(self) -> None:
+        self._token = _ONE_ATTEMPT.set(True)
+
+    def __exit__(self, *exc: object) -> None:
+        _ONE_ATTEMPT.reset(self._token)
 
 
 class OnceRetry(Retry):
