@@ -813,6 +813,9 @@ class LeaseStore:
             the indices (into ``held``) of leases Redis no longer has for us.
         """
         plan = self.renew_calls(held, owner)
+        # idempotent after a lost reply: its own connections never retry (the caller hears of
+        # the failure), and the next renewal runs it again, token-checked; run twice it only
+        # extends the same leases twice
         replies = self._call_with_deadline(
             self._renew.sha, _scripts.RENEW, [(k, a) for _, k, a in plan.calls], timeout
         )

@@ -29,6 +29,7 @@ class _Rule:
     delay: float  # 0: drop the reply; else hold it back this long, then forward it
     fraction: float = 1.0
     after: int = 0  # matching requests to let through first
+    then_refuse: bool = False  # once the reply is lost, refuse every connection
     hits: int = 0
 
 
@@ -68,6 +69,7 @@ class LossyProxy:
         self._pairs: list[_Pair] = []
         self._random = random.Random(seed)
         self._stopped = False
+        self._refusing = False
         self.lost = 0  # replies dropped or held back so far
         self._thread = threading.Thread(target=self._accept, name="lossy-proxy", daemon=True)
         self._thread.start()
@@ -77,13 +79,21 @@ class LossyProxy:
         return f"redis://127.0.0.1:{self.port}/{db}"
 
     # --- arming -----------------------------------------------------------------------------
-    def drop_next_reply(self, pattern: bytes, count: int = 1, *, after: int = 0) -> None:
+    def drop_next_reply(
+        self, pattern: bytes, count: int = 1, *, after: int = 0, then_refuse: bool = False
+    ) -> None:
         """Lose the replies of the next ``count`` requests containing ``pattern``.
 
-        ``after``: let that many matching requests through first.
+        ``after``: let that many matching requests through first. ``then_refuse``: from the
+        lost reply on, close every connection as it is made (Redis is unreachable) until
+        :meth:`accept_again`.
         """
         with self._lock:
-            self._rules.append(_Rule(pattern, count, 0.0, after=after))
+            self._rules.append(_Rule(pattern, count, 0.0, after=after, then_refuse=then_refuse))
+
+    def accept_again(self) -> None:
+        """Forward new connections again (after ``then_refuse``)."""
+        self._refusing = False
 
     def delay_next_reply(
         self, pattern: bytes, seconds: float, count: int = 1, *, after: int = 0
@@ -131,6 +141,9 @@ class LossyProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if self._refusing:
+                client.close()
+                continue
             try:
                 upstream = socket.create_connection(self.upstream, timeout=5)
             except OSError:
@@ -171,6 +184,8 @@ class LossyProxy:
                     rule = pair.pending.pop(0) if pair.pending else None
                 if rule is not None:
                     if rule.delay <= 0:
+                        if rule.then_refuse:
+                            self._refusing = True
                         break  # the request ran in Redis; its reply is lost with the connection
                     time.sleep(rule.delay)
                 pair.client.sendall(data)

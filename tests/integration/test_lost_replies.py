@@ -7,6 +7,7 @@ arrived, or fail cleanly, and leave no orphan grant or claim behind.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from urllib.parse import urlparse
@@ -14,7 +15,7 @@ from urllib.parse import urlparse
 import pytest
 
 from celery_leases import LeaseBackendError, Leases, Shared, _scripts
-from celery_leases._lease import Held
+from celery_leases._lease import Held, Want
 from celery_leases._store import Claimed, ClaimHolder, LeaseStore
 from tests.proxy import LossyProxy
 from tests.topologies import resources_in_distinct_groups
@@ -208,6 +209,30 @@ def test_once_runs_once_when_its_grant_reply_is_lost(
     assert receipt == other.once("migrate", migrate(2), wait=2.0)
     assert calls == [1]
     assert registry_empty(mine)
+
+
+def test_a_grant_left_by_a_recovery_that_cannot_reach_redis_is_logged_and_registered(
+    make_lossy: Callable[..., Leases],
+    make_leases: Callable[..., Leases],
+    proxy: LossyProxy,
+    caplog: pytest.LogCaptureFixture,
+):
+    mine = make_lossy()
+    other = make_leases(node="other-node")
+    proxy.drop_next_reply(sha(_scripts.ACQUIRE), then_refuse=True)
+    with caplog.at_level(logging.ERROR), pytest.raises(LeaseBackendError):
+        mine.acquire([Want("printer")], ttl=5)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("'printer'" in m and "TTL" in m for m in errors), errors
+    # the orphan: in the owner's registry, and bounded by its TTL
+    owner = mine.identity().owner
+    assert [e.resource for e in other.store.entries(owner)] == ["printer"]
+    (holder,) = other.store.holders("printer")
+    assert holder.owner == owner
+    assert 0 < holder.expires_in <= 5
+    # a cleanup of that owner frees it at once
+    assert other.store.cleanup_owner(owner).released == [(owner, "printer")]
+    assert_free_for_others(other, "printer")
 
 
 # --- release and renew replays -----------------------------------------------------------------
