@@ -31,6 +31,7 @@ from ._lostreply import (
     UNKNOWN,
     AsyncOnceRetry,
     grant_recovery,
+    once_on_cluster,
     one_attempt,
     release_recovered,
 )
@@ -83,7 +84,10 @@ def make_async_client(
     try:
         target = parse_target(settings.url)
         if target.kind != "single":  # Sentinel or Cluster: their own pools
-            return make_deployment_client(target, **common)
+            client = make_deployment_client(target, **common)
+            if target.kind == "cluster":
+                once_on_cluster(client)  # it retries on its own, also the script calls
+            return client
         pool = aredis.BlockingConnectionPool.from_url(
             settings.url, timeout=settings.socket_timeout, **common
         )

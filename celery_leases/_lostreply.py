@@ -20,6 +20,7 @@ differs. Nothing here talks to Redis.
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -41,6 +42,7 @@ __all__ = (
     "GrantRecovery",
     "OnceRetry",
     "grant_recovery",
+    "once_on_cluster",
     "one_attempt",
     "own_beat_win",
     "parse_holder",
@@ -91,7 +93,14 @@ class one_attempt:  # lower case: used as a function, ``with one_attempt():``
 
 
 class OnceRetry(Retry):
-    """redis-py's retry, but a single attempt inside :func:`one_attempt` (the script calls)."""
+    """redis-py's retry, but a single attempt inside :func:`one_attempt` (the script calls).
+
+    A connection's retry runs :meth:`call_with_retry`; a cluster client counts its own
+    attempts with :meth:`get_retries` (see :func:`once_on_cluster`).
+    """
+
+    def get_retries(self) -> int:
+        return 0 if _ONE_ATTEMPT.get() else super().get_retries()
 
     def call_with_retry(
         self,
@@ -116,6 +125,9 @@ class OnceRetry(Retry):
 class AsyncOnceRetry(AsyncRetry):
     """:class:`OnceRetry` for the asyncio clients."""
 
+    def get_retries(self) -> int:
+        return 0 if _ONE_ATTEMPT.get() else super().get_retries()
+
     async def call_with_retry(
         self,
         do: Any,
@@ -133,6 +145,21 @@ class AsyncOnceRetry(AsyncRetry):
             else:
                 await fail(error)
             raise
+
+
+def once_on_cluster(client: Any) -> None:
+    """Make a cluster client's own retry a single attempt inside :func:`one_attempt`.
+
+    A cluster client retries a command itself after a connection error or a timeout (its
+    nodes' connections do not), up to ``get_retries()`` times: the same blind replay. Its
+    retry is kept (backoff, attempts, errors), only of the class that honours the block.
+    """
+    retry = getattr(client, "retry", None)
+    if retry is None or isinstance(retry, (OnceRetry, AsyncOnceRetry)):
+        return
+    once = copy.copy(retry)
+    once.__class__ = AsyncOnceRetry if isinstance(retry, AsyncRetry) else OnceRetry
+    client.set_retry(once)
 
 
 # --- what this process holds ----------------------------------------------------------------

@@ -29,6 +29,7 @@ from ._lostreply import (
     UNKNOWN,
     OnceRetry,
     grant_recovery,
+    once_on_cluster,
     one_attempt,
     own_beat_win,
     parse_holder,
@@ -220,7 +221,7 @@ class LeaseStore:
     def _make_client(self) -> redis.Redis:
         s = self.settings
         try:
-            return _connect.make_client(
+            client = _connect.make_client(
                 self._target,
                 decode_responses=True,
                 socket_timeout=s.socket_timeout,
@@ -236,6 +237,9 @@ class LeaseStore:
             # a RedisError)
             msg = f"redis_url {safe_url(self.url)!r} is not usable: {exc}"
             raise LeaseConfigError(msg) from None
+        if _connect.is_cluster(client):
+            once_on_cluster(client)  # it retries on its own, also the script calls
+        return client
 
     def _register_scripts(self, client: redis.Redis) -> None:
         # register_script only hashes locally; each store keeps its own Script objects
