@@ -517,7 +517,7 @@ class AsyncLeaseStore:
         store = self.store
         try:
             return await self._recover_grant(
-                call.owner, call.group, wants, call.task_id, adopt=not store._wait_replicas
+                call.owner, call.group, wants, call.task_id, store.adopt_until(call)
             )
         except (RedisError, LeaseBackendError) as failed:
             store.log_unrecovered([r for r, _ in wants], exc, failed)
@@ -531,8 +531,7 @@ class AsyncLeaseStore:
         group: int,
         wants: Sequence[tuple[str, str]],
         task_id: str | None,
-        *,
-        adopt: bool,
+        adopt_until: float,
     ) -> list[int] | None:
         """:meth:`LeaseStore.recover_grant`: the same decision, made without blocking the loop."""
         store = self.store
@@ -557,7 +556,11 @@ class AsyncLeaseStore:
         found, entries = _own_grants(owner, [r for r, _ in wants], replies)
         held = {r: BOOK.held(owner, k) for (r, _), k in zip(wants, book, strict=True)}
         decision = grant_recovery(
-            wants, found, held, alone=BOOK.alone(owner, book), may_adopt=adopt
+            wants,
+            found,
+            held,
+            alone=BOOK.alone(owner, book),
+            may_adopt=time.monotonic() < adopt_until,
         )
         if decision.adopt is not None:
             logger.info("leases: a grant of %s whose reply was lost is kept", wants[0][0])

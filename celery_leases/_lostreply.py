@@ -58,7 +58,8 @@ UNKNOWN: Final = (RedisConnectionError, RedisTimeoutError)
 
 #: the recovery of each script call, when its reply is lost (see the module docstring)
 POLICIES: Final[Mapping[str, str]] = {
-    "acquire (grant)": "read-back: adopt the own grant, else give it back and send again",
+    "acquire (grant)": "read-back: adopt the own grant (half its horizon left), else give it "
+    "back and send again",
     "acquire (home call, no resources)": "idempotent: sent again",
     "acquire + WAIT (min_replicas)": "read-back, give-back: release the own grant, send again",
     "release": "idempotent: sent again; a lease still counted held when sent is reported freed",

@@ -543,13 +543,25 @@ class LeaseStore:
         wants = [(w.resource, w.mode) for w in call.wants]
         try:
             return self.recover_grant(
-                call.owner, call.group, wants, call.task_id, adopt=not self._wait_replicas
+                call.owner, call.group, wants, call.task_id, self.adopt_until(call)
             )
         except (RedisError, LeaseBackendError) as failed:
             self.log_unrecovered([r for r, _ in wants], exc, failed)
             if isinstance(failed, LeaseBackendError):
                 raise
             raise self._backend_error("acquire", failed) from failed
+
+    def adopt_until(self, call: AcquireCall) -> float:
+        """Until when (monotonic) a lost grant of ``call`` may be adopted rather than given back.
+
+        An adopted lease counts as confirmed when the call was sent, the latest time it can
+        have been granted: adopted with little of its horizon left, it would count as lost
+        before the heartbeat could renew it. With min_replicas, never (0): the replicas'
+        answer was lost too.
+        """
+        if self._wait_replicas:
+            return 0.0
+        return call.now + self.horizon(call.ttl) / 2
 
     def log_unrecovered(
         self, resources: Sequence[str], lost: BaseException, failed: BaseException
@@ -570,8 +582,7 @@ class LeaseStore:
         group: int,
         wants: Sequence[tuple[str, str]],
         task_id: str | None,
-        *,
-        adopt: bool = True,
+        adopt_until: float,
     ) -> list[int] | None:
         """After a grant call's reply was lost: its tokens if it granted, else None.
 
@@ -579,7 +590,8 @@ class LeaseStore:
         (each ends within the socket timeout), reads back this owner's grants of them, and
         decides with :func:`~celery_leases._lostreply.grant_recovery`: the lost call's grant
         is adopted (returned), or every orphan grant of this owner (no live lease of this
-        process has its token) is released. Raises a redis error if Redis cannot be read.
+        process has its token) is released. A grant is adopted only until ``adopt_until``
+        (monotonic; see :meth:`adopt_until`). Raises a redis error if Redis cannot be read.
         """
         book = [self.resource_keys(r).exclusive for r, _ in wants]
         registry = self._registry_key(owner, group)
@@ -604,7 +616,11 @@ class LeaseStore:
         found, entries = _own_grants(owner, [r for r, _ in wants], replies)
         held = {r: BOOK.held(owner, k) for (r, _), k in zip(wants, book, strict=True)}
         decision = grant_recovery(
-            wants, found, held, alone=BOOK.alone(owner, book), may_adopt=adopt
+            wants,
+            found,
+            held,
+            alone=BOOK.alone(owner, book),
+            may_adopt=time.monotonic() < adopt_until,
         )
         if decision.adopt is not None:
             logger.info("leases: a grant of %s whose reply was lost is kept", wants[0][0])
@@ -1567,8 +1583,9 @@ class LeaseStore:
                 lost = reply is None
                 if reply is None:
                     BOOK.lost(owner, book)
+                    until = now + self.horizon(ttl) / 2  # as adopt_until for a grant
                     reply = self._recover_handover(
-                        keys, args, client, owner, group, resource, task_id
+                        keys, args, client, owner, group, resource, task_id, until
                     )
             code = int(reply[0])
             if code == _GRACE:
@@ -1610,6 +1627,7 @@ class LeaseStore:
         group: int,
         resource: str,
         task_id: str,
+        adopt_until: float,
     ) -> Any:
         """After a lost handover reply: read-back, as for a grant (see :meth:`recover_grant`).
 
@@ -1618,7 +1636,7 @@ class LeaseStore:
         So the own grant is adopted, or given back and the call sent once more.
         """
         try:
-            tokens = self.recover_grant(owner, group, [(resource, "x")], task_id)
+            tokens = self.recover_grant(owner, group, [(resource, "x")], task_id, adopt_until)
         except (RedisError, LeaseBackendError) as failed:
             self.log_unrecovered([resource], RedisConnectionError("lost reply"), failed)
             raise

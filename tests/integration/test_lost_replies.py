@@ -211,6 +211,35 @@ def test_once_runs_once_when_its_grant_reply_is_lost(
     assert registry_empty(mine)
 
 
+@pytest.mark.parametrize(("ttl", "kept"), [(30.0, True), (0.8, False)])
+def test_a_lost_grant_is_adopted_only_with_time_left_on_its_horizon(
+    make_lossy: Callable[..., Leases],
+    make_leases: Callable[..., Leases],
+    proxy: LossyProxy,
+    caplog: pytest.LogCaptureFixture,
+    ttl: float,
+    kept: bool,
+):
+    # the reply comes after the socket timeout (0.5 s): a lease of ttl 0.8 s (horizon 0.72 s)
+    # would count as lost before the heartbeat could renew it, so it is given back and the
+    # grant made again; one of ttl 30 s is kept
+    mine = make_lossy()
+    other = make_leases(node="other-node")
+    lose(proxy, _scripts.ACQUIRE, "timeout")
+    with caplog.at_level(logging.INFO, logger="celery_leases._store"):
+        (lease,) = mine.acquire([Want("printer")], ttl=ttl)
+    try:
+        messages = " ".join(r.getMessage() for r in caplog.records)
+        assert ("is kept" in messages) is kept, messages
+        assert ("given back" in messages) is not kept, messages
+        (holder,) = other.store.holders("printer")
+        assert holder.token == lease.token
+    finally:
+        mine.release([lease])
+    assert registry_empty(mine)
+    assert_free_for_others(other, "printer")
+
+
 def test_a_grant_left_by_a_recovery_that_cannot_reach_redis_is_logged_and_registered(
     make_lossy: Callable[..., Leases],
     make_leases: Callable[..., Leases],
