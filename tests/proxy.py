@@ -107,6 +107,12 @@ class LossyProxy:
         with self._lock:
             self._rules.append(_Rule(pattern, -1, 0.0, fraction))
 
+    def delay_fraction(self, pattern: bytes, fraction: float, seconds: float) -> None:
+        """From now on, hold back the reply of each request containing ``pattern`` with that
+        chance, for ``seconds``."""
+        with self._lock:
+            self._rules.append(_Rule(pattern, -1, seconds, fraction))
+
     def disarm(self) -> None:
         """Forget every rule (replies already doomed are still lost)."""
         with self._lock:
