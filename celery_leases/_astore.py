@@ -30,6 +30,7 @@ from ._lostreply import (
     BOOK,
     UNKNOWN,
     AsyncOnceRetry,
+    acall_once,
     grant_recovery,
     once_on_cluster,
     one_attempt,
@@ -853,15 +854,18 @@ class AsyncLeaseStore:
         """release.lua for ``entries``, as :meth:`LeaseStore._release_entries` sends it."""
         state = self._state()
         keys, args = self.store.release_call(owner, group, entries)
+
+        async def send() -> list[bool]:
+            reply = await _shielded(state.release(keys, args, client=state.client))
+            return [x == 1 for x in reply]
+
+        async def after_lost() -> list[bool]:
+            # idempotent (token-checked): sent again (see release_recovered)
+            freed = await send()
+            return freed if counted is None else release_recovered(freed, counted)
+
         try:
-            try:
-                with one_attempt():  # the task _shielded makes inherits it
-                    reply = await _shielded(state.release(keys, args, client=state.client))
-                self.store.released(owner, entries)
-                return [x == 1 for x in reply]
-            except UNKNOWN:
-                # idempotent (token-checked): sent again (see release_recovered)
-                reply = await _shielded(state.release(keys, args, client=state.client))
+            freed = await acall_once(send, after_lost)
         except asyncio.CancelledError:
             # the release goes on in its own task: its tokens stay counted as live leases
             # (a recovery leaves such a grant alone) rather than before it ran
@@ -870,8 +874,7 @@ class AsyncLeaseStore:
             self.store.released(owner, entries)
             raise self.store._backend_error("release", exc) from exc
         self.store.released(owner, entries)
-        freed = [x == 1 for x in reply]
-        return freed if counted is None else release_recovered(freed, counted)
+        return freed
 
     # --- once receipts --------------------------------------------------------------------
     async def get_receipt(self, name: str) -> str | None:
@@ -886,14 +889,13 @@ class AsyncLeaseStore:
         """Store ``receipt`` if ``held`` (the once-lease) is still ours; False if it is not."""
         keys, args = self.store.commit_receipt_call(name, held, receipt, ttl)
         state = self._state()
+
+        async def send() -> bool:
+            return bool(int(await _shielded(state.commit_receipt(keys, args, client=state.client))))
+
         try:
-            try:
-                with one_attempt():
-                    reply = await _shielded(state.commit_receipt(keys, args, client=state.client))
-            except UNKNOWN:
-                # idempotent: the same receipt, stored again while the holder still holds
-                reply = await _shielded(state.commit_receipt(keys, args, client=state.client))
-            return bool(int(reply))
+            # idempotent: the same receipt, stored again while the holder still holds
+            return await acall_once(send, send)
         except RedisError as exc:
             raise self.store._backend_error("store a receipt", exc) from exc
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
@@ -41,6 +41,8 @@ __all__ = (
     "GrantBook",
     "GrantRecovery",
     "OnceRetry",
+    "acall_once",
+    "call_once",
     "grant_recovery",
     "once_on_cluster",
     "one_attempt",
@@ -161,6 +163,28 @@ def once_on_cluster(client: Any) -> None:
     once = copy.copy(retry)
     once.__class__ = AsyncOnceRetry if isinstance(retry, AsyncRetry) else OnceRetry
     client.set_retry(once)
+
+
+def call_once(send: Callable[[], T], after_lost: Callable[[], T]) -> T:
+    """``send()`` (a script call) with one attempt; if its reply was lost, ``after_lost()``.
+
+    ``after_lost`` is the script's recovery (:data:`POLICIES`): it runs with redis-py's
+    retry, and its own errors go to the caller.
+    """
+    try:
+        with one_attempt():
+            return send()
+    except UNKNOWN:
+        return after_lost()
+
+
+async def acall_once(send: Callable[[], Awaitable[T]], after_lost: Callable[[], Awaitable[T]]) -> T:
+    """:func:`call_once` for the asyncio store."""
+    try:
+        with one_attempt():  # a task made inside (by _shielded) inherits it
+            return await send()
+    except UNKNOWN:
+        return await after_lost()
 
 
 # --- what this process holds ----------------------------------------------------------------

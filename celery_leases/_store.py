@@ -28,6 +28,7 @@ from ._lostreply import (
     BOOK,
     UNKNOWN,
     OnceRetry,
+    call_once,
     grant_recovery,
     once_on_cluster,
     one_attempt,
@@ -1056,21 +1057,22 @@ class LeaseStore:
         """release.lua for ``entries``; ``counted``: whether each still counted as held."""
         keys, args = self.release_call(owner, group, entries)
         client = self.client
+
+        def send() -> list[bool]:
+            return [x == 1 for x in self._release(keys, args, client=client)]
+
+        def after_lost() -> list[bool]:
+            # idempotent (token-checked): sent again; its "not ours" for a lease the lost run
+            # released is read with what the caller knew (release_recovered)
+            freed = send()
+            return freed if counted is None else release_recovered(freed, counted)
+
         try:
-            try:
-                with one_attempt():
-                    reply = self._release(keys, args, client=client)
-                return [x == 1 for x in reply]
-            except UNKNOWN:
-                # idempotent (token-checked): sent again; its "not ours" for a lease the lost
-                # run released is read with what the caller knew (release_recovered)
-                reply = self._release(keys, args, client=client)
+            return call_once(send, after_lost)
         except RedisError as exc:
             raise self._backend_error("release", exc) from exc
         finally:
             self.released(owner, entries)
-        freed = [x == 1 for x in reply]
-        return freed if counted is None else release_recovered(freed, counted)
 
     def release_call(
         self, owner: str, group: int, entries: Sequence[Entry]
@@ -1419,13 +1421,13 @@ class LeaseStore:
         """Store ``receipt`` if ``held`` (the once-lease) is still ours; False if it is not."""
         keys, args = self.commit_receipt_call(name, held, receipt, ttl)
         client = self.client  # first: it registers the scripts in this process
+
+        def send() -> bool:
+            return bool(int(self._commit_receipt(keys, args, client=client)))
+
         with self._backend("store a receipt"):
-            try:
-                with one_attempt():
-                    return bool(int(self._commit_receipt(keys, args, client=client)))
-            except UNKNOWN:
-                # idempotent: the same receipt, stored again while the holder still holds
-                return bool(int(self._commit_receipt(keys, args, client=client)))
+            # idempotent: the same receipt, stored again while the holder still holds
+            return call_once(send, send)
 
     def commit_receipt_call(
         self, name: str, held: Held, receipt: str, ttl: float | None
@@ -1468,16 +1470,13 @@ class LeaseStore:
         ]
         client = self.client  # first: it registers the scripts in this process
         keys = [self.keys.beat_claim(entry, kind)]
-        lost = False
         with self._backend("claim a beat run"):
-            try:
-                with one_attempt():
-                    reply = self._beat_claim(keys, args, client=client)
-            except UNKNOWN:
-                # idempotent: sent again, it loses to the lost call if that one won; the
-                # claim records the winner, so this replica recognises its own win
-                reply = self._beat_claim(keys, args, client=client)
-                lost = True
+            # idempotent: sent again, it loses to the lost call if that one won; the claim
+            # records the winner, so this replica recognises its own win (own_beat_win)
+            reply, lost = call_once(
+                lambda: (self._beat_claim(keys, args, client=client), False),
+                lambda: (self._beat_claim(keys, args, client=client), True),
+            )
         won, run, now, winner = bool(int(reply[0])), int(reply[1]), int(reply[2]), str(reply[3])
         if lost:
             won = own_beat_win(won, run, winner, replica, self._beat_won.get(keys[0]))
@@ -1510,17 +1509,14 @@ class LeaseStore:
         keys = [rk.exclusive, rk.counter, self.keys.unique_queued(rk.group)]
         args: list[Any] = [escape(task_id), self._ms(ttl), TOKEN_MEMORY_MS, resource]
         client = self.client  # first: it registers the scripts in this process
-        lost = False
         with self._backend("claim a unique key"):
-            try:
-                with one_attempt():
-                    reply = self._unique_claim(keys, args, client=client)
-            except UNKNOWN:
-                # idempotent: sent again, it finds the claim the lost call made, queued for
-                # this task id; that claim is this call's own (not an earlier publish's), so
-                # a failed publish gives it back
-                reply = self._unique_claim(keys, args, client=client)
-                lost = True
+            # idempotent: sent again, it finds the claim the lost call made, queued for this
+            # task id; that claim is this call's own (not an earlier publish's), so a failed
+            # publish gives it back
+            reply, lost = call_once(
+                lambda: (self._unique_claim(keys, args, client=client), False),
+                lambda: (self._unique_claim(keys, args, client=client), True),
+            )
         code = int(reply[0])
         if code in (_CLAIMED, _CLAIMED_AGAIN):
             again = code == _CLAIMED_AGAIN and not lost
@@ -1612,11 +1608,7 @@ class LeaseStore:
 
     def _handover_call(self, keys: list[str], args: list[Any], client: redis.Redis) -> Any:
         """unique_handover.lua, once; None when its reply was lost (it may have run)."""
-        try:
-            with one_attempt():
-                return self._unique_handover(keys, args, client=client)
-        except UNKNOWN:
-            return None
+        return call_once(lambda: self._unique_handover(keys, args, client=client), lambda: None)
 
     def _recover_handover(
         self,
@@ -1728,18 +1720,19 @@ class LeaseStore:
             held.resource,
         ]
         client = self.client
+
+        def send() -> bool:
+            return bool(int(self._unique_requeue(keys, args, client=client)))
+
+        def after_lost() -> bool:
+            # read-back: sent again, it would find the claim queued and say "not ours"
+            value = client.get(rk.exclusive)
+            queued = QUEUED_OWNER + escape(held.task_id or "")
+            done = requeue_recovered(value, held.token, held.owner, queued)
+            return send() if done is None else done
+
         with self._backend("queue a unique claim again"):
-            try:
-                with one_attempt():
-                    return bool(int(self._unique_requeue(keys, args, client=client)))
-            except UNKNOWN:
-                # read-back: sent again, it would find the claim queued and say "not ours"
-                value = client.get(rk.exclusive)
-                queued = QUEUED_OWNER + escape(held.task_id or "")
-                done = requeue_recovered(value, held.token, held.owner, queued)
-                if done is not None:
-                    return done
-                return bool(int(self._unique_requeue(keys, args, client=client)))
+            return call_once(send, after_lost)
 
     def unique_unclaim(self, key: str, task_id: str, token: int | None = None) -> bool:
         """Release ``key``'s claim if it is still queued for ``task_id`` (and ``token``).
@@ -1758,13 +1751,13 @@ class LeaseStore:
             rk.channel,
         ]
         client = self.client
+
+        def send() -> bool:
+            return bool(int(self._unique_unclaim(keys, args, client=client)))
+
         with self._backend("release a queued unique claim"):
-            try:
-                with one_attempt():
-                    return bool(int(self._unique_unclaim(keys, args, client=client)))
-            except UNKNOWN:
-                # idempotent (token-checked): sent again, it gives back what is still there
-                return bool(int(self._unique_unclaim(keys, args, client=client)))
+            # idempotent (token-checked): sent again, it gives back what is still there
+            return call_once(send, send)
 
     def unique_holder(self, key: str) -> ClaimHolder | None:
         """Who holds ``key``'s claim now, or None when it is free."""
