@@ -14,8 +14,9 @@ the clients' :class:`OnceRetry` then does not retry), and a call whose outcome i
 - ``give-back``: what may have been granted is released (token-checked), then the call is
   sent once more.
 
-The sync and the asyncio stores both decide with the functions of this module; only the I/O
-differs. Nothing here talks to Redis.
+The call sites that recover by sending again go through :func:`call_once` (:func:`acall_once`);
+the grant calls also keep the :class:`GrantBook`. The sync and the asyncio stores both decide
+with the functions of this module; only the I/O differs. Nothing here talks to Redis.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ POLICIES: Final[Mapping[str, str]] = {
     "acquire (home call, no resources)": "idempotent: sent again",
     "acquire + WAIT (min_replicas)": "read-back, give-back: release the own grant, send again",
     "release": "idempotent: sent again; a lease still counted held when sent is reported freed",
-    "renew (heartbeat)": "idempotent: not retried; the next renewal runs it again",
+    "renew (heartbeat)": "idempotent: the next renewal runs it again (the asyncio renewal "
+    "client's retry may replay it: it extends the same leases again)",
     "unique_claim": "idempotent: sent again; 'already queued for this task' is this call's claim",
     "unique_handover": "read-back: adopt the own grant, else give it back and send again",
     "unique_requeue": "read-back: the key queued for the task with our token means it ran",

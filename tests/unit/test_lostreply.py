@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from celery_leases import _scripts
 from celery_leases._lostreply import (
+    POLICIES,
     GrantBook,
     grant_recovery,
     own_beat_win,
@@ -89,3 +91,8 @@ def test_the_book_waits_for_calls_in_flight_and_sees_calls_that_began_since():
     assert book.held("o", "k") == {5}
     book.drop("o", "k", 5)
     assert book.held("o", "k") == set()
+
+
+def test_every_script_has_a_policy_for_a_lost_reply():
+    named = " ".join(POLICIES)
+    assert [name for name in _scripts.ALL if name not in named] == []
