@@ -38,6 +38,7 @@ from ._lostreply import (
 )
 from ._store import (
     _EXPIRY_SLACK,
+    _NOW_SCRIPT,
     _QUIET_POLL,
     AcquireCall,
     Busy,
@@ -542,19 +543,25 @@ class AsyncLeaseStore:
         while True:
             seq = BOOK.quiet(owner, book)
             if seq is not None:
+                registry = store._registry_key(owner, group)
                 pipe = client.pipeline(transaction=False)
                 for resource, _ in wants:
                     rk = store.resource_keys(resource)
                     pipe.get(rk.exclusive)
-                    pipe.zrange(rk.shared, 0, -1)
-                pipe.smembers(store._registry_key(owner, group))
+                    pipe.zrange(rk.shared, 0, -1, withscores=True)
+                pipe.smembers(registry)
                 replies = await _shielded(pipe.execute())
+                # the Redis clock after the read: a shared member that ran out is no grant
+                ((sec, usec),) = await _shielded(
+                    _evalsha_all(client, _NOW_SCRIPT, [([registry], [])])
+                )
+                now_ms = int(sec) * 1000 + int(usec) // 1000
                 if BOOK.unchanged(owner, book, seq):  # see GrantBook
                     break
             if time.monotonic() >= end:
                 raise RedisTimeoutError("other grant calls of this process are still in flight")
             await asyncio.sleep(_QUIET_POLL)
-        found, entries = _own_grants(owner, [r for r, _ in wants], replies)
+        found, entries = _own_grants(owner, [r for r, _ in wants], replies, now_ms)
         held = {r: BOOK.held(owner, k) for (r, _), k in zip(wants, book, strict=True)}
         decision = grant_recovery(
             wants,

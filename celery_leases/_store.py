@@ -601,20 +601,21 @@ class LeaseStore:
             for resource, _ in wants:
                 rk = self.resource_keys(resource)
                 pipe.get(rk.exclusive)
-                pipe.zrange(rk.shared, 0, -1)
+                pipe.zrange(rk.shared, 0, -1, withscores=True)
             pipe.smembers(registry)
 
         end = time.monotonic() + 2 * self.settings.socket_timeout
         while True:
             seq = BOOK.quiet(owner, book)
             if seq is not None:
-                replies = self._pipeline(self.client, build, _NOW_SCRIPT)
+                # with the Redis clock: a shared member that ran out is no grant to adopt
+                replies, now_ms = self._with_now(build, registry)
                 if BOOK.unchanged(owner, book, seq):
                     break
             if time.monotonic() >= end:
                 raise RedisTimeoutError("other grant calls of this process are still in flight")
             time.sleep(_QUIET_POLL)
-        found, entries = _own_grants(owner, [r for r, _ in wants], replies)
+        found, entries = _own_grants(owner, [r for r, _ in wants], replies, now_ms)
         held = {r: BOOK.held(owner, k) for (r, _), k in zip(wants, book, strict=True)}
         decision = grant_recovery(
             wants,
@@ -1870,19 +1871,21 @@ def entry_text(mode: str, token: int | str, task_id: str | None, resource: str) 
 
 
 def _own_grants(
-    owner: str, resources: Sequence[str], replies: Sequence[Any]
+    owner: str, resources: Sequence[str], replies: Sequence[Any], now_ms: int
 ) -> tuple[dict[str, list[tuple[str, int]]], dict[tuple[str, str, int], Entry]]:
     """``owner``'s grants in what :meth:`LeaseStore.recover_grant` read back.
 
-    ``replies``: per resource its exclusive key's value and its shared members, then the
-    owner's registry. Returns per resource ``(mode, token)`` of the grants, and the registry
+    ``replies``: per resource its exclusive key's value and its shared members with their
+    expiry (Redis time in ms), then the owner's registry; ``now_ms``: the Redis clock after
+    the read. Returns per resource ``(mode, token)`` of the live grants, and the registry
     entries by ``(resource, mode, token)`` (to release them by their exact text).
     """
     found: dict[str, list[tuple[str, int]]] = {}
     for i, resource in enumerate(resources):
         value, members = replies[2 * i], replies[2 * i + 1]
+        live = [m for m, score in members if float(score) > now_ms]
         grants = found[resource] = []
-        for mode, holder in [("x", value), *(("s", m) for m in members)]:
+        for mode, holder in [("x", value), *(("s", m) for m in live)]:
             parsed = None if holder is None else parse_holder(holder)
             if parsed is not None and parsed[1] == owner:
                 grants.append((mode, parsed[0]))
