@@ -15,7 +15,6 @@ from typing import Any, Final, TypeVar
 import redis.asyncio as aredis
 from celery.utils.log import get_logger
 from redis.asyncio.client import PubSub
-from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import AskError, NoScriptError, RedisClusterException, RedisError
@@ -27,7 +26,30 @@ from ._connect import aclose_client, parse_target
 from ._connect import make_async_client as make_deployment_client
 from ._identity import Identity
 from ._lease import Held, Want
-from ._store import _EXPIRY_SLACK, Busy, Entry, LeaseStore, split_holder, task_in_registry
+from ._lostreply import (
+    BOOK,
+    UNKNOWN,
+    AsyncOnceRetry,
+    acall_once,
+    grant_recovery,
+    once_on_cluster,
+    one_attempt,
+    release_recovered,
+)
+from ._store import (
+    _EXPIRY_SLACK,
+    _NOW_SCRIPT,
+    _QUIET_POLL,
+    AcquireCall,
+    Busy,
+    Entry,
+    LeaseStore,
+    _own_grants,
+    _ReplicaShortfall,
+    counted_held,
+    split_holder,
+    task_in_registry,
+)
 from .config import LeaseSettings, safe_url
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseError
 
@@ -61,14 +83,19 @@ def make_async_client(
         "decode_responses": True,
         "socket_timeout": settings.socket_timeout,
         "socket_connect_timeout": settings.socket_connect_timeout,
-        "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        # one retry on a connection error, but none for the script calls, which recover on
+        # their own (see _lostreply)
+        "retry": AsyncOnceRetry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         "client_name": "celery_leases",
         "max_connections": max_connections,
     }
     try:
         target = parse_target(settings.url)
         if target.kind != "single":  # Sentinel or Cluster: their own pools
-            return make_deployment_client(target, on_connect, **common)
+            client = make_deployment_client(target, on_connect, **common)
+            if target.kind == "cluster":
+                once_on_cluster(client)  # it retries on its own, also the script calls
+            return client
         if on_connect is not None:
             common["redis_connect_func"] = on_connect
         pool = aredis.BlockingConnectionPool.from_url(
@@ -406,21 +433,43 @@ class AsyncLeaseStore:
         """:meth:`LeaseStore._acquire_with_home`: the home call and the grant, sent together."""
         home = self.store.acquire_call(0, [], ident, ttl, True, task_id)
         call = self.store.acquire_call(group, wants, ident, ttl, False, task_id)
+        book = self.store.book_keys(wants)
+        BOOK.begin(call.owner, book)
+        lost = False
         try:
-            replies = await _evalsha_all(
-                self._state().client,
-                _scripts.ACQUIRE,
-                [(home.keys, home.args), (call.keys, call.args)],
-            )
-        except RedisError as exc:
-            raise self.store._backend_error("acquire", exc) from exc
-        registered = self.store.acquire_outcome(home, replies[0])
-        outcome = self.store.acquire_outcome(call, replies[1])
+            try:
+                with one_attempt():
+                    replies = await _evalsha_all(
+                        self._state().client,
+                        _scripts.ACQUIRE,
+                        [(home.keys, home.args), (call.keys, call.args)],
+                    )
+            except UNKNOWN as exc:
+                # read-back, as LeaseStore._acquire_with_home does
+                BOOK.lost(call.owner, book)
+                lost = True
+                tokens = await self._recover_grant_logged(call, exc)
+                adopted = None if tokens is None else self.store.acquire_outcome(call, [1, *tokens])
+            except RedisError as exc:
+                raise self.store._backend_error("acquire", exc) from exc
+            else:
+                registered = self.store.acquire_outcome(home, replies[0])
+                outcome = self.store.acquire_outcome(call, replies[1])
+                if isinstance(registered, Busy):
+                    if not isinstance(outcome, Busy):
+                        await self.release(outcome)
+                    return registered
+                return outcome
+        finally:
+            BOOK.end(call.owner, book, recovered=lost)
+        registered = await self._acquire_group(0, [], ident, ttl, True, task_id)
         if isinstance(registered, Busy):
-            if not isinstance(outcome, Busy):
-                await self.release(outcome)
+            if adopted is not None and not isinstance(adopted, Busy):
+                await self.release(adopted)
             return registered
-        return outcome
+        if adopted is not None:
+            return adopted
+        return await self._acquire_group(group, wants, ident, ttl, False, task_id)
 
     async def _acquire_group(
         self,
@@ -431,24 +480,123 @@ class AsyncLeaseStore:
         home: bool,
         task_id: str | None,
     ) -> list[Held] | Busy:
-        call = self.store.acquire_call(group, wants, ident, ttl, home, task_id)
+        # a lost reply is read back, as LeaseStore._acquire_group explains
+        book = self.store.book_keys(wants)
         state = self._state()
+        for attempt in (1, 2):
+            call = self.store.acquire_call(group, wants, ident, ttl, home, task_id)
+            BOOK.begin(call.owner, book)
+            lost = False
+            try:
+                try:
+                    with one_attempt():
+                        reply = await self._grant(state, call)
+                    return self.store.acquire_outcome(call, reply)
+                except _ReplicaShortfall as exc:  # the grant was given back already
+                    raise self.store._backend_error("acquire", exc) from exc
+                except UNKNOWN as exc:
+                    if wants:
+                        BOOK.lost(call.owner, book)
+                        lost = True
+                        tokens = await self._recover_grant_logged(call, exc)
+                        if tokens is not None:
+                            return self.store.acquire_outcome(call, [1, *tokens])
+                    if attempt == 2:  # the home call alone is idempotent: sent again once
+                        raise self.store._backend_error("acquire", exc) from exc
+                except RedisError as exc:
+                    raise self.store._backend_error("acquire", exc) from exc
+            finally:
+                BOOK.end(call.owner, book, recovered=lost)
+        raise AssertionError("unreachable")
+
+    async def _grant(self, state: _LoopState, call: AcquireCall) -> Any:
+        """acquire.lua for ``call`` (then WAIT, with min_replicas); its reply."""
+        if not self.store._wait_replicas:
+            return await state.acquire(call.keys, call.args, client=state.client)
+        # the grant, then WAIT, in one round trip (see the min_replicas setting)
+        (reply,), (acked,) = await self._evalsha_replicated(
+            state, _scripts.ACQUIRE, [(call.keys, call.args)], renewal=False
+        )
+        if int(reply[0]) == 1 and int(acked) < self.store.settings.min_replicas:
+            granted = self.store.acquire_outcome(call, reply)
+            if not isinstance(granted, Busy):
+                await self.release(granted)  # no replica could hand it on
+            self.store._check_replicated(acked, "grant")
+        return reply
+
+    async def _recover_grant_logged(
+        self, call: AcquireCall, exc: BaseException
+    ) -> list[int] | None:
+        """:meth:`LeaseStore.recover_grant`, on this loop; a failure is logged and raised."""
+        wants = [(w.resource, w.mode) for w in call.wants]
+        store = self.store
         try:
-            if self.store._wait_replicas:
-                # the grant, then WAIT, in one round trip (see the min_replicas setting)
-                (reply,), (acked,) = await self._evalsha_replicated(
-                    state, _scripts.ACQUIRE, [(call.keys, call.args)], renewal=False
+            return await self._recover_grant(
+                call.owner, call.group, wants, call.task_id, store.adopt_until(call)
+            )
+        except (RedisError, LeaseBackendError) as failed:
+            store.log_unrecovered([r for r, _ in wants], exc, failed)
+            if isinstance(failed, LeaseBackendError):
+                raise
+            raise store._backend_error("acquire", failed) from failed
+
+    async def _recover_grant(
+        self,
+        owner: str,
+        group: int,
+        wants: Sequence[tuple[str, str]],
+        task_id: str | None,
+        adopt_until: float,
+    ) -> list[int] | None:
+        """:meth:`LeaseStore.recover_grant`: the same decision, made without blocking the loop."""
+        store = self.store
+        book = [store.resource_keys(r).exclusive for r, _ in wants]
+        client = self._state().client
+        end = time.monotonic() + 2 * self.settings.socket_timeout
+        while True:
+            seq = BOOK.quiet(owner, book)
+            if seq is not None:
+                registry = store._registry_key(owner, group)
+                pipe = client.pipeline(transaction=False)
+                for resource, _ in wants:
+                    rk = store.resource_keys(resource)
+                    pipe.get(rk.exclusive)
+                    pipe.zrange(rk.shared, 0, -1, withscores=True)
+                pipe.smembers(registry)
+                replies = await _shielded(pipe.execute())
+                # the Redis clock after the read: a shared member that ran out is no grant
+                ((sec, usec),) = await _shielded(
+                    _evalsha_all(client, _NOW_SCRIPT, [([registry], [])])
                 )
-                if int(reply[0]) == 1 and int(acked) < self.store.settings.min_replicas:
-                    granted = self.store.acquire_outcome(call, reply)
-                    if not isinstance(granted, Busy):
-                        await self.release(granted)  # no replica could hand it on
-                    self.store._check_replicated(acked, "grant")
-            else:
-                reply = await state.acquire(call.keys, call.args, client=state.client)
-        except RedisError as exc:
-            raise self.store._backend_error("acquire", exc) from exc
-        return self.store.acquire_outcome(call, reply)
+                now_ms = int(sec) * 1000 + int(usec) // 1000
+                if BOOK.unchanged(owner, book, seq):  # see GrantBook
+                    break
+            if time.monotonic() >= end:
+                raise RedisTimeoutError("other grant calls of this process are still in flight")
+            await asyncio.sleep(_QUIET_POLL)
+        found, entries = _own_grants(owner, [r for r, _ in wants], replies, now_ms)
+        held = {r: BOOK.held(owner, k) for (r, _), k in zip(wants, book, strict=True)}
+        decision = grant_recovery(
+            wants,
+            found,
+            held,
+            alone=BOOK.alone(owner, book),
+            may_adopt=time.monotonic() < adopt_until,
+        )
+        if decision.adopt is not None:
+            logger.info("leases: a grant of %s whose reply was lost is kept", wants[0][0])
+            return decision.adopt
+        if decision.give_back:
+            orphans = [
+                entries.get((r, m, t)) or Entry(m, t, task_id, r) for r, m, t in decision.give_back
+            ]
+            logger.info(
+                "leases: %d grant(s) whose reply was lost are given back (%s)",
+                len(orphans),
+                ", ".join(repr(e.resource) for e in orphans),
+            )
+            await self._release_entries(owner, group, orphans, None)
+        return None
 
     async def _attempt(
         self, wants: Sequence[Want], ident: Identity, ttl: float, task_id: str | None
@@ -623,6 +771,8 @@ class AsyncLeaseStore:
             LeaseBackendError: Redis failed, or gave no reply within ``timeout``.
         """
         plan = self.store.renew_calls(held, owner)
+        # renew.lua is idempotent (token-checked; it only extends): the renewal client's retry
+        # may run it twice after a lost reply, which extends the same leases once more
         state = self._state()
         calls = [(keys, args) for _, keys, args in plan.calls]
         sending: asyncio.Future[tuple[list[Any], list[Any]]]
@@ -722,17 +872,14 @@ class AsyncLeaseStore:
         for i, h in enumerate(held):
             groups.setdefault((h.owner, h.group), []).append(i)
         out: dict[int, bool] = {}
-        state = self._state()
+        now = time.monotonic()
         for (owner, group), idx in groups.items():
             entries = [
                 Entry(held[i].mode, held[i].token, held[i].task_id, held[i].resource) for i in idx
             ]
-            keys, args = self.store.release_call(owner, group, entries)
-            try:
-                reply = await _shielded(state.release(keys, args, client=state.client))
-            except RedisError as exc:
-                raise self.store._backend_error("release", exc) from exc
-            out.update(zip(idx, [x == 1 for x in reply], strict=True))
+            counted = [counted_held(held[i], now) for i in idx]
+            freed = await self._release_entries(owner, group, entries, counted)
+            out.update(zip(idx, freed, strict=True))
         return [out[i] for i in range(len(held))]
 
     async def holder_task(self, resource: str) -> str | None:
@@ -751,6 +898,34 @@ class AsyncLeaseStore:
             return None
         return task_in_registry(members, resource, token)
 
+    async def _release_entries(
+        self, owner: str, group: int, entries: Sequence[Entry], counted: Sequence[bool] | None
+    ) -> list[bool]:
+        """release.lua for ``entries``, as :meth:`LeaseStore._release_entries` sends it."""
+        state = self._state()
+        keys, args = self.store.release_call(owner, group, entries)
+
+        async def send() -> list[bool]:
+            reply = await _shielded(state.release(keys, args, client=state.client))
+            return [x == 1 for x in reply]
+
+        async def after_lost() -> list[bool]:
+            # idempotent (token-checked): sent again (see release_recovered)
+            freed = await send()
+            return freed if counted is None else release_recovered(freed, counted)
+
+        try:
+            freed = await acall_once(send, after_lost)
+        except asyncio.CancelledError:
+            # the release goes on in its own task: its tokens stay counted as live leases
+            # (a recovery leaves such a grant alone) rather than before it ran
+            raise
+        except RedisError as exc:
+            self.store.released(owner, entries)
+            raise self.store._backend_error("release", exc) from exc
+        self.store.released(owner, entries)
+        return freed
+
     # --- once receipts --------------------------------------------------------------------
     async def get_receipt(self, name: str) -> str | None:
         """The stored receipt (JSON text) of ``once(name)``, or None."""
@@ -764,9 +939,13 @@ class AsyncLeaseStore:
         """Store ``receipt`` if ``held`` (the once-lease) is still ours; False if it is not."""
         keys, args = self.store.commit_receipt_call(name, held, receipt, ttl)
         state = self._state()
+
+        async def send() -> bool:
+            return bool(int(await _shielded(state.commit_receipt(keys, args, client=state.client))))
+
         try:
-            reply = await _shielded(state.commit_receipt(keys, args, client=state.client))
-            return bool(int(reply))
+            # idempotent: the same receipt, stored again while the holder still holds
+            return await acall_once(send, send)
         except RedisError as exc:
             raise self.store._backend_error("store a receipt", exc) from exc
 
@@ -821,7 +1000,7 @@ def _node_client(node: Any, max_connections: int, timeout: float) -> aredis.Redi
     MOVED: a pipeline on it keeps every command on one connection."""
     kwargs = {
         **node.connection_kwargs,  # host, port, timeouts, client name, TLS files, ...
-        "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        "retry": AsyncOnceRetry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
     }
     pool = aredis.BlockingConnectionPool(
         connection_class=node.connection_class,

@@ -24,6 +24,19 @@ from . import _connect, _lifetime, _scripts
 from ._identity import Identity
 from ._keys import UNIQUE_PREFIX, Keyspace, escape, node_of_owner, unescape
 from ._lease import Held, Want
+from ._lostreply import (
+    BOOK,
+    UNKNOWN,
+    OnceRetry,
+    call_once,
+    grant_recovery,
+    once_on_cluster,
+    one_attempt,
+    own_beat_win,
+    parse_holder,
+    release_recovered,
+    requeue_recovered,
+)
 from .config import LeaseSettings, safe_url
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError
 
@@ -58,6 +71,12 @@ _OPS_BATCH: Final = 1000
 _RELEASE_BATCH: Final = 500
 #: records the audit list keeps (the newest)
 AUDIT_KEEP: Final = 1000
+#: seconds between looks at the grant calls still in flight, in a lost reply's recovery
+_QUIET_POLL: Final = 0.005
+
+
+class _ReplicaShortfall(RedisTimeoutError):
+    """Too few replicas confirmed a write in time (the outcome is known: not a lost reply)."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +193,8 @@ class LeaseStore:
         # see _renewal_connection: node name ("" off a cluster) -> connection, in _renew_pid
         self._renew_conns: dict[str, Any] = {}
         self._renew_pid = -1
+        # beat claim key -> the last run this store counted as won (see own_beat_win)
+        self._beat_won: dict[str, int] = {}
         self._wait_replicas: tuple[Any, ...] = ()
         if settings.min_replicas:
             timeout_ms = self._ms(settings.min_replicas_timeout)
@@ -205,13 +226,15 @@ class LeaseStore:
     def _make_client(self) -> redis.Redis:
         s = self.settings
         try:
-            return _connect.make_client(
+            client = _connect.make_client(
                 self._target,
                 self._connect_check(),
                 decode_responses=True,
                 socket_timeout=s.socket_timeout,
                 socket_connect_timeout=s.socket_connect_timeout,
-                retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+                # one retry on a connection error, but none for the script calls, which
+                # recover on their own (see _lostreply)
+                retry=OnceRetry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
                 client_name="celery_leases",
             )
         except (ValueError, TypeError, RedisError, RedisClusterException) as exc:
@@ -220,6 +243,9 @@ class LeaseStore:
             # a RedisError)
             msg = f"redis_url {safe_url(self.url)!r} is not usable: {exc}"
             raise LeaseConfigError(msg) from None
+        if _connect.is_cluster(client):
+            once_on_cluster(client)  # it retries on its own, also the script calls
+        return client
 
     def _connect_check(self) -> Callable[[Any], None] | None:
         """The restart check each new connection runs first (see _lifetime)."""
@@ -403,15 +429,40 @@ class LeaseStore:
             for c in (home, call):
                 pipe.execute_command("EVALSHA", self._acquire.sha, len(c.keys), *c.keys, *c.args)
 
-        with self._backend("acquire"):
-            replies = self._pipeline(self.client, queue, _scripts.ACQUIRE)
-        registered = self.acquire_outcome(home, replies[0])
-        outcome = self.acquire_outcome(call, replies[1])
+        book = self.book_keys(wants)
+        BOOK.begin(call.owner, book)
+        lost = False
+        try:
+            try:
+                with one_attempt():
+                    replies = self._pipeline(self.client, queue, _scripts.ACQUIRE)
+            except UNKNOWN as exc:
+                # read-back: the grant is adopted if it was made; the home call is idempotent
+                BOOK.lost(call.owner, book)
+                lost = True
+                tokens = self._recover_grant_logged(call, exc)
+                adopted = None if tokens is None else self.acquire_outcome(call, [1, *tokens])
+            except RedisError as exc:
+                raise self._backend_error("acquire", exc) from exc
+            else:
+                registered = self.acquire_outcome(home, replies[0])
+                outcome = self.acquire_outcome(call, replies[1])
+                if isinstance(registered, Busy):
+                    if not isinstance(outcome, Busy):
+                        self.release(outcome)
+                    return registered
+                return outcome
+        finally:
+            BOOK.end(call.owner, book, recovered=lost)
+        # the reply was lost: the home call again, then (unless adopted) the grant again
+        registered = self._acquire_group(0, [], ident, ttl, True, task_id)
         if isinstance(registered, Busy):
-            if not isinstance(outcome, Busy):
-                self.release(outcome)
+            if adopted is not None and not isinstance(adopted, Busy):
+                self.release(adopted)
             return registered
-        return outcome
+        if adopted is not None:
+            return adopted
+        return self._acquire_group(group, wants, ident, ttl, False, task_id)
 
     def acquire_plan(
         self, wants: Sequence[Want], owner: str, ttl: float
@@ -468,15 +519,146 @@ class LeaseStore:
         home: bool,
         task_id: str | None = None,
     ) -> list[Held] | Busy:
-        call = self.acquire_call(group, wants, ident, ttl, home, task_id)
+        # A grant whose reply is lost (the connection cut or timed out after the request went
+        # out) is read back: t0 acquire.lua grants R to this owner; t1 the reply is lost; t2 a
+        # plain retry finds R held by this owner and reports it busy, and nobody renews or
+        # releases the grant of t0 until its TTL. So the call goes out once
+        # (one_attempt), and after a lost reply the grant of t0 is adopted if it is surely
+        # this call's, else given back and the call sent once more.
+        book = self.book_keys(wants)
+        for attempt in (1, 2):
+            call = self.acquire_call(group, wants, ident, ttl, home, task_id)
+            BOOK.begin(call.owner, book)
+            lost = False
+            try:
+                try:
+                    with one_attempt():
+                        if self._wait_replicas:
+                            reply = self._acquire_replicated(call)
+                        else:
+                            reply = self._acquire(call.keys, call.args, client=self.client)
+                    return self.acquire_outcome(call, reply)
+                except _ReplicaShortfall as exc:  # the grant was given back already
+                    raise self._backend_error("acquire", exc) from exc
+                except UNKNOWN as exc:
+                    if wants:
+                        BOOK.lost(call.owner, book)
+                        lost = True
+                        tokens = self._recover_grant_logged(call, exc)
+                        if tokens is not None:
+                            return self.acquire_outcome(call, [1, *tokens])
+                    # the home call alone is idempotent: it is simply sent again
+                    if attempt == 2:
+                        raise self._backend_error("acquire", exc) from exc
+                except RedisError as exc:
+                    raise self._backend_error("acquire", exc) from exc
+            finally:
+                BOOK.end(call.owner, book, recovered=lost)
+        raise AssertionError("unreachable")
+
+    def book_keys(self, wants: Sequence[Want]) -> list[str]:
+        """The keys :data:`~celery_leases._lostreply.BOOK` knows ``wants``' grants by."""
+        return [self.resource_keys(w.resource).exclusive for w in wants]
+
+    def _recover_grant_logged(self, call: AcquireCall, exc: BaseException) -> list[int] | None:
+        """:meth:`recover_grant` for ``call``; a recovery that fails is logged, and raised."""
+        wants = [(w.resource, w.mode) for w in call.wants]
         try:
-            if self._wait_replicas:
-                reply = self._acquire_replicated(call)
-            else:
-                reply = self._acquire(call.keys, call.args, client=self.client)
-        except RedisError as exc:
-            raise self._backend_error("acquire", exc) from exc
-        return self.acquire_outcome(call, reply)
+            return self.recover_grant(
+                call.owner, call.group, wants, call.task_id, self.adopt_until(call)
+            )
+        except (RedisError, LeaseBackendError) as failed:
+            self.log_unrecovered([r for r, _ in wants], exc, failed)
+            if isinstance(failed, LeaseBackendError):
+                raise
+            raise self._backend_error("acquire", failed) from failed
+
+    def adopt_until(self, call: AcquireCall) -> float:
+        """Until when (monotonic) a lost grant of ``call`` may be adopted rather than given back.
+
+        An adopted lease counts as confirmed when the call was sent, the latest time it can
+        have been granted: adopted with little of its horizon left, it would count as lost
+        before the heartbeat could renew it. With min_replicas, never (0): the replicas'
+        answer was lost too.
+        """
+        if self._wait_replicas:
+            return 0.0
+        return call.now + self.horizon(call.ttl) / 2
+
+    def log_unrecovered(
+        self, resources: Sequence[str], lost: BaseException, failed: BaseException
+    ) -> None:
+        """Tell the operator about a grant that may be left behind by a lost reply."""
+        logger.error(
+            "leases: the reply to a grant of %s was lost (%s) and it could not be read back "
+            "(%s): a grant it made is held until its TTL runs out (the owner's registry "
+            "records it, so a cleanup frees it sooner)",
+            ", ".join(repr(r) for r in resources),
+            lost,
+            failed,
+        )
+
+    def recover_grant(
+        self,
+        owner: str,
+        group: int,
+        wants: Sequence[tuple[str, str]],
+        task_id: str | None,
+        adopt_until: float,
+    ) -> list[int] | None:
+        """After a grant call's reply was lost: its tokens if it granted, else None.
+
+        Waits until no other grant call of this process on these resources is in flight
+        (each ends within the socket timeout), reads back this owner's grants of them, and
+        decides with :func:`~celery_leases._lostreply.grant_recovery`: the lost call's grant
+        is adopted (returned), or every orphan grant of this owner (no live lease of this
+        process has its token) is released. A grant is adopted only until ``adopt_until``
+        (monotonic; see :meth:`adopt_until`). Raises a redis error if Redis cannot be read.
+        """
+        book = [self.resource_keys(r).exclusive for r, _ in wants]
+        registry = self._registry_key(owner, group)
+
+        def build(pipe: Any) -> None:
+            for resource, _ in wants:
+                rk = self.resource_keys(resource)
+                pipe.get(rk.exclusive)
+                pipe.zrange(rk.shared, 0, -1, withscores=True)
+            pipe.smembers(registry)
+
+        end = time.monotonic() + 2 * self.settings.socket_timeout
+        while True:
+            seq = BOOK.quiet(owner, book)
+            if seq is not None:
+                # with the Redis clock: a shared member that ran out is no grant to adopt
+                replies, now_ms = self._with_now(build, registry)
+                if BOOK.unchanged(owner, book, seq):
+                    break
+            if time.monotonic() >= end:
+                raise RedisTimeoutError("other grant calls of this process are still in flight")
+            time.sleep(_QUIET_POLL)
+        found, entries = _own_grants(owner, [r for r, _ in wants], replies, now_ms)
+        held = {r: BOOK.held(owner, k) for (r, _), k in zip(wants, book, strict=True)}
+        decision = grant_recovery(
+            wants,
+            found,
+            held,
+            alone=BOOK.alone(owner, book),
+            may_adopt=time.monotonic() < adopt_until,
+        )
+        if decision.adopt is not None:
+            logger.info("leases: a grant of %s whose reply was lost is kept", wants[0][0])
+            return decision.adopt
+        if decision.give_back:
+            orphans = [
+                entries.get((r, m, t)) or Entry(m, t, task_id, r) for r, m, t in decision.give_back
+            ]
+            logger.info(
+                "leases: %d grant(s) whose reply was lost are given back (%s)",
+                len(orphans),
+                ", ".join(repr(e.resource) for e in orphans),
+            )
+            self._release_entries(owner, group, orphans)
+        return None
 
     def acquire_call(
         self,
@@ -524,6 +706,9 @@ class LeaseStore:
         if call.registry_s:
             self._registry_until[(owner, call.group)] = now + call.registry_s
         horizon = self.horizon(call.ttl)
+        # before the call counts as ended: a recovery must never take these for orphans
+        for w, token in zip(wants, reply[1:], strict=True):
+            BOOK.hold(owner, self.resource_keys(w.resource).exclusive, int(token))
         return [
             Held(
                 store=self,
@@ -678,6 +863,9 @@ class LeaseStore:
             the indices (into ``held``) of leases Redis no longer has for us.
         """
         plan = self.renew_calls(held, owner)
+        # idempotent after a lost reply: its own connections never retry (the caller hears of
+        # the failure), and the next renewal runs it again, token-checked; run twice it only
+        # extends the same leases twice
         replies = self._call_with_deadline(
             self._renew.sha, _scripts.RENEW, [(k, a) for _, k, a in plan.calls], timeout
         )
@@ -859,7 +1047,7 @@ class LeaseStore:
                 f"the {what} reached {acked} of the {want} replicas min_replicas asks for "
                 f"within {self.settings.min_replicas_timeout}s"
             )
-            raise RedisTimeoutError(msg)
+            raise _ReplicaShortfall(msg)
 
     # --- release --------------------------------------------------------------------------
     def release(self, held: Sequence[Held]) -> list[bool]:
@@ -870,10 +1058,11 @@ class LeaseStore:
         """
         if not held:
             return []
+        now = time.monotonic()
         if len(held) == 1:
             h = held[0]
             entry = Entry(h.mode, h.token, h.task_id, h.resource)
-            return self._release_entries(h.owner, h.group, [entry])
+            return self._release_entries(h.owner, h.group, [entry], [counted_held(h, now)])
         out: dict[int, bool] = {}
         groups: dict[tuple[str, int], list[int]] = {}
         for i, h in enumerate(held):
@@ -882,18 +1071,37 @@ class LeaseStore:
             entries = [
                 Entry(held[i].mode, held[i].token, held[i].task_id, held[i].resource) for i in idx
             ]
-            freed = self._release_entries(owner, group, entries)
+            counted = [counted_held(held[i], now) for i in idx]
+            freed = self._release_entries(owner, group, entries, counted)
             out.update(zip(idx, freed, strict=True))
         return [out[i] for i in range(len(held))]
 
-    def _release_entries(self, owner: str, group: int, entries: Sequence[Entry]) -> list[bool]:
+    def _release_entries(
+        self,
+        owner: str,
+        group: int,
+        entries: Sequence[Entry],
+        counted: Sequence[bool] | None = None,
+    ) -> list[bool]:
+        """release.lua for ``entries``; ``counted``: whether each still counted as held."""
         keys, args = self.release_call(owner, group, entries)
         client = self.client
+
+        def send() -> list[bool]:
+            return [x == 1 for x in self._release(keys, args, client=client)]
+
+        def after_lost() -> list[bool]:
+            # idempotent (token-checked): sent again; its "not ours" for a lease the lost run
+            # released is read with what the caller knew (release_recovered)
+            freed = send()
+            return freed if counted is None else release_recovered(freed, counted)
+
         try:
-            reply = self._release(keys, args, client=client)
+            return call_once(send, after_lost)
         except RedisError as exc:
             raise self._backend_error("release", exc) from exc
-        return [x == 1 for x in reply]
+        finally:
+            self.released(owner, entries)
 
     def release_call(
         self, owner: str, group: int, entries: Sequence[Entry]
@@ -906,6 +1114,12 @@ class LeaseStore:
             keys.append(rk.exclusive if e.mode == "x" else rk.shared)
             args += (e.mode, e.token, e.text, rk.channel)
         return keys, args
+
+    def released(self, owner: str, entries: Sequence[Entry]) -> None:
+        """The release of ``entries`` is over (done or failed): no live lease of this process
+        has their tokens any more, so a lost reply's recovery may give such a grant back."""
+        for e in entries:
+            BOOK.drop(owner, self.resource_keys(e.resource).exclusive, e.token)
 
     # --- cleanup --------------------------------------------------------------------------
     def cleanup_owner(
@@ -960,6 +1174,7 @@ class LeaseStore:
                         report.expired += 1
         if not report.kept and not spared:
             node = node_of_owner(owner)
+            # idempotent (ZREM, SREM): redis-py's own retry may run it twice
             with self._backend("forget an owner"):
                 self._forget_owner(
                     [self.keys.owners, self.keys.node(node), self.keys.nodes],
@@ -990,7 +1205,7 @@ class LeaseStore:
 
     def _expired_owner_times(self, limit: int) -> list[tuple[str, int]]:
         """``(owner, Redis time in ms its liveness ran out)``, oldest first."""
-        with self._backend("list expired owners"):
+        with self._backend("list expired owners"):  # a read: redis-py's retry is harmless
             reply = self._expired_owners([self.keys.owners], [limit], client=self.client)
         return [(str(reply[i]), int(float(reply[i + 1]))) for i in range(0, len(reply), 2)]
 
@@ -1292,8 +1507,13 @@ class LeaseStore:
         """Store ``receipt`` if ``held`` (the once-lease) is still ours; False if it is not."""
         keys, args = self.commit_receipt_call(name, held, receipt, ttl)
         client = self.client  # first: it registers the scripts in this process
-        with self._backend("store a receipt"):
+
+        def send() -> bool:
             return bool(int(self._commit_receipt(keys, args, client=client)))
+
+        with self._backend("store a receipt"):
+            # idempotent: the same receipt, stored again while the holder still holds
+            return call_once(send, send)
 
     def commit_receipt_call(
         self, name: str, held: Held, receipt: str, ttl: float | None
@@ -1335,11 +1555,20 @@ class LeaseStore:
             replica,
         ]
         client = self.client  # first: it registers the scripts in this process
+        keys = [self.keys.beat_claim(entry, kind)]
         with self._backend("claim a beat run"):
-            won, run, now, winner = self._beat_claim(
-                [self.keys.beat_claim(entry, kind)], args, client=client
+            # idempotent: sent again, it loses to the lost call if that one won; the claim
+            # records the winner, so this replica recognises its own win (own_beat_win)
+            reply, lost = call_once(
+                lambda: (self._beat_claim(keys, args, client=client), False),
+                lambda: (self._beat_claim(keys, args, client=client), True),
             )
-        return bool(int(won)), int(run), int(now), str(winner)
+        won, run, now, winner = bool(int(reply[0])), int(reply[1]), int(reply[2]), str(reply[3])
+        if lost:
+            won = own_beat_win(won, run, winner, replica, self._beat_won.get(keys[0]))
+        if won:
+            self._beat_won[keys[0]] = run
+        return won, run, now, winner
 
     # --- unique claims ----------------------------------------------------------------------
     # A task declared with ``unique=`` has at most one copy queued or running per rendered
@@ -1367,10 +1596,17 @@ class LeaseStore:
         args: list[Any] = [escape(task_id), self._ms(ttl), TOKEN_MEMORY_MS, resource]
         client = self.client  # first: it registers the scripts in this process
         with self._backend("claim a unique key"):
-            reply = self._unique_claim(keys, args, client=client)
+            # idempotent: sent again, it finds the claim the lost call made, queued for this
+            # task id; that claim is this call's own (not an earlier publish's), so a failed
+            # publish gives it back
+            reply, lost = call_once(
+                lambda: (self._unique_claim(keys, args, client=client), False),
+                lambda: (self._unique_claim(keys, args, client=client), True),
+            )
         code = int(reply[0])
         if code in (_CLAIMED, _CLAIMED_AGAIN):
-            return Claimed(key, task_id, int(reply[1]), again=code == _CLAIMED_AGAIN)
+            again = code == _CLAIMED_AGAIN and not lost
+            return Claimed(key, task_id, int(reply[1]), again=again)
         return self._claim_holder(key, resource, str(reply[1]), int(reply[2]))
 
     def unique_handover(
@@ -1418,15 +1654,29 @@ class LeaseStore:
             resource,
         ]
         client = self.client
-        with self._backend("take over a unique claim"):
-            reply = self._unique_handover(keys, args, client=client)
-        code = int(reply[0])
-        if code == _GRACE:
-            return ClaimHolder(key, "grace", None, 0, None, int(reply[1]) / 1000)
-        if code == _BUSY:
-            return self._claim_holder(key, resource, str(reply[1]), int(reply[2]))
-        if registry_s:
-            self._registry_until[(owner, group)] = now + registry_s
+        book = [rk.exclusive]
+        BOOK.begin(owner, book)
+        lost = False
+        try:
+            with self._backend("take over a unique claim"):
+                reply = self._handover_call(keys, args, client)
+                lost = reply is None
+                if reply is None:
+                    BOOK.lost(owner, book)
+                    until = now + self.horizon(ttl) / 2  # as adopt_until for a grant
+                    reply = self._recover_handover(
+                        keys, args, client, owner, group, resource, task_id, until
+                    )
+            code = int(reply[0])
+            if code == _GRACE:
+                return ClaimHolder(key, "grace", None, 0, None, int(reply[1]) / 1000)
+            if code == _BUSY:
+                return self._claim_holder(key, resource, str(reply[1]), int(reply[2]))
+            if registry_s:
+                self._registry_until[(owner, group)] = now + registry_s
+            BOOK.hold(owner, rk.exclusive, int(reply[1]))
+        finally:
+            BOOK.end(owner, book, recovered=lost)
         return Held(
             store=self,
             owner=owner,
@@ -1439,6 +1689,42 @@ class LeaseStore:
             horizon=self.horizon(ttl),
             task_id=task_id,
         )
+
+    def _handover_call(self, keys: list[str], args: list[Any], client: redis.Redis) -> Any:
+        """unique_handover.lua, once; None when its reply was lost (it may have run)."""
+        return call_once(lambda: self._unique_handover(keys, args, client=client), lambda: None)
+
+    def _recover_handover(
+        self,
+        keys: list[str],
+        args: list[Any],
+        client: redis.Redis,
+        owner: str,
+        group: int,
+        resource: str,
+        task_id: str,
+        adopt_until: float,
+    ) -> Any:
+        """After a lost handover reply: read-back, as for a grant (see :meth:`recover_grant`).
+
+        Sent again, the script would find the claim taken by this owner and report it held
+        by a running task (this one): the lease nobody renews blocks the key until its TTL.
+        So the own grant is adopted, or given back and the call sent once more.
+        """
+        try:
+            tokens = self.recover_grant(owner, group, [(resource, "x")], task_id, adopt_until)
+        except (RedisError, LeaseBackendError) as failed:
+            self.log_unrecovered([resource], RedisConnectionError("lost reply"), failed)
+            raise
+        if tokens is not None:
+            return [1, tokens[0]]
+        reply = self._handover_call(keys, args, client)
+        if reply is None:
+            self.log_unrecovered(
+                [resource], RedisConnectionError("lost reply"), RedisConnectionError("lost again")
+            )
+            raise RedisConnectionError("the reply to a unique handover was lost twice")
+        return reply
 
     def unique_take(
         self, key: str, task_id: str, ident: Identity, ttl: float, wait: float
@@ -1518,8 +1804,19 @@ class LeaseStore:
             held.resource,
         ]
         client = self.client
-        with self._backend("queue a unique claim again"):
+
+        def send() -> bool:
             return bool(int(self._unique_requeue(keys, args, client=client)))
+
+        def after_lost() -> bool:
+            # read-back: sent again, it would find the claim queued and say "not ours"
+            value = client.get(rk.exclusive)
+            queued = QUEUED_OWNER + escape(held.task_id or "")
+            done = requeue_recovered(value, held.token, held.owner, queued)
+            return send() if done is None else done
+
+        with self._backend("queue a unique claim again"):
+            return call_once(send, after_lost)
 
     def unique_unclaim(self, key: str, task_id: str, token: int | None = None) -> bool:
         """Release ``key``'s claim if it is still queued for ``task_id`` (and ``token``).
@@ -1538,8 +1835,13 @@ class LeaseStore:
             rk.channel,
         ]
         client = self.client
-        with self._backend("release a queued unique claim"):
+
+        def send() -> bool:
             return bool(int(self._unique_unclaim(keys, args, client=client)))
+
+        with self._backend("release a queued unique claim"):
+            # idempotent (token-checked): sent again, it gives back what is still there
+            return call_once(send, send)
 
     def unique_holder(self, key: str) -> ClaimHolder | None:
         """Who holds ``key``'s claim now, or None when it is free."""
@@ -1675,9 +1977,41 @@ class Entry(NamedTuple):
         return entry_text(self.mode, self.token, self.task_id, self.resource)
 
 
+def counted_held(held: Held, now: float) -> bool:
+    """True if ``held`` still counts as held at ``now`` (so Redis surely still has it)."""
+    return not held.lost and now < held.deadline
+
+
 def entry_text(mode: str, token: int | str, task_id: str | None, resource: str) -> str:
     """``"<mode> <token> <task> <resource>"``, as acquire.lua writes it."""
     return f"{mode} {token} {escape(task_id) if task_id else '-'} {resource}"
+
+
+def _own_grants(
+    owner: str, resources: Sequence[str], replies: Sequence[Any], now_ms: int
+) -> tuple[dict[str, list[tuple[str, int]]], dict[tuple[str, str, int], Entry]]:
+    """``owner``'s grants in what :meth:`LeaseStore.recover_grant` read back.
+
+    ``replies``: per resource its exclusive key's value and its shared members with their
+    expiry (Redis time in ms), then the owner's registry; ``now_ms``: the Redis clock after
+    the read. Returns per resource ``(mode, token)`` of the live grants, and the registry
+    entries by ``(resource, mode, token)`` (to release them by their exact text).
+    """
+    found: dict[str, list[tuple[str, int]]] = {}
+    for i, resource in enumerate(resources):
+        value, members = replies[2 * i], replies[2 * i + 1]
+        live = [m for m, score in members if float(score) > now_ms]
+        grants = found[resource] = []
+        for mode, holder in [("x", value), *(("s", m) for m in live)]:
+            parsed = None if holder is None else parse_holder(holder)
+            if parsed is not None and parsed[1] == owner:
+                grants.append((mode, parsed[0]))
+    entries: dict[tuple[str, str, int], Entry] = {}
+    for member in replies[-1]:
+        entry = _parse_entry(str(member))
+        if entry is not None:
+            entries[(entry.resource, entry.mode, entry.token)] = entry
+    return found, entries
 
 
 def _parse_entry(member: str) -> Entry | None:

@@ -22,6 +22,7 @@ import redis
 
 from tests.faults.conftest import TTL, Fleet, ScenarioReport, hold_for
 from tests.polling import wait_until
+from tests.proxy import LossyProxy
 
 pytestmark = [pytest.mark.faults, pytest.mark.worker]
 
@@ -301,3 +302,41 @@ def test_clock_jump_on_a_worker(make_fleet: Any, reports: list[ScenarioReport]) 
         fleet.ledger.set_clock_offset(jumper.hostname, offset)
         fleet.fault(f"clock {offset:+.0f}s")
     check_guarantees(fleet, reports, note="time.time of every process of one prefork worker")
+
+
+#: share of script replies the proxy loses in the lost-reply scenario
+LOST_REPLY_SHARE = 0.05
+
+
+def test_lost_script_replies(make_fleet: Any, reports: list[ScenarioReport]) -> None:
+    """Every worker reaches Redis through a proxy that loses a share of all script replies.
+
+    A lost reply's request has run in Redis (the proxy forwards it, then cuts the
+    connection before the reply comes back): grants, releases, renewals and claims whose
+    callers never heard the outcome. None of them may leave an orphan behind (the task that
+    follows would wait, busy, until its TTL) or give one resource to two holders.
+    """
+    fleet = make_fleet("lost-reply")
+    with LossyProxy("127.0.0.1", fleet.server.port, seed=8) as proxy:
+        fleet.env["CELERY_LEASES_REDIS_URL"] = proxy.url()
+        standard_fleet(fleet)
+        fleet.send_work(TASKS, RESOURCES, seed=8)
+        for start, end, held_back in ((0.1, 0.3, False), (0.4, 0.6, True), (0.7, 0.9, False)):
+            at(fleet, start)
+            if held_back:  # past the workers' socket timeout (1 s): a timeout after it ran
+                proxy.delay_fraction(b"EVALSHA", LOST_REPLY_SHARE, 1.5)
+            else:
+                proxy.drop_fraction(b"EVALSHA", LOST_REPLY_SHARE)
+            at(fleet, end)
+            proxy.disarm()
+            fleet.fault(f"{'held back' if held_back else 'lost'} replies {LOST_REPLY_SHARE:.0%}")
+        counts = check_guarantees(
+            fleet,
+            reports,
+            note=(
+                f"{LOST_REPLY_SHARE:.0%} of all script replies lost (the request ran; cut at "
+                f"10-30 % and 70-90 % of the tasks, held back 1.5 s at 40-60 %): "
+                f"{proxy.lost} replies lost"
+            ),
+        )
+    assert proxy.lost > 0, counts

@@ -21,6 +21,7 @@ from celery_leases._identity import Identity
 from celery_leases._lease import Want
 from tests.polling import wait_until
 from tests.topologies import (
+    CLUSTER_SLOT_GROUPS,
     Topology,
     check_a_waiter_is_woken_by_the_release,
     command_calls,
@@ -311,3 +312,30 @@ async def test_the_asyncio_api_on_the_deployment(make: Callable[..., Leases]) ->
         assert await leases.aonce(f"ainit:{names[0]}", lambda: {"ok": 1}) == {"ok": 1}
     finally:
         await leases.aclose()
+
+
+def test_a_cluster_client_never_replays_a_script_call_itself(redis_cluster: Any) -> None:
+    """A cluster client retries a failed command on its own (3 times by default); inside a
+    script call (one_attempt) it must not: the call's reply may be lost after it ran."""
+    from celery_leases._lostreply import one_attempt
+
+    with leases_factory(redis_cluster.url, f"topo-{uuid.uuid4().hex[:8]}") as make_leases:
+        leases = make_leases(slot_groups=CLUSTER_SLOT_GROUPS)
+        client: Any = leases.store.client
+        assert client.retry.get_retries() > 0  # reads keep the cluster's own retry
+        with one_attempt():
+            assert client.retry.get_retries() == 0
+
+        async def check() -> None:
+            astore = leases.astore
+            state: Any = astore._state()
+            try:
+                assert state.client.retry.get_retries() > 0
+                with one_attempt():
+                    assert state.client.retry.get_retries() == 0
+            finally:
+                await astore.aclose()
+
+        asyncio.run(check())
+        with leases.hold("r") as lease:  # and the engine works as before
+            assert lease.token > 0

@@ -1,0 +1,416 @@
+"""Script calls whose reply may be lost: what each one does when it does not know the outcome.
+
+A script call whose connection fails or times out after the request was sent may have run in
+Redis. redis-py's retry would simply send it again, and a grant script run twice finds its
+own first grant in the way. So every script call is made with one attempt (:func:`one_attempt`:
+the clients' :class:`OnceRetry` then does not retry), and a call whose outcome is unknown
+(:data:`UNKNOWN`) is followed by the recovery :data:`POLICIES` names for its script:
+
+- ``idempotent``: sent again; running it twice leaves what running it once leaves, and the
+  caller reads the second reply knowing that the first one may have run (e.g. a beat claim
+  whose winner is this replica is its win).
+- ``read-back``: the keys are read, and the caller recognises what its own call did: a grant
+  of its owner id with a token that no live lease of this process holds (:class:`GrantBook`).
+- ``give-back``: what may have been granted is released (token-checked), then the call is
+  sent once more.
+
+The call sites that recover by sending again go through :func:`call_once` (:func:`acall_once`);
+the grant calls also keep the :class:`GrantBook`. The sync and the asyncio stores both decide
+with the functions of this module; only the I/O differs. Nothing here talks to Redis.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeVar
+
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+__all__ = (
+    "BOOK",
+    "POLICIES",
+    "UNKNOWN",
+    "AsyncOnceRetry",
+    "GrantBook",
+    "GrantRecovery",
+    "OnceRetry",
+    "acall_once",
+    "call_once",
+    "grant_recovery",
+    "once_on_cluster",
+    "one_attempt",
+    "own_beat_win",
+    "parse_holder",
+    "release_recovered",
+    "requeue_recovered",
+)
+
+T = TypeVar("T")
+
+#: errors after which a command may or may not have run (redis-py's TimeoutError is no
+#: ConnectionError: a reply that came too late is lost all the same)
+UNKNOWN: Final = (RedisConnectionError, RedisTimeoutError)
+
+#: the recovery of each script call, when its reply is lost (see the module docstring)
+POLICIES: Final[Mapping[str, str]] = {
+    "acquire (grant)": "read-back: adopt the own grant (half its horizon left), else give it "
+    "back and send again",
+    "acquire (home call, no resources)": "idempotent: sent again",
+    "acquire + WAIT (min_replicas)": "read-back, give-back: release the own grant, send again",
+    "release": "idempotent: sent again; a lease still counted held when sent is reported freed",
+    "renew (heartbeat)": "idempotent: the next renewal runs it again (the asyncio renewal "
+    "client's retry may replay it: it extends the same leases again)",
+    "unique_claim": "idempotent: sent again; 'already queued for this task' is this call's claim",
+    "unique_handover": "read-back: adopt the own grant, else give it back and send again",
+    "unique_requeue": "read-back: the key queued for the task with our token means it ran",
+    "unique_unclaim": "idempotent: sent again (token-checked)",
+    "beat_claim": "idempotent: sent again; a run whose recorded winner is this replica is won",
+    "commit_receipt": "idempotent: sent again (holder-checked)",
+    "forget_owner, expired_owners, clock": "idempotent: redis-py's own retry",
+}
+
+# --- one attempt ------------------------------------------------------------------------------
+_ONE_ATTEMPT: ContextVar[bool] = ContextVar("celery_leases_one_attempt", default=False)
+
+
+class one_attempt:  # lower case: used as a function, ``with one_attempt():``
+    """Within this block (thread or asyncio task), redis-py does not retry a failed command.
+
+    An asyncio task made inside the block inherits it (a task copies the context it is made
+    in). A class, not a generator: it is on the hot path of every grant and release.
+    """
+
+    __slots__ = ("_token",)
+
+    def __enter__(self) -> None:
+        self._token = _ONE_ATTEMPT.set(True)
+
+    def __exit__(self, *exc: object) -> None:
+        _ONE_ATTEMPT.reset(self._token)
+
+
+class OnceRetry(Retry):
+    """redis-py's retry, but a single attempt inside :func:`one_attempt` (the script calls).
+
+    A connection's retry runs :meth:`call_with_retry`; a cluster client counts its own
+    attempts with :meth:`get_retries` (see :func:`once_on_cluster`).
+    """
+
+    def get_retries(self) -> int:
+        return 0 if _ONE_ATTEMPT.get() else super().get_retries()
+
+    def call_with_retry(
+        self,
+        do: Any,
+        fail: Any,
+        is_retryable: Any = None,
+        with_failure_count: bool = False,
+    ) -> Any:
+        if not _ONE_ATTEMPT.get():
+            return super().call_with_retry(do, fail, is_retryable, with_failure_count)
+        try:
+            return do()
+        except self._supported_errors as error:
+            # the failure handler closes the connection (it may still carry the reply)
+            if with_failure_count:
+                fail(error, 1)
+            else:
+                fail(error)
+            raise
+
+
+class AsyncOnceRetry(AsyncRetry):
+    """:class:`OnceRetry` for the asyncio clients."""
+
+    def get_retries(self) -> int:
+        return 0 if _ONE_ATTEMPT.get() else super().get_retries()
+
+    async def call_with_retry(
+        self,
+        do: Any,
+        fail: Any,
+        is_retryable: Any = None,
+        with_failure_count: bool = False,
+    ) -> Any:
+        if not _ONE_ATTEMPT.get():
+            return await super().call_with_retry(do, fail, is_retryable, with_failure_count)
+        try:
+            return await do()
+        except self._supported_errors as error:
+            if with_failure_count:
+                await fail(error, 1)
+            else:
+                await fail(error)
+            raise
+
+
+def once_on_cluster(client: Any) -> None:
+    """Make a cluster client's own retry a single attempt inside :func:`one_attempt`.
+
+    A cluster client retries a command itself after a connection error or a timeout (its
+    nodes' connections do not), up to ``get_retries()`` times: the same blind replay. Its
+    retry is kept (backoff, attempts, errors), only of the class that honours the block.
+    """
+    retry = getattr(client, "retry", None)
+    if retry is None or isinstance(retry, (OnceRetry, AsyncOnceRetry)):
+        return
+    once = copy.copy(retry)
+    once.__class__ = AsyncOnceRetry if isinstance(retry, AsyncRetry) else OnceRetry
+    client.set_retry(once)
+
+
+def call_once(send: Callable[[], T], after_lost: Callable[[], T]) -> T:
+    """``send()`` (a script call) with one attempt; if its reply was lost, ``after_lost()``.
+
+    ``after_lost`` is the script's recovery (:data:`POLICIES`): it runs with redis-py's
+    retry, and its own errors go to the caller.
+    """
+    try:
+        with one_attempt():
+            return send()
+    except UNKNOWN:
+        return after_lost()
+
+
+async def acall_once(send: Callable[[], Awaitable[T]], after_lost: Callable[[], Awaitable[T]]) -> T:
+    """:func:`call_once` for the asyncio store."""
+    try:
+        with one_attempt():  # a task made inside (by _shielded) inherits it
+            return await send()
+    except UNKNOWN:
+        return await after_lost()
+
+
+# --- what this process holds ----------------------------------------------------------------
+@dataclass
+class _Slot:
+    inflight: int = 0  # grant calls sent whose outcome this process has not recorded yet
+    recovering: int = 0  # of those, the ones whose reply was lost
+    began: int = 0  # GrantBook sequence number of the last call that began
+    tokens: set[int] = field(default_factory=set)  # tokens of leases returned to callers
+
+
+class GrantBook:
+    """The grants of this process, per (owner id, exclusive key of the resource).
+
+    Leases are not reentrant, but two threads (or coroutines) of one process share its owner
+    id and may each hold a shared lease, or one of them the resource. A recovery must tell
+    its own lost grant from theirs, by token: a grant of this owner id is this process's
+    live lease if its token was returned to a caller (and not released since), and may be
+    the grant of a call still under way. So every grant call is counted while in flight,
+    and a recovery first waits until no call but lost ones is in flight on its resources:
+    then a grant of this owner id with a token no caller holds is an orphan of a lost call.
+    A call that begins while the recovery reads Redis makes it read again (:meth:`quiet`
+    returns a sequence number, :meth:`unchanged` compares): t0 the recovery finds the
+    resource quiet; t1 another thread's shared grant runs; t2 the recovery reads that grant,
+    whose reply is still on its way, and must not take it for an orphan.
+
+    A released token leaves the book only once its release is over (:meth:`drop` after the
+    call): t0 thread A sends the release of token T; t1 thread B's lost grant call (busy
+    because of T) reads T back; t2 B must not adopt T, which A's release deletes at t3.
+
+    Process-wide (two stores of one process may hold the same resource under one owner id);
+    a forked child starts empty (see :func:`os.register_at_fork`).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._slots: dict[tuple[str, str], _Slot] = {}
+        self._seq = 0
+
+    def reset(self) -> None:
+        """Forget everything (a forked child holds nothing of its parent's)."""
+        self._lock = threading.Lock()
+        self._slots = {}
+        self._seq = 0
+
+    def begin(self, owner: str, keys: Sequence[str]) -> None:
+        """A grant call on ``keys`` is about to be sent."""
+        with self._lock:
+            for key in keys:
+                slot = self._slots.get((owner, key))
+                if slot is None:
+                    slot = self._slots[(owner, key)] = _Slot()
+                slot.inflight += 1
+                self._seq += 1
+                slot.began = self._seq
+
+    def end(self, owner: str, keys: Sequence[str], *, recovered: bool = False) -> None:
+        """The call is over (its grants, if any, are recorded with :meth:`hold`)."""
+        with self._lock:
+            for key in keys:
+                slot = self._slots.get((owner, key))
+                if slot is None:
+                    continue
+                slot.inflight -= 1
+                if recovered:
+                    slot.recovering -= 1
+                self._drop_if_empty(owner, key, slot)
+
+    def lost(self, owner: str, keys: Sequence[str]) -> None:
+        """The call's reply was lost: it is being recovered (still in flight)."""
+        with self._lock:
+            for key in keys:
+                slot = self._slots.get((owner, key))
+                if slot is not None:
+                    slot.recovering += 1
+
+    def hold(self, owner: str, key: str, token: int) -> None:
+        """``token`` was returned to a caller: it is a live lease of this process."""
+        with self._lock:
+            slot = self._slots.get((owner, key))
+            if slot is None:
+                slot = self._slots[(owner, key)] = _Slot()
+            slot.tokens.add(token)
+
+    def drop(self, owner: str, key: str, token: int) -> None:
+        """The lease of ``token`` is being released (or was never kept)."""
+        with self._lock:
+            slot = self._slots.get((owner, key))
+            if slot is not None:
+                slot.tokens.discard(token)
+                self._drop_if_empty(owner, key, slot)
+
+    def _drop_if_empty(self, owner: str, key: str, slot: _Slot) -> None:
+        if slot.inflight <= 0 and not slot.tokens:
+            del self._slots[(owner, key)]
+
+    def quiet(self, owner: str, keys: Sequence[str]) -> int | None:
+        """When every call in flight on ``keys`` is a lost one (being recovered): a sequence
+        number for :meth:`unchanged`; else None."""
+        with self._lock:
+            if all(
+                (s := self._slots.get((owner, k))) is None or s.inflight <= s.recovering
+                for k in keys
+            ):
+                return self._seq
+            return None
+
+    def unchanged(self, owner: str, keys: Sequence[str], seq: int) -> bool:
+        """True if no grant call on ``keys`` began since :meth:`quiet` returned ``seq``."""
+        with self._lock:
+            return all((s := self._slots.get((owner, k))) is None or s.began <= seq for k in keys)
+
+    def alone(self, owner: str, keys: Sequence[str]) -> bool:
+        """True when the caller's is the only lost call on ``keys``."""
+        with self._lock:
+            return all(
+                (s := self._slots.get((owner, k))) is None or s.recovering <= 1 for k in keys
+            )
+
+    def held(self, owner: str, key: str) -> set[int]:
+        """The tokens of the live leases of this process on ``key``."""
+        with self._lock:
+            slot = self._slots.get((owner, key))
+            return set() if slot is None else set(slot.tokens)
+
+
+#: the grants of this process
+BOOK: Final = GrantBook()
+os.register_at_fork(after_in_child=BOOK.reset)
+
+
+# --- decisions ----------------------------------------------------------------------------------
+def parse_holder(value: object) -> tuple[int, str] | None:
+    """``"<token> <owner>"`` (a lease key's value or a shared member) as (token, owner)."""
+    text, _, owner = str(value).partition(" ")
+    return (int(text), owner) if text.isdigit() and owner else None
+
+
+@dataclass(frozen=True)
+class GrantRecovery:
+    """What to do about a grant call whose reply was lost.
+
+    Attributes:
+        adopt: the tokens of the call's grant, one per resource in call order (the call
+            ran and granted: use them as its reply), or None.
+        give_back: ``(resource, mode, token)`` of orphan grants of this owner to release
+            before the call is sent again.
+    """
+
+    adopt: list[int] | None
+    give_back: list[tuple[str, str, int]]
+
+
+def grant_recovery(
+    wants: Sequence[tuple[str, str]],
+    found: Mapping[str, Sequence[tuple[str, int]]],
+    held: Mapping[str, set[int]],
+    *,
+    alone: bool,
+    may_adopt: bool = True,
+) -> GrantRecovery:
+    """Decide about a lost grant call, once no other call of this process is in flight.
+
+    Args:
+        wants: ``(resource, mode)`` the call asked for, in call order.
+        found: per resource, ``(mode, token)`` of every grant of this owner id Redis has.
+        held: per resource, the tokens of this process's live leases (never touched).
+        alone: no other lost call of this process is being recovered on these resources.
+        may_adopt: False to give back whatever is found (min_replicas: a grant the replicas
+            did not confirm is not kept).
+
+    The grant script is all or nothing, so the call ran and granted if and only if each
+    resource has a grant of this owner that no live lease holds. Only when the call is the
+    only lost one is that grant surely its own; otherwise every such orphan is given back
+    (each was made by a lost call, and none was returned to any caller).
+    """
+    orphans: dict[str, list[tuple[str, int]]] = {
+        resource: [(m, t) for m, t in found.get(resource, ()) if t not in held.get(resource, ())]
+        for resource, _ in wants
+    }
+    if may_adopt and alone and wants:
+        picks = [orphans[r] for r, _ in wants]
+        if all(len(p) == 1 and p[0][0] == mode for p, (_, mode) in zip(picks, wants, strict=True)):
+            return GrantRecovery([p[0][1] for p in picks], [])
+    give_back = [(r, m, t) for r, grants in orphans.items() for m, t in grants]
+    return GrantRecovery(None, give_back)
+
+
+def own_beat_win(won: bool, run: int, winner: str, replica: str, last_won: int | None) -> bool:
+    """Whether a beat claim sent again after a lost reply is this replica's win.
+
+    The claim records its winner: a run whose winner is this replica was won by the call
+    whose reply was lost, unless this replica had already counted that run as won (a claim
+    of the same run on a later tick is no new win: the run was sent then).
+    """
+    return won or (winner == replica and run != last_won)
+
+
+def release_recovered(freed: Sequence[bool], counted_held: Sequence[bool]) -> list[bool]:
+    """The outcome of a release sent again after a lost reply.
+
+    The second run finds no lease the first one released, and says "not ours": a lease
+    this process still counted as held when the release was first sent (Redis keeps a
+    lease at least that long) was ours, so it was released by the lost run.
+    """
+    return [f or c for f, c in zip(freed, counted_held, strict=True)]
+
+
+def requeue_recovered(value: object, token: int, owner: str, queued: str) -> bool | None:
+    """What a claim key read after a lost unique_requeue says the call did.
+
+    Args:
+        value: the claim key's value now.
+        token: the running holder's token; ``owner``: its owner id.
+        queued: the queued owner part for the task (``"%queued/<escaped task id>"``).
+
+    Returns:
+        True: it ran (the claim is queued for the task, with our token); None: it did not
+        run (still ours, running): send it again; False: the claim is no longer ours.
+    """
+    if value is None:
+        return False
+    if str(value) == f"{token} {queued}":
+        return True
+    if str(value) == f"{token} {owner}":
+        return None
+    return False
