@@ -75,6 +75,11 @@ POLICIES: Final[Mapping[str, str]] = {
     "beat_claim": "idempotent: sent again; a run whose recorded winner is this replica is won",
     "commit_receipt": "idempotent: sent again (holder-checked)",
     "forget_owner, expired_owners, clock": "idempotent: redis-py's own retry",
+    "lifetime_check": "idempotent: redis-py's own retry; the first run records the server's "
+    "identity (starting a grace if it changed), a replay finds it recorded and changes nothing",
+    "fenced_write": "idempotent: the caller's client retries; a replay writes the same value "
+    "with the same token again, or is refused because a newer token wrote since, and either "
+    "way the newest token's write stands",
 }
 
 # --- one attempt ------------------------------------------------------------------------------
