@@ -39,12 +39,14 @@ The default run is bounded (25 examples of 30 steps, about 30 s on a busy 2-core
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import hypothesis.strategies as st
 import pytest
@@ -81,12 +83,44 @@ TASKS = ("t0", "t1", "t2")
 ONCE_NAMES = ("o0", "o1")
 
 
+#: how often each path ran in this session (printed by the test, for a long search's report)
+SEEN: Counter[str] = Counter()
+
+
+def event(what: str) -> None:
+    SEEN[what] += 1
+
+
+#: where a violation is written with the steps that led to it (CELERY_LEASES_MODEL_LOG): a
+#: timing-dependent failure may not replay, and hypothesis then reports it as flaky only
+LOG = os.environ.get("CELERY_LEASES_MODEL_LOG")
+_trace: list[str] = []
+
+
 class ModelViolation(AssertionError):
     """An invariant of the engine does not hold."""
 
 
 def violated(what: str) -> None:
+    if LOG:
+        with open(LOG, "a") as fh:
+            fh.write(f"VIOLATION: {what}\n  " + "\n  ".join(_trace) + "\n\n")
     raise ModelViolation(what)
+
+
+F = TypeVar("F", bound=Callable[..., None])
+
+
+def traced(fn: F) -> F:
+    """Record each step (and its Redis-visible timing) for the violation log."""
+
+    @functools.wraps(fn)
+    def step(self: Any, **kwargs: Any) -> None:
+        args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        _trace.append(f"{time.monotonic():.3f} {fn.__name__}({args})")
+        fn(self, **kwargs)
+
+    return step  # type: ignore[return-value]
 
 
 @dataclass(eq=False)
@@ -180,6 +214,7 @@ class LeaseModel(RuleBasedStateMachine):
         self.receipts: dict[str, int | None] = dict.fromkeys(ONCE_NAMES)
         self.once_runs = 0
         self.in_once = False
+        _trace.clear()
         self._warm_up()
 
     # --- set-up ---------------------------------------------------------------------------
@@ -208,7 +243,7 @@ class LeaseModel(RuleBasedStateMachine):
     def _warm_up(self) -> None:
         """Wait out the restart grace of every slot group: a new prefix counts as a new Redis."""
         warm = Identity("warm@model", "w", 1)
-        self.owners[warm.owner] = Owner(warm, alive=False)
+        self.owners.setdefault(warm.owner, Owner(warm, alive=False))
         names = {}
         i = 0
         while len(names) < SLOT_GROUPS:
@@ -221,6 +256,8 @@ class LeaseModel(RuleBasedStateMachine):
                 outcome = self.store.try_acquire([Want(names[group])], warm, 0.2)
                 if not isinstance(outcome, list):
                     continue
+                if time.monotonic() < self.restart_up + GRACE - SLACK:
+                    violated(f"{names[group]} granted within restart_grace of a Redis restart")
                 self.store.release(outcome)
                 todo.discard(group)
             if todo:
@@ -250,6 +287,8 @@ class LeaseModel(RuleBasedStateMachine):
         if last is not None and grant.token <= last:
             violated(f"token of {r} did not grow: {grant.token} after {last}")
         self.max_token[r] = grant.token
+        if lease and reply < self.restart_up + GRACE + 0.5:
+            event("granted within 0.5 s after a restart's grace")
         if lease and reply < self.restart_up + GRACE - SLACK:
             violated(
                 f"{r} granted {reply - self.restart_up:.3f}s after a Redis restart, "
@@ -287,10 +326,12 @@ class LeaseModel(RuleBasedStateMachine):
         ):
             violated(f"{what} refused although nothing could hold {wants}")
 
-    def confirm(self, grant: Grant, sent: float, reply: float) -> None:
+    def confirm(self, grant: Grant, sent: float, reply: float, ttl: float | None = None) -> None:
+        """A call sent at ``sent`` (answered at ``reply``) extended ``grant`` by ``ttl``."""
+        ttl = grant.ttl if ttl is None else ttl
         grant.confirmed = max(grant.confirmed, sent)
-        grant.sure_until = max(grant.sure_until, sent + grant.ttl)
-        grant.may_until = max(grant.may_until, reply + grant.ttl)
+        grant.sure_until = max(grant.sure_until, sent + ttl)
+        grant.may_until = max(grant.may_until, reply + ttl)
 
     def drop(self, grant: Grant) -> None:
         owner = self.owners.get(grant.owner or "")
@@ -311,36 +352,58 @@ class LeaseModel(RuleBasedStateMachine):
             reasons = [ok(g) for g in candidates]
             if all(reasons):
                 violated(f"a cleanup freed {resource} of {owner}: {reasons[0]}")
+            for g, reason in zip(candidates, reasons, strict=True):
+                if reason is None:
+                    # it may be the one freed (the next look at Redis tells)
+                    g.sure_until = -math.inf
 
     # --- acquire / renew / release --------------------------------------------------------
+    def want(self, index: int, shared: bool) -> Want:
+        r = self.resources[index]
+        return Want(r, "s", self.limits[r]) if shared else Want(r)
+
+    @rule(
+        node=st.integers(0, len(NODES) - 1),
+        slot=st.integers(0, SLOTS - 1),
+        index=st.integers(0, SLOT_GROUPS * RESOURCES_PER_GROUP - 1),
+        shared=st.booleans(),
+        ttl=st.sampled_from(TTLS),
+    )
+    @traced
+    def acquire_one(self, node: int, slot: int, index: int, shared: bool, ttl: float) -> None:
+        self._acquire(self.owner_at(node, slot), [self.want(index, shared)], ttl, 0.0)
+
     @rule(
         node=st.integers(0, len(NODES) - 1),
         slot=st.integers(0, SLOTS - 1),
         picks=st.lists(
-            st.tuples(st.integers(0, SLOT_GROUPS * RESOURCES_PER_GROUP - 1), st.sampled_from("xs")),
-            min_size=1,
-            max_size=3,
+            st.tuples(st.integers(0, SLOT_GROUPS * RESOURCES_PER_GROUP - 1), st.booleans()),
+            min_size=2,
+            max_size=4,
             unique_by=lambda p: p[0],
         ),
         ttl=st.sampled_from(TTLS),
-        wait=st.sampled_from((0.0, 0.0, 0.15)),
+        wait=st.sampled_from((0.0, 0.15)),
     )
-    def acquire(
-        self, node: int, slot: int, picks: list[tuple[int, str]], ttl: float, wait: float
+    @traced
+    def acquire_set(
+        self, node: int, slot: int, picks: list[tuple[int, bool]], ttl: float, wait: float
     ) -> None:
-        owner = self.owner_at(node, slot)
-        wants = []
-        for i, mode in picks:
-            r = self.resources[i]
-            wants.append(Want(r, "s", self.limits[r]) if mode == "s" else Want(r))
+        """All or nothing, over resources of several slot groups; maybe waiting a little."""
+        wants = [self.want(i, shared) for i, shared in picks]
+        self._acquire(self.owner_at(node, slot), wants, ttl, wait)
+
+    def _acquire(self, owner: Owner, wants: list[Want], ttl: float, wait: float) -> None:
         sent = time.monotonic()
         try:
             granted = self.store.acquire(wants, owner.ident, ttl, wait=wait)
         except LeaseBusy:
+            event("acquire: busy")
             if wait == 0:
                 self.check_refusal(wants, sent, "acquire")
             return
         reply = time.monotonic()
+        event(f"acquire: granted {len({self.group(h.resource) for h in granted})} group(s)")
         # a wait may have ended with a late attempt: the windows start at the call
         for held in granted:
             grant = Grant(
@@ -358,10 +421,20 @@ class LeaseModel(RuleBasedStateMachine):
             self.on_grant(grant, reply)
             owner.grants.append(grant)
 
+    @rule()
+    @traced
+    def renew_all(self) -> None:
+        """Every running process's heartbeat comes round."""
+        for key in sorted(self.slots):
+            self._renew(self.slots[key])
+
     @rule(node=st.integers(0, len(NODES) - 1), slot=st.integers(0, SLOTS - 1))
+    @traced
     def renew(self, node: int, slot: int) -> None:
+        self._renew(self.owner_at(node, slot))
+
+    def _renew(self, owner: Owner) -> None:
         """What a heartbeat does: renew the leases not yet counted lost, refresh the liveness."""
-        owner = self.owner_at(node, slot)
         sent = time.monotonic()
         todo = [g for g in owner.grants if sent < g.deadline]
         helds = [g.held for g in todo if g.held is not None]
@@ -377,6 +450,7 @@ class LeaseModel(RuleBasedStateMachine):
         reply = time.monotonic()
         for i, g in enumerate(todo):
             if i in lost:
+                event("renew: lost")
                 if g.surely_held(reply):
                     violated(f"renew found {g.resource} of {g.owner} lost while surely held")
                 g.gone = True
@@ -388,6 +462,7 @@ class LeaseModel(RuleBasedStateMachine):
         owner.liveness_sure_until = max(owner.liveness_sure_until, sent + LIVENESS)
 
     @rule(node=st.integers(0, len(NODES) - 1), slot=st.integers(0, SLOTS - 1), every=st.booleans())
+    @traced
     def release(self, node: int, slot: int, every: bool) -> None:
         owner = self.owner_at(node, slot)
         todo = list(owner.grants) if every else owner.grants[:1]
@@ -396,6 +471,7 @@ class LeaseModel(RuleBasedStateMachine):
         freed = self.store.release([g.held for g in todo if g.held is not None])
         reply = time.monotonic()
         for g, was_held in zip(todo, freed, strict=True):
+            event(f"release: {'freed' if was_held else 'already gone'}")
             if was_held and g.gone:
                 violated(f"release freed {g.resource} of {g.owner}, a lease already gone")
             if not was_held and g.surely_held(reply):
@@ -405,18 +481,28 @@ class LeaseModel(RuleBasedStateMachine):
 
     # --- owners that die -----------------------------------------------------------------
     @rule(node=st.integers(0, len(NODES) - 1), slot=st.integers(0, SLOTS - 1), wait=st.booleans())
+    @traced
     def stop_renewing(self, node: int, slot: int, wait: bool) -> None:
         """The process stops (killed, hung): its leases run out; a new process takes the slot."""
         owner = self.owner_at(node, slot)
         owner.alive = False
         self.slots[(node, slot)] = self._new_owner(node)
         left = [g for g in owner.grants if not g.gone]
-        if wait and left and max(g.ttl for g in left) <= LIVENESS:
+        if wait and left and max(g.ttl for g in left) > LIVENESS:
+            # long leases outlive the owner's liveness: wait for that (on the Redis clock), so
+            # that a reconcile may free them
+            deadline = time.monotonic() + LIVENESS + 2.0
+            while (self.store.read_liveness([owner.ident.owner])[owner.ident.owner] or 0) > 0:
+                assert time.monotonic() < deadline, f"{owner.ident.owner} stayed alive"
+                time.sleep(0.02)
+            event("stop_renewing: waited for its liveness to run out")
+        elif wait and left:
             # wait on Redis, not on the clock: until none of its leases is listed any more
             deadline = max(g.may_until for g in left) + 2.0
             while any(self._listed(g) for g in left):
                 assert time.monotonic() < deadline, f"leases of {owner.ident.owner} never ran out"
                 time.sleep(0.02)
+            event("stop_renewing: waited for its leases to run out")
             for g in left:
                 if g.surely_held(time.monotonic()):
                     violated(f"{g.resource} of {g.owner} ran out while surely held")
@@ -426,6 +512,7 @@ class LeaseModel(RuleBasedStateMachine):
         return any(h.token == grant.token for h in self.store.holders(grant.resource))
 
     @rule(node=st.integers(0, len(NODES) - 1))
+    @traced
     def restart_node(self, node: int) -> None:
         """The pod restarts under its name: its earlier incarnations are freed at start-up."""
         name = NODES[node]
@@ -447,6 +534,7 @@ class LeaseModel(RuleBasedStateMachine):
             return None if g.owner in dead else "its owner is not of a dead incarnation"
 
         self.check_cleanup(report.released, ok)
+        event(f"cleanup_node: freed {min(len(report.released), 3)}")
         for owner_id in dead:
             for g in self.owners[owner_id].grants:
                 if not g.gone and self._listed(g):
@@ -457,6 +545,7 @@ class LeaseModel(RuleBasedStateMachine):
                 g.gone = True
 
     @rule()
+    @traced
     def reconcile(self) -> None:
         report = self.store.reconcile()
         reply = time.monotonic()
@@ -472,8 +561,12 @@ class LeaseModel(RuleBasedStateMachine):
             return None
 
         self.check_cleanup(report.released, ok)
+        event(
+            f"reconcile: {min(len(report.owners), 3)} owners, freed {min(len(report.released), 3)}"
+        )
 
     @rule(seconds=st.sampled_from((0.05, 0.2, 0.45)))
+    @traced
     def time_passes(self, seconds: float) -> None:
         time.sleep(seconds)
 
@@ -497,11 +590,13 @@ class LeaseModel(RuleBasedStateMachine):
         task=st.sampled_from(TASKS),
         ttl=st.sampled_from((0.3, 3.0)),
     )
+    @traced
     def unique_claim(self, key: str, task: str, ttl: float) -> None:
         resource = self.store.keys.unique_resource(key)
         sent = time.monotonic()
         outcome = self.store.unique_claim(key, task, ttl)
         reply = time.monotonic()
+        event(f"unique_claim: {type(outcome).__name__}")
         if isinstance(outcome, ClaimHolder):
             self._check_holder(outcome, sent, "unique_claim")
             return
@@ -510,7 +605,8 @@ class LeaseModel(RuleBasedStateMachine):
             grant = self.grant_of(resource, outcome.token)
             if grant is None or grant.task != task or not grant.maybe_held(sent):
                 violated(f"unique_claim({key}, {task}) found its own claim, the model has none")
-            self.confirm(grant, sent, reply)
+            # a re-publish raises the claim's TTL to its own, never lowers it
+            self.confirm(grant, sent, reply, ttl)
             return
         grant = Grant(
             resource,
@@ -533,6 +629,7 @@ class LeaseModel(RuleBasedStateMachine):
         slot=st.integers(0, SLOTS - 1),
         ttl=st.sampled_from((0.5, 3.0)),
     )
+    @traced
     def unique_handover(self, key: str, task: str, node: int, slot: int, ttl: float) -> None:
         owner = self.owner_at(node, slot)
         resource = self.store.keys.unique_resource(key)
@@ -540,6 +637,7 @@ class LeaseModel(RuleBasedStateMachine):
         outcome = self.store.unique_handover(key, task, owner.ident, ttl)
         reply = time.monotonic()
         if isinstance(outcome, ClaimHolder):
+            event(f"unique_handover: {outcome.state}")
             self._check_holder(outcome, sent, "unique_handover")
             if outcome.state != "grace":
                 mine = [g for g in self._claim_grants(key) if g.maybe_held(sent)]
@@ -566,10 +664,12 @@ class LeaseModel(RuleBasedStateMachine):
         owner.grants.append(grant)
 
     @rule(key=st.sampled_from(UNIQUE_KEYS), task=st.sampled_from(TASKS), by_token=st.booleans())
+    @traced
     def unique_unclaim(self, key: str, task: str, by_token: bool) -> None:
         queued = [g for g in self._claim_grants(key) if g.task == task and not g.gone]
         token = queued[-1].token if by_token and queued else None
         released = self.store.unique_unclaim(key, task, token)
+        event(f"unique_unclaim: {released}")
         reply = time.monotonic()
         mine = [g for g in queued if token is None or g.token == token]
         if released and not mine:
@@ -582,6 +682,7 @@ class LeaseModel(RuleBasedStateMachine):
 
     # --- once -----------------------------------------------------------------------------
     @rule(name=st.sampled_from(ONCE_NAMES))
+    @traced
     def once(self, name: str) -> None:
         resource = self.store.keys.once_resource(name)
         had = self.receipts[name]
@@ -604,8 +705,10 @@ class LeaseModel(RuleBasedStateMachine):
         try:
             value = self.leases.once(name, initialise, ttl=1.0, wait=0.0)
         except LeaseBusy:
+            event("once: busy")
             self.check_refusal([Want(resource)], sent, f"once({name})")
             return
+        event("once: ran" if ran else "once: receipt")
         if had is not None:
             if ran:
                 violated(f"once({name}) ran again although its receipt was stored")
@@ -616,6 +719,7 @@ class LeaseModel(RuleBasedStateMachine):
         self.receipts[name] = value["run"]
 
     @rule(name=st.sampled_from(ONCE_NAMES))
+    @traced
     def forget(self, name: str) -> None:
         had = self.leases.forget(name)
         if had != (self.receipts[name] is not None):
@@ -623,9 +727,14 @@ class LeaseModel(RuleBasedStateMachine):
         self.receipts[name] = None
 
     # --- Redis restarts -------------------------------------------------------------------
-    @rule()
-    def redis_restart(self) -> None:
-        """Redis is killed and comes back empty: every key is lost, tokens must still grow."""
+    @rule(wait_out_grace=st.booleans())
+    @traced
+    def redis_restart(self, wait_out_grace: bool) -> None:
+        """Redis is killed and comes back empty: every key is lost, tokens must still grow.
+
+        Steps take milliseconds, so without ``wait_out_grace`` the next steps mostly meet the
+        restart grace; with it, every slot group is touched and its grace waited out.
+        """
         type(self).server.restart()
         self.restart_up = time.monotonic()
         self.grace_done = set()
@@ -635,6 +744,8 @@ class LeaseModel(RuleBasedStateMachine):
         for owner in self.owners.values():
             owner.liveness_sure_until = -math.inf
         self.receipts = dict.fromkeys(ONCE_NAMES)
+        if wait_out_grace:
+            self._warm_up()
 
     # --- invariants -----------------------------------------------------------------------
     @invariant()
@@ -719,3 +830,4 @@ def test_the_engine_keeps_its_invariants(model_server: RedisServer, leases_prefi
             print_blob=False,
         ),
     )
+    print("paths run:", dict(sorted(SEEN.items())))
