@@ -1305,10 +1305,12 @@ class LeaseStore:
         Want(resource)
         rk = self.resource_keys(resource)
         group, owner = rk.group, ident.owner
-        registered = self._registered.get(owner)
-        fresh = registered is not None and (
-            time.monotonic() - registered < self.settings.ttl * self.settings.margin_fraction
-        )
+        # the home call may be skipped only as acquire_plan allows: while the liveness surely
+        # outlasts the new lease's horizon. (It was skipped while the registration was less
+        # than ttl * margin old: t0 the liveness is refreshed, to t0 + ttl; t1 the claim is
+        # taken over, counted held to t1 + horizon > t0 + ttl; t0 + ttl a reconcile frees it
+        # from a holder that still counts it held, and a second copy of the task can start.)
+        _, fresh = self.acquire_plan([Want(resource)], owner, ttl)
         if not fresh:
             # register the owner first (as try_acquire does for a lease outside the home
             # group): a lease in the registry of an unregistered owner is invisible to the
