@@ -185,7 +185,7 @@ def spread_resources(store: LeaseStore) -> list[str]:
 
 
 class LeaseModel(RuleBasedStateMachine):
-    """The state machine; ``configure`` gives the class its server and factories first."""
+    """The state machine; a subclass gives it its private server and a prefix per example."""
 
     server: RedisServer
     make_prefix: Callable[[], str]
@@ -214,7 +214,6 @@ class LeaseModel(RuleBasedStateMachine):
         self.grace_done: set[int] = set()  # groups with a grant since the last restart
         self.receipts: dict[str, int | None] = dict.fromkeys(ONCE_NAMES)
         self.once_runs = 0
-        self.in_once = False
         _trace.clear()
         self._warm_up()
 
