@@ -6,12 +6,13 @@ import time
 from collections.abc import Callable
 
 from celery_leases._identity import Identity
-from celery_leases._lease import Held
+from celery_leases._lease import Held, Want
 from celery_leases._store import Claimed, LeaseStore
 from tests.polling import wait_until
 
 LIVENESS = 3.0  # the ttl setting
 A = Identity("worker-a@host", "inca", 101)
+B = Identity("worker-b@host", "incb", 202)
 
 
 def test_a_unique_handover_refreshes_a_liveness_that_would_end_before_its_horizon(
@@ -46,3 +47,34 @@ def test_a_unique_handover_refreshes_a_liveness_that_would_end_before_its_horizo
         assert report.released == [], f"freed {deadline - ended:.2f}s before the deadline"
         assert store.unique_holder("report:1") is not None
     store.release([held])
+
+
+def test_a_shared_lease_that_ran_out_is_not_released_again(
+    make_leases_store: Callable[..., LeaseStore],
+) -> None:
+    """Releasing a shared lease that already ran out says so (False), as for an exclusive one.
+
+    Found by the model: a shared holder's member stays in the sorted set after its score
+    passed until the next acquire of that resource sweeps it out, and release.lua counted
+    its ZREM as a release. So ``release`` returned True for a lease that had run out, and a
+    reconcile reported it among the leases it freed instead of the expired ones.
+    """
+    store = make_leases_store()
+    # another holder keeps the sorted set alive (alone, a member goes with the set's expiry)
+    (other,) = store.acquire([Want("r", "s")], B, 60)
+    (held,) = store.acquire([Want("r", "s")], A, 0.1)
+    (gone,) = store.acquire([Want("q", "s")], A, 0.1)
+    store.acquire([Want("q", "s")], B, 60)
+    wait_until(
+        lambda: [h.owner for h in store.holders("r") + store.holders("q")] == [B.owner] * 2,
+        5.0,
+        "A's leases to run out",
+    )
+
+    assert store.release([held]) == [False]
+    report = store.cleanup_owner(A.owner, dead=True)
+    assert report.released == []
+    assert report.expired == 1  # the entry of A's lease on "q"
+    assert gone.resource == "q"
+    assert other.token in [h.token for h in store.holders("r")]
+    store.cleanup_owner(B.owner, dead=True)
