@@ -9,6 +9,8 @@
 -- then per lease i: mode ("x" or "s"), token, registry entry, release channel
 -- returns per lease i: 1 = released now, 0 = was no longer held by us
 
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local owner = ARGV[1]
 local out = {}
 for i = 0, #KEYS - 2 do
@@ -23,7 +25,15 @@ for i = 0, #KEYS - 2 do
       freed = 1
     end
   else
-    freed = redis.call('ZREM', key, holder)
+    -- a shared member outlives its score until an acquire sweeps it out: one whose score
+    -- passed had run out, and is not released now (though it goes)
+    local score = redis.call('ZSCORE', key, holder)
+    if score then
+      redis.call('ZREM', key, holder)
+      if tonumber(score) > now then
+        freed = 1
+      end
+    end
   end
   redis.call('SREM', KEYS[1], entry)
   if freed == 1 then

@@ -1,0 +1,841 @@
+"""A model-based (stateful) test of the lease engine against a real, private Redis.
+
+Hypothesis drives random sequences of: exclusive, shared and limited-shared acquires of one
+resource or of a set that spans slot groups (``slot_groups=4``), renewals, releases, an owner
+that stops renewing (its leases run out), the restart of a node under a new incarnation
+(``cleanup_node``), ``reconcile``, unique claims (claim, handover, unclaim), ``once`` and
+``forget``, the passing of time, and a Redis restart that loses every key (``restart_grace`` is
+set). Several simulated owners (nodes, incarnations, pids) are driven from this one process,
+without heartbeat threads: ``LeaseStore.renew`` is called by a rule.
+
+A model in Python keeps every grant the store reported, with two windows on the monotonic clock:
+a grant is *surely held* until ``sent + ttl`` of its last confirmation (Redis cannot have run it
+out sooner) and *maybe held* until ``reply + ttl`` (Redis surely ran it out by then), unless it
+is known gone (released, freed by a cleanup, reported lost, lost in a Redis restart, or seen
+absent). The checks compare what Redis says (``holders()``, ``entries()``, ``unique_holder()``,
+the reports of cleanups) with those windows only, so a busy machine changes which paths run,
+never the verdict. After every step it checks:
+
+- never two exclusive holders, and no shared holder beside an exclusive one (in Redis, and at
+  every grant against the grants the model knows to be surely held);
+- a shared limit is never exceeded;
+- every grant's token is larger than every earlier token of that resource, across restarts;
+- every live grant of an owner is listed in that owner's registry;
+- no lease disappears while surely held, none comes back once gone;
+- a cleanup never frees a lease it should not have: ``cleanup_node`` only leases of the dead
+  incarnations of that node (and all of them), ``reconcile`` only owners whose liveness surely
+  ran out and only leases their holder already counts lost (past ``confirmed + horizon``);
+- no grant within ``restart_grace`` of a Redis restart;
+- a refusal (busy) only when some holder may still hold the resource, outside a restart grace;
+- ``once`` runs its function only while no receipt exists, under the once-lease.
+
+The default run is bounded (25 examples of 30 steps, about 30 s on a busy 2-core machine). Set
+``CELERY_LEASES_MODEL_EXAMPLES`` for a longer search, e.g.::
+
+    CELERY_LEASES_MODEL_EXAMPLES=2000 pytest tests/integration/test_model.py -p no:cacheprovider
+
+(``CELERY_LEASES_MODEL_STEPS`` changes the steps per example, default 30.)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import hypothesis.strategies as st
+import pytest
+from celery import Celery
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+
+from celery_leases import LeaseBusy, Leases
+from celery_leases._identity import Identity
+from celery_leases._lease import Held, Want
+from celery_leases._redis_server import RedisServer
+from celery_leases._store import Claimed, ClaimHolder, Holder, LeaseStore
+from celery_leases.config import resolve_settings
+from celery_leases.exceptions import LeaseBackendError
+
+EXAMPLES = int(os.environ.get("CELERY_LEASES_MODEL_EXAMPLES", "25"))
+STEPS = int(os.environ.get("CELERY_LEASES_MODEL_STEPS", "30"))
+
+#: the ttl setting: every owner's liveness, and the horizon cap of every lease
+LIVENESS = 0.5
+GRACE = 0.3
+SLOT_GROUPS = 4
+LOST_MARGIN = 0.1
+#: lease ttls: the short ones run out within an example; the long one (first: hypothesis
+#: starts from it) is freed by a release or a cleanup
+TTLS = (3.0, 0.2, 0.5)
+#: how far Redis's expiry may be from the model's windows: ms rounding of TTLs and clock reads
+SLACK = 0.005
+NODES = ("n0@model", "n1@model", "n2@model")
+SLOTS = 2  # processes per node
+RESOURCES_PER_GROUP = 2
+SHARED_LIMIT = 2
+UNIQUE_KEYS = ("u0", "u1")
+TASKS = ("t0", "t1", "t2")
+ONCE_NAMES = ("o0", "o1")
+
+
+#: how often each path ran in this session (printed by the test, for a long search's report)
+SEEN: Counter[str] = Counter()
+
+
+def event(what: str) -> None:
+    SEEN[what] += 1
+
+
+#: where a violation is written with the steps that led to it (CELERY_LEASES_MODEL_LOG): a
+#: timing-dependent failure may not replay, and hypothesis then reports it as flaky only
+LOG = os.environ.get("CELERY_LEASES_MODEL_LOG")
+_trace: list[str] = []
+
+
+class ModelViolation(AssertionError):
+    """An invariant of the engine does not hold."""
+
+
+def violated(what: str) -> None:
+    if LOG:
+        with open(LOG, "a") as fh:
+            fh.write(f"VIOLATION: {what}\n  " + "\n  ".join(_trace) + "\n\n")
+    raise ModelViolation(what)
+
+
+F = TypeVar("F", bound=Callable[..., None])
+
+
+def traced(fn: F) -> F:
+    """Record each step (and its Redis-visible timing) for the violation log."""
+
+    @functools.wraps(fn)
+    def step(self: Any, **kwargs: Any) -> None:
+        args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        _trace.append(f"{time.monotonic():.3f} {fn.__name__}({args})")
+        fn(self, **kwargs)
+
+    return step  # type: ignore[return-value]
+
+
+@dataclass(eq=False)
+class Grant:
+    """One grant the store reported, and what the model knows of it."""
+
+    resource: str
+    mode: str
+    token: int
+    owner: str | None  # None: a queued unique claim (in no registry)
+    ttl: float
+    confirmed: float  # monotonic time the last confirmation (grant, renewal) was sent
+    sure_until: float  # Redis cannot have run it out before this (monotonic)
+    may_until: float  # Redis surely ran it out after this (monotonic)
+    horizon: float  # the holder counts it lost at confirmed + horizon
+    held: Held | None = None
+    task: str | None = None  # queued claims: the task id
+    gone: bool = False  # surely no longer in Redis
+
+    def surely_held(self, at: float) -> bool:
+        return not self.gone and at < self.sure_until - SLACK
+
+    def maybe_held(self, at: float) -> bool:
+        return not self.gone and at <= self.may_until + SLACK
+
+    @property
+    def deadline(self) -> float:
+        return self.confirmed + self.horizon
+
+
+@dataclass(eq=False)
+class Owner:
+    """One simulated lease-holding process."""
+
+    ident: Identity
+    alive: bool = True
+    grants: list[Grant] = field(default_factory=list)
+    #: its liveness surely runs at least until then (from its renewals)
+    liveness_sure_until: float = -math.inf
+
+
+def conflicts(a: str, b: str) -> bool:
+    return a == "x" or b == "x"
+
+
+def horizon(ttl: float) -> float:
+    return min(ttl, LIVENESS) * (1 - LOST_MARGIN)
+
+
+def spread_resources(store: LeaseStore) -> list[str]:
+    """``RESOURCES_PER_GROUP`` resource names in every slot group."""
+    by_group: dict[int, list[str]] = {g: [] for g in range(SLOT_GROUPS)}
+    i = 0
+    while any(len(names) < RESOURCES_PER_GROUP for names in by_group.values()):
+        name = f"res:{i}"
+        names = by_group[store.keys.group_of(name)]
+        if len(names) < RESOURCES_PER_GROUP:
+            names.append(name)
+        i += 1
+    return [name for g in sorted(by_group) for name in by_group[g]]
+
+
+class LeaseModel(RuleBasedStateMachine):
+    """The state machine; a subclass gives it its private server and a prefix per example."""
+
+    server: RedisServer
+    make_prefix: Callable[[], str]
+
+    def __init__(self) -> None:
+        super().__init__()
+        prefix = type(self).make_prefix()
+        self.store = LeaseStore(self._settings(prefix))
+        self.leases = Leases(
+            Celery(f"model-{prefix}", set_as_current=False),
+            **self._settings_kwargs(prefix),
+            node="once@model",
+        )
+        self.resources = spread_resources(self.store)
+        self.limits = {r: SHARED_LIMIT if i % 3 == 1 else 0 for i, r in enumerate(self.resources)}
+        self.grants: dict[str, list[Grant]] = {}
+        self.max_token: dict[str, int] = {}
+        self.pids = iter(range(1000, 1_000_000))
+        self.incarnation = dict.fromkeys(NODES, 0)
+        self.slots: dict[tuple[int, int], Owner] = {}
+        self.owners: dict[str, Owner] = {}
+        for n in range(len(NODES)):
+            for s in range(SLOTS):
+                self.slots[(n, s)] = self._new_owner(n)
+        self.restart_up = -math.inf  # monotonic time the last Redis restart was answered
+        self.grace_done: set[int] = set()  # groups with a grant since the last restart
+        self.receipts: dict[str, int | None] = dict.fromkeys(ONCE_NAMES)
+        self.once_runs = 0
+        _trace.clear()
+        self._warm_up()
+
+    # --- set-up ---------------------------------------------------------------------------
+    @classmethod
+    def _settings_kwargs(cls, prefix: str) -> dict[str, Any]:
+        return {
+            "redis_url": cls.server.url,
+            "key_prefix": prefix,
+            "ttl": LIVENESS,
+            "slot_groups": SLOT_GROUPS,
+            "restart_grace": GRACE,
+            "lost_margin": LOST_MARGIN,
+            "socket_timeout": 5.0,
+        }
+
+    @classmethod
+    def _settings(cls, prefix: str) -> Any:
+        return resolve_settings(None, **cls._settings_kwargs(prefix))
+
+    def _new_owner(self, node: int) -> Owner:
+        name = NODES[node]
+        ident = Identity(name, f"inc{self.incarnation[name]}", next(self.pids))
+        owner = self.owners[ident.owner] = Owner(ident)
+        return owner
+
+    def _warm_up(self) -> None:
+        """Wait out the restart grace of every slot group: a new prefix counts as a new Redis."""
+        warm = Identity("warm@model", "w", 1)
+        self.owners.setdefault(warm.owner, Owner(warm, alive=False))
+        names = {}
+        i = 0
+        while len(names) < SLOT_GROUPS:
+            names.setdefault(self.store.keys.group_of(f"warm:{i}"), f"warm:{i}")
+            i += 1
+        todo = set(names)
+        deadline = time.monotonic() + 10 * GRACE + 5.0
+        while todo:
+            for group in sorted(todo):
+                outcome = self.store.try_acquire([Want(names[group])], warm, 0.2)
+                if not isinstance(outcome, list):
+                    continue
+                if time.monotonic() < self.restart_up + GRACE - SLACK:
+                    violated(f"{names[group]} granted within restart_grace of a Redis restart")
+                self.store.release(outcome)
+                todo.discard(group)
+            if todo:
+                assert time.monotonic() < deadline, "the restart grace never ended"
+                time.sleep(0.05)
+        self.grace_done = set(range(SLOT_GROUPS))
+
+    def teardown(self) -> None:
+        self.store.close()
+        self.leases.store.close()
+
+    # --- model helpers --------------------------------------------------------------------
+    def owner_at(self, node: int, slot: int) -> Owner:
+        return self.slots[(node, slot)]
+
+    def group(self, resource: str) -> int:
+        return self.store.keys.group_of(resource)
+
+    def on_grant(self, grant: Grant, reply: float, *, lease: bool = True) -> None:
+        """Check a new grant against the model, then record it.
+
+        A queued unique claim (``lease=False``) is no lease: no restart grace holds it back,
+        so it proves nothing about the grace either.
+        """
+        r = grant.resource
+        last = self.max_token.get(r)
+        if last is not None and grant.token <= last:
+            violated(f"token of {r} did not grow: {grant.token} after {last}")
+        self.max_token[r] = grant.token
+        if lease and reply < self.restart_up + GRACE + 0.5:
+            event("granted within 0.5 s after a restart's grace")
+        if lease and reply < self.restart_up + GRACE - SLACK:
+            violated(
+                f"{r} granted {reply - self.restart_up:.3f}s after a Redis restart, "
+                f"within restart_grace={GRACE}"
+            )
+        others = [g for g in self.grants.get(r, []) if g.surely_held(reply)]
+        for other in others:
+            if conflicts(other.mode, grant.mode):
+                violated(
+                    f"{r} granted {grant.mode} to {grant.owner} (token {grant.token}) while "
+                    f"{other.owner or 'a queued claim'} surely held it {other.mode} "
+                    f"(token {other.token})"
+                )
+        limit = self.limits.get(r, 0)
+        if grant.mode == "s" and limit and len(others) >= limit:
+            violated(f"shared {r} granted beyond its limit {limit}: {len(others)} surely held")
+        self.grants.setdefault(r, []).append(grant)
+        if lease:
+            self.grace_done.add(self.group(r))
+
+    def surely_free(self, want: Want, at: float) -> bool:
+        """True if no grant the model knows may hold ``want.resource`` against ``want.mode``."""
+        maybe = [g for g in self.grants.get(want.resource, []) if g.maybe_held(at)]
+        if any(conflicts(g.mode, want.mode) for g in maybe):
+            return False
+        return not (want.mode == "s" and want.limit and len(maybe) >= want.limit)
+
+    def no_grace(self, resources: list[str]) -> bool:
+        """True if no restart grace can refuse a call on ``resources`` (and the home group)."""
+        return {0, *(self.group(r) for r in resources)} <= self.grace_done
+
+    def check_refusal(self, wants: list[Want], sent: float, what: str) -> None:
+        if self.no_grace([w.resource for w in wants]) and all(
+            self.surely_free(w, sent) for w in wants
+        ):
+            violated(f"{what} refused although nothing could hold {wants}")
+
+    def confirm(self, grant: Grant, sent: float, reply: float, ttl: float | None = None) -> None:
+        """A call sent at ``sent`` (answered at ``reply``) extended ``grant`` by ``ttl``."""
+        ttl = grant.ttl if ttl is None else ttl
+        grant.confirmed = max(grant.confirmed, sent)
+        grant.sure_until = max(grant.sure_until, sent + ttl)
+        grant.may_until = max(grant.may_until, reply + ttl)
+
+    def drop(self, grant: Grant) -> None:
+        owner = self.owners.get(grant.owner or "")
+        if owner is not None and grant in owner.grants:
+            owner.grants.remove(grant)
+
+    def grant_of(self, resource: str, token: int) -> Grant | None:
+        return next((g for g in self.grants.get(resource, []) if g.token == token), None)
+
+    def check_cleanup(self, released: list[tuple[str, str]], ok: Callable[[Grant], str | None]):
+        """Each freed ``(owner, resource)`` must be a grant the model has, allowed by ``ok``."""
+        for owner, resource in released:
+            candidates = [
+                g for g in self.grants.get(resource, []) if g.owner == owner and not g.gone
+            ]
+            if not candidates:
+                violated(f"a cleanup freed {resource} of {owner}, a lease the model saw gone")
+            reasons = [ok(g) for g in candidates]
+            if all(reasons):
+                violated(f"a cleanup freed {resource} of {owner}: {reasons[0]}")
+            for g, reason in zip(candidates, reasons, strict=True):
+                if reason is None:
+                    # it may be the one freed (the next look at Redis tells)
+                    g.sure_until = -math.inf
+
+    # --- acquire / renew / release --------------------------------------------------------
+    def want(self, index: int, shared: bool) -> Want:
+        r = self.resources[index]
+        return Want(r, "s", self.limits[r]) if shared else Want(r)
+
+    @rule(
+        node=st.integers(0, len(NODES) - 1),
+        slot=st.integers(0, SLOTS - 1),
+        index=st.integers(0, SLOT_GROUPS * RESOURCES_PER_GROUP - 1),
+        shared=st.booleans(),
+        ttl=st.sampled_from(TTLS),
+    )
+    @traced
+    def acquire_one(self, node: int, slot: int, index: int, shared: bool, ttl: float) -> None:
+        self._acquire(self.owner_at(node, slot), [self.want(index, shared)], ttl, 0.0)
+
+    @rule(
+        node=st.integers(0, len(NODES) - 1),
+        slot=st.integers(0, SLOTS - 1),
+        picks=st.lists(
+            st.tuples(st.integers(0, SLOT_GROUPS * RESOURCES_PER_GROUP - 1), st.booleans()),
+            min_size=2,
+            max_size=4,
+            unique_by=lambda p: p[0],
+        ),
+        ttl=st.sampled_from(TTLS),
+        wait=st.sampled_from((0.0, 0.15)),
+    )
+    @traced
+    def acquire_set(
+        self, node: int, slot: int, picks: list[tuple[int, bool]], ttl: float, wait: float
+    ) -> None:
+        """All or nothing, over resources of several slot groups; maybe waiting a little."""
+        wants = [self.want(i, shared) for i, shared in picks]
+        self._acquire(self.owner_at(node, slot), wants, ttl, wait)
+
+    def _acquire(self, owner: Owner, wants: list[Want], ttl: float, wait: float) -> None:
+        sent = time.monotonic()
+        try:
+            granted = self.store.acquire(wants, owner.ident, ttl, wait=wait)
+        except LeaseBusy:
+            event("acquire: busy")
+            if wait == 0:
+                self.check_refusal(wants, sent, "acquire")
+            return
+        reply = time.monotonic()
+        event(f"acquire: granted {len({self.group(h.resource) for h in granted})} group(s)")
+        # a wait may have ended with a late attempt: the windows start at the call
+        for held in granted:
+            grant = Grant(
+                held.resource,
+                held.mode,
+                held.token,
+                owner.ident.owner,
+                ttl,
+                confirmed=sent,
+                sure_until=sent + ttl,
+                may_until=reply + ttl,
+                horizon=horizon(ttl),
+                held=held,
+            )
+            self.on_grant(grant, reply)
+            owner.grants.append(grant)
+
+    @rule()
+    @traced
+    def renew_all(self) -> None:
+        """Every running process's heartbeat comes round."""
+        for key in sorted(self.slots):
+            self._renew(self.slots[key])
+
+    @rule(node=st.integers(0, len(NODES) - 1), slot=st.integers(0, SLOTS - 1))
+    @traced
+    def renew(self, node: int, slot: int) -> None:
+        self._renew(self.owner_at(node, slot))
+
+    def _renew(self, owner: Owner) -> None:
+        """What a heartbeat does: renew the leases not yet counted lost, refresh the liveness."""
+        sent = time.monotonic()
+        todo = [g for g in owner.grants if sent < g.deadline]
+        helds = [g.held for g in todo if g.held is not None]
+        try:
+            lost = self.store.renew(helds, owner.ident.owner, timeout=5.0)
+        except LeaseBackendError:
+            # after a Redis restart the renewal connection is found broken: outcome unknown
+            reply = time.monotonic()
+            for g in todo:
+                if not g.gone:
+                    g.may_until = max(g.may_until, reply + g.ttl)
+            return
+        reply = time.monotonic()
+        for i, g in enumerate(todo):
+            if i in lost:
+                event("renew: lost")
+                if g.surely_held(reply):
+                    violated(f"renew found {g.resource} of {g.owner} lost while surely held")
+                g.gone = True
+                self.drop(g)
+            else:
+                if g.gone:
+                    violated(f"renew extended {g.resource} of {g.owner}, a lease already gone")
+                self.confirm(g, sent, reply)
+        owner.liveness_sure_until = max(owner.liveness_sure_until, sent + LIVENESS)
+
+    @rule(node=st.integers(0, len(NODES) - 1), slot=st.integers(0, SLOTS - 1), every=st.booleans())
+    @traced
+    def release(self, node: int, slot: int, every: bool) -> None:
+        owner = self.owner_at(node, slot)
+        todo = list(owner.grants) if every else owner.grants[:1]
+        if not todo:
+            return
+        freed = self.store.release([g.held for g in todo if g.held is not None])
+        reply = time.monotonic()
+        for g, was_held in zip(todo, freed, strict=True):
+            event(f"release: {'freed' if was_held else 'already gone'}")
+            if was_held and g.gone:
+                violated(f"release freed {g.resource} of {g.owner}, a lease already gone")
+            if not was_held and g.surely_held(reply):
+                violated(f"release found {g.resource} of {g.owner} gone while surely held")
+            g.gone = True
+            self.drop(g)
+
+    # --- owners that die -----------------------------------------------------------------
+    @rule(
+        node=st.integers(0, len(NODES) - 1),
+        slot=st.integers(0, SLOTS - 1),
+        then=st.sampled_from(("nothing", "expiry", "reconcile")),
+    )
+    @traced
+    def stop_renewing(self, node: int, slot: int, then: str) -> None:
+        """The process stops (killed, hung): its leases run out; a new process takes the slot.
+
+        ``then``: go on at once; wait (on Redis, not on the clock) until its leases ran out; or
+        wait until its liveness ran out and reconcile.
+        """
+        owner = self.owner_at(node, slot)
+        owner.alive = False
+        self.slots[(node, slot)] = self._new_owner(node)
+        left = [g for g in owner.grants if not g.gone]
+        if then == "reconcile":
+            deadline = time.monotonic() + LIVENESS + 2.0
+            while (self.store.read_liveness([owner.ident.owner])[owner.ident.owner] or 0) > 0:
+                assert time.monotonic() < deadline, f"{owner.ident.owner} stayed alive"
+                time.sleep(0.02)
+            self._reconcile()
+        elif then == "expiry" and left:
+            deadline = max(g.may_until for g in left) + 2.0
+            while any(self._listed(g) for g in left):
+                assert time.monotonic() < deadline, f"leases of {owner.ident.owner} never ran out"
+                time.sleep(0.02)
+            event("stop_renewing: waited for its leases to run out")
+            for g in left:
+                if g.surely_held(time.monotonic()):
+                    violated(f"{g.resource} of {g.owner} ran out while surely held")
+                g.gone = True
+
+    def _listed(self, grant: Grant) -> bool:
+        return any(h.token == grant.token for h in self.store.holders(grant.resource))
+
+    @rule(node=st.integers(0, len(NODES) - 1))
+    @traced
+    def restart_node(self, node: int) -> None:
+        """The pod restarts under its name: its earlier incarnations are freed at start-up."""
+        name = NODES[node]
+        for s in range(SLOTS):
+            self.slots[(node, s)].alive = False
+        self.incarnation[name] += 1
+        for s in range(SLOTS):
+            self.slots[(node, s)] = self._new_owner(node)
+        keep = f"inc{self.incarnation[name]}"
+        dead = {
+            o.ident.owner
+            for o in self.owners.values()
+            if o.ident.node == name and o.ident.incarnation != keep
+        }
+        report = self.store.cleanup_node(name, keep_incarnation=keep)
+        assert not report.errors, report.errors
+
+        def ok(g: Grant) -> str | None:
+            return None if g.owner in dead else "its owner is not of a dead incarnation"
+
+        self.check_cleanup(report.released, ok)
+        event(f"cleanup_node: freed {min(len(report.released), 3)}")
+        for owner_id in dead:
+            for g in self.owners[owner_id].grants:
+                if not g.gone and self._listed(g):
+                    violated(
+                        f"cleanup_node({name}) left {g.resource} (token {g.token}) of the dead "
+                        f"incarnation {owner_id}"
+                    )
+                g.gone = True
+
+    @rule()
+    @traced
+    def reconcile(self) -> None:
+        self._reconcile()
+
+    def _reconcile(self) -> None:
+        report = self.store.reconcile()
+        reply = time.monotonic()
+        assert not report.errors, report.errors
+        for owner_id in report.owners:
+            owner = self.owners.get(owner_id)
+            if owner is not None and reply < owner.liveness_sure_until - SLACK:
+                violated(f"reconcile took {owner_id}, whose liveness had not run out")
+
+        def ok(g: Grant) -> str | None:
+            if reply + SLACK < g.deadline:
+                return f"its holder counts it held for {g.deadline - reply:.3f}s more"
+            return None
+
+        self.check_cleanup(report.released, ok)
+        event(
+            f"reconcile: {min(len(report.owners), 3)} owners, freed {min(len(report.released), 3)}"
+        )
+
+    @rule(seconds=st.sampled_from((0.05, 0.2, 0.45)))
+    @traced
+    def time_passes(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    # --- unique claims --------------------------------------------------------------------
+    def _claim_grants(self, key: str) -> list[Grant]:
+        return self.grants.get(self.store.keys.unique_resource(key), [])
+
+    def _check_holder(self, holder: ClaimHolder, at: float, what: str) -> None:
+        """A claim reported held must be held by a grant the model may still have there."""
+        if holder.state == "grace":
+            resource = self.store.keys.unique_resource(holder.key)
+            if self.no_grace([resource]):
+                violated(f"{what} refused for a restart grace long after the restart")
+            return
+        grant = self.grant_of(self.store.keys.unique_resource(holder.key), holder.token)
+        if grant is None or not grant.maybe_held(at):
+            violated(f"{what} refused by a claim holder the model has not or saw gone: {holder}")
+
+    @rule(
+        key=st.sampled_from(UNIQUE_KEYS),
+        task=st.sampled_from(TASKS),
+        ttl=st.sampled_from((0.3, 3.0)),
+    )
+    @traced
+    def unique_claim(self, key: str, task: str, ttl: float) -> None:
+        resource = self.store.keys.unique_resource(key)
+        sent = time.monotonic()
+        outcome = self.store.unique_claim(key, task, ttl)
+        reply = time.monotonic()
+        event(f"unique_claim: {type(outcome).__name__}")
+        if isinstance(outcome, ClaimHolder):
+            self._check_holder(outcome, sent, "unique_claim")
+            return
+        assert isinstance(outcome, Claimed)
+        if outcome.again:
+            grant = self.grant_of(resource, outcome.token)
+            if grant is None or grant.task != task or not grant.maybe_held(sent):
+                violated(f"unique_claim({key}, {task}) found its own claim, the model has none")
+            # a re-publish raises the claim's TTL to its own, never lowers it
+            self.confirm(grant, sent, reply, ttl)
+            return
+        grant = Grant(
+            resource,
+            "x",
+            outcome.token,
+            None,
+            ttl,
+            confirmed=sent,
+            sure_until=sent + ttl,
+            may_until=reply + ttl,
+            horizon=horizon(ttl),
+            task=task,
+        )
+        self.on_grant(grant, reply, lease=False)
+
+    @rule(
+        key=st.sampled_from(UNIQUE_KEYS),
+        task=st.sampled_from(TASKS),
+        node=st.integers(0, len(NODES) - 1),
+        slot=st.integers(0, SLOTS - 1),
+        ttl=st.sampled_from((0.5, 3.0)),
+    )
+    @traced
+    def unique_handover(self, key: str, task: str, node: int, slot: int, ttl: float) -> None:
+        owner = self.owner_at(node, slot)
+        resource = self.store.keys.unique_resource(key)
+        sent = time.monotonic()
+        outcome = self.store.unique_handover(key, task, owner.ident, ttl)
+        reply = time.monotonic()
+        if isinstance(outcome, ClaimHolder):
+            event(f"unique_handover: {outcome.state}")
+            self._check_holder(outcome, sent, "unique_handover")
+            if outcome.state != "grace":
+                mine = [g for g in self._claim_grants(key) if g.maybe_held(sent)]
+                if all(g.task == task for g in mine):
+                    violated(f"unique_handover({key}, {task}) refused a claim queued for it")
+            return
+        queued = [g for g in self._claim_grants(key) if g.task == task and not g.gone]
+        for g in queued:
+            g.gone = True  # taken over (the key now names the new holder)
+        grant = Grant(
+            resource,
+            "x",
+            outcome.token,
+            owner.ident.owner,
+            ttl,
+            confirmed=sent,
+            sure_until=sent + ttl,
+            may_until=reply + ttl,
+            horizon=horizon(ttl),
+            held=outcome,
+            task=None,
+        )
+        self.on_grant(grant, reply)
+        owner.grants.append(grant)
+
+    @rule(key=st.sampled_from(UNIQUE_KEYS), task=st.sampled_from(TASKS), by_token=st.booleans())
+    @traced
+    def unique_unclaim(self, key: str, task: str, by_token: bool) -> None:
+        queued = [g for g in self._claim_grants(key) if g.task == task and not g.gone]
+        token = queued[-1].token if by_token and queued else None
+        released = self.store.unique_unclaim(key, task, token)
+        event(f"unique_unclaim: {released}")
+        reply = time.monotonic()
+        mine = [g for g in queued if token is None or g.token == token]
+        if released and not mine:
+            violated(f"unique_unclaim({key}, {task}) released a claim the model has not")
+        if not released and any(g.surely_held(reply) for g in mine):
+            violated(f"unique_unclaim({key}, {task}) kept a claim surely queued for it")
+        if released:
+            for g in mine:
+                g.gone = True
+
+    # --- once -----------------------------------------------------------------------------
+    @rule(name=st.sampled_from(ONCE_NAMES))
+    @traced
+    def once(self, name: str) -> None:
+        resource = self.store.keys.once_resource(name)
+        had = self.receipts[name]
+        ran: list[int] = []
+
+        def initialise() -> dict[str, int]:
+            now = time.monotonic()
+            holders = self.store.holders(resource)
+            me = self.leases.identity().owner
+            if [(h.mode, h.owner) for h in holders] != [("x", me)]:
+                violated(f"once({name}) ran without holding its lease alone: {holders}")
+            grant = Grant(resource, "x", holders[0].token, me, 1.0, now, now, now, 0.0)
+            self.on_grant(grant, now)
+            grant.gone = True  # released by once() before it returns
+            self.once_runs += 1
+            ran.append(self.once_runs)
+            return {"run": self.once_runs}
+
+        sent = time.monotonic()
+        try:
+            value = self.leases.once(name, initialise, ttl=1.0, wait=0.0)
+        except LeaseBusy:
+            event("once: busy")
+            self.check_refusal([Want(resource)], sent, f"once({name})")
+            return
+        event("once: ran" if ran else "once: receipt")
+        if had is not None:
+            if ran:
+                violated(f"once({name}) ran again although its receipt was stored")
+            if value != {"run": had}:
+                violated(f"once({name}) returned {value}, not its receipt {had}")
+        elif not ran:
+            violated(f"once({name}) returned {value} without running, and no receipt was stored")
+        self.receipts[name] = value["run"]
+
+    @rule(name=st.sampled_from(ONCE_NAMES))
+    @traced
+    def forget(self, name: str) -> None:
+        had = self.leases.forget(name)
+        if had != (self.receipts[name] is not None):
+            violated(f"forget({name}) said {had}; the model's receipt is {self.receipts[name]}")
+        self.receipts[name] = None
+
+    # --- Redis restarts -------------------------------------------------------------------
+    @rule(wait_out_grace=st.booleans())
+    @traced
+    def redis_restart(self, wait_out_grace: bool) -> None:
+        """Redis is killed and comes back empty: every key is lost, tokens must still grow.
+
+        Steps take milliseconds, so without ``wait_out_grace`` the next steps mostly meet the
+        restart grace; with it, every slot group is touched and its grace waited out.
+        """
+        type(self).server.restart()
+        self.restart_up = time.monotonic()
+        self.grace_done = set()
+        for grants in self.grants.values():
+            for g in grants:
+                g.gone = True
+        for owner in self.owners.values():
+            owner.liveness_sure_until = -math.inf
+        self.receipts = dict.fromkeys(ONCE_NAMES)
+        if wait_out_grace:
+            self._warm_up()
+
+    # --- invariants -----------------------------------------------------------------------
+    @invariant()
+    def redis_agrees_with_the_model(self) -> None:
+        entries: dict[str, set[tuple[str, int, str]]] = {}
+        for resource in self.resources + [self.store.keys.unique_resource(k) for k in UNIQUE_KEYS]:
+            before = time.monotonic()
+            holders = self.store.holders(resource)
+            after = time.monotonic()
+            self._check_holders(resource, holders, before, after, entries)
+        for name in ONCE_NAMES:
+            holders = self.store.holders(self.store.keys.once_resource(name))
+            if holders:
+                violated(f"the once-lease of {name} is held outside once(): {holders}")
+
+    def _check_holders(
+        self,
+        resource: str,
+        holders: list[Holder],
+        before: float,
+        after: float,
+        entries: dict[str, set[tuple[str, int, str]]],
+    ) -> None:
+        modes = [h.mode for h in holders]
+        if modes.count("x") > 1 or ("x" in modes and "s" in modes):
+            violated(f"{resource} has incompatible holders: {holders}")
+        limit = self.limits.get(resource, 0)
+        if limit and modes.count("s") > limit:
+            violated(f"{resource} has {modes.count('s')} shared holders, limit {limit}")
+        listed = set()
+        for h in holders:
+            grant = self.grant_of(resource, h.token)
+            if grant is None:
+                violated(f"{resource} is held by a grant the store never reported: {h}")
+            elif not grant.maybe_held(before):
+                violated(f"{resource} is still held by a grant that is gone: {h}")
+            elif grant.owner is not None and (grant.owner, grant.mode) != (h.owner, h.mode):
+                violated(f"{resource} holder {h} is not the grant's {grant.owner}")
+            listed.add(h.token)
+            if grant is not None and grant.owner is not None:
+                if h.owner not in entries:
+                    entries[h.owner] = {
+                        (e.mode, e.token, e.resource) for e in self.store.entries(h.owner)
+                    }
+                if (h.mode, h.token, resource) not in entries[h.owner]:
+                    violated(f"{resource} token {h.token} is not in {h.owner}'s registry")
+        for grant in self.grants.get(resource, []):
+            if grant.gone or grant.token in listed:
+                continue
+            if grant.surely_held(after):
+                violated(
+                    f"{resource} token {grant.token} of {grant.owner or 'a queued claim'} is "
+                    f"gone while surely held ({grant.sure_until - after:.3f}s left)"
+                )
+            grant.gone = True  # seen absent: a grant never comes back
+
+
+@pytest.fixture
+def model_server(make_redis_server: Callable[..., RedisServer]) -> RedisServer:
+    """A private server: the state machine restarts it (and loses every key in it)."""
+    return make_redis_server()
+
+
+def test_the_engine_keeps_its_invariants(model_server: RedisServer, leases_prefix: str) -> None:
+    counter = iter(range(1_000_000))
+
+    class Machine(LeaseModel):
+        server = model_server
+
+        @staticmethod
+        def make_prefix() -> str:
+            return f"{leases_prefix}-m{next(counter)}"
+
+    run_state_machine_as_test(
+        Machine,
+        settings=settings(
+            max_examples=EXAMPLES,
+            stateful_step_count=STEPS,
+            deadline=None,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow],
+            print_blob=False,
+        ),
+    )
+    print("paths run:", dict(sorted(SEEN.items())))
