@@ -69,8 +69,8 @@ class Leases:
     """
 
     def __init__(self, app: Celery, **settings: Any) -> None:
-        existing = app.__dict__.get("leases")
-        if isinstance(existing, Leases):
+        existing = find_leases(app)
+        if existing is not None:
             msg = (
                 f"app {app.main!r} already has Leases(app) ({existing!r}); create it once, next "
                 "to the app, and import that one (app.leases is it). A second one would take "
@@ -450,6 +450,23 @@ class Leases:
             logger.error("leases: could not release %d lease(s): %s", len(todo), exc)
             return lost
         return _released(todo, freed, lost)
+
+
+def find_leases(app: object) -> Leases | None:
+    """The ``Leases`` made for ``app`` (``app.leases``), or None when none was made.
+
+    The one place that reads ``app.leases``: the task, worker, beat, CLI and unique-claim code
+    all find the extension through here. Each caller decides what a missing one means (the
+    worker disables its bootstep, a task or the CLI makes one from the app's settings).
+
+    Args:
+        app: a Celery app, or anything (a non-app or an app without Leases gives None).
+
+    Returns:
+        The app's ``Leases``, or None.
+    """
+    ext = getattr(app, "leases", None)
+    return ext if isinstance(ext, Leases) else None
 
 
 def _check_wait(wait: object) -> None:

@@ -210,7 +210,9 @@ class LeaseBootstep(bootsteps.StartStopStep):
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
-        ext = getattr(worker.app, "leases", None)
+        from .app import find_leases  # app.py imports this module: imported here, not at the top
+
+        ext = find_leases(worker.app)
         self.enabled = ext is not None
         self.ext: Leases | None = ext
         self.pid = os.getpid()
