@@ -22,7 +22,16 @@ from redis.retry import Retry
 
 from . import _connect, _lifetime, _scripts
 from ._identity import Identity
-from ._keys import UNIQUE_PREFIX, Keyspace, escape, node_of_owner, unescape
+from ._keys import (
+    UNIQUE_PREFIX,
+    Keyspace,
+    escape,
+    escaped_node_of_owner,
+    holder_parts,
+    node_of_owner,
+    split_owner,
+    unescape,
+)
 from ._lease import Held, Want
 from ._lostreply import (
     BOOK,
@@ -891,7 +900,7 @@ class LeaseStore:
             keys = [self._registry_key(owner, group)]
             args: list[Any] = [owner, self._ms(registry[group])]
             if group == 0:
-                node = owner.rsplit("/", 2)[0]
+                node = escaped_node_of_owner(owner)
                 keys += [self.keys.owners, self.keys.node(unescape(node)), self.keys.nodes]
                 args += ["1", self._liveness, node]
             else:
@@ -1178,7 +1187,7 @@ class LeaseStore:
             with self._backend("forget an owner"):
                 self._forget_owner(
                     [self.keys.owners, self.keys.node(node), self.keys.nodes],
-                    [owner, owner.rsplit("/", 2)[0], "1" if dead else "0"],
+                    [owner, escaped_node_of_owner(owner), "1" if dead else "0"],
                     client=self.client,
                 )
         return report
@@ -1193,8 +1202,7 @@ class LeaseStore:
             owners = sorted(str(o) for o in self.client.smembers(self.keys.node(node)))
         report = CleanupReport()
         for owner in owners:
-            incarnation = owner.rsplit("/", 2)[1]
-            if incarnation == keep_incarnation:
+            if split_owner(owner).incarnation == keep_incarnation:
                 continue
             report.merge(self.cleanup_owner_isolated(owner, dead=True))
         return report
@@ -1456,11 +1464,11 @@ class LeaseStore:
             (value, pttl, shared), now_ms = self._with_now(build, skey)
         out: list[Holder] = []
         if value is not None:
-            token, _, owner = str(value).partition(" ")
+            token, owner = holder_parts(value)
             out.append(Holder(resource, "x", int(token), owner, max(int(pttl), 0) / 1000))
         for member, score in shared:
             if score > now_ms:
-                token, _, owner = str(member).partition(" ")
+                token, owner = holder_parts(member)
                 out.append(Holder(resource, "s", int(token), owner, (score - now_ms) / 1000))
         return out
 
@@ -1881,7 +1889,7 @@ class LeaseStore:
                     value, pttl = replies[2 * i], int(replies[2 * i + 1])
                     if value is None or not resource.startswith(UNIQUE_PREFIX):
                         continue
-                    token, _, who = str(value).partition(" ")
+                    token, who = holder_parts(value)
                     if not who.startswith(QUEUED_OWNER) or not token.isdigit():
                         continue
                     out.append(
@@ -1899,7 +1907,7 @@ class LeaseStore:
     def _claim_holder(self, key: str, resource: str, value: str, pttl: int) -> ClaimHolder:
         """A claim key's value, read: queued (the task id is in it) or running (read the
         task id from the holder's registry entry)."""
-        text, _, who = value.partition(" ")
+        text, who = holder_parts(value)
         token = int(text) if text.isdigit() else 0
         expires_in = None if pttl < 0 else pttl / 1000
         if who.startswith(QUEUED_OWNER):
@@ -1942,7 +1950,7 @@ def split_holder(value: object) -> tuple[str, int] | str | None:
     claim, or None (no holder, or a value this release cannot read)."""
     if value is None:
         return None
-    token, _, owner = str(value).partition(" ")
+    token, owner = holder_parts(value)
     if owner.startswith(QUEUED_OWNER):
         return unescape(owner.removeprefix(QUEUED_OWNER)) or None
     if not token.isdigit() or not owner:

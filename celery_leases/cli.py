@@ -78,7 +78,7 @@ from celery.bin.base import CeleryCommand, CLIContext
 from celery.utils.log import get_logger
 
 from ._identity import default_node, set_node
-from ._keys import node_of_owner, unescape
+from ._keys import node_of_owner, split_owner, unescape
 from ._render import printable, table
 from ._store import AUDIT_KEEP, QUEUED_OWNER, Entry, Holder, LeaseStore
 from .app import Leases, find_leases
@@ -615,7 +615,7 @@ def owners(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         out = []
         for owner in listed:
-            _, incarnation, pid = owner.rsplit("/", 2)
+            _, incarnation, pid = split_owner(owner)
             liveness = census.liveness[owner]
             out.append(
                 {

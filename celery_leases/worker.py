@@ -26,6 +26,7 @@ from celery.utils.log import get_logger
 from celery.worker import state as worker_state
 
 from ._identity import set_node
+from ._keys import split_owner
 from ._lease import Want
 from ._store import CleanupReport, safe_url
 from ._text import printable
@@ -321,7 +322,7 @@ class LeaseBootstep(bootsteps.StartStopStep):
                 logger.error("leases: %s could not list owners: %s", what, exc)
                 return report
             for owner in owners:
-                _, incarnation, pid = owner.rsplit("/", 2)
+                _, incarnation, pid = split_owner(owner)
                 if incarnation == ident.incarnation and pid.isdigit() and select(int(pid)):
                     report.merge(
                         ext.store.cleanup_owner_isolated(
