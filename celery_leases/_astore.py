@@ -449,7 +449,11 @@ class AsyncLeaseStore:
                 BOOK.lost(call.owner, book)
                 lost = True
                 tokens = await self._recover_grant_logged(call, exc)
-                adopted = None if tokens is None else self.store.acquire_outcome(call, [1, *tokens])
+                adopted = (
+                    None
+                    if tokens is None
+                    else self.store.acquire_outcome(call, [_scripts.AcquireReply.GRANTED, *tokens])
+                )
             except RedisError as exc:
                 raise self.store._backend_error("acquire", exc) from exc
             else:
@@ -500,7 +504,9 @@ class AsyncLeaseStore:
                         lost = True
                         tokens = await self._recover_grant_logged(call, exc)
                         if tokens is not None:
-                            return self.store.acquire_outcome(call, [1, *tokens])
+                            return self.store.acquire_outcome(
+                                call, [_scripts.AcquireReply.GRANTED, *tokens]
+                            )
                     if attempt == 2:  # the home call alone is idempotent: sent again once
                         raise self.store._backend_error("acquire", exc) from exc
                 except RedisError as exc:
@@ -517,7 +523,10 @@ class AsyncLeaseStore:
         (reply,), (acked,) = await self._evalsha_replicated(
             state, _scripts.ACQUIRE, [(call.keys, call.args)], renewal=False
         )
-        if int(reply[0]) == 1 and int(acked) < self.store.settings.min_replicas:
+        if (
+            int(reply[0]) == _scripts.AcquireReply.GRANTED
+            and int(acked) < self.store.settings.min_replicas
+        ):
             granted = self.store.acquire_outcome(call, reply)
             if not isinstance(granted, Busy):
                 await self.release(granted)  # no replica could hand it on
@@ -907,7 +916,7 @@ class AsyncLeaseStore:
 
         async def send() -> list[bool]:
             reply = await _shielded(state.release(keys, args, client=state.client))
-            return [x == 1 for x in reply]
+            return [x == _scripts.ReleaseReply.RELEASED for x in reply]
 
         async def after_lost() -> list[bool]:
             # idempotent (token-checked): sent again (see release_recovered)
@@ -941,7 +950,8 @@ class AsyncLeaseStore:
         state = self._state()
 
         async def send() -> bool:
-            return bool(int(await _shielded(state.commit_receipt(keys, args, client=state.client))))
+            reply = await _shielded(state.commit_receipt(keys, args, client=state.client))
+            return int(reply) == _scripts.CommitReceiptReply.STORED
 
         try:
             # idempotent: the same receipt, stored again while the holder still holds

@@ -46,6 +46,16 @@ from ._lostreply import (
     release_recovered,
     requeue_recovered,
 )
+from ._scripts import (
+    AcquireReply,
+    BeatClaimReply,
+    CommitReceiptReply,
+    ReleaseReply,
+    UniqueClaimReply,
+    UniqueHandoverReply,
+    UniqueRequeueReply,
+    UniqueUnclaimReply,
+)
 from .config import LeaseSettings, safe_url
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError
 
@@ -67,9 +77,6 @@ _EXPIRY_SLACK: Final = 0.002
 
 #: the Redis clock, read on the node serving KEYS[1] (see LeaseStore._with_now)
 _NOW_SCRIPT: Final = "return redis.call('TIME')"
-#: acquire.lua reply codes
-_GRACE: Final = -1
-_BUSY: Final = 0
 #: resources whose key names are cached per store
 _KEY_CACHE_SIZE: Final = 4096
 #: idle subscriber connections a store keeps per process for waiters
@@ -450,7 +457,11 @@ class LeaseStore:
                 BOOK.lost(call.owner, book)
                 lost = True
                 tokens = self._recover_grant_logged(call, exc)
-                adopted = None if tokens is None else self.acquire_outcome(call, [1, *tokens])
+                adopted = (
+                    None
+                    if tokens is None
+                    else self.acquire_outcome(call, [AcquireReply.GRANTED, *tokens])
+                )
             except RedisError as exc:
                 raise self._backend_error("acquire", exc) from exc
             else:
@@ -555,7 +566,7 @@ class LeaseStore:
                         lost = True
                         tokens = self._recover_grant_logged(call, exc)
                         if tokens is not None:
-                            return self.acquire_outcome(call, [1, *tokens])
+                            return self.acquire_outcome(call, [AcquireReply.GRANTED, *tokens])
                     # the home call alone is idempotent: it is simply sent again
                     if attempt == 2:
                         raise self._backend_error("acquire", exc) from exc
@@ -705,10 +716,10 @@ class LeaseStore:
         """What acquire.lua's ``reply`` to ``call`` means; records a home call and registry."""
         wants, owner, now = call.wants, call.owner, call.now
         code = int(reply[0])
-        if code == _GRACE:
+        if code == AcquireReply.GRACE:
             first = wants[0].resource if wants else "(owner registration)"
             return Busy(first, int(reply[1]) / 1000)
-        if code == _BUSY:
+        if code == AcquireReply.BUSY:
             return Busy(wants[int(reply[1]) - 1].resource, int(reply[2]) / 1000)
         if call.home:
             self._registered[owner] = now
@@ -751,7 +762,7 @@ class LeaseStore:
             pipe.execute_command(*self._wait_replicas)
 
         reply, acked = self._pipeline(target, queue, _scripts.ACQUIRE)
-        if int(reply[0]) == 1 and int(acked) < self.settings.min_replicas:
+        if int(reply[0]) == AcquireReply.GRANTED and int(acked) < self.settings.min_replicas:
             granted = self.acquire_outcome(call, reply)
             if not isinstance(granted, Busy):
                 self.release(granted)
@@ -1097,7 +1108,7 @@ class LeaseStore:
         client = self.client
 
         def send() -> list[bool]:
-            return [x == 1 for x in self._release(keys, args, client=client)]
+            return [x == ReleaseReply.RELEASED for x in self._release(keys, args, client=client)]
 
         def after_lost() -> list[bool]:
             # idempotent (token-checked): sent again; its "not ours" for a lease the lost run
@@ -1517,7 +1528,8 @@ class LeaseStore:
         client = self.client  # first: it registers the scripts in this process
 
         def send() -> bool:
-            return bool(int(self._commit_receipt(keys, args, client=client)))
+            reply = self._commit_receipt(keys, args, client=client)
+            return int(reply) == CommitReceiptReply.STORED
 
         with self._backend("store a receipt"):
             # idempotent: the same receipt, stored again while the holder still holds
@@ -1571,7 +1583,8 @@ class LeaseStore:
                 lambda: (self._beat_claim(keys, args, client=client), False),
                 lambda: (self._beat_claim(keys, args, client=client), True),
             )
-        won, run, now, winner = bool(int(reply[0])), int(reply[1]), int(reply[2]), str(reply[3])
+        won = int(reply[0]) == BeatClaimReply.WON
+        run, now, winner = int(reply[1]), int(reply[2]), str(reply[3])
         if lost:
             won = own_beat_win(won, run, winner, replica, self._beat_won.get(keys[0]))
         if won:
@@ -1612,8 +1625,8 @@ class LeaseStore:
                 lambda: (self._unique_claim(keys, args, client=client), True),
             )
         code = int(reply[0])
-        if code in (_CLAIMED, _CLAIMED_AGAIN):
-            again = code == _CLAIMED_AGAIN and not lost
+        if code in (UniqueClaimReply.CLAIMED, UniqueClaimReply.CLAIMED_AGAIN):
+            again = code == UniqueClaimReply.CLAIMED_AGAIN and not lost
             return Claimed(key, task_id, int(reply[1]), again=again)
         return self._claim_holder(key, resource, str(reply[1]), int(reply[2]))
 
@@ -1676,9 +1689,9 @@ class LeaseStore:
                         keys, args, client, owner, group, resource, task_id, until
                     )
             code = int(reply[0])
-            if code == _GRACE:
+            if code == UniqueHandoverReply.GRACE:
                 return ClaimHolder(key, "grace", None, 0, None, int(reply[1]) / 1000)
-            if code == _BUSY:
+            if code == UniqueHandoverReply.BUSY:
                 return self._claim_holder(key, resource, str(reply[1]), int(reply[2]))
             if registry_s:
                 self._registry_until[(owner, group)] = now + registry_s
@@ -1725,7 +1738,7 @@ class LeaseStore:
             self.log_unrecovered([resource], RedisConnectionError("lost reply"), failed)
             raise
         if tokens is not None:
-            return [1, tokens[0]]
+            return [UniqueHandoverReply.TAKEN, tokens[0]]
         reply = self._handover_call(keys, args, client)
         if reply is None:
             self.log_unrecovered(
@@ -1814,7 +1827,8 @@ class LeaseStore:
         client = self.client
 
         def send() -> bool:
-            return bool(int(self._unique_requeue(keys, args, client=client)))
+            reply = self._unique_requeue(keys, args, client=client)
+            return int(reply) == UniqueRequeueReply.QUEUED
 
         def after_lost() -> bool:
             # read-back: sent again, it would find the claim queued and say "not ours"
@@ -1845,7 +1859,8 @@ class LeaseStore:
         client = self.client
 
         def send() -> bool:
-            return bool(int(self._unique_unclaim(keys, args, client=client)))
+            reply = self._unique_unclaim(keys, args, client=client)
+            return int(reply) == UniqueUnclaimReply.RELEASED
 
         with self._backend("release a queued unique claim"):
             # idempotent (token-checked): sent again, it gives back what is still there
@@ -2032,9 +2047,6 @@ def _parse_entry(member: str) -> Entry | None:
 
 
 # --- unique claims ---------------------------------------------------------------------------
-#: unique_claim.lua reply codes (0 is _BUSY, as for acquire.lua)
-_CLAIMED: Final = 1
-_CLAIMED_AGAIN: Final = 2
 #: the owner part of a queued claim's value: "%queued/<escaped task id>". No owner id starts
 #: so: an owner id starts with an escaped node name, where "%" is always followed by hex.
 QUEUED_OWNER: Final = "%queued/"
