@@ -72,11 +72,11 @@ __all__ = ("ClaimHolder", "Claimed", "CleanupReport", "LeaseStore", "safe_url")
 #: that run ahead of the clock and small steps back of the server clock.
 TOKEN_MEMORY_MS: Final = 86_400_000
 #: extra sleep after a holder's expiry before a waiter tries again
-_EXPIRY_SLACK: Final = 0.002
+EXPIRY_SLACK: Final = 0.002
 
 
 #: the Redis clock, read on the node serving KEYS[1] (see LeaseStore._with_now)
-_NOW_SCRIPT: Final = "return redis.call('TIME')"
+NOW_SCRIPT: Final = "return redis.call('TIME')"
 #: resources whose key names are cached per store
 _KEY_CACHE_SIZE: Final = 4096
 #: idle subscriber connections a store keeps per process for waiters
@@ -88,10 +88,10 @@ _RELEASE_BATCH: Final = 500
 #: records the audit list keeps (the newest)
 AUDIT_KEEP: Final = 1000
 #: seconds between looks at the grant calls still in flight, in a lost reply's recovery
-_QUIET_POLL: Final = 0.005
+QUIET_POLL: Final = 0.005
 
 
-class _ReplicaShortfall(RedisTimeoutError):
+class ReplicaShortfall(RedisTimeoutError):
     """Too few replicas confirmed a write in time (the outcome is known: not a lost reply)."""
 
 
@@ -211,15 +211,17 @@ class LeaseStore:
         self._renew_pid = -1
         # beat claim key -> the last run this store counted as won (see own_beat_win)
         self._beat_won: dict[str, int] = {}
-        self._wait_replicas: tuple[Any, ...] = ()
+        #: the WAIT command sent after each grant and renewal ((): min_replicas is 0)
+        self.wait_replicas: tuple[Any, ...] = ()
         if settings.min_replicas:
             timeout_ms = self._ms(settings.min_replicas_timeout)
-            self._wait_replicas = ("WAIT", settings.min_replicas, timeout_ms)
+            self.wait_replicas = ("WAIT", settings.min_replicas, timeout_ms)
         # the client object connects lazily; made now so a bad URL fails at start-up, and so
         # the scripts are registered before any method can reach for them
         self._target = _connect.parse_target(self.url)
         self._client: redis.Redis | None = self._make_client()
-        self._cluster = _connect.is_cluster(self._client)
+        #: True on a Redis Cluster (grants, renewals and cleanups go per node there)
+        self.cluster = _connect.is_cluster(self._client)
         self._pid = os.getpid()
         self._register_scripts(self._client)
 
@@ -277,7 +279,7 @@ class LeaseStore:
         self._forget_owner = client.register_script(_scripts.FORGET_OWNER)
         self._commit_receipt = client.register_script(_scripts.COMMIT_RECEIPT)
         self._beat_claim = client.register_script(_scripts.BEAT_CLAIM)
-        self._now_sha = client.register_script(_NOW_SCRIPT).sha
+        self._now_sha = client.register_script(NOW_SCRIPT).sha
         self._unique_claim = client.register_script(_scripts.UNIQUE_CLAIM)
         self._unique_handover = client.register_script(_scripts.UNIQUE_HANDOVER)
         self._unique_requeue = client.register_script(_scripts.UNIQUE_REQUEUE)
@@ -298,7 +300,8 @@ class LeaseStore:
             for conn in conns.values():
                 conn.disconnect()
 
-    def _backend_error(self, what: str, exc: RedisError) -> LeaseBackendError:
+    def backend_error(self, what: str, exc: RedisError) -> LeaseBackendError:
+        """The LeaseBackendError for ``exc`` while trying to ``what`` (the URL without secrets)."""
         msg = f"redis at {safe_url(self.url)} failed to {what}: {type(exc).__name__}: {exc}"
         return LeaseBackendError(msg)
 
@@ -307,7 +310,7 @@ class LeaseStore:
         try:
             yield
         except RedisError as exc:
-            raise self._backend_error(what, exc) from exc
+            raise self.backend_error(what, exc) from exc
 
     def ping(self) -> bool:
         """True if Redis answers."""
@@ -342,7 +345,8 @@ class LeaseStore:
             )
         return keys
 
-    def _registry_key(self, owner: str, group: int) -> str:
+    def registry_key(self, owner: str, group: int) -> str:
+        """The registry key of ``owner`` in slot group ``group`` (cached per store)."""
         key = self._regkeys.get((owner, group))
         if key is None:
             if len(self._regkeys) >= _KEY_CACHE_SIZE:
@@ -393,7 +397,7 @@ class LeaseStore:
         by_group, fresh = self.acquire_plan(wants, ident.owner, ttl)
         single = len(by_group) == 1 and len(next(iter(by_group.values()))) == 1
         if 0 not in by_group and not fresh:
-            if single and not self._wait_replicas:
+            if single and not self.wait_replicas:
                 # the home call and the grant in one round trip (two nodes on a cluster)
                 return self._acquire_with_home(next(iter(by_group)), wants, ident, ttl, task_id)
             outcome = self._acquire_group(0, [], ident, ttl, True, task_id)
@@ -463,7 +467,7 @@ class LeaseStore:
                     else self.acquire_outcome(call, [AcquireReply.GRANTED, *tokens])
                 )
             except RedisError as exc:
-                raise self._backend_error("acquire", exc) from exc
+                raise self.backend_error("acquire", exc) from exc
             else:
                 registered = self.acquire_outcome(home, replies[0])
                 outcome = self.acquire_outcome(call, replies[1])
@@ -553,13 +557,13 @@ class LeaseStore:
             try:
                 try:
                     with one_attempt():
-                        if self._wait_replicas:
+                        if self.wait_replicas:
                             reply = self._acquire_replicated(call)
                         else:
                             reply = self._acquire(call.keys, call.args, client=self.client)
                     return self.acquire_outcome(call, reply)
-                except _ReplicaShortfall as exc:  # the grant was given back already
-                    raise self._backend_error("acquire", exc) from exc
+                except ReplicaShortfall as exc:  # the grant was given back already
+                    raise self.backend_error("acquire", exc) from exc
                 except UNKNOWN as exc:
                     if wants:
                         BOOK.lost(call.owner, book)
@@ -569,9 +573,9 @@ class LeaseStore:
                             return self.acquire_outcome(call, [AcquireReply.GRANTED, *tokens])
                     # the home call alone is idempotent: it is simply sent again
                     if attempt == 2:
-                        raise self._backend_error("acquire", exc) from exc
+                        raise self.backend_error("acquire", exc) from exc
                 except RedisError as exc:
-                    raise self._backend_error("acquire", exc) from exc
+                    raise self.backend_error("acquire", exc) from exc
             finally:
                 BOOK.end(call.owner, book, recovered=lost)
         raise AssertionError("unreachable")
@@ -591,7 +595,7 @@ class LeaseStore:
             self.log_unrecovered([r for r, _ in wants], exc, failed)
             if isinstance(failed, LeaseBackendError):
                 raise
-            raise self._backend_error("acquire", failed) from failed
+            raise self.backend_error("acquire", failed) from failed
 
     def adopt_until(self, call: AcquireCall) -> float:
         """Until when (monotonic) a lost grant of ``call`` may be adopted rather than given back.
@@ -601,7 +605,7 @@ class LeaseStore:
         before the heartbeat could renew it. With min_replicas, never (0): the replicas'
         answer was lost too.
         """
-        if self._wait_replicas:
+        if self.wait_replicas:
             return 0.0
         return call.now + self.horizon(call.ttl) / 2
 
@@ -636,7 +640,7 @@ class LeaseStore:
         (monotonic; see :meth:`adopt_until`). Raises a redis error if Redis cannot be read.
         """
         book = [self.resource_keys(r).exclusive for r, _ in wants]
-        registry = self._registry_key(owner, group)
+        registry = self.registry_key(owner, group)
 
         def build(pipe: Any) -> None:
             for resource, _ in wants:
@@ -655,8 +659,8 @@ class LeaseStore:
                     break
             if time.monotonic() >= end:
                 raise RedisTimeoutError("other grant calls of this process are still in flight")
-            time.sleep(_QUIET_POLL)
-        found, entries = _own_grants(owner, [r for r, _ in wants], replies, now_ms)
+            time.sleep(QUIET_POLL)
+        found, entries = own_grants(owner, [r for r, _ in wants], replies, now_ms)
         held = {r: BOOK.held(owner, k) for (r, _), k in zip(wants, book, strict=True)}
         decision = grant_recovery(
             wants,
@@ -693,7 +697,7 @@ class LeaseStore:
         owner = ident.owner
         now = time.monotonic()
         registry_s = self._registry_expiry(owner, group, ttl, now) if wants else 0.0
-        keys = [self.keys.lifetime(group), self._registry_key(owner, group)]
+        keys = [self.keys.lifetime(group), self.registry_key(owner, group)]
         args: list[Any] = [owner, self._ms(ttl), self._grace_ms]
         home = home and group == 0
         if home:
@@ -752,21 +756,21 @@ class LeaseStore:
         failover to one of them could hand the resource, and the same token, to another.
         """
         target: Any = self.client
-        if self._cluster:  # WAIT must go down the same connection as the grant
+        if self.cluster:  # WAIT must go down the same connection as the grant
             target = target.get_redis_connection(target.get_node_from_key(call.keys[0]))
 
         def queue(pipe: Any) -> None:
             pipe.execute_command(
                 "EVALSHA", self._acquire.sha, len(call.keys), *call.keys, *call.args
             )
-            pipe.execute_command(*self._wait_replicas)
+            pipe.execute_command(*self.wait_replicas)
 
         reply, acked = self._pipeline(target, queue, _scripts.ACQUIRE)
         if int(reply[0]) == AcquireReply.GRANTED and int(acked) < self.settings.min_replicas:
             granted = self.acquire_outcome(call, reply)
             if not isinstance(granted, Busy):
                 self.release(granted)
-            self._check_replicated(acked, "grant")
+            self.check_replicated(acked, "grant")
         return reply
 
     def acquire(
@@ -822,7 +826,7 @@ class LeaseStore:
                         )
                     # woken by a release, or by the blocking holder's expiry at the latest;
                     # a message of an earlier wait on this connection costs one extra attempt
-                    pubsub.get_message(timeout=min(deadline - now, outcome.wait + _EXPIRY_SLACK))
+                    pubsub.get_message(timeout=min(deadline - now, outcome.wait + EXPIRY_SLACK))
             finally:
                 if healthy:
                     self._give_back_pubsub(pubsub, channels)
@@ -908,7 +912,7 @@ class LeaseStore:
         for group, idx in sorted(by_group.items()):
             left = self._registry_until.get((owner, group), 0.0) - sent
             registry[group] = max(4 * longest, left)
-            keys = [self._registry_key(owner, group)]
+            keys = [self.registry_key(owner, group)]
             args: list[Any] = [owner, self._ms(registry[group])]
             if group == 0:
                 node = escaped_node_of_owner(owner)
@@ -975,7 +979,7 @@ class LeaseStore:
                 except BaseException as exc:
                     for conn in conns.values():
                         conn.disconnect()
-                    if self._cluster and isinstance(exc, (MovedError, RedisConnectionError)):
+                    if self.cluster and isinstance(exc, (MovedError, RedisConnectionError)):
                         self._refresh_slots()
                     raise
                 return replies
@@ -984,7 +988,7 @@ class LeaseStore:
 
     def _node_of(self, key: str) -> str:
         """The name of the cluster node serving ``key`` ("" off a cluster)."""
-        if not self._cluster:
+        if not self.cluster:
             return ""
         node = self.client.get_node_from_key(key)  # type: ignore[attr-defined]
         return str(node.name)
@@ -1009,7 +1013,7 @@ class LeaseStore:
             self._renew_conns, self._renew_pid = {}, pid
         conn = self._renew_conns.get(node)
         if conn is None:
-            if self._cluster:
+            if self.cluster:
                 cluster_node = self.client.get_node(node_name=node)  # type: ignore[attr-defined]
                 pool = self.client.get_redis_connection(cluster_node).connection_pool  # type: ignore[attr-defined]
             else:
@@ -1023,8 +1027,8 @@ class LeaseStore:
 
     def _send(self, conn: Any, sha: str, calls: Sequence[tuple[list[str], list[Any]]]) -> None:
         commands: list[tuple[Any, ...]] = [("EVALSHA", sha, len(k), *k, *a) for k, a in calls]
-        if self._wait_replicas:
-            commands.append(self._wait_replicas)
+        if self.wait_replicas:
+            commands.append(self.wait_replicas)
         conn.send_packed_command(conn.pack_commands(commands))
 
     def _read(
@@ -1037,8 +1041,8 @@ class LeaseStore:
     ) -> list[Any]:
         """The replies to what :meth:`_send` sent ``conn``, each by ``end`` (monotonic)."""
         replies = [self._read_one(conn, end) for _ in calls]
-        if self._wait_replicas:
-            self._check_replicated(self._read_one(conn, end), "renewal")
+        if self.wait_replicas:
+            self.check_replicated(self._read_one(conn, end), "renewal")
         if any(isinstance(r, NoScriptError) for r in replies):
             # Redis restarted or SCRIPT FLUSH ran: load it and send again, same deadline
             conn.send_command("SCRIPT", "LOAD", source)
@@ -1060,14 +1064,15 @@ class LeaseStore:
         except NoScriptError as exc:
             return exc  # the other replies must still be read off the connection
 
-    def _check_replicated(self, acked: Any, what: str) -> None:
+    def check_replicated(self, acked: Any, what: str) -> None:
+        """Raise ReplicaShortfall when WAIT's ``acked`` is below min_replicas."""
         want = self.settings.min_replicas
         if int(acked) < want:
             msg = (
                 f"the {what} reached {acked} of the {want} replicas min_replicas asks for "
                 f"within {self.settings.min_replicas_timeout}s"
             )
-            raise _ReplicaShortfall(msg)
+            raise ReplicaShortfall(msg)
 
     # --- release --------------------------------------------------------------------------
     def release(self, held: Sequence[Held]) -> list[bool]:
@@ -1119,7 +1124,7 @@ class LeaseStore:
         try:
             return call_once(send, after_lost)
         except RedisError as exc:
-            raise self._backend_error("release", exc) from exc
+            raise self.backend_error("release", exc) from exc
         finally:
             self.released(owner, entries)
 
@@ -1127,7 +1132,7 @@ class LeaseStore:
         self, owner: str, group: int, entries: Sequence[Entry]
     ) -> tuple[list[str], list[Any]]:
         """The keys and arguments of one release.lua call (no Redis call)."""
-        keys = [self._registry_key(owner, group)]
+        keys = [self.registry_key(owner, group)]
         args: list[Any] = [owner]
         for e in entries:
             rk = self.resource_keys(e.resource)
@@ -1263,7 +1268,7 @@ class LeaseStore:
         in one round trip, and its length is taken off the difference, so the offset is never
         larger than the true one: a lease is then spared rather than wrongly freed.
         """
-        if not self._cluster:
+        if not self.cluster:
             return math.floor(self.redis_time() * 1_000_000), None
         groups = range(self.settings.slot_groups)
 
@@ -1273,7 +1278,7 @@ class LeaseStore:
 
         with self._backend("read the cluster's clocks"):
             start = time.monotonic()
-            replies = self._pipeline(self.client, queue, _NOW_SCRIPT)
+            replies = self._pipeline(self.client, queue, NOW_SCRIPT)
             spread_us = math.ceil((time.monotonic() - start) * 1_000_000)
         clocks = [int(sec) * 1_000_000 + int(usec) for sec, usec in replies]
         return clocks[0], [0] + [clock - clocks[0] - spread_us for clock in clocks[1:]]
@@ -1378,7 +1383,7 @@ class LeaseStore:
             build(pipe)
             pipe.execute_command("EVALSHA", self._now_sha, 1, key)
 
-        replies = self._pipeline(self.client, queue, _NOW_SCRIPT)
+        replies = self._pipeline(self.client, queue, NOW_SCRIPT)
         sec, usec = replies.pop()
         return replies, int(sec) * 1000 + int(usec) // 1000
 
@@ -1660,7 +1665,7 @@ class LeaseStore:
         registry_s = self._registry_expiry(owner, group, ttl, now)
         keys = [
             self.keys.lifetime(group),
-            self._registry_key(owner, group),
+            self.registry_key(owner, group),
             rk.exclusive,
             rk.counter,
             self.keys.unique_queued(group),
@@ -1781,7 +1786,7 @@ class LeaseStore:
                         return outcome
                     pause = deadline - now
                     if outcome.expires_in is not None:
-                        pause = min(pause, outcome.expires_in + _EXPIRY_SLACK)
+                        pause = min(pause, outcome.expires_in + EXPIRY_SLACK)
                     pubsub.get_message(timeout=pause)
             finally:
                 if healthy:
@@ -1814,7 +1819,7 @@ class LeaseStore:
         rk = self.resource_keys(held.resource)
         keys = [
             rk.exclusive,
-            self._registry_key(held.owner, rk.group),
+            self.registry_key(held.owner, rk.group),
             self.keys.unique_queued(rk.group),
         ]
         args: list[Any] = [
@@ -1956,7 +1961,7 @@ class LeaseStore:
         """
         group = self.resource_keys(resource).group
         with self._backend("read an owner registry"):
-            members = self.client.smembers(self._registry_key(owner, group))
+            members = self.client.smembers(self.registry_key(owner, group))
         return task_in_registry(members, resource, token)
 
 
@@ -2010,7 +2015,7 @@ def entry_text(mode: str, token: int | str, task_id: str | None, resource: str) 
     return f"{mode} {token} {escape(task_id) if task_id else '-'} {resource}"
 
 
-def _own_grants(
+def own_grants(
     owner: str, resources: Sequence[str], replies: Sequence[Any], now_ms: int
 ) -> tuple[dict[str, list[tuple[str, int]]], dict[tuple[str, str, int], Entry]]:
     """``owner``'s grants in what :meth:`LeaseStore.recover_grant` read back.

@@ -19,7 +19,7 @@ from kombu.utils.uuid import uuid
 
 from . import signals
 from ._heartbeat import heartbeat
-from ._lease import Held, Lease
+from ._lease import Held, Lease, held_of
 from ._store import ClaimHolder
 from .config import OnDuplicate
 from .exceptions import DuplicateTask, LeaseBackendError, LeaseConfigError
@@ -273,15 +273,13 @@ def _publish_unique(
 
 def _requeue(ext: Leases, task_id: str, running: _Running, queue_ttl: float) -> bool:
     """Put this process's claim for ``task_id`` back in the queued state (a retry)."""
-    held = running.lease._held
+    held = held_of(running.lease)
     # Stop renewing it first, and mark it released so the task's finalizer leaves it alone.
     # Timeline: t0 the requeue rewrites the claim; t1 a renewal of the running claim finds
     # it gone and would report it lost, interrupting the body that is publishing its retry.
     heartbeat().discard(held)
-    with held._guard:
-        if held.released:
-            return False
-        held.released = True
+    if not held.mark_released():
+        return False
     with _running_lock:
         if _running.get(task_id) is running:
             del _running[task_id]

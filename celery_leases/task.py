@@ -91,7 +91,7 @@ from celery.utils.log import get_logger
 
 from ._lease import Held, Lease, Shared, Want, check_user_name
 from ._unique import release_claim, take_claim
-from .app import Leases, find_leases
+from .app import Leases, find_leases, ttl_of
 from .config import LeaseSettings, OnBackendError, OnBusy, OnDuplicate, OnLost, get_settings
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseError, LeaseLost
 
@@ -485,7 +485,7 @@ class LeasedTask(Task[Any, Any]):
             return self._call_leased(ext, wants, task_id, interrupter, args, kwargs)
         try:
             claim = take_claim(
-                ext, self, task_id, request, args, kwargs, ext._ttl(self.lease_ttl), interrupter
+                ext, self, task_id, request, args, kwargs, ttl_of(ext, self.lease_ttl), interrupter
             )
         except LeaseBackendError as exc:
             self._backend_failed(exc)

@@ -242,8 +242,10 @@ class LeaseBootstep(bootsteps.StartStopStep):
         if ext is None:
             return
         _active = self
+        from .app import checked_settings  # app.py imports this module: not at the top
+
         # a leases_* key changed since the settings' first use is refused here, at start
-        ext._check_settings(full=True)
+        checked_settings(ext, full=True)
         _note_redis_url(ext)
         ident = ext.identity()
         report = _startup_cleanup(ext, ident.node, ident.incarnation)
