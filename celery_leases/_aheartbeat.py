@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from celery.utils.log import get_logger
 
-from ._heartbeat import IDLE_LOOK, RETRY_AFTER_FAILURE, RenewRound, _on_lost, report_lost
+from ._heartbeat import IDLE_LOOK, RETRY_AFTER_FAILURE, RenewRound, report_lost, send_lease_lost
 from .exceptions import LeaseError
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ class AsyncHeartbeat:
         if not held.mark_lost():
             return
         self.discard(held)
-        report_lost(held, why, self._clock(), _on_lost)
+        report_lost(held, why, self._clock(), send_lease_lost)
 
 
 _beats: dict[asyncio.AbstractEventLoop, AsyncHeartbeat] = {}

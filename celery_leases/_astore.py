@@ -37,16 +37,16 @@ from ._lostreply import (
     release_recovered,
 )
 from ._store import (
-    _EXPIRY_SLACK,
-    _NOW_SCRIPT,
-    _QUIET_POLL,
+    EXPIRY_SLACK,
+    NOW_SCRIPT,
+    QUIET_POLL,
     AcquireCall,
     Busy,
     Entry,
     LeaseStore,
-    _own_grants,
-    _ReplicaShortfall,
+    ReplicaShortfall,
     counted_held,
+    own_grants,
     split_holder,
     task_in_registry,
 )
@@ -385,7 +385,7 @@ class AsyncLeaseStore:
         try:
             return bool(await _shielded(self._state().client.ping()))
         except RedisError as exc:
-            raise self.store._backend_error("answer PING", exc) from exc
+            raise self.store.backend_error("answer PING", exc) from exc
 
     # --- acquire --------------------------------------------------------------------------
     async def try_acquire(
@@ -395,7 +395,7 @@ class AsyncLeaseStore:
         by_group, fresh = self.store.acquire_plan(wants, ident.owner, ttl)
         single = len(by_group) == 1 and len(next(iter(by_group.values()))) == 1
         if 0 not in by_group and not fresh:
-            if single and not self.store._wait_replicas:
+            if single and not self.store.wait_replicas:
                 # the home call and the grant in one round trip (two nodes on a cluster)
                 return await self._acquire_with_home(
                     next(iter(by_group)), wants, ident, ttl, task_id
@@ -449,9 +449,13 @@ class AsyncLeaseStore:
                 BOOK.lost(call.owner, book)
                 lost = True
                 tokens = await self._recover_grant_logged(call, exc)
-                adopted = None if tokens is None else self.store.acquire_outcome(call, [1, *tokens])
+                adopted = (
+                    None
+                    if tokens is None
+                    else self.store.acquire_outcome(call, [_scripts.AcquireReply.GRANTED, *tokens])
+                )
             except RedisError as exc:
-                raise self.store._backend_error("acquire", exc) from exc
+                raise self.store.backend_error("acquire", exc) from exc
             else:
                 registered = self.store.acquire_outcome(home, replies[0])
                 outcome = self.store.acquire_outcome(call, replies[1])
@@ -492,36 +496,41 @@ class AsyncLeaseStore:
                     with one_attempt():
                         reply = await self._grant(state, call)
                     return self.store.acquire_outcome(call, reply)
-                except _ReplicaShortfall as exc:  # the grant was given back already
-                    raise self.store._backend_error("acquire", exc) from exc
+                except ReplicaShortfall as exc:  # the grant was given back already
+                    raise self.store.backend_error("acquire", exc) from exc
                 except UNKNOWN as exc:
                     if wants:
                         BOOK.lost(call.owner, book)
                         lost = True
                         tokens = await self._recover_grant_logged(call, exc)
                         if tokens is not None:
-                            return self.store.acquire_outcome(call, [1, *tokens])
+                            return self.store.acquire_outcome(
+                                call, [_scripts.AcquireReply.GRANTED, *tokens]
+                            )
                     if attempt == 2:  # the home call alone is idempotent: sent again once
-                        raise self.store._backend_error("acquire", exc) from exc
+                        raise self.store.backend_error("acquire", exc) from exc
                 except RedisError as exc:
-                    raise self.store._backend_error("acquire", exc) from exc
+                    raise self.store.backend_error("acquire", exc) from exc
             finally:
                 BOOK.end(call.owner, book, recovered=lost)
         raise AssertionError("unreachable")
 
     async def _grant(self, state: _LoopState, call: AcquireCall) -> Any:
         """acquire.lua for ``call`` (then WAIT, with min_replicas); its reply."""
-        if not self.store._wait_replicas:
+        if not self.store.wait_replicas:
             return await state.acquire(call.keys, call.args, client=state.client)
         # the grant, then WAIT, in one round trip (see the min_replicas setting)
         (reply,), (acked,) = await self._evalsha_replicated(
             state, _scripts.ACQUIRE, [(call.keys, call.args)], renewal=False
         )
-        if int(reply[0]) == 1 and int(acked) < self.store.settings.min_replicas:
+        if (
+            int(reply[0]) == _scripts.AcquireReply.GRANTED
+            and int(acked) < self.store.settings.min_replicas
+        ):
             granted = self.store.acquire_outcome(call, reply)
             if not isinstance(granted, Busy):
                 await self.release(granted)  # no replica could hand it on
-            self.store._check_replicated(acked, "grant")
+            self.store.check_replicated(acked, "grant")
         return reply
 
     async def _recover_grant_logged(
@@ -538,7 +547,7 @@ class AsyncLeaseStore:
             store.log_unrecovered([r for r, _ in wants], exc, failed)
             if isinstance(failed, LeaseBackendError):
                 raise
-            raise store._backend_error("acquire", failed) from failed
+            raise store.backend_error("acquire", failed) from failed
 
     async def _recover_grant(
         self,
@@ -556,7 +565,7 @@ class AsyncLeaseStore:
         while True:
             seq = BOOK.quiet(owner, book)
             if seq is not None:
-                registry = store._registry_key(owner, group)
+                registry = store.registry_key(owner, group)
                 pipe = client.pipeline(transaction=False)
                 for resource, _ in wants:
                     rk = store.resource_keys(resource)
@@ -566,15 +575,15 @@ class AsyncLeaseStore:
                 replies = await _shielded(pipe.execute())
                 # the Redis clock after the read: a shared member that ran out is no grant
                 ((sec, usec),) = await _shielded(
-                    _evalsha_all(client, _NOW_SCRIPT, [([registry], [])])
+                    _evalsha_all(client, NOW_SCRIPT, [([registry], [])])
                 )
                 now_ms = int(sec) * 1000 + int(usec) // 1000
                 if BOOK.unchanged(owner, book, seq):  # see GrantBook
                     break
             if time.monotonic() >= end:
                 raise RedisTimeoutError("other grant calls of this process are still in flight")
-            await asyncio.sleep(_QUIET_POLL)
-        found, entries = _own_grants(owner, [r for r, _ in wants], replies, now_ms)
+            await asyncio.sleep(QUIET_POLL)
+        found, entries = own_grants(owner, [r for r, _ in wants], replies, now_ms)
         held = {r: BOOK.held(owner, k) for (r, _), k in zip(wants, book, strict=True)}
         decision = grant_recovery(
             wants,
@@ -725,9 +734,7 @@ class AsyncLeaseStore:
                         holder_task=await self.holder_task(outcome.resource),
                     )
                 # woken by a release, or by the blocking holder's expiry at the latest
-                timer = loop.call_later(
-                    min(deadline - now, outcome.wait + _EXPIRY_SLACK), event.set
-                )
+                timer = loop.call_later(min(deadline - now, outcome.wait + EXPIRY_SLACK), event.set)
                 try:
                     await event.wait()
                 finally:
@@ -747,7 +754,7 @@ class AsyncLeaseStore:
         try:
             await subscriber.add(channels, event)
         except RedisError as exc:
-            raise self.store._backend_error("wait for a release", exc) from exc
+            raise self.store.backend_error("wait for a release", exc) from exc
         return subscriber
 
     def subscribed_channels(self) -> set[str]:
@@ -776,7 +783,7 @@ class AsyncLeaseStore:
         state = self._state()
         calls = [(keys, args) for _, keys, args in plan.calls]
         sending: asyncio.Future[tuple[list[Any], list[Any]]]
-        if self.store._wait_replicas:
+        if self.store.wait_replicas:
             replicated = self._evalsha_replicated(state, _scripts.RENEW, calls, renewal=True)
             sending = asyncio.ensure_future(replicated)
         else:
@@ -784,12 +791,12 @@ class AsyncLeaseStore:
         try:
             if not await _within(sending, timeout):
                 exc = RedisTimeoutError(f"no reply within {timeout:.2f}s")
-                raise self.store._backend_error("renew", exc)
+                raise self.store.backend_error("renew", exc)
             replies, acked = sending.result()
             for count in acked:  # one WAIT reply per node
-                self.store._check_replicated(count, "renewal")
+                self.store.check_replicated(count, "renewal")
         except RedisError as exc:
-            raise self.store._backend_error("renew", exc) from exc
+            raise self.store.backend_error("renew", exc) from exc
         return self.store.renew_outcome(plan, replies, owner)
 
     # --- min_replicas ---------------------------------------------------------------------
@@ -811,8 +818,8 @@ class AsyncLeaseStore:
         own replicas. After a MOVED or ASK reply or a lost node the slot map is read again,
         so the next attempt goes to the node that serves the slot now.
         """
-        wait = self.store._wait_replicas
-        if not self.store._cluster:
+        wait = self.store.wait_replicas
+        if not self.store.cluster:
             client = state.renew_client if renewal else state.client
             replies = await _evalsha_all(client, source, calls, wait)
             return replies[:-1], replies[-1:]
@@ -892,7 +899,7 @@ class AsyncLeaseStore:
             if holder is None or isinstance(holder, str):
                 return holder
             owner, token = holder
-            members = await _shielded(client.smembers(store._registry_key(owner, keys.group)))
+            members = await _shielded(client.smembers(store.registry_key(owner, keys.group)))
         except (RedisError, LeaseError) as exc:
             logger.debug("leases: could not read the holder of %s: %s", resource, exc)
             return None
@@ -907,7 +914,7 @@ class AsyncLeaseStore:
 
         async def send() -> list[bool]:
             reply = await _shielded(state.release(keys, args, client=state.client))
-            return [x == 1 for x in reply]
+            return [x == _scripts.ReleaseReply.RELEASED for x in reply]
 
         async def after_lost() -> list[bool]:
             # idempotent (token-checked): sent again (see release_recovered)
@@ -922,7 +929,7 @@ class AsyncLeaseStore:
             raise
         except RedisError as exc:
             self.store.released(owner, entries)
-            raise self.store._backend_error("release", exc) from exc
+            raise self.store.backend_error("release", exc) from exc
         self.store.released(owner, entries)
         return freed
 
@@ -932,7 +939,7 @@ class AsyncLeaseStore:
         try:
             value = await _shielded(self._state().client.get(self.store.keys.receipt(name)))
         except RedisError as exc:
-            raise self.store._backend_error("read a receipt", exc) from exc
+            raise self.store.backend_error("read a receipt", exc) from exc
         return None if value is None else str(value)
 
     async def commit_receipt(self, name: str, held: Held, receipt: str, ttl: float | None) -> bool:
@@ -941,13 +948,14 @@ class AsyncLeaseStore:
         state = self._state()
 
         async def send() -> bool:
-            return bool(int(await _shielded(state.commit_receipt(keys, args, client=state.client))))
+            reply = await _shielded(state.commit_receipt(keys, args, client=state.client))
+            return int(reply) == _scripts.CommitReceiptReply.STORED
 
         try:
             # idempotent: the same receipt, stored again while the holder still holds
             return await acall_once(send, send)
         except RedisError as exc:
-            raise self.store._backend_error("store a receipt", exc) from exc
+            raise self.store.backend_error("store a receipt", exc) from exc
 
     async def delete_receipt(self, name: str) -> bool:
         """Delete the receipt of ``once(name)``; True if there was one."""
@@ -955,7 +963,7 @@ class AsyncLeaseStore:
             key = self.store.keys.receipt(name)
             return bool(await _shielded(self._state().client.delete(key)))
         except RedisError as exc:
-            raise self.store._backend_error("delete a receipt", exc) from exc
+            raise self.store.backend_error("delete a receipt", exc) from exc
 
 
 async def _evalsha_all(

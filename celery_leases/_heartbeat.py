@@ -331,7 +331,8 @@ _instance: Heartbeat | None = None
 _instance_lock = threading.Lock()
 
 
-def _on_lost(held: Held) -> None:
+def send_lease_lost(held: Held) -> None:
+    """Send the ``lease_lost`` signal for ``held`` (the heartbeats' lost callback)."""
     signals.lease_lost.send(
         sender=held.resource,
         resource=held.resource,
@@ -347,7 +348,7 @@ def heartbeat() -> Heartbeat:
     global _instance
     with _instance_lock:
         if _instance is None:
-            _instance = Heartbeat(lost_callback=_on_lost)
+            _instance = Heartbeat(lost_callback=send_lease_lost)
         return _instance
 
 

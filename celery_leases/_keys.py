@@ -5,9 +5,22 @@ from __future__ import annotations
 import re
 import zlib
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
-__all__ = ("UNIQUE_PREFIX", "Keyspace", "escape", "fenced_keys", "unescape")
+__all__ = (
+    "UNIQUE_PREFIX",
+    "Keyspace",
+    "OwnerParts",
+    "escape",
+    "escaped_node_of_owner",
+    "fenced_keys",
+    "holder_parts",
+    "node_of_owner",
+    "owner_id",
+    "pid_of_owner",
+    "split_owner",
+    "unescape",
+)
 
 _UNSAFE: Final = re.compile(r"[%{}\x00-\x20\x7f]")
 #: the resource name of a unique claim is this prefix + the rendered unique key
@@ -157,9 +170,48 @@ def owner_id(node: str, incarnation: str, pid: int) -> str:
     return f"{escape(node)}/{incarnation}/{pid}"
 
 
+class OwnerParts(NamedTuple):
+    """An owner id, split: the node (unescaped), the incarnation and the pid as written."""
+
+    node: str
+    incarnation: str
+    pid: str
+
+
+def split_owner(owner: str) -> OwnerParts:
+    """The parts of ``<escaped node>/<incarnation>/<pid>``.
+
+    Raises:
+        ValueError: ``owner`` has fewer than two slashes (not an owner id).
+    """
+    escaped, incarnation, pid = owner.rsplit("/", 2)
+    return OwnerParts(unescape(escaped), incarnation, pid)
+
+
+def escaped_node_of_owner(owner: str) -> str:
+    """The node inside an owner id as written there (escaped, as in the node's key)."""
+    return owner.rsplit("/", 2)[0]
+
+
 def node_of_owner(owner: str) -> str:
     """The node name inside an owner id."""
-    return unescape(owner.rsplit("/", 2)[0])
+    return unescape(escaped_node_of_owner(owner))
+
+
+def pid_of_owner(owner: str) -> int | None:
+    """The pid at the end of an owner id, or None when it is not a number."""
+    pid = owner.rsplit("/", 1)[-1]
+    return int(pid) if pid.isdigit() else None
+
+
+def holder_parts(value: object) -> tuple[str, str]:
+    """``"<token> <owner>"`` (a lease key's value or a shared member) as (token text, owner).
+
+    The token is left as text: a queued unique claim's value and a value written by a
+    future release are read by the caller, which decides what a non-number means.
+    """
+    token, _, owner = str(value).partition(" ")
+    return token, owner
 
 
 def fenced_keys(prefix: str, name: str) -> tuple[str, str]:

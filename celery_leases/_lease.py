@@ -19,6 +19,7 @@ __all__ = (
     "LeaseArgumentError",
     "Shared",
     "check_user_name",
+    "held_of",
     "want_of",
 )
 
@@ -144,6 +145,14 @@ class Held:
     def is_lost(self, now: float) -> bool:
         return self.lost or (not self.released and now >= self.deadline)
 
+    def mark_released(self) -> bool:
+        """Mark the lease released; True if this call did it (False: it already was)."""
+        with self._guard:
+            if self.released:
+                return False
+            self.released = True
+            return True
+
     def mark_lost(self) -> bool:
         """Mark the lease lost; True if this call is the one that did it."""
         with self._guard:
@@ -200,3 +209,12 @@ class Lease:
         held = self._held
         if held.is_lost(time.monotonic()) or held.released:
             raise LeaseLost(held.resource, held_for=time.monotonic() - held.acquired_at)
+
+
+def held_of(lease: Lease) -> Held:
+    """The mutable state behind ``lease`` (shared with the heartbeat and the store).
+
+    ``Lease`` is public and frozen; its state stays a private field, read through here by
+    the package's own modules (the app, once and unique claims).
+    """
+    return lease._held

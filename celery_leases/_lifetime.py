@@ -94,7 +94,7 @@ class ConnectCheck:
                 continue
             if isinstance(reply, ResponseError):
                 problem = f"the check failed: {reply}"
-            elif not int(reply[1]):
+            elif int(reply[1]) == _scripts.LifetimeCheckReply.INFO_REFUSED:
                 problem = "INFO is refused (an ACL without +info)"
             else:
                 continue

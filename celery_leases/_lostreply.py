@@ -34,6 +34,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from ._keys import holder_parts
+
 __all__ = (
     "BOOK",
     "POLICIES",
@@ -326,7 +328,7 @@ os.register_at_fork(after_in_child=BOOK.reset)
 # --- decisions ----------------------------------------------------------------------------------
 def parse_holder(value: object) -> tuple[int, str] | None:
     """``"<token> <owner>"`` (a lease key's value or a shared member) as (token, owner)."""
-    text, _, owner = str(value).partition(" ")
+    text, owner = holder_parts(value)
     return (int(text), owner) if text.isdigit() and owner else None
 
 

@@ -1,7 +1,13 @@
-"""The Lua scripts of ``lua/``, read once from the package as constants."""
+"""The Lua scripts of ``lua/``, read once from the package as constants, and their reply codes.
+
+Each script's reply codes are named here once, one ``IntEnum`` per script, as its header
+comment states them; the sync and asyncio stores, fence.py and _lifetime.py compare replies
+with these (an ``IntEnum`` equals its int, so a reply from Redis compares directly).
+"""
 
 from __future__ import annotations
 
+from enum import IntEnum
 from importlib.resources import files
 from typing import Final
 
@@ -20,7 +26,98 @@ __all__ = (
     "UNIQUE_HANDOVER",
     "UNIQUE_REQUEUE",
     "UNIQUE_UNCLAIM",
+    "AcquireReply",
+    "BeatClaimReply",
+    "CommitReceiptReply",
+    "FencedWriteReply",
+    "ForgetOwnerReply",
+    "LifetimeCheckReply",
+    "ReleaseReply",
+    "UniqueClaimReply",
+    "UniqueHandoverReply",
+    "UniqueRequeueReply",
+    "UniqueUnclaimReply",
 )
+
+
+class AcquireReply(IntEnum):
+    """acquire.lua's first reply element: ``{1, tokens...}``, ``{0, index, ms}``, ``{-1, ms}``."""
+
+    GRACE = -1  #: restart grace: wait_ms follows
+    BUSY = 0  #: the 1-based index of the first busy want and the ms until it may free follow
+    GRANTED = 1  #: one token per want follows
+
+
+class UniqueClaimReply(IntEnum):
+    """unique_claim.lua's first reply element."""
+
+    BUSY = 0  #: held by another: the holder value and its pttl follow
+    CLAIMED = 1  #: claimed for this task: the token follows
+    CLAIMED_AGAIN = 2  #: already queued for this same task id (a re-publish): the token follows
+
+
+class UniqueHandoverReply(IntEnum):
+    """unique_handover.lua's first reply element."""
+
+    GRACE = -1  #: restart grace: wait_ms follows
+    BUSY = 0  #: held by another: the holder value and its pttl follow
+    TAKEN = 1  #: taken for this task: the token follows
+
+
+class ReleaseReply(IntEnum):
+    """release.lua's reply, one per lease."""
+
+    NOT_HELD = 0  #: was no longer held by us
+    RELEASED = 1  #: released now
+
+
+class BeatClaimReply(IntEnum):
+    """beat_claim.lua's first reply element (run id, Redis ms and winner follow)."""
+
+    LOST = 0
+    WON = 1
+
+
+class CommitReceiptReply(IntEnum):
+    """commit_receipt.lua's reply."""
+
+    NOT_OURS = 0  #: the lease is no longer ours: nothing stored
+    STORED = 1
+
+
+class ForgetOwnerReply(IntEnum):
+    """forget_owner.lua's reply."""
+
+    KEPT = 0  #: kept because it is alive
+    FORGOTTEN = 1
+
+
+class UniqueRequeueReply(IntEnum):
+    """unique_requeue.lua's reply."""
+
+    GONE = 0  #: that holder no longer has the claim: nothing changed
+    QUEUED = 1  #: queued again for the task
+
+
+class UniqueUnclaimReply(IntEnum):
+    """unique_unclaim.lua's reply."""
+
+    NOT_QUEUED = 0  #: not queued for that task: nothing changed
+    RELEASED = 1
+
+
+class FencedWriteReply(IntEnum):
+    """fenced_write.lua's first reply element (the token, or the last accepted one, follows)."""
+
+    REFUSED = 0  #: a newer token was accepted for this key
+    APPLIED = 1
+
+
+class LifetimeCheckReply(IntEnum):
+    """lifetime_check.lua's second reply element (the first is the longest wait in ms)."""
+
+    INFO_REFUSED = 0  #: INFO was refused (an ACL without +info)
+    INFO_ANSWERED = 1
 
 
 def _read(name: str) -> str:

@@ -22,7 +22,16 @@ from redis.retry import Retry
 
 from . import _connect, _lifetime, _scripts
 from ._identity import Identity
-from ._keys import UNIQUE_PREFIX, Keyspace, escape, node_of_owner, unescape
+from ._keys import (
+    UNIQUE_PREFIX,
+    Keyspace,
+    escape,
+    escaped_node_of_owner,
+    holder_parts,
+    node_of_owner,
+    split_owner,
+    unescape,
+)
 from ._lease import Held, Want
 from ._lostreply import (
     BOOK,
@@ -36,6 +45,16 @@ from ._lostreply import (
     parse_holder,
     release_recovered,
     requeue_recovered,
+)
+from ._scripts import (
+    AcquireReply,
+    BeatClaimReply,
+    CommitReceiptReply,
+    ReleaseReply,
+    UniqueClaimReply,
+    UniqueHandoverReply,
+    UniqueRequeueReply,
+    UniqueUnclaimReply,
 )
 from .config import LeaseSettings, safe_url
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError
@@ -53,14 +72,11 @@ __all__ = ("ClaimHolder", "Claimed", "CleanupReport", "LeaseStore", "safe_url")
 #: that run ahead of the clock and small steps back of the server clock.
 TOKEN_MEMORY_MS: Final = 86_400_000
 #: extra sleep after a holder's expiry before a waiter tries again
-_EXPIRY_SLACK: Final = 0.002
+EXPIRY_SLACK: Final = 0.002
 
 
 #: the Redis clock, read on the node serving KEYS[1] (see LeaseStore._with_now)
-_NOW_SCRIPT: Final = "return redis.call('TIME')"
-#: acquire.lua reply codes
-_GRACE: Final = -1
-_BUSY: Final = 0
+NOW_SCRIPT: Final = "return redis.call('TIME')"
 #: resources whose key names are cached per store
 _KEY_CACHE_SIZE: Final = 4096
 #: idle subscriber connections a store keeps per process for waiters
@@ -72,10 +88,10 @@ _RELEASE_BATCH: Final = 500
 #: records the audit list keeps (the newest)
 AUDIT_KEEP: Final = 1000
 #: seconds between looks at the grant calls still in flight, in a lost reply's recovery
-_QUIET_POLL: Final = 0.005
+QUIET_POLL: Final = 0.005
 
 
-class _ReplicaShortfall(RedisTimeoutError):
+class ReplicaShortfall(RedisTimeoutError):
     """Too few replicas confirmed a write in time (the outcome is known: not a lost reply)."""
 
 
@@ -195,15 +211,17 @@ class LeaseStore:
         self._renew_pid = -1
         # beat claim key -> the last run this store counted as won (see own_beat_win)
         self._beat_won: dict[str, int] = {}
-        self._wait_replicas: tuple[Any, ...] = ()
+        #: the WAIT command sent after each grant and renewal ((): min_replicas is 0)
+        self.wait_replicas: tuple[Any, ...] = ()
         if settings.min_replicas:
             timeout_ms = self._ms(settings.min_replicas_timeout)
-            self._wait_replicas = ("WAIT", settings.min_replicas, timeout_ms)
+            self.wait_replicas = ("WAIT", settings.min_replicas, timeout_ms)
         # the client object connects lazily; made now so a bad URL fails at start-up, and so
         # the scripts are registered before any method can reach for them
         self._target = _connect.parse_target(self.url)
         self._client: redis.Redis | None = self._make_client()
-        self._cluster = _connect.is_cluster(self._client)
+        #: True on a Redis Cluster (grants, renewals and cleanups go per node there)
+        self.cluster = _connect.is_cluster(self._client)
         self._pid = os.getpid()
         self._register_scripts(self._client)
 
@@ -261,7 +279,7 @@ class LeaseStore:
         self._forget_owner = client.register_script(_scripts.FORGET_OWNER)
         self._commit_receipt = client.register_script(_scripts.COMMIT_RECEIPT)
         self._beat_claim = client.register_script(_scripts.BEAT_CLAIM)
-        self._now_sha = client.register_script(_NOW_SCRIPT).sha
+        self._now_sha = client.register_script(NOW_SCRIPT).sha
         self._unique_claim = client.register_script(_scripts.UNIQUE_CLAIM)
         self._unique_handover = client.register_script(_scripts.UNIQUE_HANDOVER)
         self._unique_requeue = client.register_script(_scripts.UNIQUE_REQUEUE)
@@ -282,7 +300,8 @@ class LeaseStore:
             for conn in conns.values():
                 conn.disconnect()
 
-    def _backend_error(self, what: str, exc: RedisError) -> LeaseBackendError:
+    def backend_error(self, what: str, exc: RedisError) -> LeaseBackendError:
+        """The LeaseBackendError for ``exc`` while trying to ``what`` (the URL without secrets)."""
         msg = f"redis at {safe_url(self.url)} failed to {what}: {type(exc).__name__}: {exc}"
         return LeaseBackendError(msg)
 
@@ -291,7 +310,7 @@ class LeaseStore:
         try:
             yield
         except RedisError as exc:
-            raise self._backend_error(what, exc) from exc
+            raise self.backend_error(what, exc) from exc
 
     def ping(self) -> bool:
         """True if Redis answers."""
@@ -326,7 +345,8 @@ class LeaseStore:
             )
         return keys
 
-    def _registry_key(self, owner: str, group: int) -> str:
+    def registry_key(self, owner: str, group: int) -> str:
+        """The registry key of ``owner`` in slot group ``group`` (cached per store)."""
         key = self._regkeys.get((owner, group))
         if key is None:
             if len(self._regkeys) >= _KEY_CACHE_SIZE:
@@ -377,7 +397,7 @@ class LeaseStore:
         by_group, fresh = self.acquire_plan(wants, ident.owner, ttl)
         single = len(by_group) == 1 and len(next(iter(by_group.values()))) == 1
         if 0 not in by_group and not fresh:
-            if single and not self._wait_replicas:
+            if single and not self.wait_replicas:
                 # the home call and the grant in one round trip (two nodes on a cluster)
                 return self._acquire_with_home(next(iter(by_group)), wants, ident, ttl, task_id)
             outcome = self._acquire_group(0, [], ident, ttl, True, task_id)
@@ -441,9 +461,13 @@ class LeaseStore:
                 BOOK.lost(call.owner, book)
                 lost = True
                 tokens = self._recover_grant_logged(call, exc)
-                adopted = None if tokens is None else self.acquire_outcome(call, [1, *tokens])
+                adopted = (
+                    None
+                    if tokens is None
+                    else self.acquire_outcome(call, [AcquireReply.GRANTED, *tokens])
+                )
             except RedisError as exc:
-                raise self._backend_error("acquire", exc) from exc
+                raise self.backend_error("acquire", exc) from exc
             else:
                 registered = self.acquire_outcome(home, replies[0])
                 outcome = self.acquire_outcome(call, replies[1])
@@ -533,25 +557,25 @@ class LeaseStore:
             try:
                 try:
                     with one_attempt():
-                        if self._wait_replicas:
+                        if self.wait_replicas:
                             reply = self._acquire_replicated(call)
                         else:
                             reply = self._acquire(call.keys, call.args, client=self.client)
                     return self.acquire_outcome(call, reply)
-                except _ReplicaShortfall as exc:  # the grant was given back already
-                    raise self._backend_error("acquire", exc) from exc
+                except ReplicaShortfall as exc:  # the grant was given back already
+                    raise self.backend_error("acquire", exc) from exc
                 except UNKNOWN as exc:
                     if wants:
                         BOOK.lost(call.owner, book)
                         lost = True
                         tokens = self._recover_grant_logged(call, exc)
                         if tokens is not None:
-                            return self.acquire_outcome(call, [1, *tokens])
+                            return self.acquire_outcome(call, [AcquireReply.GRANTED, *tokens])
                     # the home call alone is idempotent: it is simply sent again
                     if attempt == 2:
-                        raise self._backend_error("acquire", exc) from exc
+                        raise self.backend_error("acquire", exc) from exc
                 except RedisError as exc:
-                    raise self._backend_error("acquire", exc) from exc
+                    raise self.backend_error("acquire", exc) from exc
             finally:
                 BOOK.end(call.owner, book, recovered=lost)
         raise AssertionError("unreachable")
@@ -571,7 +595,7 @@ class LeaseStore:
             self.log_unrecovered([r for r, _ in wants], exc, failed)
             if isinstance(failed, LeaseBackendError):
                 raise
-            raise self._backend_error("acquire", failed) from failed
+            raise self.backend_error("acquire", failed) from failed
 
     def adopt_until(self, call: AcquireCall) -> float:
         """Until when (monotonic) a lost grant of ``call`` may be adopted rather than given back.
@@ -581,7 +605,7 @@ class LeaseStore:
         before the heartbeat could renew it. With min_replicas, never (0): the replicas'
         answer was lost too.
         """
-        if self._wait_replicas:
+        if self.wait_replicas:
             return 0.0
         return call.now + self.horizon(call.ttl) / 2
 
@@ -616,7 +640,7 @@ class LeaseStore:
         (monotonic; see :meth:`adopt_until`). Raises a redis error if Redis cannot be read.
         """
         book = [self.resource_keys(r).exclusive for r, _ in wants]
-        registry = self._registry_key(owner, group)
+        registry = self.registry_key(owner, group)
 
         def build(pipe: Any) -> None:
             for resource, _ in wants:
@@ -635,8 +659,8 @@ class LeaseStore:
                     break
             if time.monotonic() >= end:
                 raise RedisTimeoutError("other grant calls of this process are still in flight")
-            time.sleep(_QUIET_POLL)
-        found, entries = _own_grants(owner, [r for r, _ in wants], replies, now_ms)
+            time.sleep(QUIET_POLL)
+        found, entries = own_grants(owner, [r for r, _ in wants], replies, now_ms)
         held = {r: BOOK.held(owner, k) for (r, _), k in zip(wants, book, strict=True)}
         decision = grant_recovery(
             wants,
@@ -673,7 +697,7 @@ class LeaseStore:
         owner = ident.owner
         now = time.monotonic()
         registry_s = self._registry_expiry(owner, group, ttl, now) if wants else 0.0
-        keys = [self.keys.lifetime(group), self._registry_key(owner, group)]
+        keys = [self.keys.lifetime(group), self.registry_key(owner, group)]
         args: list[Any] = [owner, self._ms(ttl), self._grace_ms]
         home = home and group == 0
         if home:
@@ -696,10 +720,10 @@ class LeaseStore:
         """What acquire.lua's ``reply`` to ``call`` means; records a home call and registry."""
         wants, owner, now = call.wants, call.owner, call.now
         code = int(reply[0])
-        if code == _GRACE:
+        if code == AcquireReply.GRACE:
             first = wants[0].resource if wants else "(owner registration)"
             return Busy(first, int(reply[1]) / 1000)
-        if code == _BUSY:
+        if code == AcquireReply.BUSY:
             return Busy(wants[int(reply[1]) - 1].resource, int(reply[2]) / 1000)
         if call.home:
             self._registered[owner] = now
@@ -732,21 +756,21 @@ class LeaseStore:
         failover to one of them could hand the resource, and the same token, to another.
         """
         target: Any = self.client
-        if self._cluster:  # WAIT must go down the same connection as the grant
+        if self.cluster:  # WAIT must go down the same connection as the grant
             target = target.get_redis_connection(target.get_node_from_key(call.keys[0]))
 
         def queue(pipe: Any) -> None:
             pipe.execute_command(
                 "EVALSHA", self._acquire.sha, len(call.keys), *call.keys, *call.args
             )
-            pipe.execute_command(*self._wait_replicas)
+            pipe.execute_command(*self.wait_replicas)
 
         reply, acked = self._pipeline(target, queue, _scripts.ACQUIRE)
-        if int(reply[0]) == 1 and int(acked) < self.settings.min_replicas:
+        if int(reply[0]) == AcquireReply.GRANTED and int(acked) < self.settings.min_replicas:
             granted = self.acquire_outcome(call, reply)
             if not isinstance(granted, Busy):
                 self.release(granted)
-            self._check_replicated(acked, "grant")
+            self.check_replicated(acked, "grant")
         return reply
 
     def acquire(
@@ -802,7 +826,7 @@ class LeaseStore:
                         )
                     # woken by a release, or by the blocking holder's expiry at the latest;
                     # a message of an earlier wait on this connection costs one extra attempt
-                    pubsub.get_message(timeout=min(deadline - now, outcome.wait + _EXPIRY_SLACK))
+                    pubsub.get_message(timeout=min(deadline - now, outcome.wait + EXPIRY_SLACK))
             finally:
                 if healthy:
                     self._give_back_pubsub(pubsub, channels)
@@ -888,10 +912,10 @@ class LeaseStore:
         for group, idx in sorted(by_group.items()):
             left = self._registry_until.get((owner, group), 0.0) - sent
             registry[group] = max(4 * longest, left)
-            keys = [self._registry_key(owner, group)]
+            keys = [self.registry_key(owner, group)]
             args: list[Any] = [owner, self._ms(registry[group])]
             if group == 0:
-                node = owner.rsplit("/", 2)[0]
+                node = escaped_node_of_owner(owner)
                 keys += [self.keys.owners, self.keys.node(unescape(node)), self.keys.nodes]
                 args += ["1", self._liveness, node]
             else:
@@ -955,7 +979,7 @@ class LeaseStore:
                 except BaseException as exc:
                     for conn in conns.values():
                         conn.disconnect()
-                    if self._cluster and isinstance(exc, (MovedError, RedisConnectionError)):
+                    if self.cluster and isinstance(exc, (MovedError, RedisConnectionError)):
                         self._refresh_slots()
                     raise
                 return replies
@@ -964,7 +988,7 @@ class LeaseStore:
 
     def _node_of(self, key: str) -> str:
         """The name of the cluster node serving ``key`` ("" off a cluster)."""
-        if not self._cluster:
+        if not self.cluster:
             return ""
         node = self.client.get_node_from_key(key)  # type: ignore[attr-defined]
         return str(node.name)
@@ -989,7 +1013,7 @@ class LeaseStore:
             self._renew_conns, self._renew_pid = {}, pid
         conn = self._renew_conns.get(node)
         if conn is None:
-            if self._cluster:
+            if self.cluster:
                 cluster_node = self.client.get_node(node_name=node)  # type: ignore[attr-defined]
                 pool = self.client.get_redis_connection(cluster_node).connection_pool  # type: ignore[attr-defined]
             else:
@@ -1003,8 +1027,8 @@ class LeaseStore:
 
     def _send(self, conn: Any, sha: str, calls: Sequence[tuple[list[str], list[Any]]]) -> None:
         commands: list[tuple[Any, ...]] = [("EVALSHA", sha, len(k), *k, *a) for k, a in calls]
-        if self._wait_replicas:
-            commands.append(self._wait_replicas)
+        if self.wait_replicas:
+            commands.append(self.wait_replicas)
         conn.send_packed_command(conn.pack_commands(commands))
 
     def _read(
@@ -1017,8 +1041,8 @@ class LeaseStore:
     ) -> list[Any]:
         """The replies to what :meth:`_send` sent ``conn``, each by ``end`` (monotonic)."""
         replies = [self._read_one(conn, end) for _ in calls]
-        if self._wait_replicas:
-            self._check_replicated(self._read_one(conn, end), "renewal")
+        if self.wait_replicas:
+            self.check_replicated(self._read_one(conn, end), "renewal")
         if any(isinstance(r, NoScriptError) for r in replies):
             # Redis restarted or SCRIPT FLUSH ran: load it and send again, same deadline
             conn.send_command("SCRIPT", "LOAD", source)
@@ -1040,14 +1064,15 @@ class LeaseStore:
         except NoScriptError as exc:
             return exc  # the other replies must still be read off the connection
 
-    def _check_replicated(self, acked: Any, what: str) -> None:
+    def check_replicated(self, acked: Any, what: str) -> None:
+        """Raise ReplicaShortfall when WAIT's ``acked`` is below min_replicas."""
         want = self.settings.min_replicas
         if int(acked) < want:
             msg = (
                 f"the {what} reached {acked} of the {want} replicas min_replicas asks for "
                 f"within {self.settings.min_replicas_timeout}s"
             )
-            raise _ReplicaShortfall(msg)
+            raise ReplicaShortfall(msg)
 
     # --- release --------------------------------------------------------------------------
     def release(self, held: Sequence[Held]) -> list[bool]:
@@ -1088,7 +1113,7 @@ class LeaseStore:
         client = self.client
 
         def send() -> list[bool]:
-            return [x == 1 for x in self._release(keys, args, client=client)]
+            return [x == ReleaseReply.RELEASED for x in self._release(keys, args, client=client)]
 
         def after_lost() -> list[bool]:
             # idempotent (token-checked): sent again; its "not ours" for a lease the lost run
@@ -1099,7 +1124,7 @@ class LeaseStore:
         try:
             return call_once(send, after_lost)
         except RedisError as exc:
-            raise self._backend_error("release", exc) from exc
+            raise self.backend_error("release", exc) from exc
         finally:
             self.released(owner, entries)
 
@@ -1107,7 +1132,7 @@ class LeaseStore:
         self, owner: str, group: int, entries: Sequence[Entry]
     ) -> tuple[list[str], list[Any]]:
         """The keys and arguments of one release.lua call (no Redis call)."""
-        keys = [self._registry_key(owner, group)]
+        keys = [self.registry_key(owner, group)]
         args: list[Any] = [owner]
         for e in entries:
             rk = self.resource_keys(e.resource)
@@ -1178,7 +1203,7 @@ class LeaseStore:
             with self._backend("forget an owner"):
                 self._forget_owner(
                     [self.keys.owners, self.keys.node(node), self.keys.nodes],
-                    [owner, owner.rsplit("/", 2)[0], "1" if dead else "0"],
+                    [owner, escaped_node_of_owner(owner), "1" if dead else "0"],
                     client=self.client,
                 )
         return report
@@ -1193,8 +1218,7 @@ class LeaseStore:
             owners = sorted(str(o) for o in self.client.smembers(self.keys.node(node)))
         report = CleanupReport()
         for owner in owners:
-            incarnation = owner.rsplit("/", 2)[1]
-            if incarnation == keep_incarnation:
+            if split_owner(owner).incarnation == keep_incarnation:
                 continue
             report.merge(self.cleanup_owner_isolated(owner, dead=True))
         return report
@@ -1244,7 +1268,7 @@ class LeaseStore:
         in one round trip, and its length is taken off the difference, so the offset is never
         larger than the true one: a lease is then spared rather than wrongly freed.
         """
-        if not self._cluster:
+        if not self.cluster:
             return math.floor(self.redis_time() * 1_000_000), None
         groups = range(self.settings.slot_groups)
 
@@ -1254,7 +1278,7 @@ class LeaseStore:
 
         with self._backend("read the cluster's clocks"):
             start = time.monotonic()
-            replies = self._pipeline(self.client, queue, _NOW_SCRIPT)
+            replies = self._pipeline(self.client, queue, NOW_SCRIPT)
             spread_us = math.ceil((time.monotonic() - start) * 1_000_000)
         clocks = [int(sec) * 1_000_000 + int(usec) for sec, usec in replies]
         return clocks[0], [0] + [clock - clocks[0] - spread_us for clock in clocks[1:]]
@@ -1359,7 +1383,7 @@ class LeaseStore:
             build(pipe)
             pipe.execute_command("EVALSHA", self._now_sha, 1, key)
 
-        replies = self._pipeline(self.client, queue, _NOW_SCRIPT)
+        replies = self._pipeline(self.client, queue, NOW_SCRIPT)
         sec, usec = replies.pop()
         return replies, int(sec) * 1000 + int(usec) // 1000
 
@@ -1456,11 +1480,11 @@ class LeaseStore:
             (value, pttl, shared), now_ms = self._with_now(build, skey)
         out: list[Holder] = []
         if value is not None:
-            token, _, owner = str(value).partition(" ")
+            token, owner = holder_parts(value)
             out.append(Holder(resource, "x", int(token), owner, max(int(pttl), 0) / 1000))
         for member, score in shared:
             if score > now_ms:
-                token, _, owner = str(member).partition(" ")
+                token, owner = holder_parts(member)
                 out.append(Holder(resource, "s", int(token), owner, (score - now_ms) / 1000))
         return out
 
@@ -1509,7 +1533,8 @@ class LeaseStore:
         client = self.client  # first: it registers the scripts in this process
 
         def send() -> bool:
-            return bool(int(self._commit_receipt(keys, args, client=client)))
+            reply = self._commit_receipt(keys, args, client=client)
+            return int(reply) == CommitReceiptReply.STORED
 
         with self._backend("store a receipt"):
             # idempotent: the same receipt, stored again while the holder still holds
@@ -1563,7 +1588,8 @@ class LeaseStore:
                 lambda: (self._beat_claim(keys, args, client=client), False),
                 lambda: (self._beat_claim(keys, args, client=client), True),
             )
-        won, run, now, winner = bool(int(reply[0])), int(reply[1]), int(reply[2]), str(reply[3])
+        won = int(reply[0]) == BeatClaimReply.WON
+        run, now, winner = int(reply[1]), int(reply[2]), str(reply[3])
         if lost:
             won = own_beat_win(won, run, winner, replica, self._beat_won.get(keys[0]))
         if won:
@@ -1604,8 +1630,8 @@ class LeaseStore:
                 lambda: (self._unique_claim(keys, args, client=client), True),
             )
         code = int(reply[0])
-        if code in (_CLAIMED, _CLAIMED_AGAIN):
-            again = code == _CLAIMED_AGAIN and not lost
+        if code in (UniqueClaimReply.CLAIMED, UniqueClaimReply.CLAIMED_AGAIN):
+            again = code == UniqueClaimReply.CLAIMED_AGAIN and not lost
             return Claimed(key, task_id, int(reply[1]), again=again)
         return self._claim_holder(key, resource, str(reply[1]), int(reply[2]))
 
@@ -1639,7 +1665,7 @@ class LeaseStore:
         registry_s = self._registry_expiry(owner, group, ttl, now)
         keys = [
             self.keys.lifetime(group),
-            self._registry_key(owner, group),
+            self.registry_key(owner, group),
             rk.exclusive,
             rk.counter,
             self.keys.unique_queued(group),
@@ -1668,9 +1694,9 @@ class LeaseStore:
                         keys, args, client, owner, group, resource, task_id, until
                     )
             code = int(reply[0])
-            if code == _GRACE:
+            if code == UniqueHandoverReply.GRACE:
                 return ClaimHolder(key, "grace", None, 0, None, int(reply[1]) / 1000)
-            if code == _BUSY:
+            if code == UniqueHandoverReply.BUSY:
                 return self._claim_holder(key, resource, str(reply[1]), int(reply[2]))
             if registry_s:
                 self._registry_until[(owner, group)] = now + registry_s
@@ -1717,7 +1743,7 @@ class LeaseStore:
             self.log_unrecovered([resource], RedisConnectionError("lost reply"), failed)
             raise
         if tokens is not None:
-            return [1, tokens[0]]
+            return [UniqueHandoverReply.TAKEN, tokens[0]]
         reply = self._handover_call(keys, args, client)
         if reply is None:
             self.log_unrecovered(
@@ -1760,7 +1786,7 @@ class LeaseStore:
                         return outcome
                     pause = deadline - now
                     if outcome.expires_in is not None:
-                        pause = min(pause, outcome.expires_in + _EXPIRY_SLACK)
+                        pause = min(pause, outcome.expires_in + EXPIRY_SLACK)
                     pubsub.get_message(timeout=pause)
             finally:
                 if healthy:
@@ -1793,7 +1819,7 @@ class LeaseStore:
         rk = self.resource_keys(held.resource)
         keys = [
             rk.exclusive,
-            self._registry_key(held.owner, rk.group),
+            self.registry_key(held.owner, rk.group),
             self.keys.unique_queued(rk.group),
         ]
         args: list[Any] = [
@@ -1806,7 +1832,8 @@ class LeaseStore:
         client = self.client
 
         def send() -> bool:
-            return bool(int(self._unique_requeue(keys, args, client=client)))
+            reply = self._unique_requeue(keys, args, client=client)
+            return int(reply) == UniqueRequeueReply.QUEUED
 
         def after_lost() -> bool:
             # read-back: sent again, it would find the claim queued and say "not ours"
@@ -1837,7 +1864,8 @@ class LeaseStore:
         client = self.client
 
         def send() -> bool:
-            return bool(int(self._unique_unclaim(keys, args, client=client)))
+            reply = self._unique_unclaim(keys, args, client=client)
+            return int(reply) == UniqueUnclaimReply.RELEASED
 
         with self._backend("release a queued unique claim"):
             # idempotent (token-checked): sent again, it gives back what is still there
@@ -1881,7 +1909,7 @@ class LeaseStore:
                     value, pttl = replies[2 * i], int(replies[2 * i + 1])
                     if value is None or not resource.startswith(UNIQUE_PREFIX):
                         continue
-                    token, _, who = str(value).partition(" ")
+                    token, who = holder_parts(value)
                     if not who.startswith(QUEUED_OWNER) or not token.isdigit():
                         continue
                     out.append(
@@ -1899,7 +1927,7 @@ class LeaseStore:
     def _claim_holder(self, key: str, resource: str, value: str, pttl: int) -> ClaimHolder:
         """A claim key's value, read: queued (the task id is in it) or running (read the
         task id from the holder's registry entry)."""
-        text, _, who = value.partition(" ")
+        text, who = holder_parts(value)
         token = int(text) if text.isdigit() else 0
         expires_in = None if pttl < 0 else pttl / 1000
         if who.startswith(QUEUED_OWNER):
@@ -1933,7 +1961,7 @@ class LeaseStore:
         """
         group = self.resource_keys(resource).group
         with self._backend("read an owner registry"):
-            members = self.client.smembers(self._registry_key(owner, group))
+            members = self.client.smembers(self.registry_key(owner, group))
         return task_in_registry(members, resource, token)
 
 
@@ -1942,7 +1970,7 @@ def split_holder(value: object) -> tuple[str, int] | str | None:
     claim, or None (no holder, or a value this release cannot read)."""
     if value is None:
         return None
-    token, _, owner = str(value).partition(" ")
+    token, owner = holder_parts(value)
     if owner.startswith(QUEUED_OWNER):
         return unescape(owner.removeprefix(QUEUED_OWNER)) or None
     if not token.isdigit() or not owner:
@@ -1987,7 +2015,7 @@ def entry_text(mode: str, token: int | str, task_id: str | None, resource: str) 
     return f"{mode} {token} {escape(task_id) if task_id else '-'} {resource}"
 
 
-def _own_grants(
+def own_grants(
     owner: str, resources: Sequence[str], replies: Sequence[Any], now_ms: int
 ) -> tuple[dict[str, list[tuple[str, int]]], dict[tuple[str, str, int], Entry]]:
     """``owner``'s grants in what :meth:`LeaseStore.recover_grant` read back.
@@ -2024,9 +2052,6 @@ def _parse_entry(member: str) -> Entry | None:
 
 
 # --- unique claims ---------------------------------------------------------------------------
-#: unique_claim.lua reply codes (0 is _BUSY, as for acquire.lua)
-_CLAIMED: Final = 1
-_CLAIMED_AGAIN: Final = 2
 #: the owner part of a queued claim's value: "%queued/<escaped task id>". No owner id starts
 #: so: an owner id starts with an escaped node name, where "%" is always followed by hex.
 QUEUED_OWNER: Final = "%queued/"

@@ -19,7 +19,7 @@ from kombu.utils.uuid import uuid
 
 from . import signals
 from ._heartbeat import heartbeat
-from ._lease import Held, Lease
+from ._lease import Held, Lease, held_of
 from ._store import ClaimHolder
 from .config import OnDuplicate
 from .exceptions import DuplicateTask, LeaseBackendError, LeaseConfigError
@@ -97,6 +97,8 @@ def install(ext: Leases) -> None:
     signal cannot refuse a publish: an exception raised by a receiver is logged and the
     message is sent anyway (celery 5.7, ``Signal.send``). Idempotent.
     """
+    from .app import find_leases  # app.py imports this module: imported here, not at the top
+
     app = ext.app
     current = app.send_task
     if getattr(current, "_celery_leases_unique", False):
@@ -118,7 +120,7 @@ def install(ext: Leases) -> None:
         if task is None:
             return _send(current, name, args, kwargs, countdown, eta, task_id, rest, options)
         return _publish_unique(
-            _extension(app, ext),
+            find_leases(app) or ext,
             current,
             task,
             per_call,
@@ -137,13 +139,6 @@ def install(ext: Leases) -> None:
     celery_signals.task_revoked.connect(
         on_task_revoked, weak=False, dispatch_uid="celery_leases.unique.task_revoked"
     )
-
-
-def _extension(app: Celery, default: Leases) -> Leases:
-    from .app import Leases
-
-    ext = getattr(app, "leases", None)
-    return ext if isinstance(ext, Leases) else default
 
 
 def _registered(app: Celery, name: str) -> Any:
@@ -278,15 +273,13 @@ def _publish_unique(
 
 def _requeue(ext: Leases, task_id: str, running: _Running, queue_ttl: float) -> bool:
     """Put this process's claim for ``task_id`` back in the queued state (a retry)."""
-    held = running.lease._held
+    held = held_of(running.lease)
     # Stop renewing it first, and mark it released so the task's finalizer leaves it alone.
     # Timeline: t0 the requeue rewrites the claim; t1 a renewal of the running claim finds
     # it gone and would report it lost, interrupting the body that is publishing its retry.
     heartbeat().discard(held)
-    with held._guard:
-        if held.released:
-            return False
-        held.released = True
+    if not held.mark_released():
+        return False
     with _running_lock:
         if _running.get(task_id) is running:
             del _running[task_id]
@@ -425,10 +418,12 @@ def on_task_revoked(
         task_id = getattr(request, "id", None)
         if not isinstance(task_id, str):
             return
-        ext = getattr(getattr(sender, "app", None), "leases", None)
-        store = getattr(ext, "store", None)
-        if store is None:
+        from .app import find_leases  # app.py imports this module: imported here, not at the top
+
+        ext = find_leases(getattr(sender, "app", None))
+        if ext is None:
             return
+        store = ext.store
         key = _header(request, UNIQUE_HEADER)
         if not isinstance(key, str) or not key:
             key = task._unique_key(getattr(request, "args", ()), getattr(request, "kwargs", {}))

@@ -37,7 +37,7 @@ from ._aheartbeat import loop_heartbeat
 from ._astore import AsyncLeaseStore
 from ._heartbeat import heartbeat
 from ._identity import Identity, current_identity
-from ._lease import Held, Lease, LeaseArgumentError, Shared, Want, want_of
+from ._lease import Held, Lease, LeaseArgumentError, Shared, Want, held_of, want_of
 from ._store import LeaseStore, safe_url
 from ._unique import install as install_unique
 from .config import AppSettings, LeaseSettings, set_settings
@@ -69,8 +69,8 @@ class Leases:
     """
 
     def __init__(self, app: Celery, **settings: Any) -> None:
-        existing = app.__dict__.get("leases")
-        if isinstance(existing, Leases):
+        existing = find_leases(app)
+        if existing is not None:
             msg = (
                 f"app {app.main!r} already has Leases(app) ({existing!r}); create it once, next "
                 "to the app, and import that one (app.leases is it). A second one would take "
@@ -287,7 +287,7 @@ class Leases:
         if not todo:
             return lost
         try:
-            freed = self.store.release([lease._held for lease in todo])
+            freed = self.store.release([held_of(lease) for lease in todo])
         except LeaseBackendError as exc:
             logger.error("leases: could not release %d lease(s): %s", len(todo), exc)
             return lost
@@ -445,11 +445,43 @@ class Leases:
         if not todo:
             return lost
         try:
-            freed = await self.astore.release([lease._held for lease in todo])
+            freed = await self.astore.release([held_of(lease) for lease in todo])
         except LeaseBackendError as exc:
             logger.error("leases: could not release %d lease(s): %s", len(todo), exc)
             return lost
         return _released(todo, freed, lost)
+
+
+def find_leases(app: object) -> Leases | None:
+    """The ``Leases`` made for ``app`` (``app.leases``), or None when none was made.
+
+    The one place that reads ``app.leases``: the task, worker, beat, CLI and unique-claim code
+    all find the extension through here. Each caller decides what a missing one means (the
+    worker disables its bootstep, a task or the CLI makes one from the app's settings).
+
+    Args:
+        app: a Celery app, or anything (a non-app or an app without Leases gives None).
+
+    Returns:
+        The app's ``Leases``, or None.
+    """
+    ext = getattr(app, "leases", None)
+    return ext if isinstance(ext, Leases) else None
+
+
+def checked_settings(ext: Leases, *, full: bool = False) -> LeaseSettings:
+    """``ext``'s settings, refusing a ``leases_*`` key changed since their first use.
+
+    Args:
+        ext: the app's Leases.
+        full: compare every key (a worker or beat start), not only the cheap ones.
+    """
+    return ext._check_settings(full=full)
+
+
+def ttl_of(ext: Leases, ttl: float | None) -> float:
+    """``ttl`` checked (0.05 s to a day), or ``ext``'s default ttl when None."""
+    return ext._ttl(ttl)
 
 
 def _check_wait(wait: object) -> None:
@@ -534,13 +566,11 @@ def _to_release(
     todo: list[Lease] = []
     lost: list[Lease] = []
     for lease in leases:
-        held = lease._held
+        held = held_of(lease)
         discard(held)
         was_lost = held.is_lost(time.monotonic())
-        with held._guard:
-            if held.released:
-                continue
-            held.released = True
+        if not held.mark_released():
+            continue
         if was_lost:
             lost.append(lease)
         todo.append(lease)
@@ -551,7 +581,7 @@ def _released(todo: list[Lease], freed: Sequence[bool], lost: list[Lease]) -> li
     """Log and signal the release of ``todo``; returns ``lost`` and those found not held."""
     now = time.monotonic()
     for lease, ok in zip(todo, freed, strict=True):
-        held = lease._held
+        held = held_of(lease)
         if not ok and lease not in lost:
             lost.append(lease)
         logger.info("leases: released %s", held.resource)
@@ -577,4 +607,4 @@ def _raise_first_lost(lost: Sequence[Lease]) -> None:
     """Leaving a ``hold`` block: say that a lease was lost inside it (the first one)."""
     if lost:
         first = lost[0]
-        raise LeaseLost(first.resource, held_for=time.monotonic() - first._held.acquired_at)
+        raise LeaseLost(first.resource, held_for=time.monotonic() - held_of(first).acquired_at)

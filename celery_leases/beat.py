@@ -122,11 +122,10 @@ class LeasedSchedulerMixin:
         """The Leases of the app (``Leases(app)`` is made here if the app has none)."""
         ext = self._leases_ext
         if ext is None:
-            from .app import Leases
+            from .app import Leases, checked_settings, find_leases
 
-            found = getattr(self.app, "leases", None)
-            ext = found if isinstance(found, Leases) else Leases(self.app)
-            ext._check_settings(full=True)  # beat start: refuse a key changed since first use
+            ext = find_leases(self.app) or Leases(self.app)
+            checked_settings(ext, full=True)  # beat start: refuse a key changed since first use
             self._leases_ext = ext
             _name_beat_process(ext)
         return ext

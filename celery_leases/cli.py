@@ -78,10 +78,10 @@ from celery.bin.base import CeleryCommand, CLIContext
 from celery.utils.log import get_logger
 
 from ._identity import default_node, set_node
-from ._keys import node_of_owner, unescape
+from ._keys import node_of_owner, split_owner, unescape
 from ._render import printable, table
 from ._store import AUDIT_KEEP, QUEUED_OWNER, Entry, Holder, LeaseStore
-from .app import Leases
+from .app import Leases, find_leases
 from .exceptions import LeaseBackendError, LeaseConfigError, LeaseError
 from .worker import RECONCILE_RESOURCE, run_reconcile
 
@@ -154,10 +154,7 @@ def _app(ctx: click.Context) -> Celery:
 def _ext(ctx: click.Context) -> Leases:
     """The app's ``Leases`` (made by the app module), or one made now from its settings."""
     app = _app(ctx)
-    ext = getattr(app, "leases", None)
-    if isinstance(ext, Leases):
-        return ext
-    return Leases(app)
+    return find_leases(app) or Leases(app)
 
 
 def _echo_json(value: object) -> None:
@@ -618,7 +615,7 @@ def owners(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         out = []
         for owner in listed:
-            _, incarnation, pid = owner.rsplit("/", 2)
+            _, incarnation, pid = split_owner(owner)
             liveness = census.liveness[owner]
             out.append(
                 {

@@ -116,7 +116,7 @@ def _hset_args(mapping: Mapping[FieldT, EncodableT]) -> list[EncodableT]:
 
 def _outcome(name: str, token: int, reply: object, *, raise_stale: bool) -> bool:
     applied, seen = cast("tuple[int, bytes | str]", reply)  # the script's {code, token}
-    if int(applied) == 1:
+    if int(applied) == _scripts.FencedWriteReply.APPLIED:
         return True
     if raise_stale:
         raise StaleFence(name, token, int(seen))

@@ -30,6 +30,7 @@ from celery.utils.log import get_logger
 
 from . import signals
 from ._heartbeat import renew_observers
+from ._keys import pid_of_owner
 from .worker import cleanup_observers
 
 if TYPE_CHECKING:
@@ -338,9 +339,9 @@ def _mark_dead(owners: list[str]) -> None:
     from prometheus_client import multiprocess
 
     for owner in owners:
-        pid = owner.rsplit("/", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid():
+        pid = pid_of_owner(owner)
+        if pid is not None and pid != os.getpid():
             try:
-                multiprocess.mark_process_dead(int(pid), path)  # type: ignore[no-untyped-call]
+                multiprocess.mark_process_dead(pid, path)  # type: ignore[no-untyped-call]
             except OSError as exc:
                 logger.warning("leases: metrics could not drop the files of pid %s: %s", pid, exc)

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery.utils.log import get_logger
 
-from ._lease import Want
+from ._lease import Want, held_of
 from .exceptions import LeaseBusy, LeaseConfigError, LeaseLost
 
 if TYPE_CHECKING:
@@ -150,10 +150,11 @@ def once(
                 return _decode(name, text)
             logger.info("leases: once(%s) initialising", name)
             value = fn()
-            encoded = _encode(name, value, lease._held.owner, lease.token)
+            held = held_of(lease)
+            encoded = _encode(name, value, held.owner, lease.token)
             lease.check()
-            if not ext.store.commit_receipt(name, lease._held, encoded, receipt_ttl):
-                raise LeaseLost(lease.resource, held_for=time.monotonic() - lease._held.acquired_at)
+            if not ext.store.commit_receipt(name, held, encoded, receipt_ttl):
+                raise LeaseLost(lease.resource, held_for=time.monotonic() - held.acquired_at)
             logger.info("leases: once(%s) stored its receipt", name)
             return _decode(name, encoded)
         finally:
@@ -214,10 +215,11 @@ async def aonce(
                 return _decode(name, text)
             logger.info("leases: once(%s) initialising", name)
             value = await _call(fn)
-            encoded = _encode(name, value, lease._held.owner, lease.token)
+            held = held_of(lease)
+            encoded = _encode(name, value, held.owner, lease.token)
             lease.check()
-            if not await astore.commit_receipt(name, lease._held, encoded, receipt_ttl):
-                raise LeaseLost(lease.resource, held_for=time.monotonic() - lease._held.acquired_at)
+            if not await astore.commit_receipt(name, held, encoded, receipt_ttl):
+                raise LeaseLost(lease.resource, held_for=time.monotonic() - held.acquired_at)
             logger.info("leases: once(%s) stored its receipt", name)
             return _decode(name, encoded)
         finally:

@@ -91,7 +91,7 @@ from celery.utils.log import get_logger
 
 from ._lease import Held, Lease, Shared, Want, check_user_name
 from ._unique import release_claim, take_claim
-from .app import Leases
+from .app import Leases, find_leases, ttl_of
 from .config import LeaseSettings, OnBackendError, OnBusy, OnDuplicate, OnLost, get_settings
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseError, LeaseLost
 
@@ -450,12 +450,12 @@ class LeasedTask(Task[Any, Any]):
         return template.render(self.name, self._bound_values(args, kwargs)).resource
 
     def _extension(self) -> Leases:
-        ext = getattr(self.app, "leases", None)
-        if isinstance(ext, Leases):
+        ext = find_leases(self.app)
+        if ext is not None:
             return ext
         with _extension_lock:  # two threads' first tasks: one Leases(app), the second is an error
-            ext = getattr(self.app, "leases", None)
-            if isinstance(ext, Leases):
+            ext = find_leases(self.app)
+            if ext is not None:
                 return ext
             return self._make_extension()
 
@@ -485,7 +485,7 @@ class LeasedTask(Task[Any, Any]):
             return self._call_leased(ext, wants, task_id, interrupter, args, kwargs)
         try:
             claim = take_claim(
-                ext, self, task_id, request, args, kwargs, ext._ttl(self.lease_ttl), interrupter
+                ext, self, task_id, request, args, kwargs, ttl_of(ext, self.lease_ttl), interrupter
             )
         except LeaseBackendError as exc:
             self._backend_failed(exc)

@@ -26,6 +26,7 @@ from celery.utils.log import get_logger
 from celery.worker import state as worker_state
 
 from ._identity import set_node
+from ._keys import split_owner
 from ._lease import Want
 from ._store import CleanupReport, safe_url
 from ._text import printable
@@ -210,7 +211,9 @@ class LeaseBootstep(bootsteps.StartStopStep):
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
-        ext = getattr(worker.app, "leases", None)
+        from .app import find_leases  # app.py imports this module: imported here, not at the top
+
+        ext = find_leases(worker.app)
         self.enabled = ext is not None
         self.ext: Leases | None = ext
         self.pid = os.getpid()
@@ -239,8 +242,10 @@ class LeaseBootstep(bootsteps.StartStopStep):
         if ext is None:
             return
         _active = self
+        from .app import checked_settings  # app.py imports this module: not at the top
+
         # a leases_* key changed since the settings' first use is refused here, at start
-        ext._check_settings(full=True)
+        checked_settings(ext, full=True)
         _note_redis_url(ext)
         ident = ext.identity()
         report = _startup_cleanup(ext, ident.node, ident.incarnation)
@@ -319,7 +324,7 @@ class LeaseBootstep(bootsteps.StartStopStep):
                 logger.error("leases: %s could not list owners: %s", what, exc)
                 return report
             for owner in owners:
-                _, incarnation, pid = owner.rsplit("/", 2)
+                _, incarnation, pid = split_owner(owner)
                 if incarnation == ident.incarnation and pid.isdigit() and select(int(pid)):
                     report.merge(
                         ext.store.cleanup_owner_isolated(

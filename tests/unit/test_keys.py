@@ -12,10 +12,15 @@ from hypothesis import strategies as st
 
 from celery_leases._keys import (
     Keyspace,
+    OwnerParts,
     escape,
+    escaped_node_of_owner,
     fenced_keys,
+    holder_parts,
     node_of_owner,
     owner_id,
+    pid_of_owner,
+    split_owner,
     unescape,
 )
 from tests.cluster import hash_tag
@@ -190,6 +195,18 @@ def test_node_survives_the_owner_id(node):
     owner = owner_id(node, "abc123", 4242)
     assert node_of_owner(owner) == node
     assert " " not in owner  # owner ids are written space-separated in holder values
+    assert split_owner(owner) == OwnerParts(node, "abc123", "4242")
+    assert escaped_node_of_owner(owner) == escape(node)
+    assert pid_of_owner(owner) == 4242
+    assert holder_parts(f"17 {owner}") == ("17", owner)
+
+
+def test_owner_parse_edge_cases():
+    assert pid_of_owner("n/inc/notapid") is None
+    with pytest.raises(ValueError, match="unpack"):
+        split_owner("no-slashes")
+    assert holder_parts("17") == ("17", "")
+    assert holder_parts("x y z") == ("x", "y z")
 
 
 @given(prefix=names.filter(bool), name=names.filter(bool))

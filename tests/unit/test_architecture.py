@@ -1,0 +1,130 @@
+"""docs/architecture.md cannot rot: every name it gives exists, and the layers it states hold."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "celery_leases"
+PAGE = ROOT / "docs" / "architecture.md"
+
+#: ``file.py::Name`` or ``file.py::Class.method`` in backticks
+REFERENCE = re.compile(r"`([\w/]+\.py)::([\w.]+)`")
+#: ``lua/name.lua`` in backticks
+SCRIPT = re.compile(r"`(lua/\w+\.lua)`")
+
+#: the layers of the page's table: a module may import its own layer and those above it
+LAYERS: dict[str, int] = {
+    **dict.fromkeys(("exceptions", "signals", "_text", "_connect"), 0),
+    **dict.fromkeys(("config", "_keys", "_lease", "_identity", "_render"), 1),
+    "_scripts": 2,
+    **dict.fromkeys(("_store", "_astore", "_lostreply", "_lifetime"), 3),
+    **dict.fromkeys(("_heartbeat", "_aheartbeat"), 4),
+    **dict.fromkeys(
+        (
+            "app",
+            "task",
+            "worker",
+            "beat",
+            "once",
+            "cli",
+            "_unique",
+            "fence",
+            "metrics",
+            "pytest_plugin",
+            "__init__",
+        ),
+        5,
+    ),
+    # test-server helpers, on their way out of the package: they import only each other
+    **dict.fromkeys(("_redis_server", "_redis_topology"), 0),
+}
+
+
+def _defined(tree: ast.Module, dotted: str) -> bool:
+    """Whether ``dotted`` (``Name`` or ``Class.member``) is defined in ``tree``."""
+    body: list[ast.stmt] = tree.body
+    for part in dotted.split("."):
+        found: ast.stmt | None = None
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if node.name == part:
+                    found = node
+            elif isinstance(node, ast.Assign):
+                if any(isinstance(t, ast.Name) and t.id == part for t in node.targets):
+                    found = node
+            elif (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and node.target.id == part
+            ):
+                found = node
+        if found is None:
+            return False
+        body = found.body if isinstance(found, ast.ClassDef) else []
+    return True
+
+
+def test_the_page_names_something():
+    text = PAGE.read_text(encoding="utf-8")
+    assert len(REFERENCE.findall(text)) > 40
+    assert len(SCRIPT.findall(text)) > 8
+
+
+@pytest.mark.parametrize(
+    ("path", "name"), sorted(set(REFERENCE.findall(PAGE.read_text(encoding="utf-8"))))
+)
+def test_every_named_function_exists(path: str, name: str):
+    source = PACKAGE / path
+    assert source.is_file(), f"docs/architecture.md names {path}, which is not in the package"
+    tree = ast.parse(source.read_text(encoding="utf-8"))
+    assert _defined(tree, name), f"docs/architecture.md names {path}::{name}, which is gone"
+
+
+@pytest.mark.parametrize("script", sorted(set(SCRIPT.findall(PAGE.read_text(encoding="utf-8")))))
+def test_every_named_script_exists(script: str):
+    assert (PACKAGE / script).is_file(), f"docs/architecture.md names {script}, which is gone"
+
+
+def _runtime_imports(tree: ast.Module) -> set[str]:
+    """The package modules ``tree`` imports when it runs (``TYPE_CHECKING`` blocks skipped)."""
+    out: set[str] = set()
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+                continue
+            if isinstance(node, ast.ImportFrom):
+                if node.level == 1:
+                    if node.module:
+                        out.add(node.module.split(".")[0])
+                    else:
+                        out.update(a.name for a in node.names)
+                elif node.level == 0 and (node.module or "").startswith("celery_leases."):
+                    out.add((node.module or "").split(".")[1])
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.stmt):
+                    visit([child])
+
+    visit(tree.body)
+    return out
+
+
+def test_every_module_has_a_layer():
+    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    assert sorted(modules - LAYERS.keys()) == [], "add the new module to docs/architecture.md"
+
+
+def test_imports_go_up_the_layers_only():
+    wrong = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        mine = LAYERS.get(path.stem, 5)
+        for imported in sorted(_runtime_imports(ast.parse(path.read_text(encoding="utf-8")))):
+            if LAYERS.get(imported, 5) > mine:
+                wrong.append(f"{path.stem} (layer {mine}) imports {imported}")
+    assert wrong == []
