@@ -25,7 +25,7 @@ from redis.retry import Retry
 from celery_leases import LeaseBackendError, LeaseBusy, LeaseConfigError, Leases
 from celery_leases._connect import parse_target
 from celery_leases._lease import Want
-from celery_leases._redis_topology import LocalCluster, LocalSentinel
+from tests.support.topology import LocalCluster, LocalSentinel
 from tests.tls import Certs
 from tests.topologies import (
     CLUSTER_SLOT_GROUPS,
