@@ -33,8 +33,8 @@ from celery import Celery
 
 from celery_leases._redis_server import RedisServer
 from tests.faults.ledger import Counts, Ledger
-from tests.polling import wait_until
-from tests.workers import (
+from tests.support.polling import wait_until
+from tests.support.workers import (
     WorkerProc,
     amqp_url_or_skip,
     kill_whole_worker,

@@ -36,7 +36,7 @@ from celery_leases import (
     StaleFence,
 )
 from celery_leases._redis_server import free_port
-from tests.polling import wait_until
+from tests.support.polling import wait_until
 from tests.support.topology import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,8 +17,8 @@ import pytest
 from celery_leases import LeaseBackendError, Leases, Shared, _scripts
 from celery_leases._lease import Held, Want
 from celery_leases._store import Claimed, ClaimHolder, LeaseStore
-from tests.proxy import LossyProxy
-from tests.topologies import resources_in_distinct_groups
+from tests.support.proxy import LossyProxy
+from tests.support.topologies import resources_in_distinct_groups
 
 #: the socket timeout of the stores behind the proxy; a held-back reply comes later than it
 SOCKET_TIMEOUT = 0.5

@@ -18,8 +18,8 @@ import redis
 from celery import Celery
 
 from celery_leases import Leases
-from tests.polling import wait_until
-from tests.workers import (
+from tests.support.polling import wait_until
+from tests.support.workers import (
     WorkerProc,
     kill_whole_worker,
     pytest_runtest_makereport,

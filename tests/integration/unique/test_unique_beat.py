@@ -20,7 +20,7 @@ from celery import Celery
 
 from celery_leases import Leases
 from tests.integration.beat.conftest import BeatProc
-from tests.workers import WorkerProc
+from tests.support.workers import WorkerProc
 
 from .conftest import APP, RESULT_TIMEOUT, Ledger, wait_until
 

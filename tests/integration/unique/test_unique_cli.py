@@ -11,7 +11,7 @@ import pytest
 from celery import Celery
 
 from celery_leases import Leases
-from tests.workers import WorkerProc
+from tests.support.workers import WorkerProc
 
 from .conftest import APP, REPO, RESULT_TIMEOUT, Ledger, wait_until
 

@@ -19,7 +19,7 @@ from celery.result import AsyncResult
 
 from celery_leases import DuplicateTask, Leases
 from celery_leases._store import ClaimHolder
-from tests.workers import WorkerProc
+from tests.support.workers import WorkerProc
 
 from .conftest import RESULT_TIMEOUT, Ledger, kill_whole_worker, wait_until
 

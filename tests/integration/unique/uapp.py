@@ -20,7 +20,7 @@ from typing import Any
 from celery import Celery
 
 from celery_leases import LeasedTask, Leases
-from tests.perprocess import PerProcessClient
+from tests.support.perprocess import PerProcessClient
 
 BROKER = os.environ.get("LEASES_TEST_BROKER", "redis://127.0.0.1:6379/15")
 QUEUE = os.environ.get("LEASES_TEST_QUEUE", "leases-unique-tests")

@@ -19,8 +19,8 @@ import redis
 
 from celery_leases import Leases
 from celery_leases._redis_server import url_answers
-from tests.polling import wait_until
-from tests.workers import (
+from tests.support.polling import wait_until
+from tests.support.workers import (
     REPO,
     WorkerProc,
     amqp_url_or_skip,

@@ -25,7 +25,7 @@ from celery_leases import LeaseLost, Shared
 from celery_leases._keys import Keyspace, escape
 from celery_leases._store import Holder
 from celery_leases.worker import RECONCILE_RESOURCE
-from tests.reserved import hold_reserved
+from tests.support.reserved import hold_reserved
 
 from .conftest import APP, REPO, kill_whole_worker, wait_until
 

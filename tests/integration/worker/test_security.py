@@ -21,8 +21,8 @@ from celery_leases import LeaseBackendError, LeaseBusy, Leases, Shared
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
 from celery_leases._redis_server import RedisServer
-from tests.acl import USER, CommandLog, allowed_commands, create_documented_user
-from tests.tls import Certs, tls_url
+from tests.support.acl import USER, CommandLog, allowed_commands, create_documented_user
+from tests.support.tls import Certs, tls_url
 
 from .conftest import WorkerProc, wait_until
 from .test_cli import Cli, assert_one_line_error

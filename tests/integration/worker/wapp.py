@@ -16,7 +16,7 @@ from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 
 from celery_leases import LeasedTask, LeaseLost, Leases, Shared, current_leases
-from tests.perprocess import PerProcessClient
+from tests.support.perprocess import PerProcessClient
 
 BROKER = os.environ.get("LEASES_TEST_BROKER", "redis://127.0.0.1:6379/15")
 BACKEND = os.environ.get("LEASES_TEST_BACKEND", BROKER)
