@@ -43,8 +43,8 @@ from tests.support.workers import (
     write_logs_if_failed,
 )
 
-APP = "tests.faults.fapp"
-TASK = "tests.faults.fapp.work"
+APP = "tests.faults.faults_app"
+TASK = "tests.faults.faults_app.work"
 #: lease TTL of the fleet (seconds): short, so that faults past the TTL stay short
 TTL = 2.0
 #: seconds allowed for all tasks of a scenario to complete once the faults are over
@@ -236,7 +236,9 @@ class Fleet:
 
     def send(self, task: str, *args: Any) -> str:
         task_id = str(uuid.uuid4())
-        self.sender.send_task(f"tests.faults.fapp.{task}", args, queue=self.queue, task_id=task_id)
+        self.sender.send_task(
+            f"tests.faults.faults_app.{task}", args, queue=self.queue, task_id=task_id
+        )
         self.sent.append(task_id)
         return task_id
 

@@ -368,11 +368,11 @@ def test_a_failed_publish_gives_back_a_claim_whose_reply_was_lost(
 ):
     from kombu.exceptions import OperationalError
 
-    from tests.integration.unique import uapp
+    from tests.integration.unique import unique_app
     from tests.integration.unique.test_unique_producer import socket_nobody_listens_on
 
     with socket_nobody_listens_on() as dead_port:
-        app = uapp.make_app(
+        app = unique_app.make_app(
             broker=f"redis://127.0.0.1:{dead_port}/0",
             queue=f"q-{leases_prefix}",
             backend=lossy_url,
@@ -386,7 +386,7 @@ def test_a_failed_publish_gives_back_a_claim_whose_reply_was_lost(
         try:
             lose(proxy, _scripts.UNIQUE_CLAIM, "cut")
             with pytest.raises(OperationalError):
-                app.tasks["uapp.raising"].apply_async(("k",), retry=False)
+                app.tasks["unique_app.raising"].apply_async(("k",), retry=False)
             assert not proxy.armed()
             assert ext.store.unique_holder("job:k") is None
         finally:

@@ -30,7 +30,7 @@ from tests.support.topologies import (
     resources_in_distinct_groups,
 )
 
-APP = "tests.integration.worker.wapp"
+APP = "tests.integration.worker.worker_app"
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ if os.environ.get("LEASES_TEST_CLOCK_OFFSET"):
     _clock_offset = float(os.environ["LEASES_TEST_CLOCK_OFFSET"])
     time.time = lambda: _real_time() + _clock_offset
 
-app = Celery("wapp", broker=BROKER, backend=BACKEND)
+app = Celery("worker_app", broker=BROKER, backend=BACKEND)
 app.conf.update(
     task_default_queue=QUEUE,
     broker_connection_retry_on_startup=True,
