@@ -25,7 +25,8 @@ from urllib.parse import urlsplit
 import redis
 import redis.connection
 
-from celery_leases._redis_server import RedisServer, ensure_server_binary
+from celery_leases._redis_server import RedisServer
+from tests.support.servers import ensure_server_binary
 
 __all__ = (
     "CommandStats",

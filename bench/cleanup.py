@@ -46,9 +46,10 @@ import redis
 
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
-from celery_leases._redis_server import RedisServer, ensure_server_binary
+from celery_leases._redis_server import RedisServer
 from celery_leases._store import LeaseStore
 from celery_leases.config import resolve_settings
+from tests.support.servers import ensure_server_binary
 
 from . import plot
 from ._common import (

@@ -57,9 +57,10 @@ from typing import Any, Final
 
 import redis
 
-from celery_leases._redis_server import RedisServer, ensure_server_binary
-from celery_leases._redis_topology import LocalCluster
+from celery_leases._redis_server import RedisServer
 from celery_leases.config import safe_url
+from tests.support.servers import ensure_server_binary
+from tests.support.topology import LocalCluster
 
 from . import plot
 from ._common import (

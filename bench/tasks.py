@@ -8,7 +8,7 @@ It is a benchmark, not a test: it prints tasks/s and the ratio leased/plain per 
 target (leased >= 0.9 x plain) PASS or MISS, and exits 0 either way.
 
 Each pool gets one real ``celery worker`` subprocess running the worker-test app
-(``tests.integration.worker.wapp``): ``plain(x)`` returns its argument; ``leased_tiny(rid)``
+(``tests.integration.worker.worker_app``): ``plain(x)`` returns its argument; ``leased_tiny(rid)``
 does the same under an exclusive lease on ``tiny:<rid>``, every rid distinct, so no task ever
 waits for another. Rounds interleave the two kinds on the same worker (plain, leased, then
 leased, plain, ...), so a slow spell of the machine hits both alike.
@@ -58,7 +58,7 @@ REPO: Final = Path(__file__).resolve().parents[1]
 RESULTS_DIR: Final = REPO / "bench" / "results"
 DOCS: Final = REPO / "docs" / "benchmarks.md"
 SECTION: Final = "## Task throughput"
-APP: Final = "tests.integration.worker.wapp"
+APP: Final = "tests.integration.worker.worker_app"
 TARGET: Final = 0.9  # leased >= 0.9 x plain
 POOLS: Final = {"solo": 1, "prefork": 2}
 START_TIMEOUT: Final = 60.0
@@ -94,19 +94,24 @@ def load_app(env: dict[str, str]) -> ModuleType:
     os.environ["CELERY_LEASES_REDIS_URL"] = env["CELERY_LEASES_REDIS_URL"]
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    import tests.integration.worker.wapp as wapp
+    import tests.integration.worker.worker_app as worker_app
 
-    return wapp
+    return worker_app
 
 
 def start_worker(
-    wapp: ModuleType, pool: str, concurrency: int, env: dict[str, str], run_id: str, log_dir: Path
+    worker_app: ModuleType,
+    pool: str,
+    concurrency: int,
+    env: dict[str, str],
+    run_id: str,
+    log_dir: Path,
 ) -> Worker:
     hostname = f"bench-{pool}-{run_id}@{socket.gethostname()}"
     log_path = log_dir / f"tasks-worker-{pool}-{run_id}.log"
     worker = spawn_worker(APP, pool, concurrency, hostname, log_path, env, REPO)
     deadline = time.monotonic() + START_TIMEOUT
-    while not wapp.app.control.ping(destination=[hostname], timeout=0.5):
+    while not worker_app.app.control.ping(destination=[hostname], timeout=0.5):
         if worker.proc.poll() is not None or time.monotonic() > deadline:
             worker.stop()
             raise SystemExit(f"worker {hostname} did not come up:\n{worker.log_tail()}")
@@ -124,7 +129,7 @@ def total_calls(admin: redis.Redis) -> tuple[int, int]:
 
 
 def run_round(
-    wapp: ModuleType, worker: Worker, kind: str, n: int, tag: str, admin: redis.Redis | None
+    worker_app: ModuleType, worker: Worker, kind: str, n: int, tag: str, admin: redis.Redis | None
 ) -> tuple[float, float, float]:
     """Publish ``n`` tasks to a fresh queue and let the worker drain it.
 
@@ -132,16 +137,18 @@ def run_round(
     Redis commands (those run by scripts included) and the EVALSHA calls that the whole round
     cost per task, publishing and collecting included.
     """
-    app = wapp.app
+    app = worker_app.app
     queue = f"bench-{tag}"
     results = []
     with app.producer_or_acquire() as producer:
         for i in range(n):
             if kind == "plain":
-                results.append(wapp.plain.apply_async((i,), queue=queue, producer=producer))
+                results.append(worker_app.plain.apply_async((i,), queue=queue, producer=producer))
             else:
                 rid = f"{tag}-{i}"
-                results.append(wapp.leased_tiny.apply_async((rid,), queue=queue, producer=producer))
+                results.append(
+                    worker_app.leased_tiny.apply_async((rid,), queue=queue, producer=producer)
+                )
     before = total_calls(admin) if admin is not None else (0, 0)
     replies = app.control.add_consumer(queue, destination=[worker.hostname], reply=True)
     if not replies:
@@ -198,7 +205,7 @@ class PoolResult:
 
 
 def bench_pool(
-    wapp: ModuleType,
+    worker_app: ModuleType,
     worker: Worker,
     rounds: int,
     n: int,
@@ -208,12 +215,12 @@ def bench_pool(
 ) -> PoolResult:
     out = PoolResult(worker.pool, worker.concurrency, [], [], [], [], [])
     for kind in ("plain", "leased"):  # warm-up: imports, script loading, heartbeat threads
-        run_round(wapp, worker, kind, warmup, f"{run_id}-{worker.pool}-warm-{kind}", admin)
+        run_round(worker_app, worker, kind, warmup, f"{run_id}-{worker.pool}-warm-{kind}", admin)
     for r in range(rounds):
         order = ("plain", "leased") if r % 2 == 0 else ("leased", "plain")
         for kind in order:
             tag = f"{run_id}-{worker.pool}-{r}-{kind}"
-            rate, calls, scripts = run_round(wapp, worker, kind, n, tag, admin)
+            rate, calls, scripts = run_round(worker_app, worker, kind, n, tag, admin)
             getattr(out, kind).append(rate)
             getattr(out, f"{kind}_calls").append(calls)
             if kind == "leased":
@@ -303,21 +310,21 @@ def _pair_ratios(r: PoolResult) -> list[float]:
 ABOUT: Final = (
     "`python -m bench.tasks` (`--quick` for a short run) measures what a lease costs a task. One "
     "real worker per pool (solo, prefork `-c 2`) runs `plain(x)` and `leased_tiny(rid)` from the "
-    "worker-test app `tests/integration/worker/wapp.py`: the same trivial body, the second under "
-    "an exclusive lease, every rid distinct so that no task waits for another. Rounds interleave "
-    "the two kinds on the same worker (plain, leased, then leased, plain, ...). A round (1,000 "
-    "tasks by default) publishes its tasks to a fresh queue first and then tells the worker to "
-    "consume it (remote control `add_consumer`), so the worker never waits for the publisher; "
-    "the rate is `(n - 1) / (last - first date_done)` of the stored results. Workers run with "
-    "`-l warning`, results stored. By default a private redis-server holds broker, backend and "
-    "leases, so `INFO commandstats` counts our commands only: the last column is the commands a "
-    "whole round cost per task (publish, consume, store and collect the result; for leased tasks "
-    "also acquire and release), the commands that Lua scripts run included, and in brackets the "
-    "EVALSHA calls per leased task. The value is the median of the rounds (5 by default); the "
-    "target is leased >= 0.9 x plain. Results also go to `bench/results/tasks.md`. A lease adds "
-    "two round trips to every task (the acquire and the release scripts): where one process does "
-    "all of a task's Redis work (solo) they weigh the most; under prefork the children run them "
-    "while the main process does the broker and result work."
+    "worker-test app `tests/integration/worker/worker_app.py`: the same trivial body, the second "
+    "under an exclusive lease, every rid distinct so that no task waits for another. Rounds "
+    "interleave the two kinds on the same worker (plain, leased, then leased, plain, ...). A "
+    "round (1,000 tasks by default) publishes its tasks to a fresh queue first and then tells the "
+    "worker to consume it (remote control `add_consumer`), so the worker never waits for the "
+    "publisher; the rate is `(n - 1) / (last - first date_done)` of the stored results. Workers "
+    "run with `-l warning`, results stored. By default a private redis-server holds broker, "
+    "backend and leases, so `INFO commandstats` counts our commands only: the last column is the "
+    "commands a whole round cost per task (publish, consume, store and collect the result; for "
+    "leased tasks also acquire and release), the commands that Lua scripts run included, and in "
+    "brackets the EVALSHA calls per leased task. The value is the median of the rounds (5 by "
+    "default); the target is leased >= 0.9 x plain. Results also go to `bench/results/tasks.md`. "
+    "A lease adds two round trips to every task (the acquire and the release scripts): where one "
+    "process does all of a task's Redis work (solo) they weigh the most; under prefork the "
+    "children run them while the main process does the broker and result work."
 )
 
 
@@ -376,20 +383,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         admin = redis.Redis.from_url(url)
         machine = machine_info(admin)
         env = worker_env(url, prefix, f"bench-{run_id}-idle")
-        wapp = load_app(env)
+        worker_app = load_app(env)
         try:
             for pool in pools:
-                worker = start_worker(wapp, pool, POOLS[pool], env, run_id, out_dir)
+                worker = start_worker(worker_app, pool, POOLS[pool], env, run_id, out_dir)
                 progress(f"{pool} worker up ({worker.hostname})")
                 try:
                     counter = admin if private else None
-                    results.append(bench_pool(wapp, worker, rounds, n, warmup, run_id, counter))
+                    results.append(
+                        bench_pool(worker_app, worker, rounds, n, warmup, run_id, counter)
+                    )
                 finally:
                     worker.stop()
                     worker.log_path.unlink(missing_ok=True)
         finally:
-            wapp.app.close()
-            wapp.leases.store.close()
+            worker_app.app.close()
+            worker_app.leases.store.close()
             if not private:  # leave nothing behind on somebody else's server
                 for pattern in (f"*{prefix}*", f"*bench-{run_id}*"):
                     for key in admin.scan_iter(match=pattern, count=1000):

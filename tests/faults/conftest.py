@@ -33,8 +33,8 @@ from celery import Celery
 
 from celery_leases._redis_server import RedisServer
 from tests.faults.ledger import Counts, Ledger
-from tests.polling import wait_until
-from tests.workers import (
+from tests.support.polling import wait_until
+from tests.support.workers import (
     WorkerProc,
     amqp_url_or_skip,
     kill_whole_worker,
@@ -43,8 +43,8 @@ from tests.workers import (
     write_logs_if_failed,
 )
 
-APP = "tests.faults.fapp"
-TASK = "tests.faults.fapp.work"
+APP = "tests.faults.faults_app"
+TASK = "tests.faults.faults_app.work"
 #: lease TTL of the fleet (seconds): short, so that faults past the TTL stay short
 TTL = 2.0
 #: seconds allowed for all tasks of a scenario to complete once the faults are over
@@ -236,7 +236,9 @@ class Fleet:
 
     def send(self, task: str, *args: Any) -> str:
         task_id = str(uuid.uuid4())
-        self.sender.send_task(f"tests.faults.fapp.{task}", args, queue=self.queue, task_id=task_id)
+        self.sender.send_task(
+            f"tests.faults.faults_app.{task}", args, queue=self.queue, task_id=task_id
+        )
         self.sent.append(task_id)
         return task_id
 

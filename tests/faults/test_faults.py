@@ -21,8 +21,8 @@ import pytest
 import redis
 
 from tests.faults.conftest import TTL, Fleet, ScenarioReport, hold_for
-from tests.polling import wait_until
-from tests.proxy import LossyProxy
+from tests.support.polling import wait_until
+from tests.support.proxy import LossyProxy
 
 pytestmark = [pytest.mark.faults, pytest.mark.worker]
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from celery_leases._redis_server import RedisServer
-from tests.tls import Certs, make_certs
+from tests.support.tls import Certs, make_certs
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,7 @@ import redis
 from celery import Celery
 
 from celery_leases import Leases
-from tests.perprocess import PerProcessClient
+from tests.support.perprocess import PerProcessClient
 
 BROKER = os.environ.get("ONCE_TEST_BROKER", "redis://127.0.0.1:6379/15")
 QUEUE = os.environ.get("ONCE_TEST_QUEUE", "leases-once-tests")

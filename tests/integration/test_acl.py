@@ -16,8 +16,8 @@ from redis.exceptions import NoPermissionError
 
 from celery_leases import LeaseBackendError, Leases
 from celery_leases._redis_server import RedisServer
-from tests.acl import USER, allowed_commands, create_documented_user
 from tests.integration.tour import TOUR_TTL, tour
+from tests.support.acl import USER, allowed_commands, create_documented_user
 
 
 @pytest.fixture

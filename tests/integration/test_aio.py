@@ -24,7 +24,7 @@ import redis
 from celery_leases import LeaseBusy, LeaseConfigError, LeaseLost, Leases, Shared
 from celery_leases._aheartbeat import loop_heartbeat
 from celery_leases._lease import Want
-from tests.lifetimes import mark_up
+from tests.support.lifetimes import mark_up
 
 pytestmark = pytest.mark.asyncio
 

@@ -21,7 +21,7 @@ from celery_leases._identity import Identity
 from celery_leases._lease import Want
 from celery_leases._store import LeaseStore
 from celery_leases.config import resolve_settings
-from tests.polling import wait_until
+from tests.support.polling import wait_until
 
 T = TypeVar("T")
 PREFIX = "cost"

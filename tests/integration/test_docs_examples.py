@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.docs_blocks import python_blocks
+from tests.support.docs_blocks import python_blocks
 
 # Appended to the page's conftest: each test's `app` is finalized before the test body declares
 # its tasks, as a project's app is once a worker or `app.tasks` touched it. With Celery's

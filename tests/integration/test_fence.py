@@ -36,8 +36,8 @@ from celery_leases import (
     StaleFence,
 )
 from celery_leases._redis_server import free_port
-from celery_leases._redis_topology import LocalCluster
-from tests.polling import wait_until
+from tests.support.polling import wait_until
+from tests.support.topology import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 MakeLeases = Callable[..., Leases]

@@ -16,7 +16,7 @@ import redis
 
 from celery_leases import LeaseLost
 from celery_leases.signals import lease_lost
-from tests.polling import wait_until
+from tests.support.polling import wait_until
 
 TTL = 1.0
 

@@ -17,8 +17,8 @@ import pytest
 from celery_leases import LeaseBackendError, Leases, Shared, _scripts
 from celery_leases._lease import Held, Want
 from celery_leases._store import Claimed, ClaimHolder, LeaseStore
-from tests.proxy import LossyProxy
-from tests.topologies import resources_in_distinct_groups
+from tests.support.proxy import LossyProxy
+from tests.support.topologies import resources_in_distinct_groups
 
 #: the socket timeout of the stores behind the proxy; a held-back reply comes later than it
 SOCKET_TIMEOUT = 0.5
@@ -368,11 +368,11 @@ def test_a_failed_publish_gives_back_a_claim_whose_reply_was_lost(
 ):
     from kombu.exceptions import OperationalError
 
-    from tests.integration.unique import uapp
+    from tests.integration.unique import unique_app
     from tests.integration.unique.test_unique_producer import socket_nobody_listens_on
 
     with socket_nobody_listens_on() as dead_port:
-        app = uapp.make_app(
+        app = unique_app.make_app(
             broker=f"redis://127.0.0.1:{dead_port}/0",
             queue=f"q-{leases_prefix}",
             backend=lossy_url,
@@ -386,7 +386,7 @@ def test_a_failed_publish_gives_back_a_claim_whose_reply_was_lost(
         try:
             lose(proxy, _scripts.UNIQUE_CLAIM, "cut")
             with pytest.raises(OperationalError):
-                app.tasks["uapp.raising"].apply_async(("k",), retry=False)
+                app.tasks["unique_app.raising"].apply_async(("k",), retry=False)
             assert not proxy.armed()
             assert ext.store.unique_holder("job:k") is None
         finally:

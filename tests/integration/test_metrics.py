@@ -15,7 +15,7 @@ from celery_leases._identity import Identity
 from celery_leases._lease import Want
 from celery_leases.metrics import LeaseMetrics, install
 from celery_leases.worker import LeaseBootstep, run_reconcile
-from tests.polling import wait_until
+from tests.support.polling import wait_until
 
 NS = "celery_leases"
 

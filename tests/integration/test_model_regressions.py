@@ -8,7 +8,7 @@ from collections.abc import Callable
 from celery_leases._identity import Identity
 from celery_leases._lease import Held, Want
 from celery_leases._store import Claimed, LeaseStore
-from tests.polling import wait_until
+from tests.support.polling import wait_until
 
 LIVENESS = 3.0  # the ttl setting
 A = Identity("worker-a@host", "inca", 101)

@@ -10,7 +10,7 @@ from celery_leases import LeaseBusy, LeaseConfigError, Leases, Shared
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
 from celery_leases._store import Busy
-from tests.cluster import hash_tag
+from tests.support.cluster import hash_tag
 
 NAMES = [
     "plain",

@@ -25,7 +25,7 @@ from celery import Celery
 
 from celery_leases import LeaseBusy, LeaseLost, Leases
 from tests.integration.worker.conftest import WorkerProc, wait_until
-from tests.reserved import hold_reserved
+from tests.support.reserved import hold_reserved
 
 REPO = Path(__file__).resolve().parents[2]
 HELPER = "tests.integration.once_helpers"

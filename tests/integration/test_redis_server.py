@@ -173,7 +173,7 @@ def test_bad_arguments_raise_with_the_log() -> None:
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "celery_leases._redis_server", *args],
+        [sys.executable, "-m", "tests.support.servers", *args],
         capture_output=True,
         text=True,
         timeout=60,

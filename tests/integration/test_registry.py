@@ -6,7 +6,7 @@ import pytest
 
 from celery_leases import LeaseBusy, Leases
 from celery_leases._lease import Want
-from tests.lifetimes import mark_up
+from tests.support.lifetimes import mark_up
 
 
 def test_registry_records_mode_token_task_and_resource(leases: Leases):

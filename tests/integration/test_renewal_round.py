@@ -15,7 +15,7 @@ from celery_leases._lease import Held, Want
 from celery_leases._redis_server import RedisServer
 from celery_leases._store import LeaseStore
 from celery_leases.config import resolve_settings
-from tests.polling import wait_until
+from tests.support.polling import wait_until
 
 OWNER = Identity("worker-a@host", "inca", 101)
 

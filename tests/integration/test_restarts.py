@@ -25,14 +25,14 @@ import redis
 from celery_leases import LeaseBusy, LeaseLost, Leases
 from celery_leases._lease import Held
 from celery_leases._redis_server import RedisServer
-from celery_leases._redis_topology import LocalCluster, LocalSentinel
 from celery_leases._store import Claimed, ClaimHolder
 from celery_leases.signals import lease_lost
-from tests import oldest_redis
-from tests.acl import USER, create_documented_user
 from tests.integration.test_lost import LostLog, confirmed_once, leave_lost, poll
-from tests.lifetimes import server_identity
-from tests.polling import wait_until
+from tests.support import oldest_redis
+from tests.support.acl import USER, create_documented_user
+from tests.support.lifetimes import server_identity
+from tests.support.polling import wait_until
+from tests.support.topology import LocalCluster, LocalSentinel
 
 #: long enough that the holder's first renewal after the restart (every ttl / 3) comes well
 #: after the restart itself, so that without the check the second grant would come first

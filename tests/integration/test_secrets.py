@@ -20,9 +20,9 @@ import redis
 
 from celery_leases import LeaseBackendError, LeaseBusy, LeaseLost, Leases
 from celery_leases._redis_server import RedisServer, free_port
-from tests.acl import USER, create_documented_user
-from tests.polling import wait_until
-from tests.tls import tls_url
+from tests.support.acl import USER, create_documented_user
+from tests.support.polling import wait_until
+from tests.support.tls import tls_url
 
 SECRET = "Mv4-canary-password"
 

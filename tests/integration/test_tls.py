@@ -1,6 +1,6 @@
 """celery_leases through ``rediss://`` to a TLS-only server that requires client certificates.
 
-Certificates are made at test time with the ``openssl`` command (tests/tls.py); the URLs are
+Certificates are made at test time with the ``openssl`` command (tests/support/tls.py); the URLs are
 the forms docs/security.md tells users to write.
 """
 
@@ -15,7 +15,7 @@ from celery_leases import LeaseBackendError, Leases
 from celery_leases._redis_server import RedisServer
 from celery_leases.config import resolve_settings
 from tests.integration.tour import TOUR_TTL, tour
-from tests.tls import Certs, tls_url
+from tests.support.tls import Certs, tls_url
 
 
 def test_the_engine_runs_through_mutual_tls(

@@ -11,8 +11,8 @@ from celery_leases._identity import Identity
 from celery_leases._lease import Held
 from celery_leases._store import Claimed, ClaimHolder, LeaseStore
 from celery_leases.exceptions import LeaseConfigError
-from tests.cluster import hash_tag
-from tests.polling import wait_until
+from tests.support.cluster import hash_tag
+from tests.support.polling import wait_until
 
 A = Identity("worker-a@host", "inca", 101)
 B = Identity("worker-b@host", "incb", 202)

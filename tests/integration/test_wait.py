@@ -18,7 +18,7 @@ import redis
 from celery_leases import LeaseBusy, Leases
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
-from tests.polling import wait_until
+from tests.support.polling import wait_until
 
 
 def poll(condition: Callable[[], Any], timeout: float, what: str) -> Any:

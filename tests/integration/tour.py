@@ -12,7 +12,7 @@ from celery_leases import LeaseBusy, Leases, Shared
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
 from celery_leases._store import Claimed, ClaimHolder
-from tests.polling import wait_until
+from tests.support.polling import wait_until
 
 #: the tour's leases ttl setting (seconds): short, so renewals and expiries come quickly
 TOUR_TTL = 1.5

@@ -23,7 +23,7 @@ from celery_leases._keys import (
     split_owner,
     unescape,
 )
-from tests.cluster import hash_tag
+from tests.support.cluster import hash_tag
 
 # no example database written into the work tree, and no per-example deadline on slow CI
 settings.register_profile("celery_leases_keys", database=None, deadline=None)

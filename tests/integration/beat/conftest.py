@@ -1,9 +1,9 @@
 """Real ``celery beat`` replicas for the beat integration tests.
 
-A :class:`BeatCluster` is a group of replicas of ``tests.integration.beat.bapp`` that share a key
-prefix and a queue on the test Redis; each replica has its own schedule file. No worker
+A :class:`BeatCluster` is a group of replicas of ``tests.integration.beat.beat_app`` that share a
+key prefix and a queue on the test Redis; each replica has its own schedule file. No worker
 consumes the queue, so every run the replicas send stays there as a message, stamped by the
-sending replica (see ``bapp``). A test reads them back with :meth:`BeatCluster.messages` and
+sending replica (see ``beat_app``). A test reads them back with :meth:`BeatCluster.messages` and
 reads what each replica decided from its log (:meth:`BeatProc.claims`, :meth:`BeatProc.skips`).
 Replicas are stopped with SIGTERM, then SIGKILL; their logs are printed when a test fails.
 """
@@ -28,7 +28,7 @@ import redis
 from tests.integration.worker.conftest import wait_until
 
 REPO = Path(__file__).resolve().parents[3]
-APP = "tests.integration.beat.bapp"
+APP = "tests.integration.beat.beat_app"
 LEASED = "celery_leases.beat:LeasedScheduler"
 SKEWED = f"{APP}:SkewedScheduler"
 START_TIMEOUT = 30.0
@@ -172,7 +172,7 @@ class BeatProc:
 
 @dataclass
 class BeatCluster:
-    """Beat replicas of ``bapp`` sharing one key prefix and one queue on the test Redis."""
+    """Beat replicas of ``beat_app`` sharing one key prefix and one queue on the test Redis."""
 
     redis_url: str
     prefix: str

@@ -1,6 +1,6 @@
 """redbeat's ``RedBeatScheduler`` with the mixin, composed as docs/beat.md shows.
 
-``bapp`` sets ``redbeat_lock_key = None`` (unless the test keeps the lock on).
+``beat_app`` sets ``redbeat_lock_key = None`` (unless the test keeps the lock on).
 """
 
 from __future__ import annotations

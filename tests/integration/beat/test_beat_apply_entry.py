@@ -18,7 +18,7 @@ from celery.schedules import crontab, schedule
 
 from celery_leases import Leases
 from celery_leases.beat import LeasedMemoryScheduler
-from tests.polling import wait_until
+from tests.support.polling import wait_until
 
 #: a schedule that no tick() in these tests reaches twice
 HOUR = timedelta(hours=1)

@@ -6,7 +6,7 @@ must hold a crontab minute slot):
 - ``kill``: replicas A, B, C on the real clock; midway, the replica that sent the latest run is
   killed with SIGKILL right after its message reached the queue;
 - ``skew``: S0 on the real clock, Sp7 seven seconds ahead, Sm5 five seconds behind (the clock
-  that beat reads to decide what is due, see ``bapp.SkewedScheduler``).
+  that beat reads to decide what is due, see ``beat_app.SkewedScheduler``).
 
 Both have an entry every second (``every-1s``) and a crontab entry every minute. Runs are
 counted as messages in the cluster's queue (no worker consumes it); each message carries the
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from . import bapp
+from . import beat_app
 from .conftest import (
     BeatCluster,
     Sent,
@@ -37,7 +37,7 @@ from .conftest import (
 
 pytestmark = pytest.mark.worker
 
-INTERVAL_MS = round(bapp.INTERVAL * 1000)
+INTERVAL_MS = round(beat_app.INTERVAL * 1000)
 #: longest gap allowed between consecutive sends of the interval entry: one interval, plus as
 #: much again for a takeover (the survivors are aligned on the same Redis buckets)
 MAX_GAP_MS = 2 * INTERVAL_MS
@@ -86,10 +86,10 @@ def claim_runs(
         time_passes_until(kill, kill_at, "the middle of the window")
 
         # kill the replica that sent the latest run, right after its message is in the queue
-        seen = len(kill.sent(bapp.EVERY_TASK))
+        seen = len(kill.sent(beat_app.EVERY_TASK))
         latest: Sent = wait_until(
-            lambda: (s := kill.sent(bapp.EVERY_TASK)) and len(s) > seen and s[-1],
-            5 * bapp.INTERVAL,
+            lambda: (s := kill.sent(beat_app.EVERY_TASK)) and len(s) > seen and s[-1],
+            5 * beat_app.INTERVAL,
             "a new run in the kill cluster's queue",
         )
         victim = kill.replicas[latest.replica]
@@ -113,8 +113,8 @@ def _duplicates(counter: Counter[int]) -> dict[int, int]:
 
 def check_interval_runs(cluster: BeatCluster, t0_ms: int, end_ms: int) -> list[Sent]:
     """Each interval bucket sent once, none skipped, no gap; returns the sends."""
-    sends = cluster.sent(bapp.EVERY_TASK)
-    claims = cluster.claims(bapp.EVERY_ENTRY)
+    sends = cluster.sent(beat_app.EVERY_TASK)
+    claims = cluster.claims(beat_app.EVERY_ENTRY)
     claimed = Counter(d.run for d in claims)
     assert not _duplicates(claimed), f"buckets claimed more than once: {_duplicates(claimed)}"
     assert len(sends) == len(claims), "messages in the queue != claims in the replicas' logs"
@@ -149,12 +149,12 @@ def check_interval_runs(cluster: BeatCluster, t0_ms: int, end_ms: int) -> list[S
     # the replicas really raced: each one decided runs, and claims were lost; each sent what
     # it claimed and logged as sent
     for label, beat in cluster.replicas.items():
-        decided = beat.claims(bapp.EVERY_ENTRY) + beat.skips(bapp.EVERY_ENTRY)
+        decided = beat.claims(beat_app.EVERY_ENTRY) + beat.skips(beat_app.EVERY_ENTRY)
         assert decided, f"replica {label} never decided an interval run"
         mine = [s for s in sends if s.replica == label]
-        assert len(mine) == len(beat.claims(bapp.EVERY_ENTRY))
-        assert len(mine) == len(beat.sending(bapp.EVERY_ENTRY))
-    assert cluster.skips(bapp.EVERY_ENTRY), "no replica ever lost a claim: nothing was deduped"
+        assert len(mine) == len(beat.claims(beat_app.EVERY_ENTRY))
+        assert len(mine) == len(beat.sending(beat_app.EVERY_ENTRY))
+    assert cluster.skips(beat_app.EVERY_ENTRY), "no replica ever lost a claim: nothing was deduped"
     return sends
 
 
@@ -164,13 +164,13 @@ def check_cron_slot(
     """Every crontab slot sent exactly once; every replica in ``deciders`` claimed or skipped
     ``slot_ms``. (A window may hold one more slot than ``slot_ms``, just as the replicas start.)
     ``spread_ms``: how far apart the replicas' clocks are."""
-    cron = cluster.sent(bapp.CRON_TASK)
+    cron = cluster.sent(beat_app.CRON_TASK)
     for s in cron:
         assert s.claimed_by_pid == s.pid, f"{s} was sent by a replica that did not claim it"
     slots = Counter(s.claimed_run for s in cron)
     assert not _duplicates(slots), f"crontab slots sent more than once: {cron}"
     assert all(run is not None and run % 60_000 == 0 for run in slots), f"not minutes: {cron}"
-    claimed = Counter(d.run for d in cluster.claims(bapp.CRON_ENTRY))
+    claimed = Counter(d.run for d in cluster.claims(beat_app.CRON_ENTRY))
     assert not _duplicates(claimed), f"crontab slots claimed more than once: {claimed}"
     assert set(claimed) == set(slots)
     # independent of the claims: on the Redis clock, sends are a minute apart (give or take
@@ -179,7 +179,7 @@ def check_cron_slot(
         assert gap >= 60_000 - spread_ms - MAX_GAP_MS, f"two crontab sends {gap} ms apart: {a} {b}"
 
     (sent,) = [s for s in cron if s.claimed_run == slot_ms]
-    skips = [d for d in cluster.skips(bapp.CRON_ENTRY) if d.run == slot_ms]
+    skips = [d for d in cluster.skips(beat_app.CRON_ENTRY) if d.run == slot_ms]
     assert {d.replica for d in skips} == deciders - {sent.replica}
     for d in skips:
         assert d.winner.endswith(f"/{sent.pid}"), f"{d} names another winner than {sent}"
@@ -219,5 +219,7 @@ def test_skewed_clocks_send_crontab_slot_once(claim_runs: ClaimRuns) -> None:
     # the one 5 s behind only came to it about 5 s after the slot, and lost
     assert sent.replica == "Sp7"
     assert c.slot_ms - sent.sent_ms >= SKEWS["Sp7"] * 1000 - MAX_GAP_MS
-    (late,) = [d for d in c.skew.skips(bapp.CRON_ENTRY) if (d.replica, d.run) == ("Sm5", c.slot_ms)]
+    (late,) = [
+        d for d in c.skew.skips(beat_app.CRON_ENTRY) if (d.replica, d.run) == ("Sm5", c.slot_ms)
+    ]
     assert late.at * 1000 - c.slot_ms >= -SKEWS["Sm5"] * 1000 - MAX_GAP_MS

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from . import bapp
+from . import beat_app
 from .conftest import (
     REPO,
     BeatCluster,
@@ -43,7 +43,7 @@ pytestmark = pytest.mark.worker
 REDBEAT = "tests.integration.beat.sched_redbeat:Scheduler"
 DJANGO = "tests.integration.beat.sched_django:Scheduler"
 DJANGO_SETTINGS = "tests.integration.beat.djsettings"
-INTERVAL_MS = round(bapp.INTERVAL * 1000)
+INTERVAL_MS = round(beat_app.INTERVAL * 1000)
 #: longest gap allowed between consecutive interval sends: one interval, plus as much again
 #: for a takeover (the survivors are aligned on the same Redis buckets)
 MAX_GAP_MS = 2 * INTERVAL_MS
@@ -99,10 +99,10 @@ def run_counts(db: Path) -> dict[str, int]:
 
 
 def _kill_latest_sender(cluster: BeatCluster) -> tuple[str, int]:
-    seen = len(cluster.sent(bapp.EVERY_TASK))
+    seen = len(cluster.sent(beat_app.EVERY_TASK))
     latest: Sent = wait_until(
-        lambda: (s := cluster.sent(bapp.EVERY_TASK)) and len(s) > seen and s[-1],
-        10 * bapp.INTERVAL,
+        lambda: (s := cluster.sent(beat_app.EVERY_TASK)) and len(s) > seen and s[-1],
+        10 * beat_app.INTERVAL,
         f"a new run in the queue of {cluster.queue}",
     )
     victim = cluster.replicas[latest.replica]
@@ -169,7 +169,7 @@ def _duplicates(counter: Counter[int | None]) -> dict[int | None, int]:
 def check_interval(run: Run, *, shared_store: bool) -> list[Sent]:
     """Each Redis-time bucket sent once, by the replica that claimed it; sends go on after
     the kill. ``shared_store``: as for :func:`check_cron`."""
-    sends = run.cluster.sent(bapp.EVERY_TASK)
+    sends = run.cluster.sent(beat_app.EVERY_TASK)
     assert sends, "no interval run was sent"
     for s in sends:
         assert s.claim is not None, f"{s} was sent without a claim"
@@ -193,13 +193,13 @@ def check_interval(run: Run, *, shared_store: bool) -> list[Sent]:
     deciders = {
         label
         for label, beat in run.cluster.replicas.items()
-        if beat.claims(bapp.EVERY_ENTRY) + beat.skips(bapp.EVERY_ENTRY)
+        if beat.claims(beat_app.EVERY_ENTRY) + beat.skips(beat_app.EVERY_ENTRY)
     }
     if shared_store:
         assert len(deciders) >= 2, f"only {deciders} decided interval runs"
     else:
         assert deciders == set(run.cluster.replicas), f"only {deciders} decided interval runs"
-    assert run.cluster.skips(bapp.EVERY_ENTRY), "no replica ever lost a claim"
+    assert run.cluster.skips(beat_app.EVERY_ENTRY), "no replica ever lost a claim"
     return sends
 
 
@@ -212,7 +212,7 @@ def check_cron(run: Run, *, shared_store: bool) -> Sent:
     claims nor skips it. Otherwise (each replica holds its entries in memory) every survivor
     decides the run.
     """
-    cron = run.cluster.sent(bapp.CRON_TASK)
+    cron = run.cluster.sent(beat_app.CRON_TASK)
     for s in cron:
         assert s.claimed_by_pid == s.pid, f"{s} was sent by a replica that did not claim it"
     runs = Counter(s.claimed_run for s in cron)
@@ -221,9 +221,11 @@ def check_cron(run: Run, *, shared_store: bool) -> Sent:
     (sent,) = [s for s in cron if s.claimed_run == run.slot_ms]
     assert sent.replica != run.victim
     for label, beat in run.cluster.replicas.items():
-        decided = Counter(d.run for d in beat.claims(bapp.CRON_ENTRY) + beat.skips(bapp.CRON_ENTRY))
+        decided = Counter(
+            d.run for d in beat.claims(beat_app.CRON_ENTRY) + beat.skips(beat_app.CRON_ENTRY)
+        )
         assert not _duplicates(decided), f"replica {label} claimed a run again: {decided}"
-    skips = [d for d in run.cluster.skips(bapp.CRON_ENTRY) if d.run == run.slot_ms]
+    skips = [d for d in run.cluster.skips(beat_app.CRON_ENTRY) if d.run == run.slot_ms]
     survivors = set(run.cluster.replicas) - {run.victim}
     skipped_by = {d.replica for d in skips}
     if shared_store:
@@ -256,7 +258,7 @@ def test_django_run_counts_are_the_runs_sent(runs: Runs) -> None:
     run = runs.django
     assert run.db is not None
     counts = run_counts(run.db)
-    cron = run.cluster.sent(bapp.CRON_TASK)
-    assert counts[bapp.CRON_ENTRY] == len(cron), (counts, cron)
-    every = run.cluster.sent(bapp.EVERY_TASK)
-    assert len(every) - 3 <= counts[bapp.EVERY_ENTRY] <= len(every) + 1, (counts, len(every))
+    cron = run.cluster.sent(beat_app.CRON_TASK)
+    assert counts[beat_app.CRON_ENTRY] == len(cron), (counts, cron)
+    every = run.cluster.sent(beat_app.EVERY_TASK)
+    assert len(every) - 3 <= counts[beat_app.EVERY_ENTRY] <= len(every) + 1, (counts, len(every))

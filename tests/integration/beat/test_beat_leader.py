@@ -14,13 +14,13 @@ import pytest
 from celery_leases import Leases
 from celery_leases.beat import LEADER_RESOURCE
 
-from . import bapp
+from . import beat_app
 from .conftest import BeatCluster, BeatProc, gaps_ms, wait_until
 
 pytestmark = pytest.mark.worker
 
 TTL = 2.0
-INTERVAL_MS = round(bapp.INTERVAL * 1000)
+INTERVAL_MS = round(beat_app.INTERVAL * 1000)
 #: the leader lease runs out at most one TTL after the kill; the standby bids for it at each of
 #: its due runs (one interval apart), and one more interval is allowed for the send itself
 TAKEOVER_MS = round(TTL * 1000) + 2 * INTERVAL_MS
@@ -51,14 +51,16 @@ def test_only_the_leader_sends_and_the_standby_takes_over_after_kill(
 
     leader: BeatProc = wait_until(lambda: _leader(cluster), TTL + 5, "a leader")
     (standby,) = [b for b in cluster.replicas.values() if b is not leader]
-    wait_until(lambda: len(cluster.sent(bapp.EVERY_TASK)) >= 4, 10, "four runs from the leader")
+    wait_until(lambda: len(cluster.sent(beat_app.EVERY_TASK)) >= 4, 10, "four runs from the leader")
     (holder,) = store.holders(LEADER_RESOURCE)
     assert holder.owner.endswith(f"/{leader.pid}"), f"{holder} is not the leader {leader.pid}"
 
     killed_ms = leader.kill9(cluster.redis_ms)
     wait_until(lambda: _leader(cluster) is standby, TAKEOVER_MS / 1000 + 5, "the takeover")
     wait_until(
-        lambda: len([s for s in cluster.sent(bapp.EVERY_TASK) if s.replica == standby.label]) >= 4,
+        lambda: (
+            len([s for s in cluster.sent(beat_app.EVERY_TASK) if s.replica == standby.label]) >= 4
+        ),
         10,
         "four runs from the new leader",
     )
@@ -67,14 +69,14 @@ def test_only_the_leader_sends_and_the_standby_takes_over_after_kill(
     cluster.stop()  # SIGTERM: the leader gives the lease back as it shuts down
     assert store.holders(LEADER_RESOURCE) == []
 
-    sends = cluster.sent(bapp.EVERY_TASK)
+    sends = cluster.sent(beat_app.EVERY_TASK)
     before = [s for s in sends if s.sent_ms < killed_ms]
     after = [s for s in sends if s.sent_ms >= killed_ms]
     # only the leader sent, and the standby never did before the kill (nor logged a send)
     assert len(before) >= 4
     assert {s.replica for s in before} == {leader.label}
     assert {s.pid for s in before} == {leader.pid}
-    assert [t for t in standby.sending(bapp.EVERY_ENTRY) if t * 1000 < killed_ms] == []
+    assert [t for t in standby.sending(beat_app.EVERY_ENTRY) if t * 1000 < killed_ms] == []
     assert standby.leader_since()[0] * 1000 >= killed_ms
     # the standby took over once the lease had run out, within the TTL and an interval
     assert {s.replica for s in after} == {standby.label}

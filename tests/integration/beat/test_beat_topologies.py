@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from . import bapp
+from . import beat_app
 from .conftest import wait_until
 
 pytestmark = pytest.mark.worker
@@ -19,14 +19,14 @@ def test_each_interval_run_is_sent_once(make_beat_cluster, topology) -> None:
     for label in ("A", "B", "C"):
         cluster.start(label)
     cluster.wait_started()
-    wait_until(lambda: len(cluster.sent(bapp.EVERY_TASK)) >= RUNS, 60, f"{RUNS} runs sent")
+    wait_until(lambda: len(cluster.sent(beat_app.EVERY_TASK)) >= RUNS, 60, f"{RUNS} runs sent")
     cluster.stop()
 
-    sent = cluster.sent(bapp.EVERY_TASK)
+    sent = cluster.sent(beat_app.EVERY_TASK)
     claims = Counter(s.claim for s in sent)
     assert None not in claims, "a run was sent without a claim in the lease Redis"
     assert [c for c, n in claims.items() if n > 1] == [], "a run was sent twice"
     # every replica that sent a run had claimed it: its log says so
     senders = {s.replica for s in sent}
-    claimed_by = {d.replica for d in cluster.claims(bapp.EVERY_ENTRY)}
+    claimed_by = {d.replica for d in cluster.claims(beat_app.EVERY_ENTRY)}
     assert senders <= claimed_by

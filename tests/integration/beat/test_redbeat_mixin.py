@@ -18,7 +18,7 @@ from celery.beat import ScheduleEntry, Scheduler
 from celery.schedules import crontab
 
 from celery_leases import Leases
-from tests.docs_blocks import python_blocks
+from tests.support.docs_blocks import python_blocks
 
 redbeat = pytest.importorskip("redbeat")
 

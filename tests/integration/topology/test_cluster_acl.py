@@ -13,8 +13,8 @@ from redis.exceptions import NoPermissionError
 from celery_leases import Leases, Shared
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
-from tests.acl import create_documented_user
-from tests.topologies import CLUSTER_SLOT_GROUPS
+from tests.support.acl import create_documented_user
+from tests.support.topologies import CLUSTER_SLOT_GROUPS
 
 
 def test_the_documented_user_works_on_every_node(redis_cluster) -> None:

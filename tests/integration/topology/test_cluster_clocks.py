@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
-from celery_leases._redis_topology import LocalCluster
 from celery_leases._store import LeaseStore
+from tests.support.topology import LocalCluster
 
 OWNER = Identity("worker-a@host", "inca", 101)
 

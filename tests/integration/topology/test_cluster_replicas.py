@@ -28,10 +28,14 @@ import redis
 from celery_leases import LeaseLost, Leases
 from celery_leases._lease import Held, Want
 from celery_leases._redis_server import RedisServer
-from celery_leases._redis_topology import LocalCluster
 from celery_leases.exceptions import LeaseBackendError
-from tests.polling import wait_until
-from tests.topologies import CLUSTER_SLOT_GROUPS, leases_factory, resources_in_distinct_groups
+from tests.support.polling import wait_until
+from tests.support.topologies import (
+    CLUSTER_SLOT_GROUPS,
+    leases_factory,
+    resources_in_distinct_groups,
+)
+from tests.support.topology import LocalCluster
 
 #: a grant's TTL here, and the longer one a renewal gives it (told apart on the replica)
 GRANT_TTL = 600.0

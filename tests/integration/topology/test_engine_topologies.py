@@ -19,8 +19,8 @@ from celery_leases import LeaseBusy, LeaseLost, Leases, Shared
 from celery_leases._connect import parse_target
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
-from tests.polling import wait_until
-from tests.topologies import (
+from tests.support.polling import wait_until
+from tests.support.topologies import (
     CLUSTER_SLOT_GROUPS,
     Topology,
     check_a_waiter_is_woken_by_the_release,
@@ -30,7 +30,7 @@ from tests.topologies import (
     resources_in_distinct_groups,
 )
 
-APP = "tests.integration.worker.wapp"
+APP = "tests.integration.worker.worker_app"
 
 
 @pytest.fixture

@@ -24,10 +24,10 @@ import redis
 from celery_leases import LeaseBusy, LeaseLost
 from celery_leases._lease import Want
 from celery_leases._redis_server import free_port
-from celery_leases._redis_topology import LocalSentinel
 from celery_leases.exceptions import LeaseBackendError
-from tests.polling import wait_until
-from tests.topologies import leases_factory
+from tests.support.polling import wait_until
+from tests.support.topologies import leases_factory
+from tests.support.topology import LocalSentinel
 
 RESOURCES = ["fo:a", "fo:b", "fo:c"]
 

@@ -1,7 +1,7 @@
 """celery_leases over TLS to a real Redis Cluster and a real Sentinel set, from the URL alone.
 
 Every process speaks TLS only and requires a client certificate signed by the test CA
-(tests/tls.py): the cluster's nodes and its bus, the Sentinel set's master, replica (TLS
+(tests/support/tls.py): the cluster's nodes and its bus, the Sentinel set's master, replica (TLS
 replication) and sentinels (TLS to the data servers and to each other). The URLs are the forms
 docs/redis.md gives:
 
@@ -25,14 +25,14 @@ from redis.retry import Retry
 from celery_leases import LeaseBackendError, LeaseBusy, LeaseConfigError, Leases
 from celery_leases._connect import parse_target
 from celery_leases._lease import Want
-from celery_leases._redis_topology import LocalCluster, LocalSentinel
-from tests.tls import Certs
-from tests.topologies import (
+from tests.support.tls import Certs
+from tests.support.topologies import (
     CLUSTER_SLOT_GROUPS,
     check_a_waiter_is_woken_by_the_release,
     leases_factory,
     resources_in_distinct_groups,
 )
+from tests.support.topology import LocalCluster, LocalSentinel
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from celery_leases import Leases
 from celery_leases._identity import Identity
 from celery_leases._lease import Held
 from celery_leases._store import Claimed, ClaimHolder
-from tests.topologies import Topology, leases_factory
+from tests.support.topologies import Topology, leases_factory
 
 WORKER = Identity("topo-worker@host", "inc", 4242)
 

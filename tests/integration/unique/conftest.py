@@ -1,7 +1,7 @@
-"""Real ``celery worker`` (and ``celery beat``) subprocesses running ``uapp``, and a producer.
+"""Real ``celery worker`` (and ``celery beat``) subprocesses running ``unique_app``, and a producer.
 
 Each test gets its own queue and key prefix. The test process sends through ``producer``, its
-own copy of ``uapp`` (same broker, queue and prefix as the workers), so that the claims it
+own copy of ``unique_app`` (same broker, queue and prefix as the workers), so that the claims it
 takes are the ones the workers take over. Worker logs are printed when a test fails.
 """
 
@@ -18,18 +18,18 @@ import redis
 from celery import Celery
 
 from celery_leases import Leases
-from tests.polling import wait_until
-from tests.workers import (
+from tests.support.polling import wait_until
+from tests.support.workers import (
     WorkerProc,
     kill_whole_worker,
     pytest_runtest_makereport,
     worker_factory,
 )
 
-from . import uapp
+from . import unique_app
 
 REPO = Path(__file__).resolve().parents[3]
-APP = "tests.integration.unique.uapp"
+APP = "tests.integration.unique.unique_app"
 #: CELERY_LEASES_TTL of the workers (a running claim is a lease with this TTL)
 WORKER_TTL = 3.0
 #: the queue TTL of claims (CELERY_LEASES_UNIQUE_TTL) unless a test sets another
@@ -79,7 +79,7 @@ def worker_env(leases_redis_url: str, leases_prefix: str, queue: str) -> dict[st
 def make_producer(
     leases_redis_url: str, leases_prefix: str, queue: str
 ) -> Iterator[Callable[..., Celery]]:
-    """Factory: ``make_producer(**settings)`` -> a ``uapp`` copy sending to this test's queue."""
+    """Factory: ``make_producer(**settings)`` -> a ``unique_app`` copy for this test's queue."""
     made: list[Celery] = []
 
     def make(**settings: Any) -> Celery:
@@ -88,7 +88,7 @@ def make_producer(
         settings.setdefault("ttl", WORKER_TTL)
         settings.setdefault("unique_ttl", QUEUE_TTL)
         broker = settings.pop("broker", leases_redis_url)
-        app = uapp.make_app(broker=broker, queue=queue, backend=leases_redis_url, **settings)
+        app = unique_app.make_app(broker=broker, queue=queue, backend=leases_redis_url, **settings)
         made.append(app)
         return app
 
@@ -126,7 +126,7 @@ class Ledger:
     prefix: str
 
     def key(self, *parts: object) -> str:
-        return uapp.ledger_key(self.prefix, *parts)
+        return unique_app.ledger_key(self.prefix, *parts)
 
     def events(self, name: str) -> list[str]:
         return [str(e) for e in self.client.lrange(self.key("events", name), 0, -1)]

@@ -1,7 +1,7 @@
 """Many threads sending one unique task at once; run as a process by the concurrency test.
 
 ``python -m tests.integration.unique.racer URL PREFIX QUEUE KEY THREADS START_KEY``: makes a
-``uapp`` producer, counts itself ready at ``START_KEY:ready``, waits until ``START_KEY`` is
+``unique_app`` producer, counts itself ready at ``START_KEY:ready``, waits until ``START_KEY`` is
 set, then sends from ``THREADS`` threads at once and prints their outcomes as a JSON list.
 """
 
@@ -17,11 +17,11 @@ import redis
 from celery import Celery
 
 from celery_leases import DuplicateTask
-from tests.integration.unique import uapp
+from tests.integration.unique import unique_app
 
 
 def race(app: Celery, key: str, go: Callable[[], object], n: int) -> list[str]:
-    """``n`` threads wait for ``go``, then each sends ``uapp.raising(key)`` once.
+    """``n`` threads wait for ``go``, then each sends ``unique_app.raising(key)`` once.
 
     Returns each thread's outcome: ``"sent <id>"``, ``"duplicate <holder id>"`` or
     ``"error <repr>"``.
@@ -32,7 +32,7 @@ def race(app: Celery, key: str, go: Callable[[], object], n: int) -> list[str]:
     def one() -> None:
         go()
         try:
-            result = app.tasks["uapp.raising"].delay(key)
+            result = app.tasks["unique_app.raising"].delay(key)
             outcome = f"sent {result.id}"
         except DuplicateTask as exc:
             outcome = f"duplicate {exc.task_id}"
@@ -51,7 +51,7 @@ def race(app: Celery, key: str, go: Callable[[], object], n: int) -> list[str]:
 
 def main(argv: list[str]) -> None:
     url, prefix, queue, key, n, start_key = argv
-    app = uapp.make_app(broker=url, queue=queue, redis_url=url, key_prefix=prefix)
+    app = unique_app.make_app(broker=url, queue=queue, redis_url=url, key_prefix=prefix)
     client = redis.Redis.from_url(url)
     client.incr(start_key + ":ready")
 

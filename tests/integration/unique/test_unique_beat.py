@@ -1,6 +1,6 @@
 """Unique tasks sent by a real ``celery beat``: a due run whose key is held is not sent.
 
-Beat sends ``uapp.gated(key)`` every second. While the first run waits in the queue, and then
+Beat sends ``unique_app.gated(key)`` every second. While the first run waits in the queue, and then
 while it runs, every later due run is refused (beat logs it and sends nothing); once the run
 ended, the next due run is sent. A beat that does not know the task (it sends by name, with
 no claim) is covered by the worker side: a copy that finds the key held does not run.
@@ -20,14 +20,14 @@ from celery import Celery
 
 from celery_leases import Leases
 from tests.integration.beat.conftest import BeatProc
-from tests.workers import WorkerProc
+from tests.support.workers import WorkerProc
 
 from .conftest import APP, RESULT_TIMEOUT, Ledger, wait_until
 
 pytestmark = pytest.mark.worker
 
 REFUSED_RE = re.compile(
-    r"leases: beat: uapp\.gated not sent: unique key 'job:(?P<key>[^']*)' is held by "
+    r"leases: beat: unique_app\.gated not sent: unique key 'job:(?P<key>[^']*)' is held by "
     r"(?P<state>queued|running) task (?P<task>\S+)$",
     re.M,
 )
@@ -38,7 +38,7 @@ SENDING = "Scheduler: Sending due task unique-every-second"
 def start_beat(
     request: pytest.FixtureRequest, worker_env: dict[str, str], tmp_path: Path
 ) -> Iterator[Callable[..., BeatProc]]:
-    """Factory: ``start_beat(key, **env)`` -> a ``celery beat`` of ``uapp`` sending ``key``."""
+    """Factory: ``start_beat(key, **env)`` -> ``celery beat`` of ``unique_app`` sending ``key``."""
     made: list[BeatProc] = []
 
     def start(key: str, **env: str) -> BeatProc:

@@ -11,7 +11,7 @@ import pytest
 from celery import Celery
 
 from celery_leases import Leases
-from tests.workers import WorkerProc
+from tests.support.workers import WorkerProc
 
 from .conftest import APP, REPO, RESULT_TIMEOUT, Ledger, wait_until
 
@@ -38,7 +38,7 @@ def test_ls_show_stats_and_release_of_claims(
     start_worker: Callable[..., WorkerProc],
 ):
     worker = start_worker(concurrency=1)
-    running = producer.tasks["uapp.gated"].delay("r")
+    running = producer.tasks["unique_app.gated"].delay("r")
     ledger.wait_started("r")
     wait_until(
         lambda: (h := leases_of.store.unique_holder("job:r")) is not None and h.state == "running",
@@ -46,7 +46,7 @@ def test_ls_show_stats_and_release_of_claims(
         "the claim of job:r to be taken over",
     )
     # the only pool process is busy: this one stays queued
-    queued = producer.tasks["uapp.quick"].delay("q")
+    queued = producer.tasks["unique_app.quick"].delay("q")
 
     result = celery_leases(worker_env, "ls", "--json")
     assert result.returncode == 0, result.stderr

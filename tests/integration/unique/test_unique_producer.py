@@ -42,7 +42,7 @@ def queued_ids(client: redis.Redis, queue: str) -> list[str]:
 def test_a_duplicate_gets_the_existing_result_by_default(
     producer: Celery, leases_redis: redis.Redis, queue: str
 ):
-    gated = producer.tasks["uapp.gated"]
+    gated = producer.tasks["unique_app.gated"]
 
     first = gated.delay("k1")
     second = gated.delay("k1")
@@ -66,14 +66,14 @@ def test_raise_and_ignore_policies(producer: Celery, leases_redis: redis.Redis, 
 
     unique_duplicate.connect(receiver, weak=False)
     try:
-        first = producer.tasks["uapp.raising"].delay("k")
+        first = producer.tasks["unique_app.raising"].delay("k")
         with pytest.raises(DuplicateTask) as info:
-            producer.tasks["uapp.raising"].delay("k")
+            producer.tasks["unique_app.raising"].delay("k")
     finally:
         unique_duplicate.disconnect(receiver)
     assert (info.value.key, info.value.task_id, info.value.state) == ("job:k", first.id, "queued")
     (signal,) = seen
-    assert signal["sender"] == "uapp.raising"
+    assert signal["sender"] == "unique_app.raising"
     assert (signal["key"], signal["holder_task_id"], signal["state"], signal["policy"]) == (
         "job:k",
         first.id,
@@ -85,45 +85,48 @@ def test_raise_and_ignore_policies(producer: Celery, leases_redis: redis.Redis, 
     assert "job:k" in str(info.value)
     assert first.id in str(info.value)
 
-    ignored = producer.tasks["uapp.ignoring"].delay("k")  # same template: same key
+    ignored = producer.tasks["unique_app.ignoring"].delay("k")  # same template: same key
     assert isinstance(ignored, EagerResult)
     assert ignored.state == "REJECTED"
     assert ignored.id != first.id
     assert ignored.get() is None
     # per call, on_duplicate wins over the task's
-    per_call = producer.tasks["uapp.raising"].apply_async(("k",), on_duplicate="existing")
+    per_call = producer.tasks["unique_app.raising"].apply_async(("k",), on_duplicate="existing")
     assert per_call.id == first.id
     assert queued_ids(leases_redis, queue) == [first.id]
 
 
 def test_an_unknown_policy_is_a_config_error(producer: Celery):
     with pytest.raises(ValueError, match="on_duplicate='sometimes'"):
-        producer.tasks["uapp.quick"].apply_async(("k",), on_duplicate="sometimes")
+        producer.tasks["unique_app.quick"].apply_async(("k",), on_duplicate="sometimes")
 
 
 def test_send_task_by_name_signatures_groups_and_chains_are_refused_too(
     producer: Celery, leases_redis: redis.Redis, queue: str
 ):
-    first = producer.send_task("uapp.raising", ("k",))
+    first = producer.send_task("unique_app.raising", ("k",))
     assert queued_ids(leases_redis, queue) == [first.id]
 
     with pytest.raises(DuplicateTask):
-        producer.send_task("uapp.raising", kwargs={"key": "k"})
+        producer.send_task("unique_app.raising", kwargs={"key": "k"})
     with pytest.raises(DuplicateTask):
-        signature("uapp.raising", args=("k",), app=producer).delay()
+        signature("unique_app.raising", args=("k",), app=producer).delay()
     with pytest.raises(DuplicateTask):
-        producer.tasks["uapp.raising"].s("k").apply_async()
+        producer.tasks["unique_app.raising"].s("k").apply_async()
     with pytest.raises(DuplicateTask):
-        group(producer.tasks["uapp.raising"].s(k) for k in ("k", "k-other")).apply_async()
+        group(producer.tasks["unique_app.raising"].s(k) for k in ("k", "k-other")).apply_async()
     with pytest.raises(DuplicateTask):
-        (producer.tasks["uapp.raising"].si("k") | producer.tasks["uapp.quick"].si("x")).delay()
+        (
+            producer.tasks["unique_app.raising"].si("k")
+            | producer.tasks["unique_app.quick"].si("x")
+        ).delay()
     assert queued_ids(leases_redis, queue) == [first.id]
 
 
 def test_the_worker_gets_the_claimed_key_in_a_header(
     producer: Celery, leases_redis: redis.Redis, queue: str
 ):
-    result = producer.tasks["uapp.quick"].delay("k:{x} y")
+    result = producer.tasks["unique_app.quick"].delay("k:{x} y")
 
     (raw,) = leases_redis.lrange(queue, 0, -1)
     headers = json.loads(raw)["headers"]
@@ -142,11 +145,11 @@ def test_a_failed_publish_gives_its_claim_back(
         ext: Leases = dead.leases  # type: ignore[attr-defined]
 
         with pytest.raises(OperationalError):
-            dead.tasks["uapp.raising"].apply_async(("k",), retry=False)
+            dead.tasks["unique_app.raising"].apply_async(("k",), retry=False)
 
     assert ext.store.unique_holder("job:k") is None
     live = make_producer()
-    sent = live.tasks["uapp.raising"].delay("k")
+    sent = live.tasks["unique_app.raising"].delay("k")
     assert queued_ids(leases_redis, queue) == [sent.id]
 
 
@@ -165,8 +168,8 @@ class socket_nobody_listens_on:
 
 
 def test_a_countdown_lengthens_the_queue_ttl(producer: Celery, leases_of: Leases):
-    producer.tasks["uapp.quick"].apply_async(("later",), countdown=1000)
-    producer.tasks["uapp.quick"].apply_async(("now",))
+    producer.tasks["unique_app.quick"].apply_async(("later",), countdown=1000)
+    producer.tasks["unique_app.quick"].apply_async(("now",))
 
     later = leases_of.store.unique_holder("job:later")
     now = leases_of.store.unique_holder("job:now")
@@ -183,12 +186,12 @@ def test_a_claim_runs_out_with_the_queue_ttl(
 ):
     app = make_producer(unique_ttl=0.5)
     ext: Leases = app.leases  # type: ignore[attr-defined]
-    first = app.tasks["uapp.raising"].delay("k")
+    first = app.tasks["unique_app.raising"].delay("k")
     # a message lost in the broker (or a producer that died after claiming) blocks the key
     # for the queue TTL only
     leases_redis.delete(queue)
     wait_until(lambda: ext.store.unique_holder("job:k") is None, 10, "the claim to run out")
-    second = app.tasks["uapp.raising"].delay("k")
+    second = app.tasks["unique_app.raising"].delay("k")
     assert second.id != first.id
     assert queued_ids(leases_redis, queue) == [second.id]
 

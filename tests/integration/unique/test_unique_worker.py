@@ -1,7 +1,7 @@
 """Unique tasks with real ``celery worker`` processes: refused while queued or running, free
 again however the task ends, a retry keeps its own claim, and the handover is checked.
 
-The producer is this test process (a copy of ``uapp`` on the workers' queue and key prefix).
+The producer is this test process (a copy of ``unique_app`` on the workers' queue and key prefix).
 Running claims are leases with the workers' TTL (3 s unless a test sets another).
 """
 
@@ -19,7 +19,7 @@ from celery.result import AsyncResult
 
 from celery_leases import DuplicateTask, Leases
 from celery_leases._store import ClaimHolder
-from tests.workers import WorkerProc
+from tests.support.workers import WorkerProc
 
 from .conftest import RESULT_TIMEOUT, Ledger, kill_whole_worker, wait_until
 
@@ -51,7 +51,7 @@ def test_refused_while_queued_and_while_running_accepted_after_success(
     ledger: Ledger,
     start_worker: Callable[..., WorkerProc],
 ):
-    gated = producer.tasks["uapp.gated"]
+    gated = producer.tasks["unique_app.gated"]
     first = gated.delay("k")
     queued = gated.delay("k")  # no worker yet: it waits in the queue
     assert queued.id == first.id
@@ -83,11 +83,11 @@ def test_accepted_again_after_a_failure(
     producer: Celery, leases_of: Leases, ledger: Ledger, start_worker: Callable[..., WorkerProc]
 ):
     start_worker()
-    failed = producer.tasks["uapp.failing"].delay("k")
+    failed = producer.tasks["unique_app.failing"].delay("k")
     with pytest.raises(ValueError, match="on purpose"):
         failed.get(timeout=RESULT_TIMEOUT)
     assert holder(leases_of, "k") is None
-    after = producer.tasks["uapp.quick"].delay("k")
+    after = producer.tasks["unique_app.quick"].delay("k")
     assert after.id != failed.id
     assert after.get(timeout=RESULT_TIMEOUT) == after.id
 
@@ -97,13 +97,13 @@ def test_accepted_again_after_revoke_before_it_ran(
 ):
     start_worker()
     # a countdown keeps it waiting in the worker, not started, while it is revoked
-    waiting = producer.tasks["uapp.quick"].apply_async(("k",), countdown=3)
+    waiting = producer.tasks["unique_app.quick"].apply_async(("k",), countdown=3)
     wait_state(leases_of, "k", "queued", waiting.id)
     waiting.revoke()
     # the worker discards it when it comes due; the claim goes with it, not at the queue TTL
     wait_free(leases_of, "k", RESULT_TIMEOUT, "the revoked task's claim to be given back")
     assert ledger.started("k") == []
-    again = producer.tasks["uapp.quick"].delay("k")
+    again = producer.tasks["unique_app.quick"].delay("k")
     assert again.id != waiting.id
     assert again.get(timeout=RESULT_TIMEOUT) == again.id
 
@@ -112,16 +112,16 @@ def test_accepted_again_after_revoke_terminate(
     producer: Celery, leases_of: Leases, ledger: Ledger, start_worker: Callable[..., WorkerProc]
 ):
     start_worker(env={"CELERY_LEASES_TTL": str(LONG_TTL)})
-    running = producer.tasks["uapp.sleeper"].delay("k")
+    running = producer.tasks["unique_app.sleeper"].delay("k")
     ledger.wait_started("k")
     wait_state(leases_of, "k", "running", running.id)
-    assert producer.tasks["uapp.sleeper"].delay("k").id == running.id
+    assert producer.tasks["unique_app.sleeper"].delay("k").id == running.id
 
     running.revoke(terminate=True)
 
     # the child's finalizer runs on SIGTERM: free long before the 60 s lease could run out
     wait_free(leases_of, "k", LONG_TTL / 3, "the terminated task's claim to be released")
-    again = producer.tasks["uapp.quick"].delay("k")
+    again = producer.tasks["unique_app.quick"].delay("k")
     assert again.id != running.id
     assert again.get(timeout=RESULT_TIMEOUT) == again.id
 
@@ -130,7 +130,7 @@ def test_accepted_again_after_the_pool_child_is_killed(
     producer: Celery, leases_of: Leases, ledger: Ledger, start_worker: Callable[..., WorkerProc]
 ):
     worker = start_worker(env={"CELERY_LEASES_TTL": str(LONG_TTL)})
-    running = producer.tasks["uapp.sleeper"].delay("k")
+    running = producer.tasks["unique_app.sleeper"].delay("k")
     (entry,) = wait_until(lambda: ledger.events("started:k"), RESULT_TIMEOUT, "the task to start")
     pid = int(entry.split()[1])
     assert pid in worker.children()
@@ -139,7 +139,7 @@ def test_accepted_again_after_the_pool_child_is_killed(
 
     # the worker's main process frees a dead child's leases (the claim is one) at once
     wait_free(leases_of, "k", LONG_TTL / 3, "the killed child's claim to be released")
-    again = producer.tasks["uapp.quick"].delay("k")
+    again = producer.tasks["unique_app.quick"].delay("k")
     assert again.id != running.id
     assert again.get(timeout=RESULT_TIMEOUT) == again.id
 
@@ -148,10 +148,10 @@ def test_a_task_replaced_by_a_task_of_the_same_key_keeps_the_claim_for_it(
     producer: Celery, leases_of: Leases, ledger: Ledger, start_worker: Callable[..., WorkerProc]
 ):
     start_worker()
-    replacing = producer.tasks["uapp.replacing"].delay("k")
+    replacing = producer.tasks["unique_app.replacing"].delay("k")
     ledger.wait_started("k")
     wait_state(leases_of, "k", "running", replacing.id)
-    assert producer.tasks["uapp.quick"].delay("k").id == replacing.id  # a duplicate
+    assert producer.tasks["unique_app.quick"].delay("k").id == replacing.id  # a duplicate
     ledger.open_gate("k")
 
     # Task.replace sends the replacement under the same task id: its own claim lets it run
@@ -167,7 +167,7 @@ def test_an_acks_late_task_redelivered_after_its_child_was_killed_runs_again(
     # acks_late + reject_on_worker_lost: the message of the killed run comes back; its claim
     # (running, under the dead child) must not make the redelivered copy a duplicate
     worker = start_worker(env={"CELERY_LEASES_TTL": str(LONG_TTL)})
-    late = producer.tasks["uapp.late"].delay("k")
+    late = producer.tasks["unique_app.late"].delay("k")
     (entry,) = wait_until(lambda: ledger.events("started:k"), RESULT_TIMEOUT, "the task to start")
     pid = int(entry.split()[1])
     assert pid in worker.children()
@@ -185,7 +185,7 @@ def test_accepted_again_after_the_whole_worker_is_killed_once_the_ttl_ran_out(
 ):
     ttl = 10.0
     worker = start_worker(env={"CELERY_LEASES_TTL": str(ttl)})
-    running = producer.tasks["uapp.sleeper"].delay("k")
+    running = producer.tasks["unique_app.sleeper"].delay("k")
     ledger.wait_started("k")
     wait_state(leases_of, "k", "running", running.id)
 
@@ -195,10 +195,10 @@ def test_accepted_again_after_the_whole_worker_is_killed_once_the_ttl_ran_out(
     refused = holder(leases_of, "k")
     assert refused is not None
     assert (refused.state, refused.task_id) == ("running", running.id)
-    assert producer.tasks["uapp.sleeper"].delay("k").id == running.id
+    assert producer.tasks["unique_app.sleeper"].delay("k").id == running.id
     wait_free(leases_of, "k", 3 * ttl, "the dead worker's claim to run out")
     start_worker()
-    again = producer.tasks["uapp.quick"].delay("k")
+    again = producer.tasks["unique_app.quick"].delay("k")
     assert again.id != running.id
     assert again.get(timeout=RESULT_TIMEOUT) == again.id
 
@@ -207,11 +207,11 @@ def test_accepted_again_after_a_hard_time_limit(
     producer: Celery, leases_of: Leases, ledger: Ledger, start_worker: Callable[..., WorkerProc]
 ):
     start_worker(env={"CELERY_LEASES_TTL": str(LONG_TTL)})
-    limited = producer.tasks["uapp.hard_limited"].delay("k")
+    limited = producer.tasks["unique_app.hard_limited"].delay("k")
     with pytest.raises(TimeLimitExceeded):
         limited.get(timeout=RESULT_TIMEOUT)
     wait_free(leases_of, "k", LONG_TTL / 3, "the time-limited task's claim to be released")
-    assert producer.tasks["uapp.quick"].delay("k").get(timeout=RESULT_TIMEOUT)
+    assert producer.tasks["unique_app.quick"].delay("k").get(timeout=RESULT_TIMEOUT)
 
 
 @pytest.mark.parametrize("pool", ["prefork", "threads"])
@@ -223,17 +223,17 @@ def test_a_retry_keeps_its_own_claim(
     start_worker: Callable[..., WorkerProc],
 ):
     start_worker(pool=pool)
-    retrying = producer.tasks["uapp.retrying"].apply_async(("k",), kwargs={"countdown": 2})
+    retrying = producer.tasks["unique_app.retrying"].apply_async(("k",), kwargs={"countdown": 2})
 
     # the first run retried itself: the retry waits, holding the claim, queued again
     wait_until(lambda: ledger.events("started:k"), RESULT_TIMEOUT, "the first run")
     wait_state(leases_of, "k", "queued", retrying.id)
-    duplicate = producer.tasks["uapp.gated"].delay("k")
+    duplicate = producer.tasks["unique_app.gated"].delay("k")
     assert duplicate.id == retrying.id
     # the retry (same task id) is not refused by its own claim: it runs
     wait_until(lambda: len(ledger.events("started:k")) >= 2, RESULT_TIMEOUT, "the retried run")
     wait_state(leases_of, "k", "running", retrying.id)
-    assert producer.tasks["uapp.gated"].delay("k").id == retrying.id
+    assert producer.tasks["unique_app.gated"].delay("k").id == retrying.id
 
     ledger.open_gate("k")
     assert retrying.get(timeout=RESULT_TIMEOUT) == "done after 1 retry"
@@ -246,7 +246,7 @@ def test_busy_retries_keep_the_claim(
 ):
     start_worker()
     with leases_of.hold("res:k", ttl=30):
-        leased = producer.tasks["uapp.leased"].delay("k")
+        leased = producer.tasks["unique_app.leased"].delay("k")
         # it finds res:k busy and retries (on_busy="retry"), again and again; meanwhile no
         # duplicate gets in
         wait_until(
@@ -259,7 +259,7 @@ def test_busy_retries_keep_the_claim(
             RESULT_TIMEOUT,
             "the busy task to wait for its retry",
         )
-        assert producer.tasks["uapp.leased"].delay("k").id == leased.id
+        assert producer.tasks["unique_app.leased"].delay("k").id == leased.id
     assert leased.get(timeout=RESULT_TIMEOUT) == leased.id
     assert ledger.started("k") == [leased.id]
     assert holder(leases_of, "k") is None
@@ -278,7 +278,7 @@ def test_the_handover_is_checked_against_the_task_id(
     # a copy published around the claim: by a process that does not know the task is unique
     plain = Celery("plain", broker=leases_redis_url, backend=leases_redis_url, set_as_current=False)
     try:
-        stranger = plain.send_task("uapp.quick", ("k",), queue=queue)
+        stranger = plain.send_task("unique_app.quick", ("k",), queue=queue)
         start_worker()
         # the worker does not hand the claim to another task id: that copy does not run
         assert stranger.get(timeout=RESULT_TIMEOUT) is None
@@ -289,10 +289,10 @@ def test_the_handover_is_checked_against_the_task_id(
 
         assert leases_of.store.unique_unclaim("job:k", "the-queued-one")
         # without a claim, the worker takes the key itself when the task starts
-        unclaimed = plain.send_task("uapp.gated", ("k",), queue=queue)
+        unclaimed = plain.send_task("unique_app.gated", ("k",), queue=queue)
         assert ledger.wait_started("k") == [unclaimed.id]
         wait_state(leases_of, "k", "running", unclaimed.id)
-        assert producer.tasks["uapp.quick"].delay("k").id == unclaimed.id
+        assert producer.tasks["unique_app.quick"].delay("k").id == unclaimed.id
         ledger.open_gate("k")
         assert AsyncResult(unclaimed.id, app=plain).get(timeout=RESULT_TIMEOUT) == unclaimed.id
     finally:
@@ -313,7 +313,7 @@ def test_redis_unreachable_as_the_worker_takes_the_claim_retries_the_task_with_i
     worker = start_worker(
         env={"CELERY_LEASES_REDIS_URL": server.url, "CELERY_LEASES_SOCKET_TIMEOUT": "0.5"}
     )
-    quick = producer.tasks["uapp.quick"].apply_async(("k",), countdown=3)
+    quick = producer.tasks["unique_app.quick"].apply_async(("k",), countdown=3)
     server.pause()
     try:
         # the worker cannot take the claim over, retries the task (on_backend_error), and

@@ -19,8 +19,8 @@ import redis
 
 from celery_leases import Leases
 from celery_leases._redis_server import url_answers
-from tests.polling import wait_until
-from tests.workers import (
+from tests.support.polling import wait_until
+from tests.support.workers import (
     REPO,
     WorkerProc,
     amqp_url_or_skip,
@@ -30,7 +30,7 @@ from tests.workers import (
     worker_factory,
 )
 
-APP = "tests.integration.worker.wapp"
+APP = "tests.integration.worker.worker_app"
 
 
 @pytest.fixture
@@ -70,11 +70,11 @@ def start_worker(
 
 
 @pytest.fixture
-def wapp(worker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+def worker_app(worker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """The test app module, imported in this process (to send tasks and read the ledger)."""
     for key in ("LEASES_TEST_BROKER", "LEASES_TEST_BACKEND", "LEASES_TEST_LEDGER"):
         os.environ.setdefault(key, worker_env[key])
-    import tests.integration.worker.wapp as module
+    import tests.integration.worker.worker_app as module
 
     monkeypatch.setattr(module, "PREFIX", worker_env["CELERY_LEASES_KEY_PREFIX"])
     return module
@@ -104,13 +104,13 @@ def test_leases(make_leases: Callable[..., Leases]) -> Leases:
 
 
 @pytest.fixture
-def ledger(wapp: ModuleType, leases_redis_url: str) -> Iterator[Any]:
+def ledger(worker_app: ModuleType, leases_redis_url: str) -> Iterator[Any]:
     """Read the ledger the tasks write."""
     client = redis.Redis.from_url(leases_redis_url, decode_responses=True)
 
     class Ledger:
         def key(self, *parts: object) -> str:
-            return wapp.ledger_key(*parts)
+            return worker_app.ledger_key(*parts)
 
         def overlaps(self) -> int:
             return int(client.get(self.key("overlaps")) or 0)

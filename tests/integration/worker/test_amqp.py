@@ -32,19 +32,19 @@ def amqp_client(amqp_url: str, leases_redis_url: str, queue: str) -> Iterator[Ce
 
 
 def test_leased_task_over_amqp_runs_retries_while_busy_and_releases(
-    start_worker, wapp, amqp_url, amqp_client, queue, test_leases, ledger
+    start_worker, worker_app, amqp_url, amqp_client, queue, test_leases, ledger
 ):
     worker = start_worker("prefork", 2, env={"LEASES_TEST_BROKER": amqp_url})
     assert "amqp://" in worker.log()
 
-    out = amqp_client.send_task(wapp.guarded.name, ["amqp", 0.1], queue=queue).get(
+    out = amqp_client.send_task(worker_app.guarded.name, ["amqp", 0.1], queue=queue).get(
         timeout=RESULT_TIMEOUT
     )
     assert [r for r, _ in out["leases"]] == ["res:amqp"]
     assert test_leases.store.holders("res:amqp") == []
 
     with test_leases.hold("res:amqp-busy", ttl=20):
-        result = amqp_client.send_task(wapp.retry_no_budget.name, ["amqp-busy"], queue=queue)
+        result = amqp_client.send_task(worker_app.retry_no_budget.name, ["amqp-busy"], queue=queue)
         wait_until(lambda: result.state == "RETRY", RESULT_TIMEOUT, "state RETRY")
         wait_until(
             lambda: worker.log().count(f"[{result.id}] retry: retrying in") >= 2,

@@ -19,12 +19,12 @@ def lines_of(log: str, task_id: str) -> list[str]:
 
 
 def test_one_info_line_per_busy_retry_naming_the_holders_task(
-    start_worker: Any, wapp: Any, send: Any, ledger: Any
+    start_worker: Any, worker_app: Any, send: Any, ledger: Any
 ) -> None:
     worker = start_worker("prefork", 2)
-    holder = send(wapp.sleeper, "busylog", 2.0)
+    holder = send(worker_app.sleeper, "busylog", 2.0)
     ledger.wait_event("started:busylog")
-    waiter = send(wapp.guarded, "busylog")
+    waiter = send(worker_app.guarded, "busylog")
     out = waiter.get(timeout=RESULT_TIMEOUT)
     holder.get(timeout=RESULT_TIMEOUT)
     assert out["leases"][0][0] == "res:busylog"
@@ -44,12 +44,12 @@ def test_one_info_line_per_busy_retry_naming_the_holders_task(
 
 
 def test_busy_fail_is_an_expected_end_without_a_traceback(
-    start_worker: Any, wapp: Any, send: Any, ledger: Any
+    start_worker: Any, worker_app: Any, send: Any, ledger: Any
 ) -> None:
     worker = start_worker("prefork", 2)
-    holder = send(wapp.sleeper, "busyfail", 3.0)
+    holder = send(worker_app.sleeper, "busyfail", 3.0)
     ledger.wait_event("started:busyfail")
-    failed = send(wapp.busy_fail, "busyfail")
+    failed = send(worker_app.busy_fail, "busyfail")
     failed.get(timeout=RESULT_TIMEOUT, propagate=False)
     holder.get(timeout=RESULT_TIMEOUT)
 

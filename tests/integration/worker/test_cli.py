@@ -1,9 +1,9 @@
 """``celery leases ...`` run for real: subprocesses of the celery CLI against real workers.
 
 Every command is run as an operator would, ``python -m celery -A <app> leases ...``, on the
-test's key prefix, while a real worker holds leases (``wapp.sleeper`` holds ``res:<rid>`` as
+test's key prefix, while a real worker holds leases (``worker_app.sleeper`` holds ``res:<rid>`` as
 it sleeps). Live holders run with a 60 s TTL so that nothing expires under the test; a node
-that dies for good runs with a 2 s liveness and ``wapp.long_lease`` (a 60 s lease), so its
+that dies for good runs with a 2 s liveness and ``worker_app.long_lease`` (a 60 s lease), so its
 owners are dead long before its leases would run out.
 """
 
@@ -25,7 +25,7 @@ from celery_leases import LeaseLost, Shared
 from celery_leases._keys import Keyspace, escape
 from celery_leases._store import Holder
 from celery_leases.worker import RECONCILE_RESOURCE
-from tests.reserved import hold_reserved
+from tests.support.reserved import hold_reserved
 
 from .conftest import APP, REPO, kill_whole_worker, wait_until
 
@@ -85,12 +85,12 @@ def holders(test_leases: Any, resource: str) -> list[tuple[str, int]]:
 
 
 def test_ls_show_owners_and_stats_describe_a_live_worker(
-    start_worker: Any, wapp: Any, send: Any, ledger: Any, cli: Cli
+    start_worker: Any, worker_app: Any, send: Any, ledger: Any, cli: Cli
 ) -> None:
     w = start_worker("prefork", 2, env=LIVE)
     try:
-        a = send(wapp.sleeper, "a", 120)
-        b = send(wapp.sleeper, "b", 120)
+        a = send(worker_app.sleeper, "a", 120)
+        b = send(worker_app.sleeper, "b", 120)
         ledger.wait_event("started:a")
         ledger.wait_event("started:b")
 
@@ -155,7 +155,7 @@ def test_ls_show_owners_and_stats_describe_a_live_worker(
 
 def test_release_refuses_a_live_owner_and_force_releases_with_an_audit_record(
     start_worker: Any,
-    wapp: Any,
+    worker_app: Any,
     send: Any,
     ledger: Any,
     cli: Cli,
@@ -165,7 +165,7 @@ def test_release_refuses_a_live_owner_and_force_releases_with_an_audit_record(
 ) -> None:
     w = start_worker("prefork", 1, env=LIVE)
     try:
-        send(wapp.sleeper, "x", 120)
+        send(worker_app.sleeper, "x", 120)
         ledger.wait_event("started:x")
         before = holders(test_leases, "res:x")
         ((owner, token),) = before
@@ -212,11 +212,11 @@ def test_release_refuses_a_live_owner_and_force_releases_with_an_audit_record(
 
 
 def test_a_dead_nodes_leases_are_released_without_force_and_by_reconcile(
-    start_worker: Any, wapp: Any, send: Any, ledger: Any, cli: Cli, test_leases: Any
+    start_worker: Any, worker_app: Any, send: Any, ledger: Any, cli: Cli, test_leases: Any
 ) -> None:
     w = start_worker("prefork", 2, env=DOOMED)
-    send(wapp.long_lease, "d1", 120)
-    send(wapp.long_lease, "d2", 120)
+    send(worker_app.long_lease, "d1", 120)
+    send(worker_app.long_lease, "d2", 120)
     ledger.wait_event("started:d1")
     ledger.wait_event("started:d2")
     kill_whole_worker(w)  # kill -9: nothing is given back

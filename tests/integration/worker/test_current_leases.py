@@ -21,10 +21,12 @@ def test_outside_a_task_there_are_no_leases():
     assert current_leases() == ()
 
 
-def test_declaration_order_and_rendering_from_args_kwargs_and_defaults(start_worker, wapp, send):
+def test_declaration_order_and_rendering_from_args_kwargs_and_defaults(
+    start_worker, worker_app, send
+):
     start_worker("solo", 1)
     # declared p, k, d: the reverse of the sorted order the leases are taken in
-    out = send(wapp.declared_order, "1", b="two").get(timeout=RESULT_TIMEOUT)
+    out = send(worker_app.declared_order, "1", b="two").get(timeout=RESULT_TIMEOUT)
     assert [(r, shared) for r, _, shared, _, _ in out] == [
         ("p:1", False),
         ("k:two", True),
@@ -35,29 +37,31 @@ def test_declaration_order_and_rendering_from_args_kwargs_and_defaults(start_wor
         assert ttl == WORKER_TTL
         assert 0 < expires_in <= ttl
 
-    out = send(wapp.declared_order, "1", "two", c="three").get(timeout=RESULT_TIMEOUT)
+    out = send(worker_app.declared_order, "1", "two", c="three").get(timeout=RESULT_TIMEOUT)
     assert [r for r, *_ in out] == ["p:1", "k:two", "d:three"]
 
-    out = send(wapp.declared_order, a="x", b="y", c="z").get(timeout=RESULT_TIMEOUT)
+    out = send(worker_app.declared_order, a="x", b="y", c="z").get(timeout=RESULT_TIMEOUT)
     assert [r for r, *_ in out] == ["p:x", "k:y", "d:z"]
 
     # same process, after leased tasks: a plain task sees nothing
-    assert send(wapp.unleased_view).get(timeout=RESULT_TIMEOUT) == []
+    assert send(worker_app.unleased_view).get(timeout=RESULT_TIMEOUT) == []
 
 
-def test_threads_each_see_only_their_own_lease(start_worker, wapp, send):
+def test_threads_each_see_only_their_own_lease(start_worker, worker_app, send):
     n = 4
     start_worker("threads", n)
-    results = [send(wapp.sees_own, f"t{i}", n) for i in range(n)]
+    results = [send(worker_app.sees_own, f"t{i}", n) for i in range(n)]
     outs = [r.get(timeout=RESULT_TIMEOUT) for r in results]
     assert all(out["together"] for out in outs), "the tasks did not run at the same time"
     assert len({out["thread"] for out in outs}) == n
     assert [out["leases"] for out in outs] == [[f"cc:t{i}"] for i in range(n)]
 
 
-def test_multi_takes_exclusive_shared_and_limited_shared(start_worker, wapp, send, test_leases):
+def test_multi_takes_exclusive_shared_and_limited_shared(
+    start_worker, worker_app, send, test_leases
+):
     start_worker("prefork", 2)
-    results = [send(wapp.multi, a, "B", c="C", seconds=2.0) for a in ("1", "2")]
+    results = [send(worker_app.multi, a, "B", c="C", seconds=2.0) for a in ("1", "2")]
 
     def both_hold():
         return (
@@ -89,11 +93,13 @@ def test_multi_takes_exclusive_shared_and_limited_shared(start_worker, wapp, sen
         assert test_leases.store.holders(resource) == []
 
 
-def test_fencing_tokens_of_successive_tasks_strictly_increase(start_worker, wapp, send, ledger):
+def test_fencing_tokens_of_successive_tasks_strictly_increase(
+    start_worker, worker_app, send, ledger
+):
     start_worker("prefork", 2)
     tokens = []
     for _ in range(4):
-        out = send(wapp.guarded, "fence", 0.0).get(timeout=RESULT_TIMEOUT)
+        out = send(worker_app.guarded, "fence", 0.0).get(timeout=RESULT_TIMEOUT)
         ((resource, token),) = out["leases"]
         assert resource == "res:fence"
         tokens.append(token)
@@ -102,6 +108,6 @@ def test_fencing_tokens_of_successive_tasks_strictly_increase(start_worker, wapp
     # shared grants count too
     shared = []
     for a in ("s1", "s2", "s3"):
-        out = send(wapp.multi, a, "fence").get(timeout=RESULT_TIMEOUT)
+        out = send(worker_app.multi, a, "fence").get(timeout=RESULT_TIMEOUT)
         shared.append(next(t for r, t, _ in out["leases"] if r == "shared:fence"))
     assert all(a < b for a, b in pairwise(shared)), shared

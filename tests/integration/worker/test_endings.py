@@ -60,17 +60,17 @@ def hold_by_worker(test_leases, worker, resource: str, min_expires_in: float = 0
 
 # --- released in the task's own finally ---------------------------------------------------------
 def test_released_after_success_exception_and_retry_in_body(
-    start_worker, wapp, send, test_leases, ledger
+    start_worker, worker_app, send, test_leases, ledger
 ):
     worker = start_worker("prefork", 2)
 
-    out = send(wapp.guarded, "ok", 0.1).get(timeout=RESULT_TIMEOUT)
+    out = send(worker_app.guarded, "ok", 0.1).get(timeout=RESULT_TIMEOUT)
     assert [r for r, _ in out["leases"]] == ["res:ok"]
     assert test_leases.store.holders("res:ok") == []
     assert owners_of(test_leases, worker), "the worker registered no owner"
     assert registry_entries(test_leases, worker) == []
 
-    result = send(wapp.fails, "exc")
+    result = send(worker_app.fails, "exc")
     result.get(timeout=RESULT_TIMEOUT, propagate=False)
     assert result.state == "FAILURE"
     assert isinstance(result.result, ValueError)
@@ -78,7 +78,7 @@ def test_released_after_success_exception_and_retry_in_body(
     assert registry_entries(test_leases, worker) == []
 
     countdown = 3.0
-    result = send(wapp.retry_in_body, "rb", countdown)
+    result = send(worker_app.retry_in_body, "rb", countdown)
     wait_until(lambda: result.state == "RETRY", RESULT_TIMEOUT, "state RETRY")
     # the retry is pending: the lease must already be free
     assert test_leases.store.holders("res:rb") == []
@@ -97,9 +97,9 @@ def test_released_after_success_exception_and_retry_in_body(
     assert ledger.overlaps() == 0
 
 
-def test_released_after_soft_time_limit(start_worker, wapp, send, test_leases, ledger):
+def test_released_after_soft_time_limit(start_worker, worker_app, send, test_leases, ledger):
     start_worker("prefork", 2)
-    result = send(wapp.soft_limited, "soft")
+    result = send(worker_app.soft_limited, "soft")
     result.get(timeout=RESULT_TIMEOUT, propagate=False)
     assert result.state == "FAILURE"
     assert isinstance(result.result, SoftTimeLimitExceeded)
@@ -108,9 +108,9 @@ def test_released_after_soft_time_limit(start_worker, wapp, send, test_leases, l
 
 
 # --- the pool child is killed: 60 s TTL, the lease must come back long before ---------------------
-def test_released_after_hard_time_limit(start_worker, wapp, send, test_leases):
+def test_released_after_hard_time_limit(start_worker, worker_app, send, test_leases):
     worker = start_worker("prefork", 2, env=LONG_TTL_ENV)
-    result = send(wapp.hard_limited, "hard")
+    result = send(worker_app.hard_limited, "hard")
     hold_by_worker(test_leases, worker, "res:hard", min_expires_in=WORKER_TTL)
     result.get(timeout=RESULT_TIMEOUT, propagate=False)
     assert result.state == "FAILURE"
@@ -128,9 +128,9 @@ def test_released_after_hard_time_limit(start_worker, wapp, send, test_leases):
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
-def test_released_after_revoke_terminate(start_worker, wapp, send, test_leases, ledger, sig):
+def test_released_after_revoke_terminate(start_worker, worker_app, send, test_leases, ledger, sig):
     worker = start_worker("prefork", 2, env=LONG_TTL_ENV)
-    result = send(wapp.sleeper, "rv", 30.0)
+    result = send(worker_app.sleeper, "rv", 30.0)
     child = int(ledger.wait_event("started:rv"))
     hold_by_worker(test_leases, worker, "res:rv", min_expires_in=WORKER_TTL)
     result.revoke(terminate=True, signal=sig)
@@ -148,10 +148,10 @@ def test_released_after_revoke_terminate(start_worker, wapp, send, test_leases, 
 
 
 def test_kill_9_of_a_child_redelivers_late_task_without_overlap(
-    start_worker, wapp, send, test_leases, ledger, leases_redis
+    start_worker, worker_app, send, test_leases, ledger, leases_redis
 ):
     worker = start_worker("prefork", 2, env=LONG_TTL_ENV)
-    result = send(wapp.late, "late", 2.0)
+    result = send(worker_app.late, "late", 2.0)
     victim = int(ledger.wait_event("started:late"))
     wait_until(lambda: ledger.tokens("res:late"), RESULT_TIMEOUT, "the first run to enter")
     hold_by_worker(test_leases, worker, "res:late", min_expires_in=WORKER_TTL)
@@ -175,10 +175,10 @@ def test_kill_9_of_a_child_redelivers_late_task_without_overlap(
 # --- on_lost ------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("pool", "concurrency"), [("prefork", 2), ("threads", 2), ("solo", 1)])
 def test_on_lost_interrupt_raises_lease_lost_in_the_body(
-    start_worker, wapp, send, test_leases, ledger, leases_redis, pool, concurrency
+    start_worker, worker_app, send, test_leases, ledger, leases_redis, pool, concurrency
 ):
     worker = start_worker(pool, concurrency)
-    result = send(wapp.interrupted, "gone", 30.0)
+    result = send(worker_app.interrupted, "gone", 30.0)
     ledger.wait_event("started:gone")
     hold_by_worker(test_leases, worker, "res:gone")
     deleted = time.monotonic()
@@ -189,16 +189,16 @@ def test_on_lost_interrupt_raises_lease_lost_in_the_body(
     assert ledger.events("lost:gone") == ["res:gone"]
     assert registry_entries(test_leases, worker) == []
     # the worker is still sound: the interrupt did not leak into the next task
-    out = send(wapp.guarded, "gone", 0.3).get(timeout=RESULT_TIMEOUT)
+    out = send(worker_app.guarded, "gone", 0.3).get(timeout=RESULT_TIMEOUT)
     assert [r for r, _ in out["leases"]] == ["res:gone"]
     assert test_leases.store.holders("res:gone") == []
 
 
 def test_on_lost_log_finishes_and_logs_a_warning(
-    start_worker, wapp, send, test_leases, ledger, leases_redis
+    start_worker, worker_app, send, test_leases, ledger, leases_redis
 ):
     worker = start_worker("prefork", 2)
-    result = send(wapp.logged, "logged", 3.0)
+    result = send(worker_app.logged, "logged", 3.0)
     ledger.wait_event("started:logged")
     hold_by_worker(test_leases, worker, "res:logged")
     assert leases_redis.delete(test_leases.store.keys.exclusive("res:logged")) == 1
@@ -210,9 +210,9 @@ def test_on_lost_log_finishes_and_logs_a_warning(
 
 
 # --- warm shutdown ------------------------------------------------------------------------------
-def test_warm_shutdown_leaves_no_owner_of_the_node(start_worker, wapp, send, test_leases):
+def test_warm_shutdown_leaves_no_owner_of_the_node(start_worker, worker_app, send, test_leases):
     worker = start_worker("prefork", 2)
-    results = [send(wapp.guarded, f"w{i}", 0.3) for i in range(4)]
+    results = [send(worker_app.guarded, f"w{i}", 0.3) for i in range(4)]
     for result in results:
         result.get(timeout=RESULT_TIMEOUT)
     assert owners_of(test_leases, worker), "the tasks registered no owner"

@@ -35,12 +35,12 @@ def held_by(test_leases: Any, worker: Any, resource: str) -> Any:
 
 @pytest.mark.parametrize("pool", POOLS)
 def test_renewals_interrupt_and_release(
-    pool: str, start_worker: Any, wapp: Any, send: Any, test_leases: Any, ledger: Any,
+    pool: str, start_worker: Any, worker_app: Any, send: Any, test_leases: Any, ledger: Any,
     leases_redis: Any,
 ) -> None:  # fmt: skip
     worker = start_worker(pool, 4)
     # renewed past the TTL: three TTLs in the body, the same grant all along
-    long = send(wapp.guarded, f"{pool}-long", 3 * WORKER_TTL)
+    long = send(worker_app.guarded, f"{pool}-long", 3 * WORKER_TTL)
     first = held_by(test_leases, worker, f"res:{pool}-long")
     out = long.get(timeout=RESULT_TIMEOUT)
     assert out["leases"] == [[f"res:{pool}-long", first.token]]
@@ -48,7 +48,7 @@ def test_renewals_interrupt_and_release(
     assert test_leases.store.holders(f"res:{pool}-long") == []
 
     # interrupt: LeaseLost arrives inside the body, in the task's own greenlet
-    lost = send(wapp.interrupted, f"{pool}-gone", 30.0)
+    lost = send(worker_app.interrupted, f"{pool}-gone", 30.0)
     ledger.wait_event(f"started:{pool}-gone")
     held_by(test_leases, worker, f"res:{pool}-gone")
     deleted = time.monotonic()
@@ -57,11 +57,11 @@ def test_renewals_interrupt_and_release(
     assert time.monotonic() - deleted < 2 * WORKER_TTL
 
     # release on success, failure and self.retry
-    assert send(wapp.guarded, f"{pool}-ok", 0.1).get(timeout=RESULT_TIMEOUT)["leases"]
-    failed = send(wapp.fails, f"{pool}-exc")
+    assert send(worker_app.guarded, f"{pool}-ok", 0.1).get(timeout=RESULT_TIMEOUT)["leases"]
+    failed = send(worker_app.fails, f"{pool}-exc")
     failed.get(timeout=RESULT_TIMEOUT, propagate=False)
     assert failed.state == "FAILURE"
-    retried = send(wapp.retry_in_body, f"{pool}-retry", 1.0)
+    retried = send(worker_app.retry_in_body, f"{pool}-retry", 1.0)
     assert retried.get(timeout=RESULT_TIMEOUT)["leases"][0][0] == f"res:{pool}-retry"
     for rid in ("ok", "exc", "retry", "gone"):
         assert test_leases.store.holders(f"res:{pool}-{rid}") == [], rid
@@ -72,10 +72,10 @@ def test_renewals_interrupt_and_release(
 
 @pytest.mark.parametrize("pool", POOLS)
 def test_revoke_terminate_releases(
-    pool: str, start_worker: Any, wapp: Any, send: Any, test_leases: Any, ledger: Any
+    pool: str, start_worker: Any, worker_app: Any, send: Any, test_leases: Any, ledger: Any
 ) -> None:
     worker = start_worker(pool, 4, env=LONG_TTL_ENV)
-    result = send(wapp.sleeper, f"{pool}-rv", 30.0)
+    result = send(worker_app.sleeper, f"{pool}-rv", 30.0)
     ledger.wait_event(f"started:{pool}-rv")
     held_by(test_leases, worker, f"res:{pool}-rv")
     result.revoke(terminate=True)
@@ -86,7 +86,7 @@ def test_revoke_terminate_releases(
     )
     if pool == "gevent":  # Celery's eventlet pool enforces no time limit at all
         # the hard time limit: the pool raises its Timeout inside the greenlet
-        limited = send(wapp.hard_limited, f"{pool}-hard")
+        limited = send(worker_app.hard_limited, f"{pool}-hard")
         held_by(test_leases, worker, f"res:{pool}-hard")
         limited.get(timeout=RESULT_TIMEOUT, propagate=False)
         assert limited.state == "FAILURE"
@@ -96,15 +96,15 @@ def test_revoke_terminate_releases(
             f"res:{pool}-hard to be released after the hard time limit",
         )
     # the worker still works
-    assert send(wapp.guarded, f"{pool}-rv", 0.1).get(timeout=RESULT_TIMEOUT)["leases"]
+    assert send(worker_app.guarded, f"{pool}-rv", 0.1).get(timeout=RESULT_TIMEOUT)["leases"]
 
 
 @pytest.mark.parametrize("pool", POOLS)
 def test_startup_cleanup_frees_a_killed_incarnation(
-    pool: str, start_worker: Any, wapp: Any, send: Any, test_leases: Any, ledger: Any
+    pool: str, start_worker: Any, worker_app: Any, send: Any, test_leases: Any, ledger: Any
 ) -> None:
     worker = start_worker(pool, 2, env=LONG_TTL_ENV)
-    send(wapp.sleeper, f"{pool}-restart", 120.0)
+    send(worker_app.sleeper, f"{pool}-restart", 120.0)
     ledger.wait_event(f"started:{pool}-restart")
     held_by(test_leases, worker, f"res:{pool}-restart")
     kill_whole_worker(worker)

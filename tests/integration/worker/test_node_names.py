@@ -28,7 +28,7 @@ LEASE_TTL = "60"
 
 def test_worker_start_up_cleanup_spares_a_live_beat_of_the_same_host(
     start_worker: Any,
-    wapp: Any,
+    worker_app: Any,
     send: Any,
     test_leases: Any,
     ledger: Any,
@@ -43,7 +43,7 @@ def test_worker_start_up_cleanup_spares_a_live_beat_of_the_same_host(
     node = f"celery@{host}"
     rid = "predecessor"
     resource = f"res:{rid}"
-    send(wapp.sleeper, rid, 300)
+    send(worker_app.sleeper, rid, 300)
     ledger.wait_event(f"started:{rid}")
     (dead,) = wait_until(lambda: store.holders(resource), 10, f"a holder of {resource}")
     assert dead.node == node

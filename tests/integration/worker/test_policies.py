@@ -31,7 +31,7 @@ LONG_HOLD_TTL = 20.0
 class Ctx:
     """What the policy checks need."""
 
-    wapp: ModuleType
+    worker_app: ModuleType
     send: Any
     test_leases: Leases
     ledger: Any
@@ -49,9 +49,9 @@ class Ctx:
 
 
 @pytest.fixture
-def ctx(wapp, send, test_leases, ledger, leases_redis) -> Any:
+def ctx(worker_app, send, test_leases, ledger, leases_redis) -> Any:
     def make(worker: WorkerProc) -> Ctx:
-        return Ctx(wapp, send, test_leases, ledger, leases_redis, worker)
+        return Ctx(worker_app, send, test_leases, ledger, leases_redis, worker)
 
     return make
 
@@ -61,7 +61,7 @@ def check_skip(c: Ctx, rid: str) -> None:
     resource = f"res:{rid}"
     runs_before = c.ledger.runs()
     with c.test_leases.hold(resource, ttl=LONG_HOLD_TTL):
-        result = c.send(c.wapp.busy_skip, rid, 0.0)
+        result = c.send(c.worker_app.busy_skip, rid, 0.0)
         assert result.get(timeout=RESULT_TIMEOUT) is None
         assert result.state == "SUCCESS"
         # the test still holds it: the skipped task neither ran nor took anything
@@ -75,7 +75,7 @@ def check_fail(c: Ctx, rid: str) -> None:
     resource = f"res:{rid}"
     runs_before = c.ledger.runs()
     with c.test_leases.hold(resource, ttl=LONG_HOLD_TTL):
-        result = c.send(c.wapp.busy_fail, rid, 0.0)
+        result = c.send(c.worker_app.busy_fail, rid, 0.0)
         result.get(timeout=RESULT_TIMEOUT, propagate=False)
     assert result.state == "FAILURE"
     assert c.ledger.runs() == runs_before, "the body of a task that found its lease busy ran"
@@ -89,7 +89,7 @@ def check_fail(c: Ctx, rid: str) -> None:
 def check_wait(c: Ctx, rid: str) -> None:
     resource = f"res:{rid}"
     with c.test_leases.hold(resource, ttl=LONG_HOLD_TTL):
-        result = c.send(c.wapp.wait_stamped, rid)
+        result = c.send(c.worker_app.wait_stamped, rid)
         # the task is blocked in its slot, subscribed to the release channel
         wait_until(lambda: c.waiters(resource) > 0, RESULT_TIMEOUT, f"a waiter on {resource}")
         assert not result.ready()
@@ -108,7 +108,7 @@ def check_wait(c: Ctx, rid: str) -> None:
 def check_retry(c: Ctx, rid: str, min_busy_retries: int = 3) -> None:
     resource = f"res:{rid}"
     with c.test_leases.hold(resource, ttl=LONG_HOLD_TTL):
-        result = c.send(c.wapp.retry_no_budget, rid)
+        result = c.send(c.worker_app.retry_no_budget, rid)
         wait_until(lambda: result.state == "RETRY", RESULT_TIMEOUT, "state RETRY")
         wait_until(
             lambda: c.busy_retries(result.id) >= min_busy_retries,
@@ -144,12 +144,12 @@ def test_retry_does_not_use_the_tasks_own_retries(start_worker, ctx):
     check_retry(ctx(start_worker("prefork", 2)), "retry")
 
 
-def test_retry_gives_up_after_busy_timeout(start_worker, wapp, send, test_leases, ledger):
+def test_retry_gives_up_after_busy_timeout(start_worker, worker_app, send, test_leases, ledger):
     start_worker("prefork", 2)
-    busy_timeout = wapp.busy_retry_short.busy_timeout
+    busy_timeout = worker_app.busy_retry_short.busy_timeout
     with test_leases.hold("res:a"):
         sent = time.monotonic()
-        result = send(wapp.busy_retry_short, "a", 0.0)
+        result = send(worker_app.busy_retry_short, "a", 0.0)
         wait_until(lambda: result.state == "RETRY", RESULT_TIMEOUT, "state RETRY")
         result.get(timeout=busy_timeout * 10, propagate=False)
         elapsed = time.monotonic() - sent
@@ -162,14 +162,14 @@ def test_retry_gives_up_after_busy_timeout(start_worker, wapp, send, test_leases
     )
 
 
-def test_busy_timeout_is_counted_on_the_redis_clock(start_worker, wapp, send, test_leases):
+def test_busy_timeout_is_counted_on_the_redis_clock(start_worker, worker_app, send, test_leases):
     """A worker whose wall clock is an hour ahead keeps retrying a task another worker found
     busy a moment ago (regression: it compared the header's time, stamped on one machine's
     wall clock, with its own, and gave up at once)."""
     worker = start_worker("solo", 1, env={"LEASES_TEST_CLOCK_OFFSET": "3600"})
     headers = {BUSY_SINCE_HEADER: test_leases.store.redis_time(), BUSY_ATTEMPT_HEADER: 0}
     with test_leases.hold("res:skew"):
-        result = send(wapp.busy_retry_short, "skew", 0.0, _options={"headers": headers})
+        result = send(worker_app.busy_retry_short, "skew", 0.0, _options={"headers": headers})
         wait_until(
             lambda: result.ready() or worker.log().count(f"[{result.id}] retry: retrying in") >= 2,
             RESULT_TIMEOUT,

@@ -5,7 +5,7 @@ frees them once the dead owner's liveness (the node's ``ttl`` setting) has run o
 the leases' own TTL. A live worker's leases are never reconciled away, and two workers never
 run a reconcile pass at the same time (the ``celery_leases:reconcile`` lease).
 
-The reconcile passes are traced by ``wapp`` (``LEASES_TEST_TRACE_RECONCILE``): each pass is
+The reconcile passes are traced by ``worker_app`` (``LEASES_TEST_TRACE_RECONCILE``): each pass is
 counted in the ledger, and so is each bid for the reconcile lease.
 """
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.worker
 
 #: the liveness of the nodes' owners (their ``ttl`` setting), in seconds
 LIVENESS = 2.0
-#: the lease TTL of ``wapp.long_lease``
+#: the lease TTL of ``worker_app.long_lease``
 LEASE_TTL = 60.0
 #: seconds between the reconcile passes of one worker (counted from the end of the last one)
 INTERVAL = 0.4
@@ -35,7 +35,7 @@ PASS_PAUSE = 0.6
 
 
 class Trace:
-    """The reconcile trace that ``wapp`` writes to the ledger."""
+    """The reconcile trace that ``worker_app`` writes to the ledger."""
 
     def __init__(self, client: redis.Redis, ledger: Any) -> None:
         self.client, self.ledger = client, ledger
@@ -60,7 +60,7 @@ def _reconciler_env(pause: float = PASS_PAUSE, interval: float = INTERVAL) -> di
 
 def test_dead_node_leases_are_freed_by_a_live_reconciler_before_their_ttl(
     start_worker: Any,
-    wapp: Any,
+    worker_app: Any,
     send: Any,
     queue: str,
     test_leases: Any,
@@ -80,7 +80,7 @@ def test_dead_node_leases_are_freed_by_a_live_reconciler_before_their_ttl(
     )
     rid = "orphan"
     resource = f"res:{rid}"
-    send(wapp.long_lease, rid, 300)
+    send(worker_app.long_lease, rid, 300)
     ledger.wait_event(f"started:{rid}")
     (held,) = wait_until(lambda: store.holders(resource), 10, f"a holder of {resource}")
     assert held.node == doomed.hostname
@@ -119,7 +119,7 @@ def test_dead_node_leases_are_freed_by_a_live_reconciler_before_their_ttl(
 
 def test_live_worker_keeps_its_lease_across_reconcile_passes(
     start_worker: Any,
-    wapp: Any,
+    worker_app: Any,
     send: Any,
     test_leases: Any,
     ledger: Any,
@@ -133,7 +133,7 @@ def test_live_worker_keeps_its_lease_across_reconcile_passes(
     rid = "alive"
     resource = f"res:{rid}"
     seconds = 4 * LIVENESS
-    result = send(wapp.sleeper, rid, seconds)
+    result = send(worker_app.sleeper, rid, seconds)
     ledger.wait_event(f"started:{rid}")
     (held,) = wait_until(lambda: store.holders(resource), 10, f"a holder of {resource}")
     wait_until(lambda: ledger.active(resource), 10, "the body to enter")

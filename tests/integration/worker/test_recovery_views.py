@@ -30,14 +30,14 @@ pytestmark = pytest.mark.worker
 
 #: leases live 60 s: nothing but a cleanup frees them during a test
 LONG = {"CELERY_LEASES_TTL": "60", "CELERY_LEASES_RECONCILE_INTERVAL": "0"}
-#: a 12 s liveness (renewed every 4 s at most) and 60 s leases (wapp.long_lease): after a kill
+#: a 12 s liveness (renewed every 4 s at most) and 60 s leases (worker_app.long_lease): after a kill
 #: the owners are late for about 6 s, then expired, while their leases stay
 LIVENESS_TTL = 12
 SLOW = {"CELERY_LEASES_TTL": str(LIVENESS_TTL), "CELERY_LEASES_RECONCILE_INTERVAL": "0"}
 
 
 def leases_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    """``celery -A wapp leases <args>``, as an operator runs it."""
+    """``celery -A worker_app leases <args>``, as an operator runs it."""
     result = subprocess.run(
         [sys.executable, "-m", "celery", "-A", APP, "leases", *args],
         cwd=REPO,
@@ -58,11 +58,11 @@ def holder_of(test_leases: Any, resource: str) -> Any:
 
 # --- liveness ---------------------------------------------------------------------------------
 def test_a_killed_worker_shows_renewed_n_s_ago_never_alive_until_it_expires(
-    start_worker: Any, wapp: Any, send: Any, ledger: Any, worker_env: dict[str, str]
+    start_worker: Any, worker_app: Any, send: Any, ledger: Any, worker_env: dict[str, str]
 ) -> None:
     env = {**worker_env, **SLOW}
     w = start_worker("prefork", 1, env=SLOW)
-    send(wapp.long_lease, "k", 300)
+    send(worker_app.long_lease, "k", 300)
     ledger.wait_event("started:k")
     mine = escape(w.hostname) + "/"
     kill_whole_worker(w)
@@ -103,13 +103,13 @@ def test_a_killed_worker_shows_renewed_n_s_ago_never_alive_until_it_expires(
 
 # --- recovery log lines -------------------------------------------------------------------------
 def test_the_reaper_logs_the_dead_owner_and_the_task_of_each_freed_lease(
-    start_worker: Any, wapp: Any, send: Any, ledger: Any, test_leases: Any
+    start_worker: Any, worker_app: Any, send: Any, ledger: Any, test_leases: Any
 ) -> None:
     w = start_worker("prefork", 2, env=LONG)
     rid = "reaped\n[2026-01-01 00:00:00,000: INFO] forged"  # a newline must not forge a line
     resource = f"res:{rid}"
     try:
-        task = send(wapp.sleeper, rid, 300)
+        task = send(worker_app.sleeper, rid, 300)
         ledger.wait_event(f"started:{rid}")
         holder = holder_of(test_leases, resource)
         os.kill(int(holder.owner.rsplit("/", 1)[1]), signal.SIGKILL)
@@ -117,7 +117,7 @@ def test_the_reaper_logs_the_dead_owner_and_the_task_of_each_freed_lease(
         shown = resource.replace("\n", "\\n")
         line = (
             f"reaper (dead pool process) freed 1 lease(s) of dead owner {holder.owner}, "
-            f"task {task.id} ({wapp.sleeper.name}): {shown}"
+            f"task {task.id} ({worker_app.sleeper.name}): {shown}"
         )
         w.wait_for_log(line, 10)  # the whole line, the newline escaped
     finally:
@@ -125,11 +125,11 @@ def test_the_reaper_logs_the_dead_owner_and_the_task_of_each_freed_lease(
 
 
 def test_the_start_up_cleanup_logs_the_dead_owner_and_the_task_it_freed(
-    start_worker: Any, wapp: Any, send: Any, ledger: Any, test_leases: Any
+    start_worker: Any, worker_app: Any, send: Any, ledger: Any, test_leases: Any
 ) -> None:
     w = start_worker("solo", 1, env=LONG)
     try:
-        task = send(wapp.sleeper, "restarted", 300)
+        task = send(worker_app.sleeper, "restarted", 300)
         ledger.wait_event("started:restarted")
         holder = holder_of(test_leases, "res:restarted")
         kill_whole_worker(w)
@@ -145,7 +145,7 @@ def test_the_start_up_cleanup_logs_the_dead_owner_and_the_task_it_freed(
 
 # --- the leases_held gauge ----------------------------------------------------------------------
 def test_a_killed_childs_leases_leave_the_held_gauge_when_the_reaper_frees_them(
-    start_worker: Any, wapp: Any, send: Any, ledger: Any, test_leases: Any, tmp_path: Path
+    start_worker: Any, worker_app: Any, send: Any, ledger: Any, test_leases: Any, tmp_path: Path
 ) -> None:
     metrics_dir = tmp_path / "prometheus"
     metrics_dir.mkdir()
@@ -159,7 +159,7 @@ def test_a_killed_childs_leases_leave_the_held_gauge_when_the_reaper_frees_them(
         return value or 0.0
 
     try:
-        send(wapp.sleeper, "gauge", 300)
+        send(worker_app.sleeper, "gauge", 300)
         ledger.wait_event("started:gauge")
         holder = holder_of(test_leases, "res:gauge")
         wait_until(lambda: held() == 1, 20, "the gauge to count the held lease")
@@ -172,19 +172,19 @@ def test_a_killed_childs_leases_leave_the_held_gauge_when_the_reaper_frees_them(
 
 # --- task names ----------------------------------------------------------------------------------
 def test_ls_and_show_name_the_task_next_to_its_id_as_its_live_worker_tells(
-    start_worker: Any, wapp: Any, send: Any, ledger: Any, worker_env: dict[str, str]
+    start_worker: Any, worker_app: Any, send: Any, ledger: Any, worker_env: dict[str, str]
 ) -> None:
     env = {**worker_env, **LONG}
     w = start_worker("prefork", 1, env=LONG)
     try:
-        task = send(wapp.sleeper, "named", 300)
+        task = send(worker_app.sleeper, "named", 300)
         ledger.wait_event("started:named")
         (listed,) = json.loads(leases_cli(env, "ls", "--json").stdout)
-        assert (listed["task_id"], listed["task_name"]) == (task.id, wapp.sleeper.name)
+        assert (listed["task_id"], listed["task_name"]) == (task.id, worker_app.sleeper.name)
         (row,) = [r for r in leases_cli(env, "ls").stdout.splitlines() if r.startswith("res:")]
-        assert row.endswith(f"{task.id}  {wapp.sleeper.name}")
+        assert row.endswith(f"{task.id}  {worker_app.sleeper.name}")
         (shown,) = json.loads(leases_cli(env, "show", "res:named", "--json").stdout)
-        assert shown["task_name"] == wapp.sleeper.name
+        assert shown["task_name"] == worker_app.sleeper.name
         kill_whole_worker(w)
         # a dead worker names nothing: the id is all the registry has
         (listed,) = json.loads(leases_cli(env, "ls", "--json").stdout)

@@ -29,7 +29,7 @@ def test_redis_frozen_past_the_ttl_interrupts_the_body_and_the_worker_recovers(
     start_worker: Any,
     make_redis_server: Any,
     make_leases: Any,
-    wapp: Any,
+    worker_app: Any,
     send: Any,
     ledger: Any,
 ) -> None:
@@ -41,7 +41,7 @@ def test_redis_frozen_past_the_ttl_interrupts_the_body_and_the_worker_recovers(
     processes = worker.children() if pool == "prefork" else []
     rid = f"frozen-{pool}"
     resource = f"res:{rid}"
-    result = send(wapp.interrupted, rid, 60)
+    result = send(worker_app.interrupted, rid, 60)
     ledger.wait_event(f"started:{rid}")
     (held,) = wait_until(lambda: store.holders(resource), 10, f"a holder of {resource}")
     assert held.node == worker.hostname
@@ -73,7 +73,7 @@ def test_redis_frozen_past_the_ttl_interrupts_the_body_and_the_worker_recovers(
 
     # Redis answers again: the lease is gone (released, or run out) and the next task runs
     wait_until(lambda: store.holders(resource) == [], 3 * TTL, f"{resource} to be free")
-    after = send(wapp.guarded, rid).get(timeout=30)
+    after = send(worker_app.guarded, rid).get(timeout=30)
     assert after["leases"][0][0] == resource
     assert after["leases"][0][1] > held.token
     assert ledger.overlaps() == 0
@@ -88,7 +88,7 @@ def test_redis_unreachable_as_a_task_takes_its_lease(
     start_worker: Any,
     make_redis_server: Any,
     make_leases: Any,
-    wapp: Any,
+    worker_app: Any,
     send: Any,
     ledger: Any,
 ) -> None:
@@ -112,7 +112,7 @@ def test_redis_unreachable_as_a_task_takes_its_lease(
     refused = "Redis failed as it took its leases"
     server.pause()
     try:
-        result = send(wapp.guarded, rid)
+        result = send(worker_app.guarded, rid)
         if policy == "retry":
             wait_until(lambda: refused in worker.log(), 30, "the task's retry")
         else:

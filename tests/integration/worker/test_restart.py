@@ -37,13 +37,13 @@ def _leases_errors(log: str) -> list[str]:
 
 @pytest.mark.parametrize("pool", ["prefork", "solo"])
 def test_restart_under_same_name_frees_dead_incarnation_before_ready(
-    pool: str, start_worker: Any, wapp: Any, send: Any, test_leases: Any, ledger: Any
+    pool: str, start_worker: Any, worker_app: Any, send: Any, test_leases: Any, ledger: Any
 ) -> None:
     store = test_leases.store
     worker = start_worker(pool, _concurrency(pool), env={"CELERY_LEASES_TTL": LEASE_TTL})
     rid = f"restart-{pool}"
     resource = f"res:{rid}"
-    send(wapp.sleeper, rid, 300)
+    send(worker_app.sleeper, rid, 300)
     ledger.wait_event(f"started:{rid}")
     (held,) = wait_until(lambda: store.holders(resource), 10, f"a holder of {resource}")
     assert held.node == worker.hostname
@@ -75,7 +75,7 @@ def test_restart_under_same_name_frees_dead_incarnation_before_ready(
     assert _leases_errors(log) == []
 
     # and the new incarnation serves the resource at once, with a newer fencing token
-    ((name, token),) = send(wapp.guarded, rid).get(timeout=20)["leases"]
+    ((name, token),) = send(worker_app.guarded, rid).get(timeout=20)["leases"]
     assert name == resource
     assert token > held.token
     assert store.holders(resource) == []
@@ -120,7 +120,7 @@ def test_new_node_pays_one_command_at_start(
 
 
 def test_restart_frees_a_lease_taken_after_the_reconcile_forgot_the_idle_owner(
-    start_worker: Any, wapp: Any, send: Any, make_leases: Any, ledger: Any
+    start_worker: Any, worker_app: Any, send: Any, make_leases: Any, ledger: Any
 ) -> None:
     """With several slot groups, an owner re-registers under its node when it takes a lease.
 
@@ -141,7 +141,7 @@ def test_restart_frees_a_lease_taken_after_the_reconcile_forgot_the_idle_owner(
             "CELERY_LEASES_RECONCILE_INTERVAL": "0.5",
         },
     )
-    first = send(wapp.guarded, rid_a).get(timeout=20)
+    first = send(worker_app.guarded, rid_a).get(timeout=20)
     (child,) = worker.children()
     assert first["pid"] == child
     owners = store.node_owners(worker.hostname)
@@ -152,7 +152,7 @@ def test_restart_frees_a_lease_taken_after_the_reconcile_forgot_the_idle_owner(
         f"the reconcile to forget the idle owner {owner}",
     )
 
-    send(wapp.long_lease, rid_b, 300)
+    send(worker_app.long_lease, rid_b, 300)
     ledger.wait_event(f"started:{rid_b}")
     resource = f"res:{rid_b}"
     (held,) = wait_until(lambda: store.holders(resource), 10, f"a holder of {resource}")

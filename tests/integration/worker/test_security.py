@@ -21,8 +21,8 @@ from celery_leases import LeaseBackendError, LeaseBusy, Leases, Shared
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
 from celery_leases._redis_server import RedisServer
-from tests.acl import USER, CommandLog, allowed_commands, create_documented_user
-from tests.tls import Certs, tls_url
+from tests.support.acl import USER, CommandLog, allowed_commands, create_documented_user
+from tests.support.tls import Certs, tls_url
 
 from .conftest import WorkerProc, wait_until
 from .test_cli import Cli, assert_one_line_error
@@ -39,7 +39,7 @@ LOGIN = {"hello", "auth"}
 
 @pytest.fixture
 def cli(worker_env: dict[str, str]) -> Cli:
-    """``celery -A wapp leases ...`` with the test's environment."""
+    """``celery -A worker_app leases ...`` with the test's environment."""
     return Cli(dict(worker_env))
 
 
@@ -52,7 +52,7 @@ def _leases(app_name: str, url: str, prefix: str, **settings: Any) -> Leases:
 def test_a_worker_the_cli_beat_and_once_need_exactly_the_documented_acl_over_tls(
     make_tls_server: Callable[..., RedisServer],
     start_worker: Callable[..., WorkerProc],
-    wapp: Any,
+    worker_app: Any,
     send: Any,
     ledger: Any,
     cli: Cli,
@@ -72,11 +72,11 @@ def test_a_worker_the_cli_beat_and_once_need_exactly_the_documented_acl_over_tls
 
         # tasks: an exclusive lease renewed for 2 s, shared and limited leases, a waiter woken
         # by a release
-        first = send(wapp.guarded, "a", 2.0)
-        many = send(wapp.multi, "m", "s", "l")
-        holder = send(wapp.sleeper, "w", 2.0)
+        first = send(worker_app.guarded, "a", 2.0)
+        many = send(worker_app.multi, "m", "s", "l")
+        holder = send(worker_app.sleeper, "w", 2.0)
         ledger.wait_event("started:w")
-        waiter = send(wapp.busy_wait, "w")
+        waiter = send(worker_app.busy_wait, "w")
         assert first.get(timeout=30)["leases"][0][0] == "res:a"
         assert [x[0] for x in many.get(timeout=30)["leases"]] == [
             "multi:m",
@@ -165,7 +165,7 @@ def _assert_no_secret(text: str, secret: str = SECRET) -> None:
 
 
 def test_a_worker_with_a_wrong_password_never_logs_it(
-    user_server: RedisServer, start_worker: Callable[..., WorkerProc], wapp: Any, send: Any
+    user_server: RedisServer, start_worker: Callable[..., WorkerProc], worker_app: Any, send: Any
 ) -> None:
     wrong = f"wrong-{SECRET}"
     env = {**FAST, "CELERY_LEASES_REDIS_URL": _user_url(user_server, wrong)}
@@ -180,7 +180,7 @@ def test_a_worker_with_a_wrong_password_never_logs_it(
     admin.execute_command("ACL", "SETUSER", USER, f"<{wrong}")
     admin.execute_command("CLIENT", "KILL", "USER", USER)
     admin.close()
-    failed = send(wapp.guarded, "a")
+    failed = send(worker_app.guarded, "a")
     with pytest.raises(LeaseBackendError, match="invalid username-password pair"):
         failed.get(timeout=30)
     w.wait_for_log("LeaseBackendError", 30)
@@ -196,7 +196,7 @@ def test_a_worker_with_a_wrong_password_never_logs_it(
 def test_a_worker_whose_redis_goes_away_never_logs_the_password(
     user_server: RedisServer,
     start_worker: Callable[..., WorkerProc],
-    wapp: Any,
+    worker_app: Any,
     send: Any,
     ledger: Any,
 ) -> None:
@@ -205,13 +205,13 @@ def test_a_worker_whose_redis_goes_away_never_logs_the_password(
     w = start_worker(
         "prefork", 1, env={**FAST, "CELERY_LEASES_REDIS_URL": url}, extra=["-l", "debug"]
     )
-    done = send(wapp.guarded, "a")
+    done = send(worker_app.guarded, "a")
     assert done.get(timeout=30)["leases"][0][0] == "res:a"  # it works with the password
-    lost = send(wapp.interrupted, "b", 60)
+    lost = send(worker_app.interrupted, "b", 60)
     ledger.wait_event("started:b")
     user_server.stop()  # the holder's renewals fail, its lease counts as lost
     assert lost.get(timeout=30) == "lost:res:b"
-    refused = send(wapp.guarded, "c")
+    refused = send(worker_app.guarded, "c")
     with pytest.raises(LeaseBackendError, match=r"Connection refused|connecting to"):
         refused.get(timeout=30)
     w.wait_for_log("reconcile could not start", 30)

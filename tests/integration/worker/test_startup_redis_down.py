@@ -25,11 +25,11 @@ NOT_ANSWERING = "the leases Redis does not answer at start-up"
 
 
 def test_worker_waits_for_an_unreachable_leases_redis(
-    start_worker: Any, make_redis_server: Any, wapp: Any, send: Any, ledger: Any
+    start_worker: Any, make_redis_server: Any, worker_app: Any, send: Any, ledger: Any
 ) -> None:
     server = make_redis_server()
     server.stop()
-    result = send(wapp.guarded, "startup-down")
+    result = send(worker_app.guarded, "startup-down")
     worker = start_worker(
         "prefork",
         1,

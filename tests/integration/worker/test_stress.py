@@ -23,7 +23,7 @@ BODY_SECONDS = 0.01
 
 
 def test_hundreds_of_leased_tasks_on_few_resources_across_three_pools(
-    start_worker: Any, wapp: Any, send: Any, test_leases: Any, ledger: Any
+    start_worker: Any, worker_app: Any, send: Any, test_leases: Any, ledger: Any
 ) -> None:
     env = {"CELERY_LEASES_RETRY_DELAY": "0.05", "CELERY_LEASES_RETRY_MAX_DELAY": "0.4"}
     workers = [
@@ -33,7 +33,7 @@ def test_hundreds_of_leased_tasks_on_few_resources_across_three_pools(
     ]
     rids = [f"hot{i}" for i in range(RESOURCES)]
     started = time.monotonic()
-    results = [send(wapp.guarded, rids[i % RESOURCES], BODY_SECONDS) for i in range(TASKS)]
+    results = [send(worker_app.guarded, rids[i % RESOURCES], BODY_SECONDS) for i in range(TASKS)]
 
     def done() -> bool:
         return all(r.ready() for r in results)

@@ -19,12 +19,12 @@ TASKS = 40
 
 
 def test_workers_exclude_each_other_on_the_deployment(
-    topology: Any, start_worker, wapp, send, ledger, leases_prefix: str
+    topology: Any, start_worker, worker_app, send, ledger, leases_prefix: str
 ) -> None:
     env = topology.env()
     start_worker("prefork", 2, env=env)
     start_worker("threads", 2, env=env)
-    results = [send(wapp.guarded, RESOURCES[i % len(RESOURCES)], 0.05) for i in range(TASKS)]
+    results = [send(worker_app.guarded, RESOURCES[i % len(RESOURCES)], 0.05) for i in range(TASKS)]
     done = [r.get(timeout=120) for r in results]
 
     assert ledger.runs() == TASKS

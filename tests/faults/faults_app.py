@@ -46,7 +46,7 @@ ledger = Ledger(
     os.environ.get("FAULTS_LEDGER_PREFIX", "faults"),
 )
 
-app = Celery("fapp", broker=os.environ.get("FAULTS_BROKER", "amqp://guest:guest@127.0.0.1//"))
+app = Celery("faults_app", broker=os.environ.get("FAULTS_BROKER", "amqp://guest:guest@127.0.0.1//"))
 app.conf.update(
     task_default_queue=QUEUE,
     task_ignore_result=True,

@@ -14,7 +14,7 @@ from typing import Any, Final
 import redis
 from redis.exceptions import ResponseError
 
-DOCS: Final = Path(__file__).resolve().parents[1] / "docs" / "security.md"
+DOCS: Final = Path(__file__).resolve().parents[2] / "docs" / "security.md"
 USER: Final = "celery_leases"
 #: commands with sub-commands: a permission names the pair (``client|setname``)
 _CONTAINERS: Final = frozenset(

@@ -20,7 +20,7 @@ from typing import Any
 from celery import Celery
 
 from celery_leases import LeasedTask, Leases
-from tests.perprocess import PerProcessClient
+from tests.support.perprocess import PerProcessClient
 
 BROKER = os.environ.get("LEASES_TEST_BROKER", "redis://127.0.0.1:6379/15")
 QUEUE = os.environ.get("LEASES_TEST_QUEUE", "leases-unique-tests")
@@ -45,7 +45,7 @@ def make_app(
 ) -> Celery:
     """A Celery app with the test tasks (unless not ``tasks``), ``Leases`` made with
     ``settings``."""
-    app = Celery("uapp", broker=broker, backend=backend or broker, set_as_current=False)
+    app = Celery("unique_app", broker=broker, backend=backend or broker, set_as_current=False)
     app.conf.update(
         task_default_queue=queue,
         broker_connection_retry_on_startup=True,
@@ -57,7 +57,7 @@ def make_app(
     if beat_key:
         app.conf.beat_schedule = {
             "unique-every-second": {
-                "task": "uapp.gated",
+                "task": "unique_app.gated",
                 "schedule": timedelta(seconds=1),
                 "args": [beat_key],
             }
@@ -78,7 +78,7 @@ def make_app(
                 raise TimeoutError(f"gate {key} never opened")
             time.sleep(0.02)
 
-    @app.task(name="uapp.gated", shared=False, base=LeasedTask, bind=True, unique="job:{key}")
+    @app.task(name="unique_app.gated", shared=False, base=LeasedTask, bind=True, unique="job:{key}")
     def gated(self: Any, key: str, tag: str = "") -> str:
         """Announces it started, then runs until the test opens the gate of ``key``."""
         record(f"started:{key}", f"{self.request.id} {os.getpid()} {tag}")
@@ -86,17 +86,21 @@ def make_app(
         record(f"finished:{key}", self.request.id)
         return str(self.request.id)
 
-    @app.task(name="uapp.quick", shared=False, base=LeasedTask, bind=True, unique="job:{key}")
+    @app.task(name="unique_app.quick", shared=False, base=LeasedTask, bind=True, unique="job:{key}")
     def quick(self: Any, key: str, tag: str = "") -> str:
         record(f"started:{key}", f"{self.request.id} {os.getpid()} {tag}")
         return str(self.request.id)
 
-    @app.task(name="uapp.failing", shared=False, base=LeasedTask, bind=True, unique="job:{key}")
+    @app.task(
+        name="unique_app.failing", shared=False, base=LeasedTask, bind=True, unique="job:{key}"
+    )
     def failing(self: Any, key: str) -> None:
         record(f"started:{key}", self.request.id)
         raise ValueError(f"failing on purpose for {key}")
 
-    @app.task(name="uapp.sleeper", shared=False, base=LeasedTask, bind=True, unique="job:{key}")
+    @app.task(
+        name="unique_app.sleeper", shared=False, base=LeasedTask, bind=True, unique="job:{key}"
+    )
     def sleeper(self: Any, key: str, seconds: float = 60.0) -> str:
         """Announces it started, then sleeps (for revoke and kill -9)."""
         record(f"started:{key}", f"{self.request.id} {os.getpid()}")
@@ -104,7 +108,7 @@ def make_app(
         return "slept"
 
     @app.task(
-        name="uapp.retrying",
+        name="unique_app.retrying",
         shared=False,
         base=LeasedTask,
         bind=True,
@@ -120,7 +124,7 @@ def make_app(
         return f"done after {self.request.retries} retry"
 
     @app.task(
-        name="uapp.leased",
+        name="unique_app.leased",
         shared=False,
         base=LeasedTask,
         bind=True,
@@ -134,13 +138,17 @@ def make_app(
         return str(self.request.id)
 
     @app.task(
-        name="uapp.raising", shared=False, base=LeasedTask, unique="job:{key}", on_duplicate="raise"
+        name="unique_app.raising",
+        shared=False,
+        base=LeasedTask,
+        unique="job:{key}",
+        on_duplicate="raise",
     )
     def raising(key: str) -> str:
         return key
 
     @app.task(
-        name="uapp.ignoring",
+        name="unique_app.ignoring",
         shared=False,
         base=LeasedTask,
         unique="job:{key}",
@@ -150,14 +158,20 @@ def make_app(
         return key
 
     @app.task(
-        name="uapp.hard_limited", shared=False, base=LeasedTask, unique="job:{key}", time_limit=2
+        name="unique_app.hard_limited",
+        shared=False,
+        base=LeasedTask,
+        unique="job:{key}",
+        time_limit=2,
     )
     def hard_limited(key: str) -> str:
         record(f"started:{key}", os.getpid())
         time.sleep(30)
         return "not reached"
 
-    @app.task(name="uapp.replacing", shared=False, base=LeasedTask, bind=True, unique="job:{key}")
+    @app.task(
+        name="unique_app.replacing", shared=False, base=LeasedTask, bind=True, unique="job:{key}"
+    )
     def replacing(self: Any, key: str) -> Any:
         """Replaces itself with ``quick`` of the same key (Task.replace keeps the task id)."""
         record(f"started:{key}", f"{self.request.id} replacing")
@@ -165,7 +179,7 @@ def make_app(
         return self.replace(quick.s(key, "replacement"))
 
     @app.task(
-        name="uapp.late",
+        name="unique_app.late",
         shared=False,
         base=LeasedTask,
         bind=True,

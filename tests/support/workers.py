@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.polling import wait_until
+from tests.support.polling import wait_until
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT = 30.0
 
 

@@ -16,7 +16,7 @@ from celery import Celery
 from celery.exceptions import SoftTimeLimitExceeded
 
 from celery_leases import LeasedTask, LeaseLost, Leases, Shared, current_leases
-from tests.perprocess import PerProcessClient
+from tests.support.perprocess import PerProcessClient
 
 BROKER = os.environ.get("LEASES_TEST_BROKER", "redis://127.0.0.1:6379/15")
 BACKEND = os.environ.get("LEASES_TEST_BACKEND", BROKER)
@@ -30,7 +30,7 @@ if os.environ.get("LEASES_TEST_CLOCK_OFFSET"):
     _clock_offset = float(os.environ["LEASES_TEST_CLOCK_OFFSET"])
     time.time = lambda: _real_time() + _clock_offset
 
-app = Celery("wapp", broker=BROKER, backend=BACKEND)
+app = Celery("worker_app", broker=BROKER, backend=BACKEND)
 app.conf.update(
     task_default_queue=QUEUE,
     broker_connection_retry_on_startup=True,

@@ -17,7 +17,7 @@ import redis
 from celery import Celery
 
 from celery_leases import Leases
-from celery_leases._redis_topology import LocalCluster, LocalSentinel
+from tests.support.topology import LocalCluster, LocalSentinel
 
 #: slot groups the tests use on the cluster, so that leases spread over its three primaries
 CLUSTER_SLOT_GROUPS = 16

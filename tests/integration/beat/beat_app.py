@@ -38,12 +38,12 @@ ENTRIES = os.environ.get("LEASES_BEAT_ENTRIES", "every,cron").split(",")
 INTERVAL = 1.0
 EVERY_ENTRY = "every-1s"
 CRON_ENTRY = "cron-every-minute"
-EVERY_TASK = "bapp.every"
-CRON_TASK = "bapp.cron"
+EVERY_TASK = "beat_app.every"
+CRON_TASK = "beat_app.cron"
 #: task name -> (beat entry, kind of its claim key)
 ENTRY_OF = {EVERY_TASK: (EVERY_ENTRY, "every"), CRON_TASK: (CRON_ENTRY, "cron")}
 
-app = Celery("bapp", broker=BROKER)
+app = Celery("beat_app", broker=BROKER)
 app.conf.update(
     task_default_queue=QUEUE,
     broker_connection_retry_on_startup=True,

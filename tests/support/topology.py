@@ -1,4 +1,5 @@
-"""A private Redis Cluster and a private Sentinel set on 127.0.0.1, for tests and benchmarks.
+"""A private Redis Cluster and a private Sentinel set on 127.0.0.1, for tests and benchmarks
+(dev-only: not in the wheel).
 
 - :class:`LocalCluster`: several ``redis-server --cluster-enabled yes`` processes joined with
   ``redis-cli --cluster create`` (``valkey-cli`` works too); its URL is ``redis+cluster://``.
@@ -26,15 +27,15 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 import redis
 
-from ._redis_server import (
+from celery_leases._redis_server import (
     HOST,
     RedisServer,
     ServerTLS,
     StartStop,
-    _client,
-    ensure_server_binary,
     free_port,
+    probe_client,
 )
+from tests.support.servers import ensure_server_binary
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -133,7 +134,7 @@ class LocalCluster(StartStop):
 
     def _formed(self) -> bool:
         for server in self.servers:
-            client = _client(server.url, 1.0)
+            client = probe_client(server.url, 1.0)
             try:
                 info = cast("dict[str, Any]", client.cluster("INFO"))  # parsed by redis-py
             finally:
@@ -284,7 +285,7 @@ class LocalSentinel(StartStop):
             if _named_master(self._url(port), self.master_name) != expected:
                 return False
             # every sentinel must know the replicas and the other sentinels
-            client = _client(self._url(port), 1.0)
+            client = probe_client(self._url(port), 1.0)
             try:
                 state = cast("dict[str, Any]", client.sentinel_master(self.master_name))
             finally:
@@ -347,7 +348,7 @@ def _cli_tls(tls: ServerTLS | None) -> list[str]:
 
 def _named_master(sentinel_url: str, name: str) -> int:
     """The port of the master that the sentinel at ``sentinel_url`` names."""
-    client = _client(sentinel_url, 1.0)
+    client = probe_client(sentinel_url, 1.0)
     try:
         addr = cast("tuple[str, int]", client.sentinel_get_master_addr_by_name(name))
     finally:
@@ -356,7 +357,7 @@ def _named_master(sentinel_url: str, name: str) -> int:
 
 
 def _info(url: str, section: str) -> dict[str, Any]:
-    client = _client(url, 1.0)
+    client = probe_client(url, 1.0)
     try:
         return client.info(section)
     finally:
@@ -383,7 +384,7 @@ def _port_free(port: int) -> bool:
 
 
 def _answers(url: str) -> bool:
-    client = _client(url, 0.5)
+    client = probe_client(url, 0.5)
     try:
         return bool(client.ping())
     finally:
