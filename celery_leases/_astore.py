@@ -31,7 +31,6 @@ from ._lostreply import (
     UNKNOWN,
     AsyncOnceRetry,
     acall_once,
-    grant_recovery,
     once_on_cluster,
     one_attempt,
     release_recovered,
@@ -46,7 +45,7 @@ from ._store import (
     LeaseStore,
     ReplicaShortfall,
     counted_held,
-    own_grants,
+    settle_lost_grant,
     split_holder,
     task_in_registry,
 )
@@ -583,29 +582,12 @@ class AsyncLeaseStore:
             if time.monotonic() >= end:
                 raise RedisTimeoutError("other grant calls of this process are still in flight")
             await asyncio.sleep(QUIET_POLL)
-        found, entries = own_grants(owner, [r for r, _ in wants], replies, now_ms)
-        held = {r: BOOK.held(owner, k) for (r, _), k in zip(wants, book, strict=True)}
-        decision = grant_recovery(
-            wants,
-            found,
-            held,
-            alone=BOOK.alone(owner, book),
-            may_adopt=time.monotonic() < adopt_until,
+        adopted, orphans = settle_lost_grant(
+            owner, wants, book, replies, now_ms, adopt_until, task_id
         )
-        if decision.adopt is not None:
-            logger.info("leases: a grant of %s whose reply was lost is kept", wants[0][0])
-            return decision.adopt
-        if decision.give_back:
-            orphans = [
-                entries.get((r, m, t)) or Entry(m, t, task_id, r) for r, m, t in decision.give_back
-            ]
-            logger.info(
-                "leases: %d grant(s) whose reply was lost are given back (%s)",
-                len(orphans),
-                ", ".join(repr(e.resource) for e in orphans),
-            )
+        if orphans:
             await self._release_entries(owner, group, orphans, None)
-        return None
+        return adopted
 
     async def _attempt(
         self, wants: Sequence[Want], ident: Identity, ttl: float, task_id: str | None

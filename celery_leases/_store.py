@@ -660,29 +660,12 @@ class LeaseStore:
             if time.monotonic() >= end:
                 raise RedisTimeoutError("other grant calls of this process are still in flight")
             time.sleep(QUIET_POLL)
-        found, entries = own_grants(owner, [r for r, _ in wants], replies, now_ms)
-        held = {r: BOOK.held(owner, k) for (r, _), k in zip(wants, book, strict=True)}
-        decision = grant_recovery(
-            wants,
-            found,
-            held,
-            alone=BOOK.alone(owner, book),
-            may_adopt=time.monotonic() < adopt_until,
+        adopted, orphans = settle_lost_grant(
+            owner, wants, book, replies, now_ms, adopt_until, task_id
         )
-        if decision.adopt is not None:
-            logger.info("leases: a grant of %s whose reply was lost is kept", wants[0][0])
-            return decision.adopt
-        if decision.give_back:
-            orphans = [
-                entries.get((r, m, t)) or Entry(m, t, task_id, r) for r, m, t in decision.give_back
-            ]
-            logger.info(
-                "leases: %d grant(s) whose reply was lost are given back (%s)",
-                len(orphans),
-                ", ".join(repr(e.resource) for e in orphans),
-            )
+        if orphans:
             self._release_entries(owner, group, orphans)
-        return None
+        return adopted
 
     def acquire_call(
         self,
@@ -2013,6 +1996,44 @@ def counted_held(held: Held, now: float) -> bool:
 def entry_text(mode: str, token: int | str, task_id: str | None, resource: str) -> str:
     """``"<mode> <token> <task> <resource>"``, as acquire.lua writes it."""
     return f"{mode} {token} {escape(task_id) if task_id else '-'} {resource}"
+
+
+def settle_lost_grant(
+    owner: str,
+    wants: Sequence[tuple[str, str]],
+    book: Sequence[str],
+    replies: Sequence[Any],
+    now_ms: int,
+    adopt_until: float,
+    task_id: str | None,
+) -> tuple[list[int] | None, list[Entry]]:
+    """What a grant whose reply was lost left, read back: ``(tokens adopted, orphans)``.
+
+    The decision both stores' ``recover_grant`` make once Redis was read quietly (see
+    :func:`~celery_leases._lostreply.grant_recovery`): the lost call's grant is adopted, or
+    the orphan grants of ``owner`` (no live lease of this process has their token) are to be
+    released by the caller. ``book``: the resources' keys in the :data:`BOOK`.
+    """
+    found, entries = own_grants(owner, [r for r, _ in wants], replies, now_ms)
+    held = {r: BOOK.held(owner, k) for (r, _), k in zip(wants, book, strict=True)}
+    decision = grant_recovery(
+        wants,
+        found,
+        held,
+        alone=BOOK.alone(owner, book),
+        may_adopt=time.monotonic() < adopt_until,
+    )
+    if decision.adopt is not None:
+        logger.info("leases: a grant of %s whose reply was lost is kept", wants[0][0])
+        return decision.adopt, []
+    orphans = [entries.get((r, m, t)) or Entry(m, t, task_id, r) for r, m, t in decision.give_back]
+    if orphans:
+        logger.info(
+            "leases: %d grant(s) whose reply was lost are given back (%s)",
+            len(orphans),
+            ", ".join(repr(e.resource) for e in orphans),
+        )
+    return None, orphans
 
 
 def own_grants(
