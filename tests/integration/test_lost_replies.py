@@ -67,6 +67,18 @@ def lose(proxy: LossyProxy, source: str, how: str, *, after: int = 0) -> None:
 HOW = pytest.mark.parametrize("how", ["cut", "timeout"])
 
 
+@pytest.fixture
+def mine(make_lossy: Callable[..., Leases]) -> Leases:
+    """Leases of this test whose Redis connections go through the proxy."""
+    return make_lossy()
+
+
+@pytest.fixture
+def other(make_leases: Callable[..., Leases]) -> Leases:
+    """Leases of another node, straight to Redis: who would take an orphan's resource."""
+    return make_leases(node="other-node")
+
+
 def assert_free_for_others(other: Leases, *resources: str) -> None:
     """Another owner can take ``resources`` right away: no orphan grant is left."""
     with other.hold(resources, wait=0):
@@ -108,15 +120,13 @@ def test_hold_of_a_free_resource_survives_a_lost_grant_reply(
 
 @HOW
 def test_ahold_of_a_free_resource_survives_a_lost_grant_reply(
-    make_lossy: Callable[..., Leases],
-    make_leases: Callable[..., Leases],
+    mine: Leases,
+    other: Leases,
     proxy: LossyProxy,
     how: str,
 ):
     import asyncio
 
-    mine = make_lossy()
-    other = make_leases(node="other-node")
     lose(proxy, _scripts.ACQUIRE, how)
 
     async def run() -> int:
@@ -156,11 +166,9 @@ def test_a_request_across_slot_groups_survives_a_lost_reply_in_its_second_group(
 
 
 def test_a_lost_reply_never_takes_a_live_lease_of_another_thread(
-    make_lossy: Callable[..., Leases], make_leases: Callable[..., Leases], proxy: LossyProxy
+    mine: Leases, other: Leases, proxy: LossyProxy
 ):
     # two threads of one process share its owner id: each may hold a shared lease
-    mine = make_lossy()
-    other = make_leases(node="other-node")
     first = mine.hold(Shared("pool"))
     first_lease = first.__enter__()
     got: list[int] = []
@@ -185,13 +193,11 @@ def test_a_lost_reply_never_takes_a_live_lease_of_another_thread(
 
 @HOW
 def test_once_runs_once_when_its_grant_reply_is_lost(
-    make_lossy: Callable[..., Leases],
-    make_leases: Callable[..., Leases],
+    mine: Leases,
+    other: Leases,
     proxy: LossyProxy,
     how: str,
 ):
-    mine = make_lossy()
-    other = make_leases(node="other-node")
     calls: list[int] = []
     lose(proxy, _scripts.ACQUIRE, how)
 
@@ -213,8 +219,8 @@ def test_once_runs_once_when_its_grant_reply_is_lost(
 
 @pytest.mark.parametrize(("ttl", "kept"), [(30.0, True), (0.8, False)])
 def test_a_lost_grant_is_adopted_only_with_time_left_on_its_horizon(
-    make_lossy: Callable[..., Leases],
-    make_leases: Callable[..., Leases],
+    mine: Leases,
+    other: Leases,
     proxy: LossyProxy,
     caplog: pytest.LogCaptureFixture,
     ttl: float,
@@ -223,8 +229,6 @@ def test_a_lost_grant_is_adopted_only_with_time_left_on_its_horizon(
     # the reply comes after the socket timeout (0.5 s): a lease of ttl 0.8 s (horizon 0.72 s)
     # would count as lost before the heartbeat could renew it, so it is given back and the
     # grant made again; one of ttl 30 s is kept
-    mine = make_lossy()
-    other = make_leases(node="other-node")
     lose(proxy, _scripts.ACQUIRE, "timeout")
     with caplog.at_level(logging.INFO, logger="celery_leases._store"):
         (lease,) = mine.acquire([Want("printer")], ttl=ttl)
@@ -241,13 +245,11 @@ def test_a_lost_grant_is_adopted_only_with_time_left_on_its_horizon(
 
 
 def test_a_grant_left_by_a_recovery_that_cannot_reach_redis_is_logged_and_registered(
-    make_lossy: Callable[..., Leases],
-    make_leases: Callable[..., Leases],
+    mine: Leases,
+    other: Leases,
     proxy: LossyProxy,
     caplog: pytest.LogCaptureFixture,
 ):
-    mine = make_lossy()
-    other = make_leases(node="other-node")
     proxy.drop_next_reply(sha(_scripts.ACQUIRE), then_refuse=True)
     with caplog.at_level(logging.ERROR), pytest.raises(LeaseBackendError):
         mine.acquire([Want("printer")], ttl=5)
@@ -267,13 +269,11 @@ def test_a_grant_left_by_a_recovery_that_cannot_reach_redis_is_logged_and_regist
 # --- release and renew replays -----------------------------------------------------------------
 @HOW
 def test_a_lost_release_reply_is_no_lost_lease(
-    make_lossy: Callable[..., Leases],
-    make_leases: Callable[..., Leases],
+    mine: Leases,
+    other: Leases,
     proxy: LossyProxy,
     how: str,
 ):
-    mine = make_lossy()
-    other = make_leases(node="other-node")
     with mine.hold("printer"):
         lose(proxy, _scripts.RELEASE, how)
     # leaving the block did not raise LeaseLost: the release was sent again, found nothing
@@ -298,13 +298,11 @@ def test_a_release_replayed_is_harmless(make_leases: Callable[..., Leases]):
 
 @HOW
 def test_a_lost_renewal_reply_is_harmless(
-    make_lossy: Callable[..., Leases],
-    make_leases: Callable[..., Leases],
+    mine: Leases,
+    other: Leases,
     proxy: LossyProxy,
     how: str,
 ):
-    mine = make_lossy()
-    other = make_leases(node="other-node")
     owner = mine.identity().owner
     with mine.hold("printer", ttl=10) as lease:
         held: Held = lease._held
@@ -443,13 +441,11 @@ def test_a_lost_unique_requeue_reply_is_read_back(
 # --- once receipts -------------------------------------------------------------------------------
 @HOW
 def test_once_stores_its_receipt_when_the_commit_reply_is_lost(
-    make_lossy: Callable[..., Leases],
-    make_leases: Callable[..., Leases],
+    mine: Leases,
+    other: Leases,
     proxy: LossyProxy,
     how: str,
 ):
-    mine = make_lossy()
-    other = make_leases(node="other-node")
     lose(proxy, _scripts.COMMIT_RECEIPT, how)
     receipt = mine.once("setup", lambda: "made", wait=2.0)
     assert not proxy.armed()
@@ -460,15 +456,12 @@ def test_once_stores_its_receipt_when_the_commit_reply_is_lost(
 # --- asyncio ----------------------------------------------------------------------------------
 @HOW
 def test_asyncio_release_and_receipt_survive_lost_replies(
-    make_lossy: Callable[..., Leases],
-    make_leases: Callable[..., Leases],
+    mine: Leases,
+    other: Leases,
     proxy: LossyProxy,
     how: str,
 ):
     import asyncio
-
-    mine = make_lossy()
-    other = make_leases(node="other-node")
 
     async def run() -> tuple[object, object]:
         try:
