@@ -161,6 +161,21 @@ def test_redis_restart_with_data_loss(
         assert rejected["token"] < rejected["last"], rejected
 
 
+def assert_probe_told_first(ledger: Any, harness: Any, old_token: int) -> None:
+    """After a restart with a grace, ``harness`` takes ``r:probe`` from the stubborn probe:
+    the old holder is told its lease is lost before the new one is granted, they never
+    overlap, and the new token is newer."""
+    with harness.hold("r:probe", wait=4 * TTL) as lease:
+        granted_ms = ledger.now_ms()
+        overlapped = ledger.enter("r:probe", lease.token, "harness")
+        ledger.leave("r:probe", lease.token, "harness")
+    lost = ledger.events("lost:probe")
+    assert lost, "the old holder was never told its lease was lost"
+    assert lost[0][0] <= granted_ms, "the new holder was granted before the old one knew"
+    assert overlapped == 0
+    assert lease.token > old_token
+
+
 def test_redis_restart_with_restart_grace(
     make_fleet: Any, make_leases: Any, reports: list[ScenarioReport]
 ) -> None:
@@ -176,15 +191,7 @@ def test_redis_restart_with_restart_grace(
     harness = make_leases(
         redis_url=fleet.server.url, key_prefix="faults-restart-grace", ttl=TTL, restart_grace=TTL
     )
-    with harness.hold("r:probe", wait=4 * TTL) as lease:
-        granted_ms = ledger.now_ms()
-        overlapped = ledger.enter("r:probe", lease.token, "harness")
-        ledger.leave("r:probe", lease.token, "harness")
-    lost = ledger.events("lost:probe")
-    assert lost, "the old holder was never told its lease was lost"
-    assert lost[0][0] <= granted_ms, "the new holder was granted before the old one knew"
-    assert overlapped == 0
-    assert lease.token > old_token
+    assert_probe_told_first(ledger, harness, old_token)
 
     fleet.send_work(TASKS, RESOURCES, seed=3)
     for fraction in (0.2, 0.5, 0.8):
@@ -217,15 +224,7 @@ def test_redis_restart_from_a_snapshot(
     fleet.server.restart(keep_data=True)
     fleet.fault("restart from a snapshot (probe)")
     harness = make_leases(redis_url=fleet.server.url, key_prefix="faults-restart-snapshot", ttl=TTL)
-    with harness.hold("r:probe", wait=4 * TTL) as lease:
-        granted_ms = ledger.now_ms()
-        overlapped = ledger.enter("r:probe", lease.token, "harness")
-        ledger.leave("r:probe", lease.token, "harness")
-    lost = ledger.events("lost:probe")
-    assert lost, "the old holder was never told its lease was lost"
-    assert lost[0][0] <= granted_ms, "the new holder was granted before the old one knew"
-    assert overlapped == 0
-    assert lease.token > old_token
+    assert_probe_told_first(ledger, harness, old_token)
 
     fleet.send_work(TASKS, RESOURCES, seed=4)
     for fraction in (0.2, 0.5, 0.8):
