@@ -35,19 +35,16 @@ from ._lostreply import (
     one_attempt,
     release_recovered,
 )
+from ._protocol import ReplicaShortfall
+from ._registry import Entry, counted_held, split_holder, task_in_registry
 from ._store import (
     EXPIRY_SLACK,
     NOW_SCRIPT,
     QUIET_POLL,
     AcquireCall,
     Busy,
-    Entry,
     LeaseStore,
-    ReplicaShortfall,
-    counted_held,
     settle_lost_grant,
-    split_holder,
-    task_in_registry,
 )
 from .config import LeaseSettings, safe_url
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseError

@@ -8,6 +8,7 @@ with these (an ``IntEnum`` equals its int, so a reply from Redis compares direct
 from __future__ import annotations
 
 from enum import IntEnum
+from hashlib import sha1
 from importlib.resources import files
 from typing import Final
 
@@ -20,6 +21,9 @@ __all__ = (
     "FENCED_WRITE",
     "FORGET_OWNER",
     "LIFETIME_CHECK",
+    "NOW",
+    "SHA",
+    "SOURCE",
     "RELEASE",
     "RENEW",
     "UNIQUE_CLAIM",
@@ -161,3 +165,13 @@ ALL: Final[dict[str, str]] = {
     "fenced_write": FENCED_WRITE,
     "lifetime_check": LIFETIME_CHECK,
 }
+
+#: the Redis clock, read on the node serving KEYS[1] (a cluster pipeline cannot send TIME,
+#: which names no key)
+NOW: Final = "return redis.call('TIME')"
+
+#: every script a driver may be asked to call (:class:`~celery_leases._protocol.Script`), by
+#: name: the ones of ``lua/`` and the clock
+SOURCE: Final[dict[str, str]] = {**ALL, "now": NOW}
+#: their SHA1 digests, as EVALSHA names them
+SHA: Final[dict[str, str]] = {name: sha1(src.encode()).hexdigest() for name, src in SOURCE.items()}

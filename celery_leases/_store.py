@@ -7,7 +7,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, NamedTuple, TypeVar
@@ -21,10 +21,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from . import _connect, _lifetime, _scripts
+from ._engine import LeaseEngine, ResourceKeys
 from ._identity import Identity
 from ._keys import (
     UNIQUE_PREFIX,
-    Keyspace,
     escape,
     escaped_node_of_owner,
     holder_parts,
@@ -46,7 +46,30 @@ from ._lostreply import (
     release_recovered,
     requeue_recovered,
 )
+from ._protocol import (
+    Call,
+    Command,
+    Failure,
+    Op,
+    ReplicaShortfall,
+    Script,
+    Send,
+    SendReplicated,
+    Sleep,
+    Steps,
+    words_of,
+)
+from ._registry import (
+    QUEUED_OWNER,
+    Entry,
+    counted_held,
+    entry_text,
+    parse_entry,
+    split_holder,
+    task_in_registry,
+)
 from ._scripts import (
+    SOURCE,
     AcquireReply,
     BeatClaimReply,
     CommitReceiptReply,
@@ -64,6 +87,7 @@ logger = get_logger(__name__)
 #: reads of a running claim holder's task id, which a release at the wrong moment loses
 _HOLDER_READS: Final = 3
 _Outcome = TypeVar("_Outcome")
+T = TypeVar("T")
 
 __all__ = ("ClaimHolder", "Claimed", "CleanupReport", "LeaseStore", "safe_url")
 
@@ -77,8 +101,6 @@ EXPIRY_SLACK: Final = 0.002
 
 #: the Redis clock, read on the node serving KEYS[1] (see LeaseStore._with_now)
 NOW_SCRIPT: Final = "return redis.call('TIME')"
-#: resources whose key names are cached per store
-_KEY_CACHE_SIZE: Final = 4096
 #: idle subscriber connections a store keeps per process for waiters
 _IDLE_SUBSCRIBERS: Final = 4
 #: commands per pipeline of the operations calls (a fleet may have thousands of owners)
@@ -89,21 +111,6 @@ _RELEASE_BATCH: Final = 500
 AUDIT_KEEP: Final = 1000
 #: seconds between looks at the grant calls still in flight, in a lost reply's recovery
 QUIET_POLL: Final = 0.005
-
-
-class ReplicaShortfall(RedisTimeoutError):
-    """Too few replicas confirmed a write in time (the outcome is known: not a lost reply)."""
-
-
-@dataclass(frozen=True)
-class ResourceKeys:
-    """The key names of one resource, and its slot group."""
-
-    exclusive: str
-    shared: str
-    counter: str
-    channel: str
-    group: int
 
 
 @dataclass
@@ -191,37 +198,24 @@ class LeaseStore:
 
     def __init__(self, settings: LeaseSettings) -> None:
         self.settings = settings
-        self.keys = Keyspace(settings.key_prefix, settings.slot_groups)
+        #: the protocol's memory in this process, shared with the asyncio driver
+        self.engine = engine = LeaseEngine(settings)
+        engine.store = self
+        self.keys = engine.keys
         self.url = settings.url
         self._lock = threading.Lock()
-        # owner -> monotonic time its home registration was last sent (see try_acquire)
-        self._registered: dict[str, float] = {}
-        # (owner, group) -> monotonic time until which that registry surely exists
-        self._registry_until: dict[tuple[str, int], float] = {}
-        # hot-path caches: key names of recently used resources and registries
-        self._rkeys: dict[str, ResourceKeys] = {}
-        self._regkeys: dict[tuple[str, int], str] = {}
-        self._grace_ms = _lifetime.grace_arg(settings)
         self._pubsubs: list[redis.client.PubSub] = []  # idle subscribers of this process
         self._pubsub_pid = os.getpid()
-        self._liveness = str(self._ms(settings.ttl))
         self._renew_lock = threading.Lock()
         # see _renewal_connection: node name ("" off a cluster) -> connection, in _renew_pid
         self._renew_conns: dict[str, Any] = {}
         self._renew_pid = -1
-        # beat claim key -> the last run this store counted as won (see own_beat_win)
-        self._beat_won: dict[str, int] = {}
-        #: the WAIT command sent after each grant and renewal ((): min_replicas is 0)
-        self.wait_replicas: tuple[Any, ...] = ()
-        if settings.min_replicas:
-            timeout_ms = self._ms(settings.min_replicas_timeout)
-            self.wait_replicas = ("WAIT", settings.min_replicas, timeout_ms)
         # the client object connects lazily; made now so a bad URL fails at start-up, and so
         # the scripts are registered before any method can reach for them
         self._target = _connect.parse_target(self.url)
         self._client: redis.Redis | None = self._make_client()
         #: True on a Redis Cluster (grants, renewals and cleanups go per node there)
-        self.cluster = _connect.is_cluster(self._client)
+        self.cluster = engine.cluster = _connect.is_cluster(self._client)
         self._pid = os.getpid()
         self._register_scripts(self._client)
 
@@ -237,7 +231,7 @@ class LeaseStore:
             if self._client is None or self._pid != pid:
                 self._client = self._make_client()
                 self._pid = pid
-                self._registered = {}
+                self.engine.forked()
                 self._register_scripts(self._client)
             return self._client
 
@@ -300,10 +294,9 @@ class LeaseStore:
             for conn in conns.values():
                 conn.disconnect()
 
-    def backend_error(self, what: str, exc: RedisError) -> LeaseBackendError:
+    def backend_error(self, what: str, exc: BaseException) -> LeaseBackendError:
         """The LeaseBackendError for ``exc`` while trying to ``what`` (the URL without secrets)."""
-        msg = f"redis at {safe_url(self.url)} failed to {what}: {type(exc).__name__}: {exc}"
-        return LeaseBackendError(msg)
+        return self.engine.backend_error(what, exc)
 
     @contextmanager
     def _backend(self, what: str) -> Iterator[None]:
@@ -328,62 +321,124 @@ class LeaseStore:
         with self._backend("load scripts"):
             return {name: self.client.script_load(src) for name, src in _scripts.ALL.items()}
 
-    # --- key caches -----------------------------------------------------------------------
+    # --- the engine's rules, for the callers that hold a store -------------------------
+    @property
+    def wait_replicas(self) -> tuple[Any, ...]:
+        """The WAIT command sent after each grant and renewal ((): min_replicas is 0)."""
+        return self.engine.wait_replicas
+
     def resource_keys(self, resource: str) -> ResourceKeys:
-        """The key names of ``resource`` (cached: escaping is the costly part)."""
-        keys = self._rkeys.get(resource)
-        if keys is None:
-            if len(self._rkeys) >= _KEY_CACHE_SIZE:
-                self._rkeys.clear()
-            k = self.keys
-            keys = self._rkeys[resource] = ResourceKeys(
-                k.exclusive(resource),
-                k.shared(resource),
-                k.counter(resource),
-                k.channel(resource),
-                k.group_of(resource),
-            )
-        return keys
+        """The key names of ``resource`` (see :meth:`LeaseEngine.resource_keys`)."""
+        return self.engine.resource_keys(resource)
 
     def registry_key(self, owner: str, group: int) -> str:
-        """The registry key of ``owner`` in slot group ``group`` (cached per store)."""
-        key = self._regkeys.get((owner, group))
-        if key is None:
-            if len(self._regkeys) >= _KEY_CACHE_SIZE:
-                self._regkeys.clear()
-            key = self._regkeys[(owner, group)] = self.keys.registry(owner, group)
-        return key
-
-    def _registry_expiry(self, owner: str, group: int, ttl: float, now: float) -> float:
-        """Seconds to (re)set the registry's expiry to, or 0 when it surely lives long enough.
-
-        A registry must outlive every lease it records (2 x the longest TTL), so a cleanup can
-        always find them; it is set to 4 x TTL, and not touched again while at least 2 x TTL is
-        left, which keeps the call off the hot path.
-        """
-        left = self._registry_until.get((owner, group), 0.0) - now
-        if left >= 2 * ttl:
-            return 0.0
-        return max(4 * ttl, left)
-
-    # --- acquire --------------------------------------------------------------------------
-    def _ms(self, seconds: float) -> int:
-        return max(1, math.ceil(seconds * 1000))
-
-    # The liveness is settings.ttl, whatever the leases' own TTLs: it is how soon the orphan
-    # reconcile frees the leases of a dead owner. (It was max(ttl, settings.ttl): a lease of
-    # ttl=3600 kept its dead owner "alive" for an hour, so reconcile could never free a lease
-    # before the lease ran out by itself.) horizon() counts a lease lost within settings.ttl of
-    # its last confirmation, so no live holder is reconciled away.
+        """The registry key of ``owner`` in slot group ``group`` (cached)."""
+        return self.engine.registry_key(owner, group)
 
     def horizon(self, ttl: float) -> float:
-        """Seconds after a confirmation that a lease of ``ttl`` counts as held.
+        """Seconds after a confirmation that a lease of ``ttl`` counts as held."""
+        return self.engine.horizon(ttl)
 
-        The owner's liveness runs out ``settings.ttl`` after its last renewal, and the orphan
-        reconcile may then free its leases: so a lease counts as held for the shorter of the
-        two, less the safety margin.
+    def liveness_covers(self, owner: str, ttl: float) -> bool:
+        """See :meth:`LeaseEngine.liveness_covers`: the one rule of the home call."""
+        return self.engine.liveness_covers(owner, ttl)
+
+    def _ms(self, seconds: float) -> int:
+        return self.engine.ms(seconds)
+
+    # --- the driver -----------------------------------------------------------------------
+    def run(self, steps: Steps[T]) -> T:
+        """Carry out a core operation: each request it yields, sent; each reply, sent back.
+
+        A redis error is thrown into it as :class:`~celery_leases._protocol.Failure`.
         """
-        return min(ttl, self.settings.ttl) * self.settings.margin_fraction
+        value: Any = None
+        failure: Failure | None = None
+        while True:
+            try:
+                op = steps.send(value) if failure is None else steps.throw(failure)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            failure = None
+            try:
+                value = self._execute(op)
+            except RedisError as exc:
+                failure = Failure(exc, lost=isinstance(exc, UNKNOWN))
+
+    def _execute(self, op: Op) -> Any:
+        kind = type(op)
+        if kind is Send:
+            assert isinstance(op, Send)
+            if op.once:
+                with one_attempt():
+                    return self._send_op(op)
+            return self._send_op(op)
+        if kind is SendReplicated:
+            assert isinstance(op, SendReplicated)
+            with one_attempt():
+                return self._send_replicated(op.calls)
+        if kind is Sleep:
+            assert isinstance(op, Sleep)
+            time.sleep(op.seconds)
+            return None
+        raise TypeError(f"not a request of the lease protocol: {op!r}")
+
+    def _send_op(self, op: Send) -> list[Any]:
+        """One round trip of ``op``'s calls; NOSCRIPT loads the script and sends again."""
+        client: Any = self.client
+        calls = op.calls
+        if len(calls) == 1 and not op.transaction:
+            call = calls[0]
+            if type(call) is Command:
+                return [client.execute_command(*call.words)]
+            assert isinstance(call, Script)
+            words = words_of(call)
+            try:
+                return [client.execute_command(*words)]
+            except NoScriptError:
+                client.script_load(SOURCE[call.name])
+                return [client.execute_command(*words)]
+        return self._round_trip(client, calls, transaction=op.transaction)
+
+    @staticmethod
+    def _round_trip(target: Any, calls: Sequence[Call], *, transaction: bool = False) -> list[Any]:
+        """One round trip of ``calls`` in a pipeline of ``target``.
+
+        If Redis lost a script (a restart, SCRIPT FLUSH), it is loaded (on every primary of
+        a cluster) and the pipeline sent once more. The first error reply is raised.
+        """
+        for attempt in (1, 2):
+            pipe = target.pipeline(transaction=transaction)
+            for call in calls:
+                pipe.execute_command(*words_of(call))
+            replies: list[Any] = pipe.execute(raise_on_error=False)
+            if attempt == 1 and any(isinstance(r, NoScriptError) for r in replies):
+                for name in {c.name for c in calls if isinstance(c, Script)}:
+                    target.script_load(SOURCE[name])
+                continue
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply
+            return replies
+        raise AssertionError("unreachable")
+
+    def _send_replicated(self, calls: Sequence[Script]) -> tuple[list[Any], list[Any]]:
+        """Each node's calls then ``WAIT`` on one connection, in one round trip per node."""
+        routes: dict[str, list[int]] = {}
+        for i, call in enumerate(calls):
+            routes.setdefault(self._node_of(call.keys[0]), []).append(i)
+        replies: list[Any] = [None] * len(calls)
+        acked: list[Any] = []
+        wait = Command(self.wait_replicas)
+        for node, idx in routes.items():
+            target: Any = self.client
+            if self.cluster:  # WAIT must go down the same connection as the writes
+                target = target.get_redis_connection(target.get_node(node_name=node))
+            *got, count = self._round_trip(target, [*(calls[i] for i in idx), wait])
+            for i, reply in zip(idx, got, strict=True):
+                replies[i] = reply
+            acked.append(count)
+        return replies, acked
 
     def try_acquire(
         self, wants: Sequence[Want], ident: Identity, ttl: float, task_id: str | None = None
@@ -507,32 +562,6 @@ class LeaseStore:
             for i, w in enumerate(wants):
                 by_group.setdefault(self.resource_keys(w.resource).group, []).append(i)
         return by_group, self.liveness_covers(owner, ttl)
-
-    def liveness_covers(self, owner: str, ttl: float) -> bool:
-        """True if ``owner``'s liveness surely outlasts a lease of ``ttl`` granted now.
-
-        The one rule every path that grants follows (plain grants, unique takeovers, once,
-        the beat leader and reconcile leases, sync and asyncio): a grant refreshes its owner's
-        liveness to at least the grant's horizon, by the home call (group 0), unless this
-        returns True. The home call registers the owner under its node and refreshes its
-        liveness; skipping it is safe only while that liveness outlasts the new lease's
-        horizon:
-
-        - t0 the owner registers; t1 it idles past its liveness and a reconcile forgets it
-          (off the node's owner set); t2 it takes a lease; t3 its node restarts and must
-          find that lease.
-        - t0 the owner's liveness is refreshed (it runs to t0 + settings.ttl); t1 it takes a
-          lease it counts held until t1 + horizon, later than that; t2 a reconcile finds the
-          liveness run out and frees the lease while its holder still counts it held.
-
-        So with a lease ttl at least the ttl setting the liveness is always refreshed (in the
-        same script call when the lease is in the home slot group).
-        """
-        registered = self._registered.get(owner)
-        return registered is not None and (
-            time.monotonic() + self.horizon(ttl)
-            < registered + self.settings.ttl * self.settings.margin_fraction
-        )
 
     def _acquire_group(
         self,
@@ -679,13 +708,13 @@ class LeaseStore:
         """The keys and arguments of one acquire.lua call (no Redis call)."""
         owner = ident.owner
         now = time.monotonic()
-        registry_s = self._registry_expiry(owner, group, ttl, now) if wants else 0.0
+        registry_s = self.engine.registry_expiry(owner, group, ttl, now) if wants else 0.0
         keys = [self.keys.lifetime(group), self.registry_key(owner, group)]
-        args: list[Any] = [owner, self._ms(ttl), self._grace_ms]
+        args: list[Any] = [owner, self._ms(ttl), self.engine.grace_ms]
         home = home and group == 0
         if home:
             keys += [self.keys.owners, self.keys.node(ident.node), self.keys.nodes]
-            args += ["1", self._liveness, ident.node_key_part]
+            args += ["1", self.engine.liveness, ident.node_key_part]
         else:
             args += ["0", "0", ""]
         args += [
@@ -709,9 +738,9 @@ class LeaseStore:
         if code == AcquireReply.BUSY:
             return Busy(wants[int(reply[1]) - 1].resource, int(reply[2]) / 1000)
         if call.home:
-            self._registered[owner] = now
+            self.engine.registered[owner] = now
         if call.registry_s:
-            self._registry_until[(owner, call.group)] = now + call.registry_s
+            self.engine.registry_until[(owner, call.group)] = now + call.registry_s
         horizon = self.horizon(call.ttl)
         # before the call counts as ended: a recovery must never take these for orphans
         for w, token in zip(wants, reply[1:], strict=True):
@@ -893,14 +922,14 @@ class LeaseStore:
         registry: dict[int, float] = {}
         calls: list[tuple[list[int], list[str], list[Any]]] = []
         for group, idx in sorted(by_group.items()):
-            left = self._registry_until.get((owner, group), 0.0) - sent
+            left = self.engine.registry_until.get((owner, group), 0.0) - sent
             registry[group] = max(4 * longest, left)
             keys = [self.registry_key(owner, group)]
             args: list[Any] = [owner, self._ms(registry[group])]
             if group == 0:
                 node = escaped_node_of_owner(owner)
                 keys += [self.keys.owners, self.keys.node(unescape(node)), self.keys.nodes]
-                args += ["1", self._liveness, node]
+                args += ["1", self.engine.liveness, node]
             else:
                 args += ["0", 0, ""]
             for i in idx:
@@ -923,9 +952,9 @@ class LeaseStore:
             lost.update(idx[int(n) - 1] for n in reply)
         # this call refreshed the owner's liveness and its registries' expiry
         sent = plan.sent
-        self._registered[owner] = max(self._registered.get(owner, sent), sent)
+        self.engine.registered[owner] = max(self.engine.registered.get(owner, sent), sent)
         for group, registry_s in plan.registry.items():
-            self._registry_until[(owner, group)] = sent + registry_s
+            self.engine.registry_until[(owner, group)] = sent + registry_s
         return lost
 
     def _call_with_deadline(
@@ -1049,13 +1078,7 @@ class LeaseStore:
 
     def check_replicated(self, acked: Any, what: str) -> None:
         """Raise ReplicaShortfall when WAIT's ``acked`` is below min_replicas."""
-        want = self.settings.min_replicas
-        if int(acked) < want:
-            msg = (
-                f"the {what} reached {acked} of the {want} replicas min_replicas asks for "
-                f"within {self.settings.min_replicas_timeout}s"
-            )
-            raise ReplicaShortfall(msg)
+        self.engine.check_replicated(acked, what)
 
     # --- release --------------------------------------------------------------------------
     def release(self, held: Sequence[Held]) -> list[bool]:
@@ -1163,7 +1186,7 @@ class LeaseStore:
                 before += clock_offsets_us[group]
             entries: list[Entry] = []
             for member in sorted(members):
-                parsed = _parse_entry(str(member))
+                parsed = parse_entry(str(member))
                 if parsed is None:
                     report.kept.append((owner, str(member)))
                 elif before is not None and parsed.token >= before:
@@ -1314,7 +1337,7 @@ class LeaseStore:
                     pipe.smembers(key)
                 for (owner, _), members in zip(chunk, pipe.execute(), strict=True):
                     for member in members:
-                        parsed = _parse_entry(str(member))
+                        parsed = parse_entry(str(member))
                         if parsed is not None:
                             out[owner].append(parsed)
         for entries in out.values():
@@ -1493,7 +1516,7 @@ class LeaseStore:
                 pipe.smembers(self.keys.registry(owner, group))
             for members in pipe.execute():
                 for member in members:
-                    parsed = _parse_entry(str(member))
+                    parsed = parse_entry(str(member))
                     if parsed is not None:
                         out.append(parsed)
         return sorted(out, key=lambda e: (e.resource, e.token))
@@ -1574,9 +1597,9 @@ class LeaseStore:
         won = int(reply[0]) == BeatClaimReply.WON
         run, now, winner = int(reply[1]), int(reply[2]), str(reply[3])
         if lost:
-            won = own_beat_win(won, run, winner, replica, self._beat_won.get(keys[0]))
+            won = own_beat_win(won, run, winner, replica, self.engine.beat_won.get(keys[0]))
         if won:
-            self._beat_won[keys[0]] = run
+            self.engine.beat_won[keys[0]] = run
         return won, run, now, winner
 
     # --- unique claims ----------------------------------------------------------------------
@@ -1645,7 +1668,7 @@ class LeaseStore:
             if isinstance(home, Busy):
                 return ClaimHolder(key, "grace", None, 0, None, home.wait)
         now = time.monotonic()
-        registry_s = self._registry_expiry(owner, group, ttl, now)
+        registry_s = self.engine.registry_expiry(owner, group, ttl, now)
         keys = [
             self.keys.lifetime(group),
             self.registry_key(owner, group),
@@ -1656,7 +1679,7 @@ class LeaseStore:
         args: list[Any] = [
             owner,
             self._ms(ttl),
-            self._grace_ms,
+            self.engine.grace_ms,
             TOKEN_MEMORY_MS,
             self._ms(registry_s) if registry_s else 0,
             escape(task_id),
@@ -1682,7 +1705,7 @@ class LeaseStore:
             if code == UniqueHandoverReply.BUSY:
                 return self._claim_holder(key, resource, str(reply[1]), int(reply[2]))
             if registry_s:
-                self._registry_until[(owner, group)] = now + registry_s
+                self.engine.registry_until[(owner, group)] = now + registry_s
             BOOK.hold(owner, rk.exclusive, int(reply[1]))
         finally:
             BOOK.end(owner, book, recovered=lost)
@@ -1948,56 +1971,6 @@ class LeaseStore:
         return task_in_registry(members, resource, token)
 
 
-def split_holder(value: object) -> tuple[str, int] | str | None:
-    """An exclusive key's value, read: ``(owner, token)``, or the task id of a queued unique
-    claim, or None (no holder, or a value this release cannot read)."""
-    if value is None:
-        return None
-    token, owner = holder_parts(value)
-    if owner.startswith(QUEUED_OWNER):
-        return unescape(owner.removeprefix(QUEUED_OWNER)) or None
-    if not token.isdigit() or not owner:
-        return None
-    return owner, int(token)
-
-
-def task_in_registry(members: Iterable[object], resource: str, token: int) -> str | None:
-    """The task id that a registry's ``members`` record for the exclusive ``resource``/``token``."""
-    for member in members:
-        entry = _parse_entry(str(member))
-        if entry is not None and (entry.mode, entry.token, entry.resource) == (
-            "x",
-            token,
-            resource,
-        ):
-            return entry.task_id
-    return None
-
-
-class Entry(NamedTuple):
-    """One owner-registry entry: what a lease holder recorded at the grant."""
-
-    mode: str
-    token: int
-    task_id: str | None
-    resource: str
-
-    @property
-    def text(self) -> str:
-        """The entry as stored in the registry set."""
-        return entry_text(self.mode, self.token, self.task_id, self.resource)
-
-
-def counted_held(held: Held, now: float) -> bool:
-    """True if ``held`` still counts as held at ``now`` (so Redis surely still has it)."""
-    return not held.lost and now < held.deadline
-
-
-def entry_text(mode: str, token: int | str, task_id: str | None, resource: str) -> str:
-    """``"<mode> <token> <task> <resource>"``, as acquire.lua writes it."""
-    return f"{mode} {token} {escape(task_id) if task_id else '-'} {resource}"
-
-
 def settle_lost_grant(
     owner: str,
     wants: Sequence[tuple[str, str]],
@@ -2057,27 +2030,13 @@ def own_grants(
                 grants.append((mode, parsed[0]))
     entries: dict[tuple[str, str, int], Entry] = {}
     for member in replies[-1]:
-        entry = _parse_entry(str(member))
+        entry = parse_entry(str(member))
         if entry is not None:
             entries[(entry.resource, entry.mode, entry.token)] = entry
     return found, entries
 
 
-def _parse_entry(member: str) -> Entry | None:
-    mode, _, rest = member.partition(" ")
-    token, _, rest = rest.partition(" ")
-    task, _, resource = rest.partition(" ")
-    if mode not in ("x", "s") or not token.isdigit() or not task or not resource:
-        return None
-    return Entry(mode, int(token), None if task == "-" else unescape(task), resource)
-
-
 # --- unique claims ---------------------------------------------------------------------------
-#: the owner part of a queued claim's value: "%queued/<escaped task id>". No owner id starts
-#: so: an owner id starts with an escaped node name, where "%" is always followed by hex.
-QUEUED_OWNER: Final = "%queued/"
-
-
 @dataclass(frozen=True)
 class Claimed:
     """A unique claim queued for a task (``again``: it already was, by an earlier publish)."""

@@ -22,7 +22,8 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(("exceptions", "signals", "_text", "_connect"), 0),
     **dict.fromkeys(("config", "_keys", "_lease", "_identity", "_render"), 1),
     "_scripts": 2,
-    **dict.fromkeys(("_store", "_astore", "_lostreply", "_lifetime"), 3),
+    **dict.fromkeys(("_store", "_astore", "_lostreply", "_lifetime", "_engine", "_registry"), 3),
+    "_protocol": 2,
     **dict.fromkeys(("_heartbeat", "_aheartbeat"), 4),
     **dict.fromkeys(
         (

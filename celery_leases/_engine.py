@@ -1,0 +1,199 @@
+"""LeaseEngine: what the lease protocol remembers in one process, and its small rules.
+
+One engine per store, shared by its sync driver (``LeaseStore``) and its asyncio driver
+(``AsyncLeaseStore``): the key names (cached), when each owner's liveness and registries
+were last refreshed, the beat runs won, and the rules that read them (a lease's horizon,
+whether a grant may skip the owner's home call, a registry's expiry). The core operations
+(``_grants``, ``_cleanup``, ``_inspect``, ``_claims``) take it as their first argument.
+No I/O: nothing here imports redis or asyncio.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+from . import _lifetime
+from ._keys import Keyspace
+from ._protocol import Call, Failure, ReplicaShortfall, Send, Steps
+from .config import LeaseSettings, safe_url
+from .exceptions import LeaseBackendError
+
+if TYPE_CHECKING:
+    from ._store import LeaseStore
+
+__all__ = ("LeaseEngine", "ResourceKeys")
+
+#: resources whose key names are cached per engine
+_KEY_CACHE_SIZE: Final = 4096
+
+
+@dataclass(frozen=True)
+class ResourceKeys:
+    """The key names of one resource, and its slot group."""
+
+    exclusive: str
+    shared: str
+    counter: str
+    channel: str
+    group: int
+
+
+class LeaseEngine:
+    """The protocol's memory in this process (see the module docstring).
+
+    Attributes:
+        registered: owner -> monotonic time its home call (liveness refresh) was last sent.
+        registry_until: (owner, group) -> monotonic time until which that registry surely
+            exists.
+        beat_won: beat claim key -> the last run this process counted as won.
+        wait_replicas: the WAIT command sent after each grant and renewal ((): no
+            min_replicas).
+        cluster: True on a Redis Cluster (set by the sync driver when it made its client).
+        store: the sync driver, which every granted ``Held`` names.
+    """
+
+    def __init__(self, settings: LeaseSettings) -> None:
+        self.settings = settings
+        self.keys = Keyspace(settings.key_prefix, settings.slot_groups)
+        self.url = settings.url
+        self.registered: dict[str, float] = {}
+        self.registry_until: dict[tuple[str, int], float] = {}
+        self.beat_won: dict[str, int] = {}
+        self.grace_ms = _lifetime.grace_arg(settings)
+        self.liveness = str(self.ms(settings.ttl))
+        self.wait_replicas: tuple[Any, ...] = ()
+        if settings.min_replicas:
+            self.wait_replicas = (
+                "WAIT",
+                settings.min_replicas,
+                self.ms(settings.min_replicas_timeout),
+            )
+        self.cluster = False
+        self.store: LeaseStore
+        self._rkeys: dict[str, ResourceKeys] = {}
+        self._regkeys: dict[tuple[str, int], str] = {}
+
+    def forked(self) -> None:
+        """A new process: what the parent sent says nothing of this one's owner."""
+        self.registered = {}
+
+    # --- key names ------------------------------------------------------------------------
+    def resource_keys(self, resource: str) -> ResourceKeys:
+        """The key names of ``resource`` (cached: escaping is the costly part)."""
+        keys = self._rkeys.get(resource)
+        if keys is None:
+            if len(self._rkeys) >= _KEY_CACHE_SIZE:
+                self._rkeys.clear()
+            k = self.keys
+            keys = self._rkeys[resource] = ResourceKeys(
+                k.exclusive(resource),
+                k.shared(resource),
+                k.counter(resource),
+                k.channel(resource),
+                k.group_of(resource),
+            )
+        return keys
+
+    def registry_key(self, owner: str, group: int) -> str:
+        """The registry key of ``owner`` in slot group ``group`` (cached)."""
+        key = self._regkeys.get((owner, group))
+        if key is None:
+            if len(self._regkeys) >= _KEY_CACHE_SIZE:
+                self._regkeys.clear()
+            key = self._regkeys[(owner, group)] = self.keys.registry(owner, group)
+        return key
+
+    # --- rules ----------------------------------------------------------------------------
+    @staticmethod
+    def ms(seconds: float) -> int:
+        """Seconds as whole milliseconds, rounded up, at least 1."""
+        return max(1, math.ceil(seconds * 1000))
+
+    # The liveness is settings.ttl, whatever the leases' own TTLs: it is how soon the orphan
+    # reconcile frees the leases of a dead owner. (It was max(ttl, settings.ttl): a lease of
+    # ttl=3600 kept its dead owner "alive" for an hour, so reconcile could never free a lease
+    # before the lease ran out by itself.) horizon() counts a lease lost within settings.ttl of
+    # its last confirmation, so no live holder is reconciled away.
+
+    def horizon(self, ttl: float) -> float:
+        """Seconds after a confirmation that a lease of ``ttl`` counts as held.
+
+        The owner's liveness runs out ``settings.ttl`` after its last renewal, and the orphan
+        reconcile may then free its leases: so a lease counts as held for the shorter of the
+        two, less the safety margin.
+        """
+        return min(ttl, self.settings.ttl) * self.settings.margin_fraction
+
+    def liveness_covers(self, owner: str, ttl: float) -> bool:
+        """True if ``owner``'s liveness surely outlasts a lease of ``ttl`` granted now.
+
+        The one rule every path that grants follows (plain grants, unique takeovers, once,
+        the beat leader and reconcile leases, sync and asyncio): a grant refreshes its owner's
+        liveness to at least the grant's horizon, by the home call (group 0), unless this
+        returns True. The home call registers the owner under its node and refreshes its
+        liveness; skipping it is safe only while that liveness outlasts the new lease's
+        horizon:
+
+        - t0 the owner registers; t1 it idles past its liveness and a reconcile forgets it
+          (off the node's owner set); t2 it takes a lease; t3 its node restarts and must
+          find that lease.
+        - t0 the owner's liveness is refreshed (it runs to t0 + settings.ttl); t1 it takes a
+          lease it counts held until t1 + horizon, later than that; t2 a reconcile finds the
+          liveness run out and frees the lease while its holder still counts it held.
+
+        So with a lease ttl at least the ttl setting the liveness is always refreshed (in the
+        same script call when the lease is in the home slot group).
+        """
+        registered = self.registered.get(owner)
+        return registered is not None and (
+            time.monotonic() + self.horizon(ttl)
+            < registered + self.settings.ttl * self.settings.margin_fraction
+        )
+
+    def registry_expiry(self, owner: str, group: int, ttl: float, now: float) -> float:
+        """Seconds to (re)set the registry's expiry to, or 0 when it surely lives long enough.
+
+        A registry must outlive every lease it records (2 x the longest TTL), so a cleanup can
+        always find them; it is set to 4 x TTL, and not touched again while at least 2 x TTL is
+        left, which keeps the call off the hot path.
+        """
+        left = self.registry_until.get((owner, group), 0.0) - now
+        if left >= 2 * ttl:
+            return 0.0
+        return max(4 * ttl, left)
+
+    def check_replicated(self, acked: Any, what: str) -> None:
+        """Raise ReplicaShortfall when WAIT's ``acked`` is below min_replicas."""
+        want = self.settings.min_replicas
+        if int(acked) < want:
+            msg = (
+                f"the {what} reached {acked} of the {want} replicas min_replicas asks for "
+                f"within {self.settings.min_replicas_timeout}s"
+            )
+            raise ReplicaShortfall(msg)
+
+    # --- errors ---------------------------------------------------------------------------
+    def backend_error(self, what: str, exc: BaseException) -> LeaseBackendError:
+        """The LeaseBackendError for ``exc`` while trying to ``what`` (the URL without secrets)."""
+        if isinstance(exc, Failure):
+            exc = exc.cause
+        msg = f"redis at {safe_url(self.url)} failed to {what}: {type(exc).__name__}: {exc}"
+        return LeaseBackendError(msg)
+
+    def send(
+        self, what: str, calls: Sequence[Call], *, once: bool = False, transaction: bool = False
+    ) -> Steps[list[Any]]:
+        """One round trip of ``calls``; a failure raised as LeaseBackendError (to ``what``).
+
+        ``once=False`` by default: the plain reads and idempotent writes this is for may be
+        sent again by the client's own retry.
+        """
+        try:
+            replies: list[Any] = yield Send(calls, once, transaction)
+        except Failure as failure:
+            raise self.backend_error(what, failure) from failure.cause
+        return replies

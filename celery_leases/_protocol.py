@@ -1,0 +1,151 @@
+"""What the lease protocol asks of a driver: the I/O requests its operations yield.
+
+The protocol (planning each script call, reading its reply, choosing the next step) is
+written once, as generators in the core modules (``_grants``, ``_cleanup``, ``_inspect``,
+``_claims``). A generator yields one request at a time and is sent the reply:
+
+- :class:`Send`: one round trip of commands (script calls and plain commands) -> their
+  replies, in order;
+- :class:`SendReplicated`: script calls, each Redis node's followed by ``WAIT`` on the same
+  connection (``min_replicas``) -> ``(replies, WAIT replies)``;
+- :class:`Sleep`: wait a while (a sync driver sleeps, an asyncio one awaits).
+
+A request that fails is thrown back into the generator as :class:`Failure`, which says
+whether its outcome is unknown (the connection was cut or timed out after it was sent:
+``lost``), so a lost reply's recovery and a partial grant's give-back exist once, in the
+core. The drivers (``_store.LeaseStore``, ``_astore.AsyncLeaseStore``) hold only I/O:
+clients, EVALSHA and NOSCRIPT, mapping redis-py's errors to :class:`Failure`, subscriber
+connections, cancellation shields and WAIT routing.
+
+Nothing here (nor in the core modules) imports redis or asyncio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from typing import Any, NamedTuple, TypeVar
+
+from ._scripts import SHA
+
+__all__ = (
+    "Command",
+    "Failure",
+    "Op",
+    "ReplicaShortfall",
+    "Script",
+    "Send",
+    "SendReplicated",
+    "Sleep",
+    "Steps",
+    "clock_ms",
+    "clock_us",
+    "pairs",
+    "words_of",
+)
+
+T = TypeVar("T")
+
+
+class Script(NamedTuple):
+    """One call of a Lua script of ``lua/``, by its name in ``_scripts.ALL``."""
+
+    name: str
+    keys: Sequence[str]
+    args: Sequence[Any]
+
+
+class Command(NamedTuple):
+    """One plain Redis command, as its words (``("GET", key)``).
+
+    Its reply is what redis-py gives for the command sent with ``execute_command`` and no
+    options: the core reads ``ZRANGE ... WITHSCORES`` as flat or paired, and ``SMEMBERS``
+    as any iterable (see :func:`pairs`).
+    """
+
+    words: tuple[Any, ...]
+
+
+Call = Script | Command
+
+
+class Send(NamedTuple):
+    """One round trip of ``calls`` (a pipeline when more than one); the reply: their replies.
+
+    Attributes:
+        calls: the script calls and commands, in order.
+        once: a single attempt, no blind resend by redis-py (script calls whose replay is
+            not harmless; the core recovers from a lost reply itself). False: the client's
+            own retry may resend it (reads, idempotent writes).
+        transaction: sent as MULTI/EXEC.
+    """
+
+    calls: Sequence[Call]
+    once: bool = True
+    transaction: bool = False
+
+
+class SendReplicated(NamedTuple):
+    """Script calls, each node's followed by ``WAIT`` on the same connection (min_replicas).
+
+    The reply: ``(replies in call order, the WAIT replies: one per node the calls went to)``.
+    One attempt, like :class:`Send` with ``once``.
+    """
+
+    calls: Sequence[Script]
+
+
+class Sleep(NamedTuple):
+    """Wait ``seconds`` (polling in a recovery); the reply is None."""
+
+    seconds: float
+
+
+Op = Send | SendReplicated | Sleep
+#: a core operation: yields requests, is sent their replies, returns its outcome
+Steps = Generator[Op, Any, T]
+
+
+class Failure(Exception):
+    """A request failed; thrown into the operation that yielded it.
+
+    Attributes:
+        cause: the client's exception (its message ends up in the LeaseBackendError).
+        lost: True if the outcome is unknown: the request may have run in Redis (the
+            connection was cut, or the reply did not come in time, after it was sent).
+    """
+
+    def __init__(self, cause: BaseException, *, lost: bool) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+        self.lost = lost
+
+
+class ReplicaShortfall(Exception):
+    """Too few replicas confirmed a write in time (the outcome is known: not a lost reply)."""
+
+
+def words_of(call: Call) -> tuple[Any, ...]:
+    """The words a driver sends for ``call`` (EVALSHA for a script)."""
+    if isinstance(call, Command):
+        return call.words
+    return ("EVALSHA", SHA[call.name], len(call.keys), *call.keys, *call.args)
+
+
+def pairs(reply: Any) -> list[tuple[str, float]]:
+    """``ZRANGE ... WITHSCORES`` read as ``(member, score)`` pairs, flat (RESP2) or paired."""
+    items = list(reply or ())
+    if items and isinstance(items[0], (list, tuple)):
+        return [(str(m), float(s)) for m, s in items]
+    return [(str(items[i]), float(items[i + 1])) for i in range(0, len(items), 2)]
+
+
+def clock_ms(reply: Any) -> int:
+    """The Redis clock (``TIME``, or the now script's reply) in milliseconds."""
+    sec, usec = reply
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+def clock_us(reply: Any) -> int:
+    """The Redis clock in microseconds."""
+    sec, usec = reply
+    return int(sec) * 1_000_000 + int(usec)

@@ -1,0 +1,92 @@
+"""The owner registry's entries and the values of lease keys, as the scripts write them.
+
+An owner's registry (one set per slot group) lists what it holds, one entry per lease:
+``"<mode> <token> <task id or -> <resource>"`` (acquire.lua writes it, release.lua and the
+cleanups remove it). An exclusive lease key's value is ``"<token> <owner id>"``, or, for a
+queued unique claim, ``"<token> %queued/<escaped task id>"``. This module reads and writes
+those texts, and nothing else does. No I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Final, NamedTuple
+
+from ._keys import escape, holder_parts, unescape
+
+if TYPE_CHECKING:
+    from ._lease import Held
+
+__all__ = (
+    "QUEUED_OWNER",
+    "Entry",
+    "counted_held",
+    "entry_text",
+    "parse_entry",
+    "split_holder",
+    "task_in_registry",
+)
+
+#: the owner part of a queued claim's value: "%queued/<escaped task id>". No owner id starts
+#: so: an owner id starts with an escaped node name, where "%" is always followed by hex.
+QUEUED_OWNER: Final = "%queued/"
+
+
+def split_holder(value: object) -> tuple[str, int] | str | None:
+    """An exclusive key's value, read: ``(owner, token)``, or the task id of a queued unique
+    claim, or None (no holder, or a value this release cannot read)."""
+    if value is None:
+        return None
+    token, owner = holder_parts(value)
+    if owner.startswith(QUEUED_OWNER):
+        return unescape(owner.removeprefix(QUEUED_OWNER)) or None
+    if not token.isdigit() or not owner:
+        return None
+    return owner, int(token)
+
+
+def task_in_registry(members: Iterable[object], resource: str, token: int) -> str | None:
+    """The task id that a registry's ``members`` record for the exclusive ``resource``/``token``."""
+    for member in members:
+        entry = parse_entry(str(member))
+        if entry is not None and (entry.mode, entry.token, entry.resource) == (
+            "x",
+            token,
+            resource,
+        ):
+            return entry.task_id
+    return None
+
+
+class Entry(NamedTuple):
+    """One owner-registry entry: what a lease holder recorded at the grant."""
+
+    mode: str
+    token: int
+    task_id: str | None
+    resource: str
+
+    @property
+    def text(self) -> str:
+        """The entry as stored in the registry set."""
+        return entry_text(self.mode, self.token, self.task_id, self.resource)
+
+
+def counted_held(held: Held, now: float) -> bool:
+    """True if ``held`` still counts as held at ``now`` (so Redis surely still has it)."""
+    return not held.lost and now < held.deadline
+
+
+def entry_text(mode: str, token: int | str, task_id: str | None, resource: str) -> str:
+    """``"<mode> <token> <task> <resource>"``, as acquire.lua writes it."""
+    return f"{mode} {token} {escape(task_id) if task_id else '-'} {resource}"
+
+
+def parse_entry(member: str) -> Entry | None:
+    """A registry member as an :class:`Entry`; None if it cannot be read (a cleanup keeps it)."""
+    mode, _, rest = member.partition(" ")
+    token, _, rest = rest.partition(" ")
+    task, _, resource = rest.partition(" ")
+    if mode not in ("x", "s") or not token.isdigit() or not task or not resource:
+        return None
+    return Entry(mode, int(token), None if task == "-" else unescape(task), resource)
