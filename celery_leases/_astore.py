@@ -21,22 +21,35 @@ from redis.exceptions import AskError, NoScriptError, RedisClusterException, Red
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from . import _lifetime, _scripts
+from . import _grants, _lifetime, _scripts
 from ._connect import aclose_client, parse_target
 from ._connect import make_async_client as make_deployment_client
 from ._identity import Identity
 from ._lease import Held, Want
 from ._lostreply import (
     BOOK,
+)
+from ._once import (
     UNKNOWN,
     AsyncOnceRetry,
-    acall_once,
     once_on_cluster,
     one_attempt,
-    release_recovered,
 )
-from ._protocol import ReplicaShortfall
-from ._registry import Entry, counted_held, split_holder, task_in_registry
+from ._protocol import (
+    Call,
+    Command,
+    Failure,
+    Op,
+    ReplicaShortfall,
+    Script,
+    Send,
+    SendReplicated,
+    Sleep,
+    Steps,
+    words_of,
+)
+from ._registry import Entry, split_holder, task_in_registry
+from ._scripts import SOURCE
 from ._store import (
     EXPIRY_SLACK,
     NOW_SCRIPT,
@@ -383,6 +396,46 @@ class AsyncLeaseStore:
         except RedisError as exc:
             raise self.store.backend_error("answer PING", exc) from exc
 
+    # --- the driver -----------------------------------------------------------------------
+    async def run(self, steps: Steps[T]) -> T:
+        """Carry out a core operation on the running loop (see :meth:`LeaseStore.run`).
+
+        Each request is sent in a task of its own (:func:`_shielded`): a cancelled caller
+        gets its ``CancelledError`` at once, the request runs to its end, and the operation
+        is abandoned where it stood.
+        """
+        state = self._state()
+        value: Any = None
+        failure: Failure | None = None
+        while True:
+            try:
+                op = steps.send(value) if failure is None else steps.throw(failure)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            failure = None
+            try:
+                value = await self._execute(state, op)
+            except RedisError as exc:
+                failure = Failure(exc, lost=isinstance(exc, UNKNOWN))
+
+    async def _execute(self, state: _LoopState, op: Op) -> Any:
+        kind = type(op)
+        if kind is Send:
+            assert isinstance(op, Send)
+            if op.once:
+                with one_attempt():  # the request's task inherits it
+                    return await _shielded(_round_trip(state.client, op.calls, op.transaction))
+            return await _shielded(_round_trip(state.client, op.calls, op.transaction))
+        if kind is SendReplicated:
+            assert isinstance(op, SendReplicated)
+            with one_attempt():
+                return await _shielded(self._evalsha_replicated(state, op.calls, renewal=False))
+        if kind is Sleep:
+            assert isinstance(op, Sleep)
+            await asyncio.sleep(op.seconds)
+            return None
+        raise TypeError(f"not a request of the lease protocol: {op!r}")
+
     # --- acquire --------------------------------------------------------------------------
     async def try_acquire(
         self, wants: Sequence[Want], ident: Identity, ttl: float, task_id: str | None = None
@@ -517,7 +570,7 @@ class AsyncLeaseStore:
             return await state.acquire(call.keys, call.args, client=state.client)
         # the grant, then WAIT, in one round trip (see the min_replicas setting)
         (reply,), (acked,) = await self._evalsha_replicated(
-            state, _scripts.ACQUIRE, [(call.keys, call.args)], renewal=False
+            state, [Script("acquire", call.keys, call.args)], renewal=False
         )
         if (
             int(reply[0]) == _scripts.AcquireReply.GRANTED
@@ -763,7 +816,8 @@ class AsyncLeaseStore:
         calls = [(keys, args) for _, keys, args in plan.calls]
         sending: asyncio.Future[tuple[list[Any], list[Any]]]
         if self.store.wait_replicas:
-            replicated = self._evalsha_replicated(state, _scripts.RENEW, calls, renewal=True)
+            scripts = [Script("renew", keys, args) for keys, args in calls]
+            replicated = self._evalsha_replicated(state, scripts, renewal=True)
             sending = asyncio.ensure_future(replicated)
         else:
             sending = asyncio.ensure_future(_unwaited(state.renew_client, _scripts.RENEW, calls))
@@ -782,8 +836,7 @@ class AsyncLeaseStore:
     async def _evalsha_replicated(
         self,
         state: _LoopState,
-        source: str,
-        calls: Sequence[tuple[list[str], list[Any]]],
+        calls: Sequence[Script],
         *,
         renewal: bool,
     ) -> tuple[list[Any], list[Any]]:
@@ -800,18 +853,18 @@ class AsyncLeaseStore:
         wait = self.store.wait_replicas
         if not self.store.cluster:
             client = state.renew_client if renewal else state.client
-            replies = await _evalsha_all(client, source, calls, wait)
+            replies = await _round_trip(client, [*calls, Command(wait)])
             return replies[:-1], replies[-1:]
         routes: dict[tuple[str, int, bool], list[int]] = {}
         try:
-            for i, (keys, _) in enumerate(calls):
-                node = await self._node_of(state, keys[0], renewal)
+            for i, call in enumerate(calls):
+                node = await self._node_of(state, call.keys[0], renewal)
                 routes.setdefault(node, []).append(i)
         except RedisConnectionError:
             await _refresh_slots(state.client)
             raise
         sent = [
-            _evalsha_all(state.nodes[node], source, [calls[i] for i in idx], wait)
+            _round_trip(state.nodes[node], [*(calls[i] for i in idx), Command(wait)])
             for node, idx in routes.items()
         ]
         got = await asyncio.gather(*sent, return_exceptions=True)
@@ -854,19 +907,9 @@ class AsyncLeaseStore:
     # --- release --------------------------------------------------------------------------
     async def release(self, held: Sequence[Held]) -> list[bool]:
         """Release ``held``; True for each lease that was still ours (as the sync store)."""
-        groups: dict[tuple[str, int], list[int]] = {}
-        for i, h in enumerate(held):
-            groups.setdefault((h.owner, h.group), []).append(i)
-        out: dict[int, bool] = {}
-        now = time.monotonic()
-        for (owner, group), idx in groups.items():
-            entries = [
-                Entry(held[i].mode, held[i].token, held[i].task_id, held[i].resource) for i in idx
-            ]
-            counted = [counted_held(held[i], now) for i in idx]
-            freed = await self._release_entries(owner, group, entries, counted)
-            out.update(zip(idx, freed, strict=True))
-        return [out[i] for i in range(len(held))]
+        if not held:
+            return []
+        return await self.run(_grants.release(self.store.engine, held, time.monotonic()))
 
     async def holder_task(self, resource: str) -> str | None:
         """:meth:`LeaseStore.holder_task` for asyncio: the busy path only, never raises."""
@@ -887,62 +930,56 @@ class AsyncLeaseStore:
     async def _release_entries(
         self, owner: str, group: int, entries: Sequence[Entry], counted: Sequence[bool] | None
     ) -> list[bool]:
-        """release.lua for ``entries``, as :meth:`LeaseStore._release_entries` sends it."""
-        state = self._state()
-        keys, args = self.store.release_call(owner, group, entries)
-
-        async def send() -> list[bool]:
-            reply = await _shielded(state.release(keys, args, client=state.client))
-            return [x == _scripts.ReleaseReply.RELEASED for x in reply]
-
-        async def after_lost() -> list[bool]:
-            # idempotent (token-checked): sent again (see release_recovered)
-            freed = await send()
-            return freed if counted is None else release_recovered(freed, counted)
-
-        try:
-            freed = await acall_once(send, after_lost)
-        except asyncio.CancelledError:
-            # the release goes on in its own task: its tokens stay counted as live leases
-            # (a recovery leaves such a grant alone) rather than before it ran
-            raise
-        except RedisError as exc:
-            self.store.released(owner, entries)
-            raise self.store.backend_error("release", exc) from exc
-        self.store.released(owner, entries)
-        return freed
+        """release.lua for ``entries`` (see :func:`_grants.release_entries`)."""
+        engine = self.store.engine
+        return await self.run(_grants.release_entries(engine, owner, group, entries, counted))
 
     # --- once receipts --------------------------------------------------------------------
     async def get_receipt(self, name: str) -> str | None:
         """The stored receipt (JSON text) of ``once(name)``, or None."""
-        try:
-            value = await _shielded(self._state().client.get(self.store.keys.receipt(name)))
-        except RedisError as exc:
-            raise self.store.backend_error("read a receipt", exc) from exc
-        return None if value is None else str(value)
+        return await self.run(_grants.get_receipt(self.store.engine, name))
 
     async def commit_receipt(self, name: str, held: Held, receipt: str, ttl: float | None) -> bool:
         """Store ``receipt`` if ``held`` (the once-lease) is still ours; False if it is not."""
-        keys, args = self.store.commit_receipt_call(name, held, receipt, ttl)
-        state = self._state()
-
-        async def send() -> bool:
-            reply = await _shielded(state.commit_receipt(keys, args, client=state.client))
-            return int(reply) == _scripts.CommitReceiptReply.STORED
-
-        try:
-            # idempotent: the same receipt, stored again while the holder still holds
-            return await acall_once(send, send)
-        except RedisError as exc:
-            raise self.store.backend_error("store a receipt", exc) from exc
+        return await self.run(_grants.commit_receipt(self.store.engine, name, held, receipt, ttl))
 
     async def delete_receipt(self, name: str) -> bool:
         """Delete the receipt of ``once(name)``; True if there was one."""
+        return await self.run(_grants.delete_receipt(self.store.engine, name))
+
+
+async def _round_trip(
+    client: aredis.Redis, calls: Sequence[Call], transaction: bool = False
+) -> list[Any]:
+    """One round trip of ``calls``; a script Redis lost is loaded and the calls sent again.
+
+    The first error reply is raised.
+    """
+    if len(calls) == 1 and not transaction:
+        call = calls[0]
+        words = words_of(call)
+        target: Any = client
         try:
-            key = self.store.keys.receipt(name)
-            return bool(await _shielded(self._state().client.delete(key)))
-        except RedisError as exc:
-            raise self.store.backend_error("delete a receipt", exc) from exc
+            return [await target.execute_command(*words)]
+        except NoScriptError:
+            assert isinstance(call, Script)
+            await client.script_load(SOURCE[call.name])
+            return [await target.execute_command(*words)]
+    for _ in range(2):
+        pipe = client.pipeline(transaction=transaction)
+        for each in calls:
+            # not pipe.evalsha(): a cluster pipeline refuses it, but routes EVALSHA by its keys
+            pipe.execute_command(*words_of(each))
+        replies: list[Any] = await pipe.execute(raise_on_error=False)
+        if not any(isinstance(r, NoScriptError) for r in replies):
+            break
+        # Redis restarted or SCRIPT FLUSH ran: load the scripts and send again
+        for name in {c.name for c in calls if isinstance(c, Script)}:
+            await client.script_load(SOURCE[name])
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
 
 
 async def _evalsha_all(

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from . import _lifetime
 from ._keys import Keyspace
 from ._protocol import Call, Failure, ReplicaShortfall, Send, Steps
 from .config import LeaseSettings, safe_url
@@ -25,10 +24,35 @@ from .exceptions import LeaseBackendError
 if TYPE_CHECKING:
     from ._store import LeaseStore
 
-__all__ = ("LeaseEngine", "ResourceKeys")
+__all__ = ("OFF", "LeaseEngine", "ResourceKeys", "grace_arg", "kept_grace")
 
 #: resources whose key names are cached per engine
 _KEY_CACHE_SIZE: Final = 4096
+
+
+#: the scripts' grace argument when neither case is checked: the record is not even read
+OFF: Final = -1
+
+
+def kept_grace(settings: LeaseSettings) -> float:
+    """Seconds nothing is granted after a restart that kept the record (0: not checked).
+
+    ``restore_grace``, or by default the ``ttl`` setting (or ``restart_grace`` if longer): a
+    holder counts a lease held for at most ``ttl`` after its last confirmation, whatever the
+    lease's own TTL (the owner's liveness is ``ttl``; see ``LeaseStore.horizon``), so after
+    ``ttl`` every holder of a lost grant has found it gone.
+    """
+    if settings.restore_grace is not None:
+        return settings.restore_grace
+    return max(settings.ttl, settings.restart_grace)
+
+
+def grace_arg(settings: LeaseSettings) -> int:
+    """The grace argument of the scripts that grant: ms after Redis is found without the
+    record, or :data:`OFF` when neither restart case is checked."""
+    if not settings.restart_grace and not kept_grace(settings):
+        return OFF
+    return math.ceil(settings.restart_grace * 1000)
 
 
 @dataclass(frozen=True)
@@ -63,7 +87,7 @@ class LeaseEngine:
         self.registered: dict[str, float] = {}
         self.registry_until: dict[tuple[str, int], float] = {}
         self.beat_won: dict[str, int] = {}
-        self.grace_ms = _lifetime.grace_arg(settings)
+        self.grace_ms = grace_arg(settings)
         self.liveness = str(self.ms(settings.ttl))
         self.wait_replicas: tuple[Any, ...] = ()
         if settings.min_replicas:

@@ -27,35 +27,13 @@ from celery.utils.log import get_logger
 from redis.exceptions import AskError, MovedError, NoScriptError, ResponseError
 
 from . import _scripts
+from ._engine import grace_arg, kept_grace
 from ._keys import Keyspace
 from .config import LeaseSettings
 
 logger = get_logger(__name__)
 
 _SHA: Final = hashlib.sha1(_scripts.LIFETIME_CHECK.encode()).hexdigest()
-#: the scripts' grace argument when neither case is checked: the record is not even read
-OFF: Final = -1
-
-
-def kept_grace(settings: LeaseSettings) -> float:
-    """Seconds nothing is granted after a restart that kept the record (0: not checked).
-
-    ``restore_grace``, or by default the ``ttl`` setting (or ``restart_grace`` if longer): a
-    holder counts a lease held for at most ``ttl`` after its last confirmation, whatever the
-    lease's own TTL (the owner's liveness is ``ttl``; see ``LeaseStore.horizon``), so after
-    ``ttl`` every holder of a lost grant has found it gone.
-    """
-    if settings.restore_grace is not None:
-        return settings.restore_grace
-    return max(settings.ttl, settings.restart_grace)
-
-
-def grace_arg(settings: LeaseSettings) -> int:
-    """The grace argument of the scripts that grant: ms after Redis is found without the
-    record, or :data:`OFF` when neither restart case is checked."""
-    if not settings.restart_grace and not kept_grace(settings):
-        return OFF
-    return math.ceil(settings.restart_grace * 1000)
 
 
 class ConnectCheck:

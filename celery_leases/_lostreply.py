@@ -2,9 +2,11 @@
 
 A script call whose connection fails or times out after the request was sent may have run in
 Redis. redis-py's retry would simply send it again, and a grant script run twice finds its
-own first grant in the way. So every script call is made with one attempt (:func:`one_attempt`:
-the clients' :class:`OnceRetry` then does not retry), and a call whose outcome is unknown
-(:data:`UNKNOWN`) is followed by the recovery :data:`POLICIES` names for its script:
+own first grant in the way. So every script call is made with one attempt (a
+:class:`~celery_leases._protocol.Send` with ``once``; the drivers' clients then do not
+retry, see ``_once``), and a call whose outcome is unknown (a
+:class:`~celery_leases._protocol.Failure` with ``lost``) is followed by the recovery
+:data:`POLICIES` names for its script:
 
 - ``idempotent``: sent again; running it twice leaves what running it once leaves, and the
   caller reads the second reply knowing that the first one may have run (e.g. a beat claim
@@ -14,52 +16,34 @@ the clients' :class:`OnceRetry` then does not retry), and a call whose outcome i
 - ``give-back``: what may have been granted is released (token-checked), then the call is
   sent once more.
 
-The call sites that recover by sending again go through :func:`call_once` (:func:`acall_once`);
-the grant calls also keep the :class:`GrantBook`. The sync and the asyncio stores both decide
-with the functions of this module; only the I/O differs. Nothing here talks to Redis.
+The calls that recover by sending again go through :func:`resend_if_lost`; the grant calls
+also keep the :class:`GrantBook`. The core operations decide with the functions of this
+module, whichever driver carries them out. Nothing here imports redis or asyncio.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import threading
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from contextvars import ContextVar
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeVar
-
-from redis.asyncio.retry import Retry as AsyncRetry
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
+from typing import Any, Final
 
 from ._keys import holder_parts
+from ._protocol import Call, Failure, Send, Steps
 
 __all__ = (
     "BOOK",
     "POLICIES",
-    "UNKNOWN",
-    "AsyncOnceRetry",
     "GrantBook",
     "GrantRecovery",
-    "OnceRetry",
-    "acall_once",
-    "call_once",
     "grant_recovery",
-    "once_on_cluster",
-    "one_attempt",
     "own_beat_win",
     "parse_holder",
     "release_recovered",
     "requeue_recovered",
+    "resend_if_lost",
 )
-
-T = TypeVar("T")
-
-#: errors after which a command may or may not have run (redis-py's TimeoutError is no
-#: ConnectionError: a reply that came too late is lost all the same)
-UNKNOWN: Final = (RedisConnectionError, RedisTimeoutError)
 
 #: the recovery of each script call, when its reply is lost (see the module docstring)
 POLICIES: Final[Mapping[str, str]] = {
@@ -84,116 +68,22 @@ POLICIES: Final[Mapping[str, str]] = {
     "way the newest token's write stands",
 }
 
-# --- one attempt ------------------------------------------------------------------------------
-_ONE_ATTEMPT: ContextVar[bool] = ContextVar("celery_leases_one_attempt", default=False)
 
+# --- the recovery by sending again ---------------------------------------------------------
+def resend_if_lost(calls: Sequence[Call]) -> Steps[tuple[list[Any], bool]]:
+    """``calls`` with one attempt; if the reply was lost, sent again (the client may retry).
 
-class one_attempt:  # lower case: used as a function, ``with one_attempt():``
-    """Within this block (thread or asyncio task), redis-py does not retry a failed command.
-
-    An asyncio task made inside the block inherits it (a task copies the context it is made
-    in). A class, not a generator: it is on the hot path of every grant and release.
-    """
-
-    __slots__ = ("_token",)
-
-    def __enter__(self) -> None:
-        self._token = _ONE_ATTEMPT.set(True)
-
-    def __exit__(self, *exc: object) -> None:
-        _ONE_ATTEMPT.reset(self._token)
-
-
-class OnceRetry(Retry):
-    """redis-py's retry, but a single attempt inside :func:`one_attempt` (the script calls).
-
-    A connection's retry runs :meth:`call_with_retry`; a cluster client counts its own
-    attempts with :meth:`get_retries` (see :func:`once_on_cluster`).
-    """
-
-    def get_retries(self) -> int:
-        return 0 if _ONE_ATTEMPT.get() else super().get_retries()
-
-    def call_with_retry(
-        self,
-        do: Any,
-        fail: Any,
-        is_retryable: Any = None,
-        with_failure_count: bool = False,
-    ) -> Any:
-        if not _ONE_ATTEMPT.get():
-            return super().call_with_retry(do, fail, is_retryable, with_failure_count)
-        try:
-            return do()
-        except self._supported_errors as error:
-            # the failure handler closes the connection (it may still carry the reply)
-            if with_failure_count:
-                fail(error, 1)
-            else:
-                fail(error)
-            raise
-
-
-class AsyncOnceRetry(AsyncRetry):
-    """:class:`OnceRetry` for the asyncio clients."""
-
-    def get_retries(self) -> int:
-        return 0 if _ONE_ATTEMPT.get() else super().get_retries()
-
-    async def call_with_retry(
-        self,
-        do: Any,
-        fail: Any,
-        is_retryable: Any = None,
-        with_failure_count: bool = False,
-    ) -> Any:
-        if not _ONE_ATTEMPT.get():
-            return await super().call_with_retry(do, fail, is_retryable, with_failure_count)
-        try:
-            return await do()
-        except self._supported_errors as error:
-            if with_failure_count:
-                await fail(error, 1)
-            else:
-                await fail(error)
-            raise
-
-
-def once_on_cluster(client: Any) -> None:
-    """Make a cluster client's own retry a single attempt inside :func:`one_attempt`.
-
-    A cluster client retries a command itself after a connection error or a timeout (its
-    nodes' connections do not), up to ``get_retries()`` times: the same blind replay. Its
-    retry is kept (backoff, attempts, errors), only of the class that honours the block.
-    """
-    retry = getattr(client, "retry", None)
-    if retry is None or isinstance(retry, (OnceRetry, AsyncOnceRetry)):
-        return
-    once = copy.copy(retry)
-    once.__class__ = AsyncOnceRetry if isinstance(retry, AsyncRetry) else OnceRetry
-    client.set_retry(once)
-
-
-def call_once(send: Callable[[], T], after_lost: Callable[[], T]) -> T:
-    """``send()`` (a script call) with one attempt; if its reply was lost, ``after_lost()``.
-
-    ``after_lost`` is the script's recovery (:data:`POLICIES`): it runs with redis-py's
-    retry, and its own errors go to the caller.
+    For the scripts whose recovery is ``idempotent`` (:data:`POLICIES`). Returns the replies
+    and whether the first reply was lost (the caller may read the second one knowing that
+    the first may have run). A failure of the second send is raised as the
+    :class:`~celery_leases._protocol.Failure` it is.
     """
     try:
-        with one_attempt():
-            return send()
-    except UNKNOWN:
-        return after_lost()
-
-
-async def acall_once(send: Callable[[], Awaitable[T]], after_lost: Callable[[], Awaitable[T]]) -> T:
-    """:func:`call_once` for the asyncio store."""
-    try:
-        with one_attempt():  # a task made inside (by _shielded) inherits it
-            return await send()
-    except UNKNOWN:
-        return await after_lost()
+        return (yield Send(calls)), False
+    except Failure as failure:
+        if not failure.lost:
+            raise
+    return (yield Send(calls, once=False)), True
 
 
 # --- what this process holds ----------------------------------------------------------------

@@ -20,7 +20,7 @@ from redis.exceptions import MovedError, NoScriptError, RedisClusterException, R
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from . import _connect, _lifetime, _scripts
+from . import _connect, _grants, _lifetime, _scripts
 from ._engine import LeaseEngine, ResourceKeys
 from ._identity import Identity
 from ._keys import (
@@ -35,16 +35,17 @@ from ._keys import (
 from ._lease import Held, Want
 from ._lostreply import (
     BOOK,
+    grant_recovery,
+    own_beat_win,
+    parse_holder,
+    requeue_recovered,
+)
+from ._once import (
     UNKNOWN,
     OnceRetry,
     call_once,
-    grant_recovery,
     once_on_cluster,
     one_attempt,
-    own_beat_win,
-    parse_holder,
-    release_recovered,
-    requeue_recovered,
 )
 from ._protocol import (
     Call,
@@ -62,7 +63,6 @@ from ._protocol import (
 from ._registry import (
     QUEUED_OWNER,
     Entry,
-    counted_held,
     entry_text,
     parse_entry,
     split_holder,
@@ -72,8 +72,6 @@ from ._scripts import (
     SOURCE,
     AcquireReply,
     BeatClaimReply,
-    CommitReceiptReply,
-    ReleaseReply,
     UniqueClaimReply,
     UniqueHandoverReply,
     UniqueRequeueReply,
@@ -1089,23 +1087,7 @@ class LeaseStore:
         """
         if not held:
             return []
-        now = time.monotonic()
-        if len(held) == 1:
-            h = held[0]
-            entry = Entry(h.mode, h.token, h.task_id, h.resource)
-            return self._release_entries(h.owner, h.group, [entry], [counted_held(h, now)])
-        out: dict[int, bool] = {}
-        groups: dict[tuple[str, int], list[int]] = {}
-        for i, h in enumerate(held):
-            groups.setdefault((h.owner, h.group), []).append(i)
-        for (owner, group), idx in groups.items():
-            entries = [
-                Entry(held[i].mode, held[i].token, held[i].task_id, held[i].resource) for i in idx
-            ]
-            counted = [counted_held(held[i], now) for i in idx]
-            freed = self._release_entries(owner, group, entries, counted)
-            out.update(zip(idx, freed, strict=True))
-        return [out[i] for i in range(len(held))]
+        return self.run(_grants.release(self.engine, held, time.monotonic()))
 
     def _release_entries(
         self,
@@ -1114,43 +1096,8 @@ class LeaseStore:
         entries: Sequence[Entry],
         counted: Sequence[bool] | None = None,
     ) -> list[bool]:
-        """release.lua for ``entries``; ``counted``: whether each still counted as held."""
-        keys, args = self.release_call(owner, group, entries)
-        client = self.client
-
-        def send() -> list[bool]:
-            return [x == ReleaseReply.RELEASED for x in self._release(keys, args, client=client)]
-
-        def after_lost() -> list[bool]:
-            # idempotent (token-checked): sent again; its "not ours" for a lease the lost run
-            # released is read with what the caller knew (release_recovered)
-            freed = send()
-            return freed if counted is None else release_recovered(freed, counted)
-
-        try:
-            return call_once(send, after_lost)
-        except RedisError as exc:
-            raise self.backend_error("release", exc) from exc
-        finally:
-            self.released(owner, entries)
-
-    def release_call(
-        self, owner: str, group: int, entries: Sequence[Entry]
-    ) -> tuple[list[str], list[Any]]:
-        """The keys and arguments of one release.lua call (no Redis call)."""
-        keys = [self.registry_key(owner, group)]
-        args: list[Any] = [owner]
-        for e in entries:
-            rk = self.resource_keys(e.resource)
-            keys.append(rk.exclusive if e.mode == "x" else rk.shared)
-            args += (e.mode, e.token, e.text, rk.channel)
-        return keys, args
-
-    def released(self, owner: str, entries: Sequence[Entry]) -> None:
-        """The release of ``entries`` is over (done or failed): no live lease of this process
-        has their tokens any more, so a lost reply's recovery may give such a grant back."""
-        for e in entries:
-            BOOK.drop(owner, self.resource_keys(e.resource).exclusive, e.token)
+        """release.lua for ``entries`` (see :func:`_grants.release_entries`)."""
+        return self.run(_grants.release_entries(self.engine, owner, group, entries, counted))
 
     # --- cleanup --------------------------------------------------------------------------
     def cleanup_owner(
@@ -1529,39 +1476,15 @@ class LeaseStore:
     # --- once receipts -------------------------------------------------------------------
     def get_receipt(self, name: str) -> str | None:
         """The stored receipt (JSON text) of ``once(name)``, or None."""
-        with self._backend("read a receipt"):
-            value = self.client.get(self.keys.receipt(name))
-        return None if value is None else str(value)
+        return self.run(_grants.get_receipt(self.engine, name))
 
     def commit_receipt(self, name: str, held: Held, receipt: str, ttl: float | None) -> bool:
         """Store ``receipt`` if ``held`` (the once-lease) is still ours; False if it is not."""
-        keys, args = self.commit_receipt_call(name, held, receipt, ttl)
-        client = self.client  # first: it registers the scripts in this process
-
-        def send() -> bool:
-            reply = self._commit_receipt(keys, args, client=client)
-            return int(reply) == CommitReceiptReply.STORED
-
-        with self._backend("store a receipt"):
-            # idempotent: the same receipt, stored again while the holder still holds
-            return call_once(send, send)
-
-    def commit_receipt_call(
-        self, name: str, held: Held, receipt: str, ttl: float | None
-    ) -> tuple[list[str], list[Any]]:
-        """The keys and arguments of one commit_receipt.lua call (no Redis call)."""
-        keys = [self.resource_keys(held.resource).exclusive, self.keys.receipt(name)]
-        args: list[Any] = [
-            f"{held.token} {held.owner}",
-            receipt,
-            0 if ttl is None else self._ms(ttl),
-        ]
-        return keys, args
+        return self.run(_grants.commit_receipt(self.engine, name, held, receipt, ttl))
 
     def delete_receipt(self, name: str) -> bool:
         """Delete the receipt of ``once(name)``; True if there was one."""
-        with self._backend("delete a receipt"):
-            return bool(self.client.delete(self.keys.receipt(name)))
+        return self.run(_grants.delete_receipt(self.engine, name))
 
     # --- beat -------------------------------------------------------------------------------
     def beat_claim(

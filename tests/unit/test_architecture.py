@@ -20,11 +20,11 @@ SCRIPT = re.compile(r"`(lua/\w+\.lua)`")
 #: the layers of the page's table: a module may import its own layer and those above it
 LAYERS: dict[str, int] = {
     **dict.fromkeys(("exceptions", "signals", "_text", "_connect"), 0),
-    **dict.fromkeys(("config", "_keys", "_lease", "_identity", "_render"), 1),
-    "_scripts": 2,
-    **dict.fromkeys(("_store", "_astore", "_lostreply", "_lifetime", "_engine", "_registry"), 3),
-    "_protocol": 2,
-    **dict.fromkeys(("_heartbeat", "_aheartbeat"), 4),
+    **dict.fromkeys(("config", "_keys", "_lease", "_identity", "_render", "_registry"), 1),
+    **dict.fromkeys(("_scripts", "_protocol"), 2),
+    **dict.fromkeys(("_engine", "_lostreply", "_grants", "_cleanup", "_inspect", "_claims"), 3),
+    **dict.fromkeys(("_store", "_astore", "_lifetime", "_once"), 4),
+    **dict.fromkeys(("_heartbeat", "_aheartbeat"), 5),
     **dict.fromkeys(
         (
             "app",
@@ -39,11 +39,13 @@ LAYERS: dict[str, int] = {
             "pytest_plugin",
             "__init__",
         ),
-        5,
+        6,
     ),
     # the pytest plugin's private server: it imports nothing of the package
     "_redis_server": 0,
 }
+#: the sans-IO core: the protocol written once, for both drivers
+CORE: tuple[str, ...] = tuple(sorted(m for m, layer in LAYERS.items() if layer in (2, 3)))
 
 
 def _defined(tree: ast.Module, dotted: str) -> bool:
@@ -124,8 +126,32 @@ def test_every_module_has_a_layer():
 def test_imports_go_up_the_layers_only():
     wrong = []
     for path in sorted(PACKAGE.glob("*.py")):
-        mine = LAYERS.get(path.stem, 5)
+        mine = LAYERS.get(path.stem, 6)
         for imported in sorted(_runtime_imports(ast.parse(path.read_text(encoding="utf-8")))):
-            if LAYERS.get(imported, 5) > mine:
+            if LAYERS.get(imported, 6) > mine:
                 wrong.append(f"{path.stem} (layer {mine}) imports {imported}")
     assert wrong == []
+
+
+def _third_party_imports(tree: ast.Module) -> set[str]:
+    """Top-level names of everything ``tree`` imports when it runs, outside the package."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            node.body = []  # annotations only
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+@pytest.mark.parametrize("module", [m for m in CORE if (PACKAGE / f"{m}.py").is_file()])
+def test_the_core_does_no_io(module: str):
+    """The core imports neither redis nor asyncio (nor anything that does I/O for it)."""
+    tree = ast.parse((PACKAGE / f"{module}.py").read_text(encoding="utf-8"))
+    io = _third_party_imports(tree) & {"redis", "asyncio", "socket", "threading", "celery"}
+    if module == "_lostreply":  # the book of this process's grants has a lock
+        io -= {"threading"}
+    assert io == set(), f"{module} is in the sans-IO core but imports {sorted(io)}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from celery_leases import _lifetime
+from celery_leases import _engine, _lifetime
 from celery_leases._keys import Keyspace
 from celery_leases.config import resolve_settings
 
@@ -18,13 +18,13 @@ from celery_leases.config import resolve_settings
         ({"restart_grace": 2.0}, 30.0, 2_000),
         ({"restore_grace": 7.5}, 7.5, 0),
         ({"restore_grace": 0.0, "restart_grace": 4.0}, 0.0, 4_000),
-        ({"restore_grace": 0.0}, 0.0, _lifetime.OFF),  # both off: the record is not even read
+        ({"restore_grace": 0.0}, 0.0, _engine.OFF),  # both off: the record is not even read
     ],
 )
 def test_graces(settings: dict[str, float], kept: float, empty: int) -> None:
     resolved = resolve_settings(None, **settings)
-    assert _lifetime.kept_grace(resolved) == kept
-    assert _lifetime.grace_arg(resolved) == empty
+    assert _engine.kept_grace(resolved) == kept
+    assert _engine.grace_arg(resolved) == empty
 
 
 def test_no_connect_check_when_kept_data_is_not_checked() -> None:
