@@ -24,11 +24,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from . import _grants, _lifetime, _scripts
 from ._connect import aclose_client, parse_target
 from ._connect import make_async_client as make_deployment_client
+from ._grants import Busy
 from ._identity import Identity
 from ._lease import Held, Want
-from ._lostreply import (
-    BOOK,
-)
 from ._once import (
     UNKNOWN,
     AsyncOnceRetry,
@@ -40,27 +38,19 @@ from ._protocol import (
     Command,
     Failure,
     Op,
-    ReplicaShortfall,
     Script,
     Send,
     SendReplicated,
+    SendWithin,
     Sleep,
     Steps,
     words_of,
 )
 from ._registry import Entry, split_holder, task_in_registry
 from ._scripts import SOURCE
-from ._store import (
-    EXPIRY_SLACK,
-    NOW_SCRIPT,
-    QUIET_POLL,
-    AcquireCall,
-    Busy,
-    LeaseStore,
-    settle_lost_grant,
-)
+from ._store import EXPIRY_SLACK, LeaseStore
 from .config import LeaseSettings, safe_url
-from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseError
+from .exceptions import LeaseBusy, LeaseConfigError, LeaseError
 
 __all__ = ("AsyncLeaseStore", "make_async_client")
 
@@ -412,6 +402,8 @@ class AsyncLeaseStore:
                 op = steps.send(value) if failure is None else steps.throw(failure)
             except StopIteration as stop:
                 return stop.value  # type: ignore[no-any-return]
+            except Failure as unhandled:  # the operation let it through: the client's error
+                raise unhandled.cause from None
             failure = None
             try:
                 value = await self._execute(state, op)
@@ -430,6 +422,9 @@ class AsyncLeaseStore:
             assert isinstance(op, SendReplicated)
             with one_attempt():
                 return await _shielded(self._evalsha_replicated(state, op.calls, renewal=False))
+        if kind is SendWithin:
+            assert isinstance(op, SendWithin)
+            return await self._send_within(state, op.calls, op.timeout)
         if kind is Sleep:
             assert isinstance(op, Sleep)
             await asyncio.sleep(op.seconds)
@@ -440,204 +435,8 @@ class AsyncLeaseStore:
     async def try_acquire(
         self, wants: Sequence[Want], ident: Identity, ttl: float, task_id: str | None = None
     ) -> list[Held] | Busy:
-        """One all-or-nothing attempt, as :meth:`LeaseStore.try_acquire` makes it."""
-        by_group, fresh = self.store.acquire_plan(wants, ident.owner, ttl)
-        single = len(by_group) == 1 and len(next(iter(by_group.values()))) == 1
-        if 0 not in by_group and not fresh:
-            if single and not self.store.wait_replicas:
-                # the home call and the grant in one round trip (two nodes on a cluster)
-                return await self._acquire_with_home(
-                    next(iter(by_group)), wants, ident, ttl, task_id
-                )
-            outcome = await self._acquire_group(0, [], ident, ttl, True, task_id)
-            if isinstance(outcome, Busy):
-                return outcome
-            fresh = True
-        if single:
-            group = next(iter(by_group))
-            return await self._acquire_group(group, wants, ident, ttl, not fresh, task_id)
-        out: list[Held | None] = [None] * len(wants)
-        taken: list[Held] = []
-        for group in sorted(by_group):
-            idx = sorted(by_group[group], key=lambda i: wants[i].resource)
-            try:
-                outcome = await self._acquire_group(
-                    group, [wants[i] for i in idx], ident, ttl, not fresh and group == 0, task_id
-                )
-            except LeaseBackendError:
-                await self._release_quietly(taken)  # the groups already granted
-                raise
-            if isinstance(outcome, Busy):
-                if taken:
-                    await self.release(taken)
-                return outcome
-            for i, held in zip(idx, outcome, strict=True):
-                out[i] = held
-                taken.append(held)
-        return [h for h in out if h is not None]
-
-    async def _acquire_with_home(
-        self, group: int, wants: Sequence[Want], ident: Identity, ttl: float, task_id: str | None
-    ) -> list[Held] | Busy:
-        """:meth:`LeaseStore._acquire_with_home`: the home call and the grant, sent together."""
-        home = self.store.acquire_call(0, [], ident, ttl, True, task_id)
-        call = self.store.acquire_call(group, wants, ident, ttl, False, task_id)
-        book = self.store.book_keys(wants)
-        BOOK.begin(call.owner, book)
-        lost = False
-        try:
-            try:
-                with one_attempt():
-                    replies = await _evalsha_all(
-                        self._state().client,
-                        _scripts.ACQUIRE,
-                        [(home.keys, home.args), (call.keys, call.args)],
-                    )
-            except UNKNOWN as exc:
-                # read-back, as LeaseStore._acquire_with_home does
-                BOOK.lost(call.owner, book)
-                lost = True
-                tokens = await self._recover_grant_logged(call, exc)
-                adopted = (
-                    None
-                    if tokens is None
-                    else self.store.acquire_outcome(call, [_scripts.AcquireReply.GRANTED, *tokens])
-                )
-            except RedisError as exc:
-                raise self.store.backend_error("acquire", exc) from exc
-            else:
-                registered = self.store.acquire_outcome(home, replies[0])
-                outcome = self.store.acquire_outcome(call, replies[1])
-                if isinstance(registered, Busy):
-                    if not isinstance(outcome, Busy):
-                        await self.release(outcome)
-                    return registered
-                return outcome
-        finally:
-            BOOK.end(call.owner, book, recovered=lost)
-        registered = await self._acquire_group(0, [], ident, ttl, True, task_id)
-        if isinstance(registered, Busy):
-            if adopted is not None and not isinstance(adopted, Busy):
-                await self.release(adopted)
-            return registered
-        if adopted is not None:
-            return adopted
-        return await self._acquire_group(group, wants, ident, ttl, False, task_id)
-
-    async def _acquire_group(
-        self,
-        group: int,
-        wants: Sequence[Want],
-        ident: Identity,
-        ttl: float,
-        home: bool,
-        task_id: str | None,
-    ) -> list[Held] | Busy:
-        # a lost reply is read back, as LeaseStore._acquire_group explains
-        book = self.store.book_keys(wants)
-        state = self._state()
-        for attempt in (1, 2):
-            call = self.store.acquire_call(group, wants, ident, ttl, home, task_id)
-            BOOK.begin(call.owner, book)
-            lost = False
-            try:
-                try:
-                    with one_attempt():
-                        reply = await self._grant(state, call)
-                    return self.store.acquire_outcome(call, reply)
-                except ReplicaShortfall as exc:  # the grant was given back already
-                    raise self.store.backend_error("acquire", exc) from exc
-                except UNKNOWN as exc:
-                    if wants:
-                        BOOK.lost(call.owner, book)
-                        lost = True
-                        tokens = await self._recover_grant_logged(call, exc)
-                        if tokens is not None:
-                            return self.store.acquire_outcome(
-                                call, [_scripts.AcquireReply.GRANTED, *tokens]
-                            )
-                    if attempt == 2:  # the home call alone is idempotent: sent again once
-                        raise self.store.backend_error("acquire", exc) from exc
-                except RedisError as exc:
-                    raise self.store.backend_error("acquire", exc) from exc
-            finally:
-                BOOK.end(call.owner, book, recovered=lost)
-        raise AssertionError("unreachable")
-
-    async def _grant(self, state: _LoopState, call: AcquireCall) -> Any:
-        """acquire.lua for ``call`` (then WAIT, with min_replicas); its reply."""
-        if not self.store.wait_replicas:
-            return await state.acquire(call.keys, call.args, client=state.client)
-        # the grant, then WAIT, in one round trip (see the min_replicas setting)
-        (reply,), (acked,) = await self._evalsha_replicated(
-            state, [Script("acquire", call.keys, call.args)], renewal=False
-        )
-        if (
-            int(reply[0]) == _scripts.AcquireReply.GRANTED
-            and int(acked) < self.store.settings.min_replicas
-        ):
-            granted = self.store.acquire_outcome(call, reply)
-            if not isinstance(granted, Busy):
-                await self.release(granted)  # no replica could hand it on
-            self.store.check_replicated(acked, "grant")
-        return reply
-
-    async def _recover_grant_logged(
-        self, call: AcquireCall, exc: BaseException
-    ) -> list[int] | None:
-        """:meth:`LeaseStore.recover_grant`, on this loop; a failure is logged and raised."""
-        wants = [(w.resource, w.mode) for w in call.wants]
-        store = self.store
-        try:
-            return await self._recover_grant(
-                call.owner, call.group, wants, call.task_id, store.adopt_until(call)
-            )
-        except (RedisError, LeaseBackendError) as failed:
-            store.log_unrecovered([r for r, _ in wants], exc, failed)
-            if isinstance(failed, LeaseBackendError):
-                raise
-            raise store.backend_error("acquire", failed) from failed
-
-    async def _recover_grant(
-        self,
-        owner: str,
-        group: int,
-        wants: Sequence[tuple[str, str]],
-        task_id: str | None,
-        adopt_until: float,
-    ) -> list[int] | None:
-        """:meth:`LeaseStore.recover_grant`: the same decision, made without blocking the loop."""
-        store = self.store
-        book = [store.resource_keys(r).exclusive for r, _ in wants]
-        client = self._state().client
-        end = time.monotonic() + 2 * self.settings.socket_timeout
-        while True:
-            seq = BOOK.quiet(owner, book)
-            if seq is not None:
-                registry = store.registry_key(owner, group)
-                pipe = client.pipeline(transaction=False)
-                for resource, _ in wants:
-                    rk = store.resource_keys(resource)
-                    pipe.get(rk.exclusive)
-                    pipe.zrange(rk.shared, 0, -1, withscores=True)
-                pipe.smembers(registry)
-                replies = await _shielded(pipe.execute())
-                # the Redis clock after the read: a shared member that ran out is no grant
-                ((sec, usec),) = await _shielded(
-                    _evalsha_all(client, NOW_SCRIPT, [([registry], [])])
-                )
-                now_ms = int(sec) * 1000 + int(usec) // 1000
-                if BOOK.unchanged(owner, book, seq):  # see GrantBook
-                    break
-            if time.monotonic() >= end:
-                raise RedisTimeoutError("other grant calls of this process are still in flight")
-            await asyncio.sleep(QUIET_POLL)
-        adopted, orphans = settle_lost_grant(
-            owner, wants, book, replies, now_ms, adopt_until, task_id
-        )
-        if orphans:
-            await self._release_entries(owner, group, orphans, None)
-        return adopted
+        """One all-or-nothing attempt (see :func:`_grants.try_acquire`)."""
+        return await self.run(_grants.try_acquire(self.store.engine, wants, ident, ttl, task_id))
 
     async def _attempt(
         self, wants: Sequence[Want], ident: Identity, ttl: float, task_id: str | None
@@ -797,11 +596,10 @@ class AsyncLeaseStore:
 
     # --- renew ----------------------------------------------------------------------------
     async def renew(self, held: Sequence[Held], owner: str, timeout: float) -> set[int]:
-        """Renew ``held`` (all of one owner) and refresh the owner's liveness, within ``timeout``.
+        """Renew ``held`` (all of one owner) within ``timeout`` (see :func:`_grants.renew`).
 
-        The same calls as :meth:`LeaseStore.renew`, sent on the loop's renewal client (never
-        queued behind the requests of the loop's other client) under a deadline: a stalled
-        Redis cannot hide a lost lease.
+        Sent on the loop's renewal client, never queued behind the requests of the loop's
+        other client, under a deadline: a stalled Redis cannot hide a lost lease.
 
         Returns:
             the indices (into ``held``) of leases Redis no longer has for us.
@@ -809,28 +607,24 @@ class AsyncLeaseStore:
         Raises:
             LeaseBackendError: Redis failed, or gave no reply within ``timeout``.
         """
-        plan = self.store.renew_calls(held, owner)
-        # renew.lua is idempotent (token-checked; it only extends): the renewal client's retry
-        # may run it twice after a lost reply, which extends the same leases once more
-        state = self._state()
-        calls = [(keys, args) for _, keys, args in plan.calls]
+        return await self.run(_grants.renew(self.store.engine, held, owner, timeout))
+
+    async def _send_within(
+        self, state: _LoopState, calls: Sequence[Script], timeout: float
+    ) -> tuple[list[Any], list[Any]]:
+        """The renewal's calls on the renewal client, all replies within ``timeout``.
+
+        renew.lua is idempotent (token-checked; it only extends): the renewal client's retry
+        may run it twice after a lost reply, which extends the same leases once more.
+        """
         sending: asyncio.Future[tuple[list[Any], list[Any]]]
         if self.store.wait_replicas:
-            scripts = [Script("renew", keys, args) for keys, args in calls]
-            replicated = self._evalsha_replicated(state, scripts, renewal=True)
-            sending = asyncio.ensure_future(replicated)
+            sending = asyncio.ensure_future(self._evalsha_replicated(state, calls, renewal=True))
         else:
-            sending = asyncio.ensure_future(_unwaited(state.renew_client, _scripts.RENEW, calls))
-        try:
-            if not await _within(sending, timeout):
-                exc = RedisTimeoutError(f"no reply within {timeout:.2f}s")
-                raise self.store.backend_error("renew", exc)
-            replies, acked = sending.result()
-            for count in acked:  # one WAIT reply per node
-                self.store.check_replicated(count, "renewal")
-        except RedisError as exc:
-            raise self.store.backend_error("renew", exc) from exc
-        return self.store.renew_outcome(plan, replies, owner)
+            sending = asyncio.ensure_future(_unwaited(state.renew_client, calls))
+        if not await _within(sending, timeout):
+            raise RedisTimeoutError(f"no reply within {timeout:.2f}s")
+        return sending.result()
 
     # --- min_replicas ---------------------------------------------------------------------
     async def _evalsha_replicated(
@@ -982,41 +776,9 @@ async def _round_trip(
     return replies
 
 
-async def _evalsha_all(
-    client: aredis.Redis,
-    source: str,
-    calls: Sequence[tuple[list[str], list[Any]]],
-    wait: tuple[Any, ...] = (),
-) -> list[Any]:
-    """EVALSHA each of ``calls`` in one round trip; loads the script once if Redis lost it.
-
-    ``wait``: a ``WAIT`` command sent after them on the same connection; its reply (the
-    replicas that confirmed) comes last.
-    """
-    sha = client.register_script(source).sha
-    for _ in range(2):
-        pipe = client.pipeline(transaction=False)
-        for keys, args in calls:
-            # not pipe.evalsha(): a cluster pipeline refuses it, but routes EVALSHA by its keys
-            pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
-        if wait:
-            pipe.execute_command(*wait)
-        replies: list[Any] = await pipe.execute(raise_on_error=False)
-        if not any(isinstance(r, NoScriptError) for r in replies):
-            break
-        # Redis restarted or SCRIPT FLUSH ran: load it and send again
-        await client.script_load(source)
-    for reply in replies:
-        if isinstance(reply, Exception):
-            raise reply
-    return replies
-
-
-async def _unwaited(
-    client: aredis.Redis, source: str, calls: Sequence[tuple[list[str], list[Any]]]
-) -> tuple[list[Any], list[Any]]:
-    """:func:`_evalsha_all` without WAIT, shaped as :meth:`AsyncLeaseStore._evalsha_replicated`."""
-    return await _evalsha_all(client, source, calls), []
+async def _unwaited(client: aredis.Redis, calls: Sequence[Script]) -> tuple[list[Any], list[Any]]:
+    """:func:`_round_trip` without WAIT, shaped as :meth:`AsyncLeaseStore._evalsha_replicated`."""
+    return await _round_trip(client, calls), []
 
 
 def _node_client(node: Any, max_connections: int, timeout: float) -> aredis.Redis:

@@ -8,23 +8,604 @@ the give-back of a partial grant over several slot groups are written here only.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
-from ._engine import LeaseEngine
-from ._lease import Held
-from ._lostreply import BOOK, release_recovered, resend_if_lost
-from ._protocol import Command, Failure, Script, Steps
-from ._registry import Entry, counted_held
-from ._scripts import CommitReceiptReply, ReleaseReply
+from ._keys import escape, escaped_node_of_owner, unescape
+from ._lease import Held, Want
+from ._lostreply import BOOK, grant_recovery, parse_holder, release_recovered, resend_if_lost
+from ._protocol import (
+    Command,
+    Failure,
+    ReplicaShortfall,
+    Script,
+    Send,
+    SendReplicated,
+    SendWithin,
+    Sleep,
+    Steps,
+    clock_ms,
+    pairs,
+)
+from ._registry import Entry, counted_held, entry_text, parse_entry
+from ._scripts import AcquireReply, CommitReceiptReply, ReleaseReply
+from .exceptions import LeaseBackendError, LeaseConfigError
+
+if TYPE_CHECKING:
+    from ._engine import LeaseEngine
+    from ._identity import Identity
 
 __all__ = (
+    "AcquireCall",
+    "Busy",
+    "RenewPlan",
+    "acquire_group",
     "commit_receipt",
     "delete_receipt",
     "get_receipt",
     "release",
     "release_entries",
+    "renew",
+    "try_acquire",
 )
+
+logger = logging.getLogger(__name__)
+
+#: how long the last fencing token of a resource is remembered. Tokens never go backwards even
+#: without it (they are at least the Redis clock in microseconds); it covers bursts of grants
+#: that run ahead of the clock and small steps back of the server clock.
+TOKEN_MEMORY_MS: Final = 86_400_000
+#: seconds between looks at the grant calls still in flight, in a lost reply's recovery
+QUIET_POLL: Final = 0.005
+
+
+@dataclass
+class Busy:
+    """A failed attempt: which resource blocked it and for how long at most."""
+
+    resource: str
+    wait: float  # seconds until the blocking holder runs out unless renewed
+
+
+class AcquireCall(NamedTuple):
+    """One acquire.lua call, and what its reply needs to be understood."""
+
+    keys: list[str]
+    args: list[Any]
+    group: int
+    wants: Sequence[Want]
+    owner: str
+    ttl: float
+    home: bool
+    task_id: str | None
+    now: float  # monotonic time the call was made
+    registry_s: float  # registry expiry the call sets (0: none)
+
+
+class RenewPlan(NamedTuple):
+    """The renew.lua calls of one renewal: ``(indices into held, keys, args)`` per group."""
+
+    calls: list[tuple[list[int], list[str], list[Any]]]
+    sent: float  # monotonic time the renewal was planned (no later than it reaches Redis)
+    registry: dict[int, float]  # slot group -> registry expiry the call sets, in seconds
+
+
+class GrantsInFlight(Exception):
+    """A lost grant's recovery found other grant calls of this process still in flight."""
+
+
+# --- acquire ------------------------------------------------------------------------------
+def try_acquire(
+    engine: LeaseEngine,
+    wants: Sequence[Want],
+    ident: Identity,
+    ttl: float,
+    task_id: str | None = None,
+) -> Steps[list[Held] | Busy]:
+    """One all-or-nothing attempt at ``wants``; the grants come back in the order given.
+
+    Resources are taken group by group in ascending group order (one script call per
+    group; one call in all with a single slot group). If a later group is busy, or fails,
+    the groups already granted are released again, so the caller never holds part of the
+    set.
+    """
+    by_group, fresh = acquire_plan(engine, wants, ident.owner, ttl)
+    single = len(by_group) == 1 and len(next(iter(by_group.values()))) == 1
+    if 0 not in by_group and not fresh:
+        if single and not engine.wait_replicas:
+            # the home call and the grant in one round trip (two nodes on a cluster)
+            group = next(iter(by_group))
+            return (yield from _acquire_with_home(engine, group, wants, ident, ttl, task_id))
+        outcome = yield from acquire_group(engine, 0, [], ident, ttl, True, task_id)
+        if isinstance(outcome, Busy):
+            return outcome
+        fresh = True
+    if single:
+        group = next(iter(by_group))
+        return (yield from acquire_group(engine, group, wants, ident, ttl, not fresh, task_id))
+    out: list[Held | None] = [None] * len(wants)
+    taken: list[Held] = []
+    for group in sorted(by_group):
+        idx = sorted(by_group[group], key=lambda i: wants[i].resource)
+        home = not fresh and group == 0
+        try:
+            outcome = yield from acquire_group(
+                engine, group, [wants[i] for i in idx], ident, ttl, home, task_id
+            )
+        except LeaseBackendError:
+            yield from _release_quietly(engine, taken)  # the groups already granted
+            raise
+        if isinstance(outcome, Busy):
+            if taken:
+                yield from release(engine, taken, time.monotonic())
+            return outcome
+        for i, held in zip(idx, outcome, strict=True):
+            out[i] = held
+            taken.append(held)
+    return [h for h in out if h is not None]
+
+
+def _release_quietly(engine: LeaseEngine, held: Sequence[Held]) -> Steps[None]:
+    """Release ``held`` where a failure has nobody to tell: it runs out by its TTL (and
+    the owner registry lets a cleanup free it sooner)."""
+    try:
+        yield from release(engine, held, time.monotonic())
+    except LeaseBackendError as exc:
+        logger.error("leases: could not release %d lease(s): %s", len(held), exc)
+
+
+def _acquire_with_home(
+    engine: LeaseEngine,
+    group: int,
+    wants: Sequence[Want],
+    ident: Identity,
+    ttl: float,
+    task_id: str | None,
+) -> Steps[list[Held] | Busy]:
+    """The owner's home call (group 0) and the grant in ``group``, sent together.
+
+    If the home call is refused (restart grace) while the grant went through, the grant is
+    given back, as :func:`try_acquire` would never have asked for it.
+    """
+    home = acquire_call(engine, 0, [], ident, ttl, True, task_id)
+    call = acquire_call(engine, group, wants, ident, ttl, False, task_id)
+    book = book_keys(engine, wants)
+    BOOK.begin(call.owner, book)
+    lost = False
+    try:
+        try:
+            replies = yield Send(
+                [Script("acquire", home.keys, home.args), Script("acquire", call.keys, call.args)]
+            )
+        except Failure as failure:
+            if not failure.lost:
+                raise engine.backend_error("acquire", failure) from failure.cause
+            # read-back: the grant is adopted if it was made; the home call is idempotent
+            BOOK.lost(call.owner, book)
+            lost = True
+            tokens = yield from _recover_grant_logged(engine, call, failure)
+            adopted = (
+                None
+                if tokens is None
+                else acquire_outcome(engine, call, [AcquireReply.GRANTED, *tokens])
+            )
+        else:
+            registered = acquire_outcome(engine, home, replies[0])
+            outcome = acquire_outcome(engine, call, replies[1])
+            if isinstance(registered, Busy):
+                if not isinstance(outcome, Busy):
+                    yield from release(engine, outcome, time.monotonic())
+                return registered
+            return outcome
+    finally:
+        BOOK.end(call.owner, book, recovered=lost)
+    # the reply was lost: the home call again, then (unless adopted) the grant again
+    registered = yield from acquire_group(engine, 0, [], ident, ttl, True, task_id)
+    if isinstance(registered, Busy):
+        if adopted is not None and not isinstance(adopted, Busy):
+            yield from release(engine, adopted, time.monotonic())
+        return registered
+    if adopted is not None:
+        return adopted
+    return (yield from acquire_group(engine, group, wants, ident, ttl, False, task_id))
+
+
+def acquire_plan(
+    engine: LeaseEngine, wants: Sequence[Want], owner: str, ttl: float
+) -> tuple[dict[int, list[int]], bool]:
+    """``(slot group -> indices into wants, True if the owner's home call can be skipped)``."""
+    if len(wants) == 1:
+        by_group = {engine.resource_keys(wants[0].resource).group: [0]}
+    else:
+        if len({w.resource for w in wants}) != len(wants):
+            names = [w.resource for w in wants]
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            msg = f"the same resource is asked for twice in one request: {dupes}"
+            raise LeaseConfigError(msg)
+        by_group = {}
+        for i, w in enumerate(wants):
+            by_group.setdefault(engine.resource_keys(w.resource).group, []).append(i)
+    return by_group, engine.liveness_covers(owner, ttl)
+
+
+def acquire_group(
+    engine: LeaseEngine,
+    group: int,
+    wants: Sequence[Want],
+    ident: Identity,
+    ttl: float,
+    home: bool,
+    task_id: str | None = None,
+) -> Steps[list[Held] | Busy]:
+    """One acquire.lua call for ``wants`` (all in slot group ``group``; none: the home call).
+
+    A grant whose reply is lost (the connection cut or timed out after the request went
+    out) is read back: t0 acquire.lua grants R to this owner; t1 the reply is lost; t2 a
+    plain retry finds R held by this owner and reports it busy, and nobody renews or
+    releases the grant of t0 until its TTL. So the call goes out once, and after a lost
+    reply the grant of t0 is adopted if it is surely this call's, else given back and the
+    call sent once more.
+    """
+    book = book_keys(engine, wants)
+    for attempt in (1, 2):
+        call = acquire_call(engine, group, wants, ident, ttl, home, task_id)
+        BOOK.begin(call.owner, book)
+        lost = False
+        try:
+            try:
+                reply = yield from _grant(engine, call)
+                return acquire_outcome(engine, call, reply)
+            except ReplicaShortfall as exc:  # the grant was given back already
+                raise engine.backend_error("acquire", exc) from exc
+            except Failure as failure:
+                if not failure.lost:
+                    raise engine.backend_error("acquire", failure) from failure.cause
+                if wants:
+                    BOOK.lost(call.owner, book)
+                    lost = True
+                    tokens = yield from _recover_grant_logged(engine, call, failure)
+                    if tokens is not None:
+                        return acquire_outcome(engine, call, [AcquireReply.GRANTED, *tokens])
+                # the home call alone is idempotent: it is simply sent again
+                if attempt == 2:
+                    raise engine.backend_error("acquire", failure) from failure.cause
+        finally:
+            BOOK.end(call.owner, book, recovered=lost)
+    raise AssertionError("unreachable")
+
+
+def _grant(engine: LeaseEngine, call: AcquireCall) -> Steps[Any]:
+    """acquire.lua for ``call`` (then WAIT, with min_replicas); its reply.
+
+    With min_replicas the grant and WAIT go down one connection in one round trip. A grant
+    that too few replicas confirm is given back before ReplicaShortfall is raised: a
+    failover to one of them could hand the resource, and the same token, to another.
+    """
+    script = Script("acquire", call.keys, call.args)
+    if not engine.wait_replicas:
+        (reply,) = yield Send([script])
+        return reply
+    (reply,), (acked,) = yield SendReplicated([script])
+    if int(reply[0]) == AcquireReply.GRANTED and int(acked) < engine.settings.min_replicas:
+        granted = acquire_outcome(engine, call, reply)
+        if not isinstance(granted, Busy):
+            yield from release(engine, granted, time.monotonic())  # no replica can hand it on
+        engine.check_replicated(acked, "grant")
+    return reply
+
+
+def book_keys(engine: LeaseEngine, wants: Sequence[Want]) -> list[str]:
+    """The keys :data:`~celery_leases._lostreply.BOOK` knows ``wants``' grants by."""
+    return [engine.resource_keys(w.resource).exclusive for w in wants]
+
+
+def _recover_grant_logged(
+    engine: LeaseEngine, call: AcquireCall, lost: Failure
+) -> Steps[list[int] | None]:
+    """:func:`recover_grant` for ``call``; a recovery that fails is logged, and raised."""
+    wants = [(w.resource, w.mode) for w in call.wants]
+    try:
+        return (
+            yield from recover_grant(
+                engine, call.owner, call.group, wants, call.task_id, adopt_until(engine, call)
+            )
+        )
+    except (Failure, GrantsInFlight, LeaseBackendError) as failed:
+        log_unrecovered([r for r, _ in wants], lost.cause, failed)
+        if isinstance(failed, LeaseBackendError):
+            raise
+        cause = failed.cause if isinstance(failed, Failure) else failed
+        raise engine.backend_error("acquire", cause) from cause
+
+
+def adopt_until(engine: LeaseEngine, call: AcquireCall) -> float:
+    """Until when (monotonic) a lost grant of ``call`` may be adopted rather than given back.
+
+    An adopted lease counts as confirmed when the call was sent, the latest time it can
+    have been granted: adopted with little of its horizon left, it would count as lost
+    before the heartbeat could renew it. With min_replicas, never (0): the replicas'
+    answer was lost too.
+    """
+    if engine.wait_replicas:
+        return 0.0
+    return call.now + engine.horizon(call.ttl) / 2
+
+
+def log_unrecovered(resources: Sequence[str], lost: BaseException, failed: BaseException) -> None:
+    """Tell the operator about a grant that may be left behind by a lost reply."""
+    if isinstance(failed, Failure):
+        failed = failed.cause
+    logger.error(
+        "leases: the reply to a grant of %s was lost (%s) and it could not be read back "
+        "(%s): a grant it made is held until its TTL runs out (the owner's registry "
+        "records it, so a cleanup frees it sooner)",
+        ", ".join(repr(r) for r in resources),
+        lost,
+        failed,
+    )
+
+
+def recover_grant(
+    engine: LeaseEngine,
+    owner: str,
+    group: int,
+    wants: Sequence[tuple[str, str]],
+    task_id: str | None,
+    adopt_until: float,
+) -> Steps[list[int] | None]:
+    """After a grant call's reply was lost: its tokens if it granted, else None.
+
+    Waits until no other grant call of this process on these resources is in flight
+    (each ends within the socket timeout), reads back this owner's grants of them, and
+    decides with :func:`~celery_leases._lostreply.grant_recovery`: the lost call's grant
+    is adopted (returned), or every orphan grant of this owner (no live lease of this
+    process has its token) is released. A grant is adopted only until ``adopt_until``
+    (monotonic; see :func:`adopt_until`). Raises Failure if Redis cannot be read, and
+    GrantsInFlight if other calls are still in flight after twice the socket timeout.
+    """
+    book = [engine.resource_keys(r).exclusive for r, _ in wants]
+    registry = engine.registry_key(owner, group)
+    calls: list[Command | Script] = []
+    for resource, _ in wants:
+        rk = engine.resource_keys(resource)
+        calls += [
+            Command(("GET", rk.exclusive)),
+            Command(("ZRANGE", rk.shared, 0, -1, "WITHSCORES")),
+        ]
+    # with the Redis clock, on the registry's node: a shared member that ran out is no grant
+    calls += [Command(("SMEMBERS", registry)), Script("now", [registry], [])]
+    end = time.monotonic() + 2 * engine.settings.socket_timeout
+    while True:
+        seq = BOOK.quiet(owner, book)
+        if seq is not None:
+            *replies, now = yield Send(calls, once=False)  # reads: the client may retry
+            if BOOK.unchanged(owner, book, seq):  # see GrantBook
+                break
+        if time.monotonic() >= end:
+            raise GrantsInFlight("other grant calls of this process are still in flight")
+        yield Sleep(QUIET_POLL)
+    for i in range(len(wants)):
+        replies[2 * i + 1] = pairs(replies[2 * i + 1])
+    adopted, orphans = settle_lost_grant(
+        owner, wants, book, replies, clock_ms(now), adopt_until, task_id
+    )
+    if orphans:
+        yield from release_entries(engine, owner, group, orphans)
+    return adopted
+
+
+def acquire_call(
+    engine: LeaseEngine,
+    group: int,
+    wants: Sequence[Want],
+    ident: Identity,
+    ttl: float,
+    home: bool,
+    task_id: str | None = None,
+) -> AcquireCall:
+    """The keys and arguments of one acquire.lua call."""
+    owner = ident.owner
+    now = time.monotonic()
+    registry_s = engine.registry_expiry(owner, group, ttl, now) if wants else 0.0
+    keys = [engine.keys.lifetime(group), engine.registry_key(owner, group)]
+    args: list[Any] = [owner, engine.ms(ttl), engine.grace_ms]
+    home = home and group == 0
+    if home:
+        keys += [engine.keys.owners, engine.keys.node(ident.node), engine.keys.nodes]
+        args += ["1", engine.liveness, ident.node_key_part]
+    else:
+        args += ["0", "0", ""]
+    args += [
+        TOKEN_MEMORY_MS,
+        engine.ms(registry_s) if registry_s else 0,
+        escape(task_id) if task_id else "-",
+    ]
+    for w in wants:
+        rk = engine.resource_keys(w.resource)
+        keys += (rk.exclusive, rk.shared, rk.counter)
+        args += (w.mode, w.limit, w.resource)
+    return AcquireCall(keys, args, group, wants, owner, ttl, home, task_id, now, registry_s)
+
+
+def acquire_outcome(
+    engine: LeaseEngine, call: AcquireCall, reply: Sequence[Any]
+) -> list[Held] | Busy:
+    """What acquire.lua's ``reply`` to ``call`` means; records a home call and registry."""
+    wants, owner, now = call.wants, call.owner, call.now
+    code = int(reply[0])
+    if code == AcquireReply.GRACE:
+        first = wants[0].resource if wants else "(owner registration)"
+        return Busy(first, int(reply[1]) / 1000)
+    if code == AcquireReply.BUSY:
+        return Busy(wants[int(reply[1]) - 1].resource, int(reply[2]) / 1000)
+    if call.home:
+        engine.registered[owner] = now
+    if call.registry_s:
+        engine.registry_until[(owner, call.group)] = now + call.registry_s
+    horizon = engine.horizon(call.ttl)
+    # before the call counts as ended: a recovery must never take these for orphans
+    for w, token in zip(wants, reply[1:], strict=True):
+        BOOK.hold(owner, engine.resource_keys(w.resource).exclusive, int(token))
+    return [
+        Held(
+            store=engine.store,
+            owner=owner,
+            resource=w.resource,
+            mode=w.mode,
+            token=int(token),
+            ttl=call.ttl,
+            acquired_at=now,
+            confirmed_at=now,
+            horizon=horizon,
+            task_id=call.task_id,
+        )
+        for w, token in zip(wants, reply[1:], strict=True)
+    ]
+
+
+def settle_lost_grant(
+    owner: str,
+    wants: Sequence[tuple[str, str]],
+    book: Sequence[str],
+    replies: Sequence[Any],
+    now_ms: int,
+    adopt_until: float,
+    task_id: str | None,
+) -> tuple[list[int] | None, list[Entry]]:
+    """What a grant whose reply was lost left, read back: ``(tokens adopted, orphans)``.
+
+    The decision a lost grant's recovery makes once Redis was read quietly (see
+    :func:`~celery_leases._lostreply.grant_recovery`): the lost call's grant is adopted, or
+    the orphan grants of ``owner`` (no live lease of this process has their token) are to be
+    released by the caller. ``book``: the resources' keys in the :data:`BOOK`.
+    """
+    found, entries = own_grants(owner, [r for r, _ in wants], replies, now_ms)
+    held = {r: BOOK.held(owner, k) for (r, _), k in zip(wants, book, strict=True)}
+    decision = grant_recovery(
+        wants,
+        found,
+        held,
+        alone=BOOK.alone(owner, book),
+        may_adopt=time.monotonic() < adopt_until,
+    )
+    if decision.adopt is not None:
+        logger.info("leases: a grant of %s whose reply was lost is kept", wants[0][0])
+        return decision.adopt, []
+    orphans = [entries.get((r, m, t)) or Entry(m, t, task_id, r) for r, m, t in decision.give_back]
+    if orphans:
+        logger.info(
+            "leases: %d grant(s) whose reply was lost are given back (%s)",
+            len(orphans),
+            ", ".join(repr(e.resource) for e in orphans),
+        )
+    return None, orphans
+
+
+def own_grants(
+    owner: str, resources: Sequence[str], replies: Sequence[Any], now_ms: int
+) -> tuple[dict[str, list[tuple[str, int]]], dict[tuple[str, str, int], Entry]]:
+    """``owner``'s grants in what :func:`recover_grant` read back.
+
+    ``replies``: per resource its exclusive key's value and its shared members with their
+    expiry (Redis time in ms, as pairs), then the owner's registry; ``now_ms``: the Redis
+    clock after the read. Returns per resource ``(mode, token)`` of the live grants, and the
+    registry entries by ``(resource, mode, token)`` (to release them by their exact text).
+    """
+    found: dict[str, list[tuple[str, int]]] = {}
+    for i, resource in enumerate(resources):
+        value, members = replies[2 * i], replies[2 * i + 1]
+        live = [m for m, score in members if float(score) > now_ms]
+        grants = found[resource] = []
+        for mode, holder in [("x", value), *(("s", m) for m in live)]:
+            parsed = None if holder is None else parse_holder(holder)
+            if parsed is not None and parsed[1] == owner:
+                grants.append((mode, parsed[0]))
+    entries: dict[tuple[str, str, int], Entry] = {}
+    for member in replies[-1]:
+        entry = parse_entry(str(member))
+        if entry is not None:
+            entries[(entry.resource, entry.mode, entry.token)] = entry
+    return found, entries
+
+
+# --- renew --------------------------------------------------------------------------------
+def renew(engine: LeaseEngine, held: Sequence[Held], owner: str, timeout: float) -> Steps[set[int]]:
+    """Renew ``held`` (all of one owner) and refresh the owner's liveness.
+
+    One script call per slot group, sent together in one round trip per node, under a
+    deadline of ``timeout`` seconds (:class:`~celery_leases._protocol.SendWithin`: the
+    heartbeat uses the time left before the first lease would count as lost). Idempotent
+    after a lost reply: the driver never resends it (the caller hears of the failure), and
+    the next renewal runs it again, token-checked; run twice it only extends the same
+    leases twice.
+
+    Returns:
+        the indices (into ``held``) of leases Redis no longer has for us.
+    """
+    plan = renew_calls(engine, held, owner)
+    scripts = [Script("renew", keys, args) for _, keys, args in plan.calls]
+    try:
+        replies, acked = yield SendWithin(scripts, timeout)
+        for count in acked:  # one WAIT reply per node (none without min_replicas)
+            engine.check_replicated(count, "renewal")
+    except Failure as failure:
+        raise engine.backend_error("renew", failure) from failure.cause
+    except ReplicaShortfall as exc:
+        raise engine.backend_error("renew", exc) from exc
+    return renew_outcome(engine, plan, replies, owner)
+
+
+def renew_calls(engine: LeaseEngine, held: Sequence[Held], owner: str) -> RenewPlan:
+    """The renew.lua calls of :func:`renew`, one per slot group."""
+    by_group: dict[int, list[int]] = {0: []}
+    for i, h in enumerate(held):
+        by_group.setdefault(h.group, []).append(i)
+    longest = max([h.ttl for h in held] + [engine.settings.ttl])
+    sent = time.monotonic()
+    # A registry's expiry is never cut short here: another renewer of the same owner (the
+    # asyncio heartbeat next to the thread, or the other way round) may hold longer leases
+    # in it. t0 the thread renews a lease of ttl=3600 (registry: 4 h); t1 the asyncio
+    # heartbeat renews one of ttl=30 (registry: 2 min); t2 the process dies; t3 the registry
+    # runs out, and no cleanup finds the first lease for the next hour.
+    registry: dict[int, float] = {}
+    calls: list[tuple[list[int], list[str], list[Any]]] = []
+    for group, idx in sorted(by_group.items()):
+        left = engine.registry_until.get((owner, group), 0.0) - sent
+        registry[group] = max(4 * longest, left)
+        keys = [engine.registry_key(owner, group)]
+        args: list[Any] = [owner, engine.ms(registry[group])]
+        if group == 0:
+            node = escaped_node_of_owner(owner)
+            keys += [engine.keys.owners, engine.keys.node(unescape(node)), engine.keys.nodes]
+            args += ["1", engine.liveness, node]
+        else:
+            args += ["0", 0, ""]
+        for i in idx:
+            h = held[i]
+            rk = engine.resource_keys(h.resource)
+            keys.append(rk.exclusive if h.mode == "x" else rk.shared)
+            text = entry_text(h.mode, h.token, h.task_id, h.resource)
+            args += [h.mode, h.token, engine.ms(h.ttl), text]
+        calls.append((idx, keys, args))
+    return RenewPlan(calls, sent, registry)
+
+
+def renew_outcome(
+    engine: LeaseEngine, plan: RenewPlan, replies: Sequence[Any], owner: str
+) -> set[int]:
+    """The indices of the leases renew.lua's ``replies`` report lost; records the renewal."""
+    lost: set[int] = set()
+    for (idx, _, _), reply in zip(plan.calls, replies, strict=True):
+        lost.update(idx[int(n) - 1] for n in reply)
+    # this call refreshed the owner's liveness and its registries' expiry
+    sent = plan.sent
+    engine.registered[owner] = max(engine.registered.get(owner, sent), sent)
+    for group, registry_s in plan.registry.items():
+        engine.registry_until[(owner, group)] = sent + registry_s
+    return lost
 
 
 # --- release ------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ written once, as generators in the core modules (``_grants``, ``_cleanup``, ``_i
   replies, in order;
 - :class:`SendReplicated`: script calls, each Redis node's followed by ``WAIT`` on the same
   connection (``min_replicas``) -> ``(replies, WAIT replies)``;
+- :class:`SendWithin`: a renewal's script calls, under a deadline;
 - :class:`Sleep`: wait a while (a sync driver sleeps, an asyncio one awaits).
 
 A request that fails is thrown back into the generator as :class:`Failure`, which says
@@ -35,6 +36,7 @@ __all__ = (
     "Script",
     "Send",
     "SendReplicated",
+    "SendWithin",
     "Sleep",
     "Steps",
     "clock_ms",
@@ -94,13 +96,26 @@ class SendReplicated(NamedTuple):
     calls: Sequence[Script]
 
 
+class SendWithin(NamedTuple):
+    """Script calls (a renewal) whose replies must all come within ``timeout`` seconds.
+
+    Sent on connections apart from the pooled ones, one round trip per node, each node's
+    followed by ``WAIT`` with min_replicas. The reply: ``(replies in call order, the WAIT
+    replies, one per node; none without min_replicas)``. One attempt: a late reply is a
+    Failure with ``lost``.
+    """
+
+    calls: Sequence[Script]
+    timeout: float
+
+
 class Sleep(NamedTuple):
     """Wait ``seconds`` (polling in a recovery); the reply is None."""
 
     seconds: float
 
 
-Op = Send | SendReplicated | Sleep
+Op = Send | SendReplicated | SendWithin | Sleep
 #: a core operation: yields requests, is sent their replies, returns its outcome
 Steps = Generator[Op, Any, T]
 

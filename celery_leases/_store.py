@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, NamedTuple, TypeVar
+from typing import Any, Final, Literal, TypeVar
 
 import redis
 from celery.utils.log import get_logger
@@ -22,6 +22,7 @@ from redis.retry import Retry
 
 from . import _connect, _grants, _lifetime, _scripts
 from ._engine import LeaseEngine, ResourceKeys
+from ._grants import Busy
 from ._identity import Identity
 from ._keys import (
     UNIQUE_PREFIX,
@@ -35,9 +36,7 @@ from ._keys import (
 from ._lease import Held, Want
 from ._lostreply import (
     BOOK,
-    grant_recovery,
     own_beat_win,
-    parse_holder,
     requeue_recovered,
 )
 from ._once import (
@@ -52,10 +51,10 @@ from ._protocol import (
     Command,
     Failure,
     Op,
-    ReplicaShortfall,
     Script,
     Send,
     SendReplicated,
+    SendWithin,
     Sleep,
     Steps,
     words_of,
@@ -70,7 +69,6 @@ from ._registry import (
 )
 from ._scripts import (
     SOURCE,
-    AcquireReply,
     BeatClaimReply,
     UniqueClaimReply,
     UniqueHandoverReply,
@@ -109,37 +107,6 @@ _RELEASE_BATCH: Final = 500
 AUDIT_KEEP: Final = 1000
 #: seconds between looks at the grant calls still in flight, in a lost reply's recovery
 QUIET_POLL: Final = 0.005
-
-
-@dataclass
-class Busy:
-    """A failed attempt: which resource blocked it and for how long at most."""
-
-    resource: str
-    wait: float  # seconds until the blocking holder runs out unless renewed
-
-
-class AcquireCall(NamedTuple):
-    """One acquire.lua call, and what its reply needs to be understood."""
-
-    keys: list[str]
-    args: list[Any]
-    group: int
-    wants: Sequence[Want]
-    owner: str
-    ttl: float
-    home: bool
-    task_id: str | None
-    now: float  # monotonic time the call was made
-    registry_s: float  # registry expiry the call sets (0: none)
-
-
-class RenewPlan(NamedTuple):
-    """The renew.lua calls of one renewal: ``(indices into held, keys, args)`` per group."""
-
-    calls: list[tuple[list[int], list[str], list[Any]]]
-    sent: float  # monotonic time the renewal was planned (no later than it reaches Redis)
-    registry: dict[int, float]  # slot group -> registry expiry the call sets, in seconds
 
 
 @dataclass
@@ -357,6 +324,8 @@ class LeaseStore:
                 op = steps.send(value) if failure is None else steps.throw(failure)
             except StopIteration as stop:
                 return stop.value  # type: ignore[no-any-return]
+            except Failure as unhandled:  # the operation let it through: the client's error
+                raise unhandled.cause from None
             failure = None
             try:
                 value = self._execute(op)
@@ -375,6 +344,9 @@ class LeaseStore:
             assert isinstance(op, SendReplicated)
             with one_attempt():
                 return self._send_replicated(op.calls)
+        if kind is SendWithin:
+            assert isinstance(op, SendWithin)
+            return self._send_within(op.calls, op.timeout)
         if kind is Sleep:
             assert isinstance(op, Sleep)
             time.sleep(op.seconds)
@@ -441,347 +413,8 @@ class LeaseStore:
     def try_acquire(
         self, wants: Sequence[Want], ident: Identity, ttl: float, task_id: str | None = None
     ) -> list[Held] | Busy:
-        """One all-or-nothing attempt at ``wants``; the grants come back in the order given.
-
-        Resources are taken group by group in ascending group order (one script call per
-        group; one call in all with a single slot group). If a later group is busy, the groups
-        already granted are released again, so the caller never holds part of the set.
-        """
-        by_group, fresh = self.acquire_plan(wants, ident.owner, ttl)
-        single = len(by_group) == 1 and len(next(iter(by_group.values()))) == 1
-        if 0 not in by_group and not fresh:
-            if single and not self.wait_replicas:
-                # the home call and the grant in one round trip (two nodes on a cluster)
-                return self._acquire_with_home(next(iter(by_group)), wants, ident, ttl, task_id)
-            outcome = self._acquire_group(0, [], ident, ttl, True, task_id)
-            if isinstance(outcome, Busy):
-                return outcome
-            fresh = True
-        if single:
-            return self._acquire_group(next(iter(by_group)), wants, ident, ttl, not fresh, task_id)
-        out: list[Held | None] = [None] * len(wants)
-        taken: list[Held] = []
-        for group in sorted(by_group):
-            idx = sorted(by_group[group], key=lambda i: wants[i].resource)
-            try:
-                outcome = self._acquire_group(
-                    group, [wants[i] for i in idx], ident, ttl, not fresh and group == 0, task_id
-                )
-            except LeaseBackendError:
-                self._release_quietly(taken)  # the groups already granted
-                raise
-            if isinstance(outcome, Busy):
-                if taken:
-                    self.release(taken)
-                return outcome
-            for i, held in zip(idx, outcome, strict=True):
-                out[i] = held
-                taken.append(held)
-        return [h for h in out if h is not None]
-
-    def _release_quietly(self, held: Sequence[Held]) -> None:
-        """Release ``held`` where a failure has nobody to tell: it runs out by its TTL (and
-        the owner registry lets a cleanup free it sooner)."""
-        try:
-            self.release(held)
-        except LeaseBackendError as exc:
-            logger.error("leases: could not release %d lease(s): %s", len(held), exc)
-
-    def _acquire_with_home(
-        self, group: int, wants: Sequence[Want], ident: Identity, ttl: float, task_id: str | None
-    ) -> list[Held] | Busy:
-        """The owner's home call (group 0) and the grant in ``group``, sent together.
-
-        If the home call is refused (restart grace) while the grant went through, the grant is
-        given back, as :meth:`try_acquire` would never have asked for it.
-        """
-        home = self.acquire_call(0, [], ident, ttl, True, task_id)
-        call = self.acquire_call(group, wants, ident, ttl, False, task_id)
-
-        def queue(pipe: Any) -> None:
-            for c in (home, call):
-                pipe.execute_command("EVALSHA", self._acquire.sha, len(c.keys), *c.keys, *c.args)
-
-        book = self.book_keys(wants)
-        BOOK.begin(call.owner, book)
-        lost = False
-        try:
-            try:
-                with one_attempt():
-                    replies = self._pipeline(self.client, queue, _scripts.ACQUIRE)
-            except UNKNOWN as exc:
-                # read-back: the grant is adopted if it was made; the home call is idempotent
-                BOOK.lost(call.owner, book)
-                lost = True
-                tokens = self._recover_grant_logged(call, exc)
-                adopted = (
-                    None
-                    if tokens is None
-                    else self.acquire_outcome(call, [AcquireReply.GRANTED, *tokens])
-                )
-            except RedisError as exc:
-                raise self.backend_error("acquire", exc) from exc
-            else:
-                registered = self.acquire_outcome(home, replies[0])
-                outcome = self.acquire_outcome(call, replies[1])
-                if isinstance(registered, Busy):
-                    if not isinstance(outcome, Busy):
-                        self.release(outcome)
-                    return registered
-                return outcome
-        finally:
-            BOOK.end(call.owner, book, recovered=lost)
-        # the reply was lost: the home call again, then (unless adopted) the grant again
-        registered = self._acquire_group(0, [], ident, ttl, True, task_id)
-        if isinstance(registered, Busy):
-            if adopted is not None and not isinstance(adopted, Busy):
-                self.release(adopted)
-            return registered
-        if adopted is not None:
-            return adopted
-        return self._acquire_group(group, wants, ident, ttl, False, task_id)
-
-    def acquire_plan(
-        self, wants: Sequence[Want], owner: str, ttl: float
-    ) -> tuple[dict[int, list[int]], bool]:
-        """``(slot group -> indices into wants, True if the owner's home call can be skipped)``.
-
-        Shared with the asyncio store, which makes the same calls in the same order.
-        """
-        if len(wants) == 1:
-            by_group = {self.resource_keys(wants[0].resource).group: [0]}
-        else:
-            if len({w.resource for w in wants}) != len(wants):
-                names = [w.resource for w in wants]
-                dupes = sorted({n for n in names if names.count(n) > 1})
-                msg = f"the same resource is asked for twice in one request: {dupes}"
-                raise LeaseConfigError(msg)
-            by_group = {}
-            for i, w in enumerate(wants):
-                by_group.setdefault(self.resource_keys(w.resource).group, []).append(i)
-        return by_group, self.liveness_covers(owner, ttl)
-
-    def _acquire_group(
-        self,
-        group: int,
-        wants: Sequence[Want],
-        ident: Identity,
-        ttl: float,
-        home: bool,
-        task_id: str | None = None,
-    ) -> list[Held] | Busy:
-        # A grant whose reply is lost (the connection cut or timed out after the request went
-        # out) is read back: t0 acquire.lua grants R to this owner; t1 the reply is lost; t2 a
-        # plain retry finds R held by this owner and reports it busy, and nobody renews or
-        # releases the grant of t0 until its TTL. So the call goes out once
-        # (one_attempt), and after a lost reply the grant of t0 is adopted if it is surely
-        # this call's, else given back and the call sent once more.
-        book = self.book_keys(wants)
-        for attempt in (1, 2):
-            call = self.acquire_call(group, wants, ident, ttl, home, task_id)
-            BOOK.begin(call.owner, book)
-            lost = False
-            try:
-                try:
-                    with one_attempt():
-                        if self.wait_replicas:
-                            reply = self._acquire_replicated(call)
-                        else:
-                            reply = self._acquire(call.keys, call.args, client=self.client)
-                    return self.acquire_outcome(call, reply)
-                except ReplicaShortfall as exc:  # the grant was given back already
-                    raise self.backend_error("acquire", exc) from exc
-                except UNKNOWN as exc:
-                    if wants:
-                        BOOK.lost(call.owner, book)
-                        lost = True
-                        tokens = self._recover_grant_logged(call, exc)
-                        if tokens is not None:
-                            return self.acquire_outcome(call, [AcquireReply.GRANTED, *tokens])
-                    # the home call alone is idempotent: it is simply sent again
-                    if attempt == 2:
-                        raise self.backend_error("acquire", exc) from exc
-                except RedisError as exc:
-                    raise self.backend_error("acquire", exc) from exc
-            finally:
-                BOOK.end(call.owner, book, recovered=lost)
-        raise AssertionError("unreachable")
-
-    def book_keys(self, wants: Sequence[Want]) -> list[str]:
-        """The keys :data:`~celery_leases._lostreply.BOOK` knows ``wants``' grants by."""
-        return [self.resource_keys(w.resource).exclusive for w in wants]
-
-    def _recover_grant_logged(self, call: AcquireCall, exc: BaseException) -> list[int] | None:
-        """:meth:`recover_grant` for ``call``; a recovery that fails is logged, and raised."""
-        wants = [(w.resource, w.mode) for w in call.wants]
-        try:
-            return self.recover_grant(
-                call.owner, call.group, wants, call.task_id, self.adopt_until(call)
-            )
-        except (RedisError, LeaseBackendError) as failed:
-            self.log_unrecovered([r for r, _ in wants], exc, failed)
-            if isinstance(failed, LeaseBackendError):
-                raise
-            raise self.backend_error("acquire", failed) from failed
-
-    def adopt_until(self, call: AcquireCall) -> float:
-        """Until when (monotonic) a lost grant of ``call`` may be adopted rather than given back.
-
-        An adopted lease counts as confirmed when the call was sent, the latest time it can
-        have been granted: adopted with little of its horizon left, it would count as lost
-        before the heartbeat could renew it. With min_replicas, never (0): the replicas'
-        answer was lost too.
-        """
-        if self.wait_replicas:
-            return 0.0
-        return call.now + self.horizon(call.ttl) / 2
-
-    def log_unrecovered(
-        self, resources: Sequence[str], lost: BaseException, failed: BaseException
-    ) -> None:
-        """Tell the operator about a grant that may be left behind by a lost reply."""
-        logger.error(
-            "leases: the reply to a grant of %s was lost (%s) and it could not be read back "
-            "(%s): a grant it made is held until its TTL runs out (the owner's registry "
-            "records it, so a cleanup frees it sooner)",
-            ", ".join(repr(r) for r in resources),
-            lost,
-            failed,
-        )
-
-    def recover_grant(
-        self,
-        owner: str,
-        group: int,
-        wants: Sequence[tuple[str, str]],
-        task_id: str | None,
-        adopt_until: float,
-    ) -> list[int] | None:
-        """After a grant call's reply was lost: its tokens if it granted, else None.
-
-        Waits until no other grant call of this process on these resources is in flight
-        (each ends within the socket timeout), reads back this owner's grants of them, and
-        decides with :func:`~celery_leases._lostreply.grant_recovery`: the lost call's grant
-        is adopted (returned), or every orphan grant of this owner (no live lease of this
-        process has its token) is released. A grant is adopted only until ``adopt_until``
-        (monotonic; see :meth:`adopt_until`). Raises a redis error if Redis cannot be read.
-        """
-        book = [self.resource_keys(r).exclusive for r, _ in wants]
-        registry = self.registry_key(owner, group)
-
-        def build(pipe: Any) -> None:
-            for resource, _ in wants:
-                rk = self.resource_keys(resource)
-                pipe.get(rk.exclusive)
-                pipe.zrange(rk.shared, 0, -1, withscores=True)
-            pipe.smembers(registry)
-
-        end = time.monotonic() + 2 * self.settings.socket_timeout
-        while True:
-            seq = BOOK.quiet(owner, book)
-            if seq is not None:
-                # with the Redis clock: a shared member that ran out is no grant to adopt
-                replies, now_ms = self._with_now(build, registry)
-                if BOOK.unchanged(owner, book, seq):
-                    break
-            if time.monotonic() >= end:
-                raise RedisTimeoutError("other grant calls of this process are still in flight")
-            time.sleep(QUIET_POLL)
-        adopted, orphans = settle_lost_grant(
-            owner, wants, book, replies, now_ms, adopt_until, task_id
-        )
-        if orphans:
-            self._release_entries(owner, group, orphans)
-        return adopted
-
-    def acquire_call(
-        self,
-        group: int,
-        wants: Sequence[Want],
-        ident: Identity,
-        ttl: float,
-        home: bool,
-        task_id: str | None = None,
-    ) -> AcquireCall:
-        """The keys and arguments of one acquire.lua call (no Redis call)."""
-        owner = ident.owner
-        now = time.monotonic()
-        registry_s = self.engine.registry_expiry(owner, group, ttl, now) if wants else 0.0
-        keys = [self.keys.lifetime(group), self.registry_key(owner, group)]
-        args: list[Any] = [owner, self._ms(ttl), self.engine.grace_ms]
-        home = home and group == 0
-        if home:
-            keys += [self.keys.owners, self.keys.node(ident.node), self.keys.nodes]
-            args += ["1", self.engine.liveness, ident.node_key_part]
-        else:
-            args += ["0", "0", ""]
-        args += [
-            TOKEN_MEMORY_MS,
-            self._ms(registry_s) if registry_s else 0,
-            escape(task_id) if task_id else "-",
-        ]
-        for w in wants:
-            rk = self.resource_keys(w.resource)
-            keys += (rk.exclusive, rk.shared, rk.counter)
-            args += (w.mode, w.limit, w.resource)
-        return AcquireCall(keys, args, group, wants, owner, ttl, home, task_id, now, registry_s)
-
-    def acquire_outcome(self, call: AcquireCall, reply: Sequence[Any]) -> list[Held] | Busy:
-        """What acquire.lua's ``reply`` to ``call`` means; records a home call and registry."""
-        wants, owner, now = call.wants, call.owner, call.now
-        code = int(reply[0])
-        if code == AcquireReply.GRACE:
-            first = wants[0].resource if wants else "(owner registration)"
-            return Busy(first, int(reply[1]) / 1000)
-        if code == AcquireReply.BUSY:
-            return Busy(wants[int(reply[1]) - 1].resource, int(reply[2]) / 1000)
-        if call.home:
-            self.engine.registered[owner] = now
-        if call.registry_s:
-            self.engine.registry_until[(owner, call.group)] = now + call.registry_s
-        horizon = self.horizon(call.ttl)
-        # before the call counts as ended: a recovery must never take these for orphans
-        for w, token in zip(wants, reply[1:], strict=True):
-            BOOK.hold(owner, self.resource_keys(w.resource).exclusive, int(token))
-        return [
-            Held(
-                store=self,
-                owner=owner,
-                resource=w.resource,
-                mode=w.mode,
-                token=int(token),
-                ttl=call.ttl,
-                acquired_at=now,
-                confirmed_at=now,
-                horizon=horizon,
-                task_id=call.task_id,
-            )
-            for w, token in zip(wants, reply[1:], strict=True)
-        ]
-
-    def _acquire_replicated(self, call: AcquireCall) -> Any:
-        """acquire.lua then ``WAIT``, on one connection in one round trip (see min_replicas).
-
-        A grant that too few replicas confirm is given back before the error is raised: a
-        failover to one of them could hand the resource, and the same token, to another.
-        """
-        target: Any = self.client
-        if self.cluster:  # WAIT must go down the same connection as the grant
-            target = target.get_redis_connection(target.get_node_from_key(call.keys[0]))
-
-        def queue(pipe: Any) -> None:
-            pipe.execute_command(
-                "EVALSHA", self._acquire.sha, len(call.keys), *call.keys, *call.args
-            )
-            pipe.execute_command(*self.wait_replicas)
-
-        reply, acked = self._pipeline(target, queue, _scripts.ACQUIRE)
-        if int(reply[0]) == AcquireReply.GRANTED and int(acked) < self.settings.min_replicas:
-            granted = self.acquire_outcome(call, reply)
-            if not isinstance(granted, Busy):
-                self.release(granted)
-            self.check_replicated(acked, "grant")
-        return reply
+        """One all-or-nothing attempt at ``wants`` (see :func:`_grants.try_acquire`)."""
+        return self.run(_grants.try_acquire(self.engine, wants, ident, ttl, task_id))
 
     def acquire(
         self,
@@ -887,114 +520,54 @@ class LeaseStore:
 
     # --- renew ----------------------------------------------------------------------------
     def renew(self, held: Sequence[Held], owner: str, timeout: float) -> set[int]:
-        """Renew ``held`` (all of one owner) and refresh the owner's liveness.
-
-        One script call per slot group, sent together in one round trip. The reply must come
-        within ``timeout`` seconds, else :class:`LeaseBackendError` (the heartbeat uses the
-        time left before the first lease would count as lost).
+        """Renew ``held`` (all of one owner) within ``timeout`` (see :func:`_grants.renew`).
 
         Returns:
             the indices (into ``held``) of leases Redis no longer has for us.
         """
-        plan = self.renew_calls(held, owner)
-        # idempotent after a lost reply: its own connections never retry (the caller hears of
-        # the failure), and the next renewal runs it again, token-checked; run twice it only
-        # extends the same leases twice
-        replies = self._call_with_deadline(
-            self._renew.sha, _scripts.RENEW, [(k, a) for _, k, a in plan.calls], timeout
-        )
-        return self.renew_outcome(plan, replies, owner)
+        return self.run(_grants.renew(self.engine, held, owner, timeout))
 
-    def renew_calls(self, held: Sequence[Held], owner: str) -> RenewPlan:
-        """The renew.lua calls of :meth:`renew`, one per slot group (no Redis call)."""
-        by_group: dict[int, list[int]] = {0: []}
-        for i, h in enumerate(held):
-            by_group.setdefault(h.group, []).append(i)
-        longest = max([h.ttl for h in held] + [self.settings.ttl])
-        sent = time.monotonic()
-        # A registry's expiry is never cut short here: another renewer of the same owner (the
-        # asyncio heartbeat next to the thread, or the other way round) may hold longer leases
-        # in it. t0 the thread renews a lease of ttl=3600 (registry: 4 h); t1 the asyncio
-        # heartbeat renews one of ttl=30 (registry: 2 min); t2 the process dies; t3 the registry
-        # runs out, and no cleanup finds the first lease for the next hour.
-        registry: dict[int, float] = {}
-        calls: list[tuple[list[int], list[str], list[Any]]] = []
-        for group, idx in sorted(by_group.items()):
-            left = self.engine.registry_until.get((owner, group), 0.0) - sent
-            registry[group] = max(4 * longest, left)
-            keys = [self.registry_key(owner, group)]
-            args: list[Any] = [owner, self._ms(registry[group])]
-            if group == 0:
-                node = escaped_node_of_owner(owner)
-                keys += [self.keys.owners, self.keys.node(unescape(node)), self.keys.nodes]
-                args += ["1", self.engine.liveness, node]
-            else:
-                args += ["0", 0, ""]
-            for i in idx:
-                h = held[i]
-                rk = self.resource_keys(h.resource)
-                keys.append(rk.exclusive if h.mode == "x" else rk.shared)
-                args += [
-                    h.mode,
-                    h.token,
-                    self._ms(h.ttl),
-                    entry_text(h.mode, h.token, h.task_id, h.resource),
-                ]
-            calls.append((idx, keys, args))
-        return RenewPlan(calls, sent, registry)
-
-    def renew_outcome(self, plan: RenewPlan, replies: Sequence[Any], owner: str) -> set[int]:
-        """The indices of the leases renew.lua's ``replies`` report lost; records the renewal."""
-        lost: set[int] = set()
-        for (idx, _, _), reply in zip(plan.calls, replies, strict=True):
-            lost.update(idx[int(n) - 1] for n in reply)
-        # this call refreshed the owner's liveness and its registries' expiry
-        sent = plan.sent
-        self.engine.registered[owner] = max(self.engine.registered.get(owner, sent), sent)
-        for group, registry_s in plan.registry.items():
-            self.engine.registry_until[(owner, group)] = sent + registry_s
-        return lost
-
-    def _call_with_deadline(
-        self, sha: str, source: str, calls: Sequence[tuple[list[str], list[Any]]], timeout: float
-    ) -> list[Any]:
+    def _send_within(self, calls: Sequence[Script], timeout: float) -> tuple[list[Any], list[Any]]:
         """EVALSHA each of ``calls`` within ``timeout``: one round trip per Redis node.
 
         redis-py applies one socket timeout to every command of a connection; the heartbeat
         needs a deadline per call instead, so it drives connections of its own directly: one
         for one server or a Sentinel master, one per node on a cluster (each call's keys
-        share one slot, so its first key says which node).
+        share one slot, so its first key says which node). Returns the replies and, with
+        min_replicas, each node's WAIT reply.
         """
         end = time.monotonic() + timeout
-        with self._backend("renew"):
-            if not self._renew_lock.acquire(timeout=timeout):
-                raise RedisTimeoutError(f"another renewal still runs after {timeout:.2f}s")
+        if not self._renew_lock.acquire(timeout=timeout):
+            raise RedisTimeoutError(f"another renewal still runs after {timeout:.2f}s")
+        try:
+            routes: dict[str, list[int]] = {}
+            for i, call in enumerate(calls):
+                routes.setdefault(self._node_of(call.keys[0]), []).append(i)
+            conns = {
+                node: self._renewal_connection(node, max(0.0, end - time.monotonic()))
+                for node in routes
+            }
+            replies: list[Any] = [None] * len(calls)
+            acked: list[Any] = []
             try:
-                routes: dict[str, list[int]] = {}
-                for i, (keys, _) in enumerate(calls):
-                    routes.setdefault(self._node_of(keys[0]), []).append(i)
-                conns = {
-                    node: self._renewal_connection(node, max(0.0, end - time.monotonic()))
-                    for node in routes
-                }
-                replies: list[Any] = [None] * len(calls)
-                try:
-                    # every node gets its commands before any reply is read
-                    for node, idx in routes.items():
-                        self._send(conns[node], sha, [calls[i] for i in idx])
-                    for node, idx in routes.items():
-                        got = self._read(conns[node], sha, source, [calls[i] for i in idx], end)
-                        for i, reply in zip(idx, got, strict=True):
-                            replies[i] = reply
-                except BaseException as exc:
-                    for conn in conns.values():
-                        conn.disconnect()
-                    if self.cluster and isinstance(exc, (MovedError, RedisConnectionError)):
-                        self._refresh_slots()
-                    raise
-                return replies
-            finally:
-                self._renew_lock.release()
+                # every node gets its commands before any reply is read
+                for node, idx in routes.items():
+                    self._send(conns[node], [calls[i] for i in idx])
+                for node, idx in routes.items():
+                    got, count = self._read(conns[node], [calls[i] for i in idx], end)
+                    for i, reply in zip(idx, got, strict=True):
+                        replies[i] = reply
+                    if count is not None:
+                        acked.append(count)
+            except BaseException as exc:
+                for conn in conns.values():
+                    conn.disconnect()
+                if self.cluster and isinstance(exc, (MovedError, RedisConnectionError)):
+                    self._refresh_slots()
+                raise
+            return replies, acked
+        finally:
+            self._renew_lock.release()
 
     def _node_of(self, key: str) -> str:
         """The name of the cluster node serving ``key`` ("" off a cluster)."""
@@ -1035,34 +608,28 @@ class LeaseStore:
             conn.connect()
         return conn
 
-    def _send(self, conn: Any, sha: str, calls: Sequence[tuple[list[str], list[Any]]]) -> None:
-        commands: list[tuple[Any, ...]] = [("EVALSHA", sha, len(k), *k, *a) for k, a in calls]
+    def _send(self, conn: Any, calls: Sequence[Script]) -> None:
+        commands: list[tuple[Any, ...]] = [words_of(call) for call in calls]
         if self.wait_replicas:
             commands.append(self.wait_replicas)
         conn.send_packed_command(conn.pack_commands(commands))
 
-    def _read(
-        self,
-        conn: Any,
-        sha: str,
-        source: str,
-        calls: Sequence[tuple[list[str], list[Any]]],
-        end: float,
-    ) -> list[Any]:
-        """The replies to what :meth:`_send` sent ``conn``, each by ``end`` (monotonic)."""
+    def _read(self, conn: Any, calls: Sequence[Script], end: float) -> tuple[list[Any], Any]:
+        """The replies to what :meth:`_send` sent ``conn``, each by ``end`` (monotonic), and
+        the WAIT reply (None without min_replicas)."""
         replies = [self._read_one(conn, end) for _ in calls]
-        if self.wait_replicas:
-            self.check_replicated(self._read_one(conn, end), "renewal")
+        acked = self._read_one(conn, end) if self.wait_replicas else None
         if any(isinstance(r, NoScriptError) for r in replies):
             # Redis restarted or SCRIPT FLUSH ran: load it and send again, same deadline
-            conn.send_command("SCRIPT", "LOAD", source)
-            self._read_one(conn, end)
-            self._send(conn, sha, calls)
-            return self._read(conn, sha, source, calls, end)
+            for name in {call.name for call in calls}:
+                conn.send_command("SCRIPT", "LOAD", SOURCE[name])
+                self._read_one(conn, end)
+            self._send(conn, calls)
+            return self._read(conn, calls, end)
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
-        return replies
+        return replies, acked
 
     @staticmethod
     def _read_one(conn: Any, end: float) -> Any:
@@ -1587,7 +1154,7 @@ class LeaseStore:
             # is invisible to the start-up cleanup of its node and to the reconcile, and one
             # whose owner's liveness runs out before the lease's horizon is freed by a
             # reconcile while its holder still counts it held
-            home = self._acquire_group(0, [], ident, ttl, True, task_id)
+            home = self.run(_grants.acquire_group(self.engine, 0, [], ident, ttl, True, task_id))
             if isinstance(home, Busy):
                 return ClaimHolder(key, "grace", None, 0, None, home.wait)
         now = time.monotonic()
@@ -1667,15 +1234,19 @@ class LeaseStore:
         So the own grant is adopted, or given back and the call sent once more.
         """
         try:
-            tokens = self.recover_grant(owner, group, [(resource, "x")], task_id, adopt_until)
-        except (RedisError, LeaseBackendError) as failed:
-            self.log_unrecovered([resource], RedisConnectionError("lost reply"), failed)
+            tokens = self.run(
+                _grants.recover_grant(
+                    self.engine, owner, group, [(resource, "x")], task_id, adopt_until
+                )
+            )
+        except (RedisError, LeaseBackendError, _grants.GrantsInFlight) as failed:
+            _grants.log_unrecovered([resource], RedisConnectionError("lost reply"), failed)
             raise
         if tokens is not None:
             return [UniqueHandoverReply.TAKEN, tokens[0]]
         reply = self._handover_call(keys, args, client)
         if reply is None:
-            self.log_unrecovered(
+            _grants.log_unrecovered(
                 [resource], RedisConnectionError("lost reply"), RedisConnectionError("lost again")
             )
             raise RedisConnectionError("the reply to a unique handover was lost twice")
@@ -1892,71 +1463,6 @@ class LeaseStore:
         with self._backend("read an owner registry"):
             members = self.client.smembers(self.registry_key(owner, group))
         return task_in_registry(members, resource, token)
-
-
-def settle_lost_grant(
-    owner: str,
-    wants: Sequence[tuple[str, str]],
-    book: Sequence[str],
-    replies: Sequence[Any],
-    now_ms: int,
-    adopt_until: float,
-    task_id: str | None,
-) -> tuple[list[int] | None, list[Entry]]:
-    """What a grant whose reply was lost left, read back: ``(tokens adopted, orphans)``.
-
-    The decision both stores' ``recover_grant`` make once Redis was read quietly (see
-    :func:`~celery_leases._lostreply.grant_recovery`): the lost call's grant is adopted, or
-    the orphan grants of ``owner`` (no live lease of this process has their token) are to be
-    released by the caller. ``book``: the resources' keys in the :data:`BOOK`.
-    """
-    found, entries = own_grants(owner, [r for r, _ in wants], replies, now_ms)
-    held = {r: BOOK.held(owner, k) for (r, _), k in zip(wants, book, strict=True)}
-    decision = grant_recovery(
-        wants,
-        found,
-        held,
-        alone=BOOK.alone(owner, book),
-        may_adopt=time.monotonic() < adopt_until,
-    )
-    if decision.adopt is not None:
-        logger.info("leases: a grant of %s whose reply was lost is kept", wants[0][0])
-        return decision.adopt, []
-    orphans = [entries.get((r, m, t)) or Entry(m, t, task_id, r) for r, m, t in decision.give_back]
-    if orphans:
-        logger.info(
-            "leases: %d grant(s) whose reply was lost are given back (%s)",
-            len(orphans),
-            ", ".join(repr(e.resource) for e in orphans),
-        )
-    return None, orphans
-
-
-def own_grants(
-    owner: str, resources: Sequence[str], replies: Sequence[Any], now_ms: int
-) -> tuple[dict[str, list[tuple[str, int]]], dict[tuple[str, str, int], Entry]]:
-    """``owner``'s grants in what :meth:`LeaseStore.recover_grant` read back.
-
-    ``replies``: per resource its exclusive key's value and its shared members with their
-    expiry (Redis time in ms), then the owner's registry; ``now_ms``: the Redis clock after
-    the read. Returns per resource ``(mode, token)`` of the live grants, and the registry
-    entries by ``(resource, mode, token)`` (to release them by their exact text).
-    """
-    found: dict[str, list[tuple[str, int]]] = {}
-    for i, resource in enumerate(resources):
-        value, members = replies[2 * i], replies[2 * i + 1]
-        live = [m for m, score in members if float(score) > now_ms]
-        grants = found[resource] = []
-        for mode, holder in [("x", value), *(("s", m) for m in live)]:
-            parsed = None if holder is None else parse_holder(holder)
-            if parsed is not None and parsed[1] == owner:
-                grants.append((mode, parsed[0]))
-    entries: dict[tuple[str, str, int], Entry] = {}
-    for member in replies[-1]:
-        entry = parse_entry(str(member))
-        if entry is not None:
-            entries[(entry.resource, entry.mode, entry.token)] = entry
-    return found, entries
 
 
 # --- unique claims ---------------------------------------------------------------------------

@@ -7,9 +7,10 @@ import time
 import pytest
 
 from celery_leases import Leases, Shared
+from celery_leases._grants import Busy
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
-from celery_leases._store import Busy, LeaseStore
+from celery_leases._store import LeaseStore
 
 
 def ident(name: str) -> Identity:

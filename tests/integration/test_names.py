@@ -7,9 +7,9 @@ import redis
 from celery import Celery
 
 from celery_leases import LeaseBusy, LeaseConfigError, Leases, Shared
+from celery_leases._grants import Busy
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
-from celery_leases._store import Busy
 from tests.support.cluster import hash_tag
 
 NAMES = [

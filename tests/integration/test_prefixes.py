@@ -7,9 +7,9 @@ import time
 import pytest
 
 from celery_leases import LeaseBusy, Shared
+from celery_leases._grants import Busy
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
-from celery_leases._store import Busy
 
 
 @pytest.fixture(params=[":0", "-b", ":1"])
