@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Final, TypeVar
 
 import redis.asyncio as aredis
@@ -28,15 +29,14 @@ from ._grants import Busy
 from ._identity import Identity
 from ._lease import Held, Want
 from ._once import (
-    UNKNOWN,
     AsyncOnceRetry,
+    failure_of,
     once_on_cluster,
     one_attempt,
 )
 from ._protocol import (
     Call,
     Command,
-    Failure,
     Op,
     Script,
     Send,
@@ -44,6 +44,7 @@ from ._protocol import (
     SendWithin,
     Sleep,
     Steps,
+    adrive,
     words_of,
 )
 from ._registry import Entry, split_holder, task_in_registry
@@ -395,20 +396,7 @@ class AsyncLeaseStore:
         is abandoned where it stood.
         """
         state = self._state()
-        value: Any = None
-        failure: Failure | None = None
-        while True:
-            try:
-                op = steps.send(value) if failure is None else steps.throw(failure)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
-            except Failure as unhandled:  # the operation let it through: the client's error
-                raise unhandled.cause from None
-            failure = None
-            try:
-                value = await self._execute(state, op)
-            except RedisError as exc:
-                failure = Failure(exc, lost=isinstance(exc, UNKNOWN))
+        return await adrive(steps, partial(self._execute, state), RedisError, failure_of)
 
     async def _execute(self, state: _LoopState, op: Op) -> Any:
         kind = type(op)

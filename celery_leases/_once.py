@@ -19,9 +19,18 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from ._protocol import Failure
+
 T = TypeVar("T")
 
-__all__ = ("UNKNOWN", "AsyncOnceRetry", "OnceRetry", "once_on_cluster", "one_attempt")
+__all__ = (
+    "UNKNOWN",
+    "AsyncOnceRetry",
+    "OnceRetry",
+    "failure_of",
+    "once_on_cluster",
+    "one_attempt",
+)
 
 #: errors after which a command may or may not have run (redis-py's TimeoutError is no
 #: ConnectionError: a reply that came too late is lost all the same)
@@ -136,3 +145,9 @@ async def acall_once(send: Callable[[], Awaitable[T]], after_lost: Callable[[], 
             return await send()
     except UNKNOWN:
         return await after_lost()
+
+
+def failure_of(exc: BaseException) -> Failure:
+    """A redis error as the protocol's Failure, thrown into the operation that sent it: lost
+    when the outcome is unknown (:data:`UNKNOWN`)."""
+    return Failure(exc, lost=isinstance(exc, UNKNOWN))

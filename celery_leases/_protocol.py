@@ -23,7 +23,7 @@ Nothing here (nor in the core modules) imports redis or asyncio.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from ._scripts import SHA
@@ -39,8 +39,10 @@ __all__ = (
     "SendWithin",
     "Sleep",
     "Steps",
+    "adrive",
     "clock_ms",
     "clock_us",
+    "drive",
     "pairs",
     "words_of",
 )
@@ -137,6 +139,60 @@ class Failure(Exception):
 
 class ReplicaShortfall(Exception):
     """Too few replicas confirmed a write in time (the outcome is known: not a lost reply)."""
+
+
+# --- the two driver loops ---------------------------------------------------------------
+S = TypeVar("S")
+
+
+def drive(
+    steps: Generator[S, Any, T],
+    execute: Callable[[S], Any],
+    caught: type[BaseException] | tuple[type[BaseException], ...],
+    thrown: Callable[[BaseException], BaseException],
+) -> T:
+    """Carry out ``steps``: each request it yields, ``execute``-d; each reply, sent back.
+
+    An error of the ``caught`` types is thrown back in as ``thrown(error)`` (a driver makes
+    it a :class:`Failure`); an unhandled Failure leaves as its cause (the client's error).
+    """
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = steps.send(value) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        except Failure as unhandled:
+            raise unhandled.cause from None
+        error = None
+        try:
+            value = execute(step)
+        except caught as exc:
+            value, error = None, thrown(exc)
+
+
+async def adrive(
+    steps: Generator[S, Any, T],
+    execute: Callable[[S], Awaitable[Any]],
+    caught: type[BaseException] | tuple[type[BaseException], ...],
+    thrown: Callable[[BaseException], BaseException],
+) -> T:
+    """:func:`drive`, with requests that are awaited."""
+    value: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = steps.send(value) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        except Failure as unhandled:
+            raise unhandled.cause from None
+        error = None
+        try:
+            value = await execute(step)
+        except caught as exc:
+            value, error = None, thrown(exc)
 
 
 def words_of(call: Call) -> tuple[Any, ...]:

@@ -40,16 +40,15 @@ from ._lostreply import (
     requeue_recovered,
 )
 from ._once import (
-    UNKNOWN,
     OnceRetry,
     call_once,
+    failure_of,
     once_on_cluster,
     one_attempt,
 )
 from ._protocol import (
     Call,
     Command,
-    Failure,
     Op,
     Script,
     Send,
@@ -57,6 +56,7 @@ from ._protocol import (
     SendWithin,
     Sleep,
     Steps,
+    drive,
     words_of,
 )
 from ._registry import (
@@ -317,20 +317,7 @@ class LeaseStore:
 
         A redis error is thrown into it as :class:`~celery_leases._protocol.Failure`.
         """
-        value: Any = None
-        failure: Failure | None = None
-        while True:
-            try:
-                op = steps.send(value) if failure is None else steps.throw(failure)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
-            except Failure as unhandled:  # the operation let it through: the client's error
-                raise unhandled.cause from None
-            failure = None
-            try:
-                value = self._execute(op)
-            except RedisError as exc:
-                failure = Failure(exc, lost=isinstance(exc, UNKNOWN))
+        return drive(steps, self._execute, RedisError, failure_of)
 
     def _execute(self, op: Op) -> Any:
         kind = type(op)

@@ -37,12 +37,13 @@ import contextlib
 import inspect
 import json
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from celery.utils.log import get_logger
 
-from ._lease import Want, held_of
+from ._lease import Held, Lease, Want, held_of
+from ._protocol import adrive, drive
 from .exceptions import LeaseBusy, LeaseConfigError, LeaseLost
 
 if TYPE_CHECKING:
@@ -113,6 +114,68 @@ def _check_name(name: object) -> None:
         raise LeaseConfigError(msg)
 
 
+# --- the flow, written once ------------------------------------------------------------------
+# ``once`` and ``aonce`` differ only in how each step is carried out (a call, or an await), so
+# the flow is one generator of steps and each of them a short loop that carries them out. A
+# step that raises is thrown back into the flow, so the lease is released (the ``finally``
+# yields a _Release) whatever happens, cancellation of an asyncio caller included.
+
+
+class _GetReceipt(NamedTuple):
+    pass
+
+
+class _Acquire(NamedTuple):
+    wait: float | None
+
+
+class _Call(NamedTuple):
+    pass
+
+
+class _Commit(NamedTuple):
+    held: Held
+    encoded: str
+
+
+class _Release(NamedTuple):
+    lease: Lease
+
+
+_Step = _GetReceipt | _Acquire | _Call | _Commit | _Release
+
+
+def _flow(name: str, wait: float | None) -> Generator[_Step, Any, Any]:
+    """The steps of ``once(name)``: they are sent their results; returns the receipt."""
+    text = yield _GetReceipt()
+    if text is not None:
+        return _decode(name, text)
+    deadline = None if wait is None else time.monotonic() + wait
+    while True:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            lease: Lease = yield _Acquire(left)
+        except LeaseBusy as busy:
+            _log_busy(name, busy)
+            raise
+        try:
+            # someone may have finished while we waited for the lease
+            text = yield _GetReceipt()
+            if text is not None:
+                return _decode(name, text)
+            logger.info("leases: once(%s) initialising", name)
+            value = yield _Call()
+            held = held_of(lease)
+            encoded = _encode(name, value, held.owner, lease.token)
+            lease.check()
+            if not (yield _Commit(held, encoded)):
+                raise LeaseLost(lease.resource, held_for=time.monotonic() - held.acquired_at)
+            logger.info("leases: once(%s) stored its receipt", name)
+            return _decode(name, encoded)
+        finally:
+            yield _Release(lease)
+
+
 def once(
     ext: Leases,
     name: str,
@@ -131,39 +194,25 @@ def once(
         TypeError: ``fn`` returned something that is not JSON-serialisable.
     """
     receipt_ttl = _checked_call("once", ext, name, fn, receipt_ttl)
-    text = ext.store.get_receipt(name)
-    if text is not None:
-        return _decode(name, text)
-    deadline = None if wait is None else time.monotonic() + wait
-    resource = ext.store.keys.once_resource(name)
-    while True:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            (lease,) = ext.acquire([Want(resource)], ttl=ttl, wait=left)
-        except LeaseBusy as busy:
-            _log_busy(name, busy)
-            raise
-        try:
-            # someone may have finished while we waited for the lease
-            text = ext.store.get_receipt(name)
-            if text is not None:
-                return _decode(name, text)
-            logger.info("leases: once(%s) initialising", name)
-            value = fn()
-            held = held_of(lease)
-            encoded = _encode(name, value, held.owner, lease.token)
-            lease.check()
-            if not ext.store.commit_receipt(name, held, encoded, receipt_ttl):
-                raise LeaseLost(lease.resource, held_for=time.monotonic() - held.acquired_at)
-            logger.info("leases: once(%s) stored its receipt", name)
-            return _decode(name, encoded)
-        finally:
-            ext.release([lease])
+    store = ext.store
+    want = Want(store.keys.once_resource(name))
+
+    def carry_out(step: _Step) -> Any:
+        if isinstance(step, _GetReceipt):
+            return store.get_receipt(name)
+        if isinstance(step, _Acquire):
+            return ext.acquire([want], ttl=ttl, wait=step.wait)[0]
+        if isinstance(step, _Call):
+            return fn()
+        if isinstance(step, _Commit):
+            return store.commit_receipt(name, step.held, step.encoded, receipt_ttl)
+        return ext.release([step.lease])
+
+    # an error of a step is thrown back in: the flow releases its lease
+    return drive(_flow(name, wait), carry_out, BaseException, _same)
 
 
 # --- asyncio ----------------------------------------------------------------------------------
-
-
 async def areceipt(ext: Leases, name: str, default: Any = None) -> Any:
     """:func:`receipt` for asyncio."""
     _check_name(name)
@@ -196,35 +245,26 @@ async def aonce(
     """
     receipt_ttl = _checked_call("aonce", ext, name, fn, receipt_ttl)
     astore = ext.astore
-    text = await astore.get_receipt(name)
-    if text is not None:
-        return _decode(name, text)
-    deadline = None if wait is None else time.monotonic() + wait
-    resource = ext.store.keys.once_resource(name)
-    while True:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            (lease,) = await ext.aacquire([Want(resource)], ttl=ttl, wait=left)
-        except LeaseBusy as busy:
-            _log_busy(name, busy)
-            raise
-        try:
-            # someone may have finished while we waited for the lease
-            text = await astore.get_receipt(name)
-            if text is not None:
-                return _decode(name, text)
-            logger.info("leases: once(%s) initialising", name)
-            value = await _call(fn)
-            held = held_of(lease)
-            encoded = _encode(name, value, held.owner, lease.token)
-            lease.check()
-            if not await astore.commit_receipt(name, held, encoded, receipt_ttl):
-                raise LeaseLost(lease.resource, held_for=time.monotonic() - held.acquired_at)
-            logger.info("leases: once(%s) stored its receipt", name)
-            return _decode(name, encoded)
-        finally:
-            # shielded: a caller cancelled again on its way out still gives the lease back
-            await asyncio.shield(ext.arelease([lease]))
+    want = Want(ext.store.keys.once_resource(name))
+
+    async def carry_out(step: _Step) -> Any:
+        if isinstance(step, _GetReceipt):
+            return await astore.get_receipt(name)
+        if isinstance(step, _Acquire):
+            return (await ext.aacquire([want], ttl=ttl, wait=step.wait))[0]
+        if isinstance(step, _Call):
+            return await _call(fn)
+        if isinstance(step, _Commit):
+            return await astore.commit_receipt(name, step.held, step.encoded, receipt_ttl)
+        # shielded: a caller cancelled again on its way out still gives the lease back
+        return await asyncio.shield(ext.arelease([step.lease]))
+
+    # an error of a step (a cancellation too) is thrown back in: the flow releases its lease
+    return await adrive(_flow(name, wait), carry_out, BaseException, _same)
+
+
+def _same(exc: BaseException) -> BaseException:
+    return exc
 
 
 async def _call(fn: Callable[[], object]) -> object:
