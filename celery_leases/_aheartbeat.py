@@ -13,7 +13,15 @@ from typing import TYPE_CHECKING
 
 from celery.utils.log import get_logger
 
-from ._heartbeat import IDLE_LOOK, RETRY_AFTER_FAILURE, RenewRound, report_lost, send_lease_lost
+from ._heartbeat import (
+    IDLE_LOOK,
+    RETRY_AFTER_FAILURE,
+    RenewCall,
+    report_lost,
+    send_lease_lost,
+    tick_steps,
+)
+from ._protocol import adrive
 from .exceptions import LeaseError
 
 if TYPE_CHECKING:
@@ -102,34 +110,8 @@ class AsyncHeartbeat:
 
     async def tick(self) -> float | None:
         """Do what is due now; return seconds until something is due (None: nothing held)."""
-        now = self._clock()
-        held = self.snapshot()
-        for h in held:
-            if now >= h.deadline:
-                self._lose(h, "not confirmed in time")
-        held = [h for h in held if not h.lost]
-        if not held:
-            return None
-        if now >= self._next_renew:
-            await self._renew(held, now)
-            now = self._clock()
-            held = [h for h in held if not h.lost and not h.released]
-            if not held:
-                return None
-        first_deadline = min(h.deadline for h in held)
-        return max(0.0, min(self._next_renew, first_deadline) - now)
-
-    async def _renew(self, held: list[Held], now: float) -> None:
-        # the thread's round (see RenewRound), with the renew call awaited
-        round_ = RenewRound(self, held, self._held.get, logger)
-        for store, owner, batch, budget, sent in round_.batches():
-            try:
-                lost = await store.renew(batch, owner, budget)
-            except LeaseError as exc:
-                round_.failed(batch, sent, exc)
-                continue
-            round_.done(batch, owner, lost, sent)
-        round_.finish(now)
+        steps = tick_steps(self, self._held.get, logger)
+        return await adrive(steps, _renew_call, LeaseError)
 
     def _lose(self, held: Held, why: str) -> None:
         if not held.mark_lost():
@@ -162,3 +144,8 @@ def _reset_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+async def _renew_call(call: RenewCall) -> set[int]:
+    lost: set[int] = await call.store.renew(call.batch, call.owner, call.budget)
+    return lost

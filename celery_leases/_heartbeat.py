@@ -7,17 +7,19 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, NamedTuple, Protocol, TypeVar
 
 from celery.utils.log import get_logger
 
 from . import signals
+from ._protocol import drive
 from .exceptions import LeaseError
 
 if TYPE_CHECKING:
     from ._lease import Held
+    from ._store import LeaseStore
     from .config import LeaseSettings
 
 __all__ = ("Heartbeat", "RenewObserver", "heartbeat", "renew_observers")
@@ -143,39 +145,66 @@ class Heartbeat:
 
     def tick(self) -> float | None:
         """Do what is due now; return seconds until something is due (None: nothing held)."""
-        now = self._clock()
-        held = self.snapshot()
-        for h in held:
-            if now >= h.deadline:
-                self._lose(h, "not confirmed in time")
-        held = [h for h in held if not h.lost]
-        if not held:
-            return None
-        if now >= self._next_renew:
-            self._renew(held, now)
-            now = self._clock()
-            held = [h for h in held if not h.lost and not h.released]
-            if not held:
-                return None
-        first_deadline = min(h.deadline for h in held)
-        return max(0.0, min(self._next_renew, first_deadline) - now)
-
-    def _renew(self, held: list[Held], now: float) -> None:
-        round_ = RenewRound(self, held, lambda h: h.store, logger)
-        for store, owner, batch, budget, sent in round_.batches():
-            try:
-                lost = store.renew(batch, owner, budget)
-            except LeaseError as exc:
-                round_.failed(batch, sent, exc)
-                continue
-            round_.done(batch, owner, lost, sent)
-        round_.finish(now)
+        return drive(tick_steps(self, _store_of, logger), _renew_call, LeaseError)
 
     def _lose(self, held: Held, why: str) -> None:
         if not held.mark_lost():
             return
         self.discard(held)
         report_lost(held, why, self._clock(), self._lost_callback)
+
+
+class RenewCall(NamedTuple):
+    """One renew call a heartbeat round asks for (its reply: the indices Redis lost)."""
+
+    store: Any
+    owner: str
+    batch: list[Held]
+    budget: float
+
+
+def tick_steps(
+    beat: _Beat, store_of: Callable[[Held], Any], log: Any
+) -> Generator[RenewCall, Any, float | None]:
+    """One look of a heartbeat, written once for the thread and the asyncio task.
+
+    Marks lost what was not confirmed in time, runs a renewal round when one is due (each
+    renew call is yielded: the thread calls it, the asyncio task awaits it, and a LeaseError
+    is thrown back in), and returns the seconds until something is due (None: nothing held).
+    """
+    now = beat._clock()
+    held = beat.snapshot()
+    for h in held:
+        if now >= h.deadline:
+            beat._lose(h, "not confirmed in time")
+    held = [h for h in held if not h.lost]
+    if not held:
+        return None
+    if now >= beat._next_renew:
+        round_ = RenewRound(beat, held, store_of, log)
+        for store, owner, batch, budget, sent in round_.batches():
+            try:
+                lost = yield RenewCall(store, owner, batch, budget)
+            except LeaseError as exc:
+                round_.failed(batch, sent, exc)
+                continue
+            round_.done(batch, owner, lost, sent)
+        round_.finish(now)
+        now = beat._clock()
+        held = [h for h in held if not h.lost and not h.released]
+        if not held:
+            return None
+    first_deadline = min(h.deadline for h in held)
+    return max(0.0, min(beat._next_renew, first_deadline) - now)
+
+
+def _store_of(held: Held) -> LeaseStore:
+    return held.store
+
+
+def _renew_call(call: RenewCall) -> set[int]:
+    lost: set[int] = call.store.renew(call.batch, call.owner, call.budget)
+    return lost
 
 
 class _Beat(Protocol):
@@ -191,6 +220,8 @@ class _Beat(Protocol):
         """Guards ``_next_renew`` against ``add()`` in other threads."""
 
     def _lose(self, held: Held, why: str) -> None: ...
+
+    def snapshot(self) -> list[Held]: ...
 
 
 class _Store(Protocol):

@@ -149,12 +149,13 @@ def drive(
     steps: Generator[S, Any, T],
     execute: Callable[[S], Any],
     caught: type[BaseException] | tuple[type[BaseException], ...],
-    thrown: Callable[[BaseException], BaseException],
+    thrown: Callable[[BaseException], BaseException] | None = None,
 ) -> T:
     """Carry out ``steps``: each request it yields, ``execute``-d; each reply, sent back.
 
-    An error of the ``caught`` types is thrown back in as ``thrown(error)`` (a driver makes
-    it a :class:`Failure`); an unhandled Failure leaves as its cause (the client's error).
+    An error of the ``caught`` types is thrown back in, as ``thrown(error)`` if given (a
+    store makes it a :class:`Failure`); an unhandled Failure leaves as its cause (the
+    client's error).
     """
     value: Any = None
     error: BaseException | None = None
@@ -169,14 +170,14 @@ def drive(
         try:
             value = execute(step)
         except caught as exc:
-            value, error = None, thrown(exc)
+            value, error = None, exc if thrown is None else thrown(exc)
 
 
 async def adrive(
     steps: Generator[S, Any, T],
     execute: Callable[[S], Awaitable[Any]],
     caught: type[BaseException] | tuple[type[BaseException], ...],
-    thrown: Callable[[BaseException], BaseException],
+    thrown: Callable[[BaseException], BaseException] | None = None,
 ) -> T:
     """:func:`drive`, with requests that are awaited."""
     value: Any = None
@@ -192,7 +193,7 @@ async def adrive(
         try:
             value = await execute(step)
         except caught as exc:
-            value, error = None, thrown(exc)
+            value, error = None, exc if thrown is None else thrown(exc)
 
 
 def words_of(call: Call) -> tuple[Any, ...]:

@@ -209,7 +209,7 @@ def once(
         return ext.release([step.lease])
 
     # an error of a step is thrown back in: the flow releases its lease
-    return drive(_flow(name, wait), carry_out, BaseException, _same)
+    return drive(_flow(name, wait), carry_out, BaseException)
 
 
 # --- asyncio ----------------------------------------------------------------------------------
@@ -260,11 +260,7 @@ async def aonce(
         return await asyncio.shield(ext.arelease([step.lease]))
 
     # an error of a step (a cancellation too) is thrown back in: the flow releases its lease
-    return await adrive(_flow(name, wait), carry_out, BaseException, _same)
-
-
-def _same(exc: BaseException) -> BaseException:
-    return exc
+    return await adrive(_flow(name, wait), carry_out, BaseException)
 
 
 async def _call(fn: Callable[[], object]) -> object:
