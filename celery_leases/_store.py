@@ -1043,7 +1043,7 @@ class LeaseStore:
         """release.lua for ``entries`` (see :func:`_grants.release_entries`)."""
         return self.run(_grants.release_entries(self.engine, owner, group, entries, counted))
 
-    # --- cleanup (the core operations of _cleanup) -----------------------------------------
+    # --- cleanup: _cleanup ----------------------------------------------------------------
     def cleanup_owner(
         self,
         owner: str,
@@ -1103,7 +1103,7 @@ class LeaseStore:
             )
         )
 
-    # --- operations (cli): the core operations of _inspect ---------------------------------
+    # --- operations (cli): _inspect -------------------------------------------------------
     def read_registries(self, owners: Sequence[str]) -> dict[str, list[Entry]]:
         """The registry entries of each of ``owners`` (see :func:`_inspect.read_registries`)."""
         return self.run(_inspect.read_registries(self.engine, owners))
