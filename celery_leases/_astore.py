@@ -22,7 +22,7 @@ from redis.exceptions import AskError, NoScriptError, RedisClusterException, Red
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from . import _grants, _lifetime, _scripts
+from . import _grants, _inspect, _lifetime, _scripts
 from ._connect import aclose_client, parse_target
 from ._connect import make_async_client as make_deployment_client
 from ._grants import Busy
@@ -47,7 +47,7 @@ from ._protocol import (
     adrive,
     words_of,
 )
-from ._registry import Entry, split_holder, task_in_registry
+from ._registry import Entry
 from ._scripts import SOURCE
 from ._store import EXPIRY_SLACK, LeaseStore
 from .config import LeaseSettings, safe_url
@@ -695,19 +695,7 @@ class AsyncLeaseStore:
 
     async def holder_task(self, resource: str) -> str | None:
         """:meth:`LeaseStore.holder_task` for asyncio: the busy path only, never raises."""
-        store = self.store
-        client = self._state().client
-        try:
-            keys = store.resource_keys(resource)
-            holder = split_holder(await _shielded(client.get(keys.exclusive)))
-            if holder is None or isinstance(holder, str):
-                return holder
-            owner, token = holder
-            members = await _shielded(client.smembers(store.registry_key(owner, keys.group)))
-        except (RedisError, LeaseError) as exc:
-            logger.debug("leases: could not read the holder of %s: %s", resource, exc)
-            return None
-        return task_in_registry(members, resource, token)
+        return await self.run(_inspect.holder_task(self.store.engine, resource))
 
     async def _release_entries(
         self, owner: str, group: int, entries: Sequence[Entry], counted: Sequence[bool] | None

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeVar
 
 import redis
@@ -20,17 +19,16 @@ from redis.exceptions import MovedError, NoScriptError, RedisClusterException, R
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from . import _connect, _grants, _lifetime, _scripts
+from . import _cleanup, _connect, _grants, _inspect, _lifetime, _scripts
+from ._cleanup import CleanupReport
 from ._engine import LeaseEngine, ResourceKeys
 from ._grants import Busy
 from ._identity import Identity
+from ._inspect import _OPS_BATCH, Holder
 from ._keys import (
     UNIQUE_PREFIX,
     escape,
-    escaped_node_of_owner,
     holder_parts,
-    node_of_owner,
-    split_owner,
     unescape,
 )
 from ._lease import Held, Want
@@ -63,9 +61,6 @@ from ._registry import (
     QUEUED_OWNER,
     Entry,
     entry_text,
-    parse_entry,
-    split_holder,
-    task_in_registry,
 )
 from ._scripts import (
     SOURCE,
@@ -99,59 +94,8 @@ EXPIRY_SLACK: Final = 0.002
 NOW_SCRIPT: Final = "return redis.call('TIME')"
 #: idle subscriber connections a store keeps per process for waiters
 _IDLE_SUBSCRIBERS: Final = 4
-#: commands per pipeline of the operations calls (a fleet may have thousands of owners)
-_OPS_BATCH: Final = 1000
-#: leases released per script call by a cleanup (one call blocks Redis for about 8 us each)
-_RELEASE_BATCH: Final = 500
-#: records the audit list keeps (the newest)
-AUDIT_KEEP: Final = 1000
 #: seconds between looks at the grant calls still in flight, in a lost reply's recovery
 QUIET_POLL: Final = 0.005
-
-
-@dataclass
-class CleanupReport:
-    """What a cleanup pass did.
-
-    Attributes:
-        owners: owner ids looked at.
-        released: ``(owner, resource)`` of leases that were still held and are now free.
-        expired: registry entries whose lease had already run out (removed).
-        kept: registry entries that could not be understood; kept, never dropped silently.
-        errors: ``(owner, message)`` of owners whose cleanup failed; the others went on.
-        freed: ``(owner, registry entry)`` of each lease in ``released``, in the same order:
-            the entry tells the holding task's id.
-    """
-
-    owners: list[str] = field(default_factory=list)
-    released: list[tuple[str, str]] = field(default_factory=list)
-    expired: int = 0
-    kept: list[tuple[str, str]] = field(default_factory=list)
-    errors: list[tuple[str, str]] = field(default_factory=list)
-    freed: list[tuple[str, Entry]] = field(default_factory=list)
-
-    def merge(self, other: CleanupReport) -> None:
-        self.owners += other.owners
-        self.released += other.released
-        self.freed += other.freed
-        self.expired += other.expired
-        self.kept += other.kept
-        self.errors += other.errors
-
-
-@dataclass(frozen=True)
-class Holder:
-    """One holder of a resource, as Redis records it."""
-
-    resource: str
-    mode: str
-    token: int
-    owner: str
-    expires_in: float
-
-    @property
-    def node(self) -> str:
-        return node_of_owner(self.owner)
 
 
 class LeaseStore:
@@ -277,9 +221,7 @@ class LeaseStore:
 
     def redis_time(self) -> float:
         """The Redis server's clock, in Unix seconds: the one clock every worker shares."""
-        with self._backend("read the clock"):
-            sec, usec = self.client.time()
-        return int(sec) + int(usec) / 1_000_000
+        return self.run(_cleanup.redis_time(self.engine))
 
     def load_scripts(self) -> dict[str, str]:
         """``SCRIPT LOAD`` every script; returns name -> SHA (proves the wheel ships them)."""
@@ -653,7 +595,7 @@ class LeaseStore:
         """release.lua for ``entries`` (see :func:`_grants.release_entries`)."""
         return self.run(_grants.release_entries(self.engine, owner, group, entries, counted))
 
-    # --- cleanup --------------------------------------------------------------------------
+    # --- cleanup: _cleanup ----------------------------------------------------------------
     def cleanup_owner(
         self,
         owner: str,
@@ -662,138 +604,37 @@ class LeaseStore:
         granted_before_us: int | None = None,
         clock_offsets_us: Sequence[int] | None = None,
     ) -> CleanupReport:
-        """Release every lease ``owner`` still holds, in O(leases it held).
-
-        Reads the owner's registry in each slot group (one SMEMBERS each), releases what is
-        listed (one script call each), then forgets the owner unless its liveness was
-        refreshed meanwhile; ``dead=True`` forgets it regardless (its node restarted).
-        Registry entries that cannot be parsed are kept and reported, never dropped.
-
-        With ``granted_before_us`` (Redis time in microseconds), only leases granted before
-        it are released: a token is at least the Redis clock of its grant, so an entry with
-        a token from then on was granted later, to an owner that is alive again. On a
-        cluster that time is read on the home group's node while the tokens of group ``g``
-        are made on the clock of the node serving ``g``: ``clock_offsets_us[g]`` (see
-        :meth:`clocks_us`) is added to it for the entries of group ``g``.
-        """
-        report = CleanupReport(owners=[owner])
-        spared = False
-        for group in range(self.settings.slot_groups):
-            key = self.keys.registry(owner, group)
-            with self._backend("read an owner registry"):
-                members = self.client.smembers(key)
-            before = granted_before_us
-            if before is not None and clock_offsets_us is not None:
-                before += clock_offsets_us[group]
-            entries: list[Entry] = []
-            for member in sorted(members):
-                parsed = parse_entry(str(member))
-                if parsed is None:
-                    report.kept.append((owner, str(member)))
-                elif before is not None and parsed.token >= before:
-                    spared = True
-                else:
-                    entries.append(parsed)
-            # in batches, so that a dead owner of thousands of leases never blocks Redis long
-            for start in range(0, len(entries), _RELEASE_BATCH):
-                batch = entries[start : start + _RELEASE_BATCH]
-                freed = self._release_entries(owner, group, batch)
-                for entry, was_held in zip(batch, freed, strict=True):
-                    if was_held:
-                        report.released.append((owner, entry.resource))
-                        report.freed.append((owner, entry))
-                    else:
-                        report.expired += 1
-        if not report.kept and not spared:
-            node = node_of_owner(owner)
-            # idempotent (ZREM, SREM): redis-py's own retry may run it twice
-            with self._backend("forget an owner"):
-                self._forget_owner(
-                    [self.keys.owners, self.keys.node(node), self.keys.nodes],
-                    [owner, escaped_node_of_owner(owner), "1" if dead else "0"],
-                    client=self.client,
-                )
-        return report
+        """Release every lease ``owner`` still holds (see :func:`_cleanup.cleanup_owner`)."""
+        return self.run(
+            _cleanup.cleanup_owner(
+                self.engine,
+                owner,
+                dead=dead,
+                granted_before_us=granted_before_us,
+                clock_offsets_us=clock_offsets_us,
+            )
+        )
 
     def cleanup_node(self, node: str, *, keep_incarnation: str | None = None) -> CleanupReport:
-        """Release every lease of earlier incarnations of ``node`` (a restarted pod).
-
-        A node with no past costs one command (SMEMBERS of its owner set). Each owner is
-        cleaned on its own, so one failure does not stop the others.
-        """
-        with self._backend("list a node's owners"):
-            owners = sorted(str(o) for o in self.client.smembers(self.keys.node(node)))
-        report = CleanupReport()
-        for owner in owners:
-            if split_owner(owner).incarnation == keep_incarnation:
-                continue
-            report.merge(self.cleanup_owner_isolated(owner, dead=True))
-        return report
+        """Release every lease of earlier incarnations of ``node`` (a restarted pod)."""
+        return self.run(_cleanup.cleanup_node(self.engine, node, keep_incarnation=keep_incarnation))
 
     def expired_owners(self, limit: int = 1000) -> list[str]:
         """Owners whose liveness ran out (by the Redis clock), oldest first."""
-        return [owner for owner, _ in self._expired_owner_times(limit)]
-
-    def _expired_owner_times(self, limit: int) -> list[tuple[str, int]]:
-        """``(owner, Redis time in ms its liveness ran out)``, oldest first."""
-        with self._backend("list expired owners"):  # a read: redis-py's retry is harmless
-            reply = self._expired_owners([self.keys.owners], [limit], client=self.client)
-        return [(str(reply[i]), int(float(reply[i + 1]))) for i in range(0, len(reply), 2)]
+        return self.run(_cleanup.expired_owners(self.engine, limit))
 
     def reconcile(self, limit: int = 1000) -> CleanupReport:
-        """Release the leases of owners whose liveness ran out (orphans), each on its own.
-
-        Only leases granted before the owner's liveness ran out are released. Timeline: t0 an
-        idle process's liveness runs out (it holds nothing, so nothing renews it); t1 this
-        pass lists it; t2 the process takes a lease, alive again; t3 this pass reaches it and
-        must not free the lease of t2.
-        """
-        report = CleanupReport()
-        expired = self._expired_owner_times(limit)
-        offsets = self.clocks_us()[1] if expired else None
-        for owner, expired_ms in expired:
-            report.merge(
-                self.cleanup_owner_isolated(
-                    owner,
-                    dead=False,
-                    granted_before_us=expired_ms * 1000,
-                    clock_offsets_us=offsets,
-                )
-            )
-        return report
+        """Release the leases of owners whose liveness ran out (see :func:`_cleanup.reconcile`)."""
+        return self.run(_cleanup.reconcile(self.engine, limit))
 
     def clocks_us(self) -> tuple[int, list[int] | None]:
-        """The Redis clock of the home group's node, in microseconds, and per slot group how
-        far the clock of the node serving it is ahead of that one, at the least (None off a
-        cluster: one clock). A cleanup's ``granted_before_us`` and ``clock_offsets_us``.
-
-        The liveness a reconcile compares tokens with is made on the home group's node; a
-        token of group ``g`` on the clock of another node. Timeline, with that node 5 ms
-        behind: t0 an idle owner's liveness runs out (home node's clock E); t1 = E + 2 ms the
-        owner, alive again, is granted a lease in ``g`` with token E - 3 ms; t2 a reconcile
-        frees every lease of that owner granted before E, this one too. Both clocks are read
-        in one round trip, and its length is taken off the difference, so the offset is never
-        larger than the true one: a lease is then spared rather than wrongly freed.
-        """
-        if not self.cluster:
-            return math.floor(self.redis_time() * 1_000_000), None
-        groups = range(self.settings.slot_groups)
-
-        def queue(pipe: Any) -> None:
-            for group in groups:
-                pipe.execute_command("EVALSHA", self._now_sha, 1, self.keys.epoch(group))
-
-        with self._backend("read the cluster's clocks"):
-            start = time.monotonic()
-            replies = self._pipeline(self.client, queue, NOW_SCRIPT)
-            spread_us = math.ceil((time.monotonic() - start) * 1_000_000)
-        clocks = [int(sec) * 1_000_000 + int(usec) for sec, usec in replies]
-        return clocks[0], [0] + [clock - clocks[0] - spread_us for clock in clocks[1:]]
+        """The Redis clock in microseconds and the slot groups' clock offsets (see
+        :func:`_cleanup.clocks_us`)."""
+        return self.run(_cleanup.clocks_us(self.engine))
 
     def node_owners(self, node: str) -> list[str]:
         """The owner ids registered under ``node`` (every incarnation and process)."""
-        with self._backend("list a node's owners"):
-            return sorted(str(o) for o in self.client.smembers(self.keys.node(node)))
+        return self.run(_cleanup.node_owners(self.engine, node))
 
     def cleanup_owner_isolated(
         self,
@@ -804,86 +645,31 @@ class LeaseStore:
         clock_offsets_us: Sequence[int] | None = None,
     ) -> CleanupReport:
         """:meth:`cleanup_owner`, with a failure reported in the result instead of raised."""
-        try:
-            return self.cleanup_owner(
+        return self.run(
+            _cleanup.cleanup_owner_isolated(
+                self.engine,
                 owner,
                 dead=dead,
                 granted_before_us=granted_before_us,
                 clock_offsets_us=clock_offsets_us,
             )
-        except LeaseBackendError as exc:
-            return CleanupReport(owners=[owner], errors=[(owner, str(exc))])
+        )
 
-    # --- operations (cli) -----------------------------------------------------------------
-    # Read and repair calls for operators (``celery leases ...``). Each walks the owners index
-    # and the owners' registries, never the keyspace, and batches its commands in pipelines.
-
+    # --- operations (cli): _inspect -------------------------------------------------------
     def read_registries(self, owners: Sequence[str]) -> dict[str, list[Entry]]:
-        """The registry entries of each of ``owners`` (every slot group), by resource name.
-
-        Pipelined: one round trip per :data:`_OPS_BATCH` registries. Unreadable entries are
-        left out here; a cleanup keeps and reports them.
-        """
-        out: dict[str, list[Entry]] = {owner: [] for owner in owners}
-        keys = [
-            (owner, self.keys.registry(owner, group))
-            for owner in out
-            for group in range(self.settings.slot_groups)
-        ]
-        with self._backend("read owner registries"):
-            for start in range(0, len(keys), _OPS_BATCH):
-                chunk = keys[start : start + _OPS_BATCH]
-                pipe = self.client.pipeline(transaction=False)
-                for _, key in chunk:
-                    pipe.smembers(key)
-                for (owner, _), members in zip(chunk, pipe.execute(), strict=True):
-                    for member in members:
-                        parsed = parse_entry(str(member))
-                        if parsed is not None:
-                            out[owner].append(parsed)
-        for entries in out.values():
-            entries.sort(key=lambda e: (e.resource, e.token))
-        return out
+        """The registry entries of each of ``owners`` (see :func:`_inspect.read_registries`)."""
+        return self.run(_inspect.read_registries(self.engine, owners))
 
     def check_entries(self, items: Sequence[tuple[str, Entry]]) -> list[float | None]:
-        """For each ``(owner, entry)``: the seconds left on that lease, or None if it is gone.
-
-        A lease is there while its key still names the entry's token and owner (the test
-        renew.lua makes); None means it ran out, was released or was taken over since, and
-        the registry entry is stale.
-        """
-        out: list[float | None] = []
-        with self._backend("inspect leases"):
-            for start in range(0, len(items), _OPS_BATCH):
-                chunk = items[start : start + _OPS_BATCH]
-
-                def build(pipe: Any, chunk: Sequence[tuple[str, Entry]] = chunk) -> None:
-                    for owner, entry in chunk:
-                        rk = self.resource_keys(entry.resource)
-                        if entry.mode == "x":
-                            pipe.get(rk.exclusive)
-                            pipe.pttl(rk.exclusive)
-                        else:
-                            pipe.zscore(rk.shared, f"{entry.token} {owner}")
-
-                replies, now_ms = self._with_now(build, self.keys.owners)
-                replies.reverse()
-                for owner, entry in chunk:
-                    if entry.mode == "x":
-                        value, pttl = replies.pop(), replies.pop()
-                        held = value is not None and str(value) == f"{entry.token} {owner}"
-                        out.append(max(int(pttl), 0) / 1000 if held else None)
-                    else:
-                        score = replies.pop()
-                        held = score is not None and float(score) > now_ms
-                        out.append((float(score) - now_ms) / 1000 if held else None)
-        return out
+        """For each ``(owner, entry)``: the seconds left on that lease, or None if it is gone."""
+        return self.run(_inspect.check_entries(self.engine, items))
 
     def _with_now(self, build: Callable[[Any], object], key: str) -> tuple[list[Any], int]:
         """Run the commands ``build`` queues in one pipeline, with the Redis clock in ms.
 
         The clock is read on the node serving ``key``, by a one-line script: a cluster
-        pipeline cannot send TIME (it names no key).
+        pipeline cannot send TIME (it names no key). (A core operation uses
+        :func:`_inspect.with_now`.)
         """
 
         def queue(pipe: Any) -> None:
@@ -916,116 +702,43 @@ class LeaseStore:
 
     def read_liveness(self, owners: Sequence[str]) -> dict[str, float | None]:
         """Seconds left on each owner's liveness (negative: it ran out; None: not registered)."""
-        out: dict[str, float | None] = {}
-        unique = list(dict.fromkeys(owners))
-        with self._backend("read owner liveness"):
-            for start in range(0, len(unique), _OPS_BATCH):
-                chunk = unique[start : start + _OPS_BATCH]
-
-                def build(pipe: Any, chunk: list[str] = chunk) -> None:
-                    pipe.zmscore(self.keys.owners, chunk)
-
-                (scores,), now_ms = self._with_now(build, self.keys.owners)
-                for owner, score in zip(chunk, scores, strict=True):
-                    out[owner] = None if score is None else (float(score) - now_ms) / 1000
-        return out
+        return self.run(_inspect.read_liveness(self.engine, owners))
 
     def force_release(self, resource: str, holder: Holder) -> bool:
         """Release ``holder``'s lease on ``resource``, whoever holds it; True if it was held.
 
-        Only that grant goes: the key must still name the holder's token and owner, so a lease
-        granted to someone else in between is never touched. The registry entry goes too, and
-        waiters are woken. A live holder learns of it at its next renewal (``LeaseLost``).
+        See :func:`_inspect.force_release`: a lease granted to someone else is never touched.
         """
-        task_id = next(
-            (
-                e.task_id
-                for e in self.entries(holder.owner)
-                if (e.resource, e.mode, e.token) == (resource, holder.mode, holder.token)
-            ),
-            None,
-        )
-        entry = Entry(holder.mode, holder.token, task_id, resource)
-        return self._release_entries(holder.owner, self.resource_keys(resource).group, [entry])[0]
+        return self.run(_inspect.force_release(self.engine, resource, holder))
 
     def audit(self, record: Mapping[str, object]) -> None:
         """Append ``record`` (JSON-serialisable) to the audit list; the newest are kept."""
-        text = json.dumps(dict(record), sort_keys=True)
-        with self._backend("write the audit log"):
-            pipe = self.client.pipeline(transaction=True)
-            pipe.lpush(self.keys.audit, text)
-            pipe.ltrim(self.keys.audit, 0, AUDIT_KEEP - 1)
-            pipe.execute()
+        self.run(_inspect.audit(self.engine, record))
 
     def audit_log(self, n: int) -> list[dict[str, Any]]:
         """The last ``n`` audit records, newest first (an unreadable one as ``{"raw": text}``)."""
-        if n <= 0:
-            return []
-        with self._backend("read the audit log"):
-            texts = self.client.lrange(self.keys.audit, 0, n - 1)
-        out: list[dict[str, Any]] = []
-        for text in texts:
-            try:
-                record = json.loads(text)
-            except ValueError:
-                record = None
-            out.append(record if isinstance(record, dict) else {"raw": str(text)})
-        return out
+        return self.run(_inspect.audit_log(self.engine, n))
 
     # --- inspect --------------------------------------------------------------------------
     def holders(self, resource: str) -> list[Holder]:
         """Who holds ``resource`` now (exclusive holder or live shared holders)."""
-        rk = self.resource_keys(resource)
-        xkey, skey = rk.exclusive, rk.shared
-        with self._backend("inspect a resource"):
-
-            def build(pipe: Any) -> None:
-                pipe.get(xkey)
-                pipe.pttl(xkey)
-                pipe.zrange(skey, 0, -1, withscores=True)
-
-            (value, pttl, shared), now_ms = self._with_now(build, skey)
-        out: list[Holder] = []
-        if value is not None:
-            token, owner = holder_parts(value)
-            out.append(Holder(resource, "x", int(token), owner, max(int(pttl), 0) / 1000))
-        for member, score in shared:
-            if score > now_ms:
-                token, owner = holder_parts(member)
-                out.append(Holder(resource, "s", int(token), owner, (score - now_ms) / 1000))
-        return out
+        return self.run(_inspect.holders(self.engine, resource))
 
     def owners(self) -> list[tuple[str, float]]:
         """Every registered owner and the seconds left on its liveness (negative: dead)."""
-        with self._backend("list owners"):
-            (members,), now_ms = self._with_now(
-                lambda pipe: pipe.zrange(self.keys.owners, 0, -1, withscores=True),
-                self.keys.owners,
-            )
-        return [(str(m), (s - now_ms) / 1000) for m, s in members]
+        return self.run(_inspect.owners(self.engine))
 
     def owned(self, owner: str) -> list[tuple[str, int, str]]:
         """``(mode, token, resource)`` of what ``owner``'s registries list."""
-        return [(e.mode, e.token, e.resource) for e in self.entries(owner)]
+        return self.run(_inspect.owned(self.engine, owner))
 
     def entries(self, owner: str) -> list[Entry]:
         """The registry entries of ``owner`` (every slot group), by resource name."""
-        out: list[Entry] = []
-        with self._backend("read an owner registry"):
-            pipe = self.client.pipeline(transaction=False)
-            for group in range(self.settings.slot_groups):
-                pipe.smembers(self.keys.registry(owner, group))
-            for members in pipe.execute():
-                for member in members:
-                    parsed = parse_entry(str(member))
-                    if parsed is not None:
-                        out.append(parsed)
-        return sorted(out, key=lambda e: (e.resource, e.token))
+        return self.run(_inspect.entries(self.engine, owner))
 
     def nodes(self) -> list[str]:
         """Every node that has registered owners."""
-        with self._backend("list nodes"):
-            return sorted(unescape(str(n)) for n in self.client.smembers(self.keys.nodes))
+        return self.run(_inspect.nodes(self.engine))
 
     # --- once receipts -------------------------------------------------------------------
     def get_receipt(self, name: str) -> str | None:
@@ -1425,31 +1138,13 @@ class LeaseStore:
         )
 
     def holder_task(self, resource: str) -> str | None:
-        """The task id of the exclusive holder of ``resource``, for a busy error's message.
-
-        Only the busy path pays for it (two reads). None when the resource is held shared,
-        not by a task, not at all any more, or when Redis fails: a busy error must stay a
-        busy error, not become a backend error over a detail of its message.
-        """
-        try:
-            holder = split_holder(self.client.get(self.resource_keys(resource).exclusive))
-            if holder is None or isinstance(holder, str):
-                return holder
-            return self._registry_task(holder[0], resource, holder[1])
-        except (RedisError, LeaseBackendError) as exc:
-            logger.debug("leases: could not read the holder of %s: %s", resource, exc)
-            return None
+        """The task id of the exclusive holder of ``resource``, for a busy error's message
+        (see :func:`_inspect.holder_task`): None rather than an error."""
+        return self.run(_inspect.holder_task(self.engine, resource))
 
     def _registry_task(self, owner: str, resource: str, token: int) -> str | None:
-        """The task id ``owner``'s registry records for its lease ``resource``/``token``.
-
-        None when the entry is gone (the lease changed hands since it was read) or records
-        no task. A registry holds what one process holds, so reading it costs little.
-        """
-        group = self.resource_keys(resource).group
-        with self._backend("read an owner registry"):
-            members = self.client.smembers(self.registry_key(owner, group))
-        return task_in_registry(members, resource, token)
+        """The task id ``owner``'s registry records for its lease ``resource``/``token``."""
+        return self.run(_inspect.registry_task(self.engine, owner, resource, token))
 
 
 # --- unique claims ---------------------------------------------------------------------------

@@ -78,10 +78,11 @@ from celery.bin.base import CeleryCommand, CLIContext
 from celery.utils.log import get_logger
 
 from ._identity import default_node, set_node
+from ._inspect import AUDIT_KEEP, Holder
 from ._keys import node_of_owner, split_owner, unescape
 from ._registry import QUEUED_OWNER, Entry
 from ._render import printable, table
-from ._store import AUDIT_KEEP, Holder, LeaseStore
+from ._store import LeaseStore
 from .app import Leases, find_leases
 from .exceptions import LeaseBackendError, LeaseConfigError, LeaseError
 from .worker import RECONCILE_RESOURCE, run_reconcile

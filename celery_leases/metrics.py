@@ -36,7 +36,7 @@ from .worker import cleanup_observers
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-    from ._store import CleanupReport
+    from ._cleanup import CleanupReport
 
 __all__ = ("LeaseMetrics", "install")
 

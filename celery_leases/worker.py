@@ -25,10 +25,11 @@ from celery.exceptions import WorkerShutdown, WorkerTerminate
 from celery.utils.log import get_logger
 from celery.worker import state as worker_state
 
+from ._cleanup import CleanupReport
 from ._identity import set_node
 from ._keys import split_owner
 from ._lease import Want
-from ._store import CleanupReport, safe_url
+from ._store import safe_url
 from ._text import printable
 from .config import DEFAULT_REDIS_URL
 from .exceptions import LeaseBackendError, LeaseError

@@ -11,14 +11,17 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import redis
 
-from celery_leases import Shared
+from celery_leases import Shared, _cleanup
+from celery_leases._cleanup import CleanupReport
+from celery_leases._engine import LeaseEngine
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
+from celery_leases._protocol import Steps
 from celery_leases._store import LeaseStore
 from celery_leases.config import resolve_settings
 from tests.support.polling import wait_until
@@ -243,17 +246,17 @@ def test_reconcile_spares_a_lease_taken_after_its_owner_was_found_expired(server
             assert time.monotonic() < deadline, "the idle owner's liveness never ran out"
             time.sleep(0.05)
 
-        original = store.cleanup_owner_isolated
+        original = _cleanup.cleanup_owner_isolated
         taken = []
 
-        def racing(owner: str, **kwargs: object) -> object:
+        def racing(engine: LeaseEngine, owner: str, **kwargs: Any) -> Steps[CleanupReport]:
             if owner == idle.owner and not taken:
                 got = store.try_acquire([Want("fresh")], idle, 30.0)  # t2
                 assert isinstance(got, list)
                 taken.extend(got)
-            return original(owner, **kwargs)  # type: ignore[arg-type]
+            return (yield from original(engine, owner, **kwargs))
 
-        monkeypatch.setattr(store, "cleanup_owner_isolated", racing)
+        monkeypatch.setattr(_cleanup, "cleanup_owner_isolated", racing)
         report = store.reconcile()
 
         assert taken, "reconcile never looked at the idle owner"
