@@ -2,7 +2,7 @@
 
 The calls behind ``celery leases ...`` and a busy error's holder. Each walks the owners
 index and the owners' registries, never the keyspace, and batches its commands in one
-round trip per :data:`_OPS_BATCH`. Each is a generator of protocol requests (see
+round trip per :data:`OPS_BATCH`. Each is a generator of protocol requests (see
 ``_protocol``), carried out by either driver. No I/O.
 """
 
@@ -22,6 +22,7 @@ from ._registry import Entry, parse_entry, split_holder, task_in_registry
 from .exceptions import LeaseBackendError
 
 __all__ = (
+    "OPS_BATCH",
     "AUDIT_KEEP",
     "Holder",
     "audit",
@@ -43,7 +44,7 @@ __all__ = (
 logger = logging.getLogger("celery_leases._store")
 
 #: commands per round trip of the operations calls (a fleet may have thousands of owners)
-_OPS_BATCH: Final = 1000
+OPS_BATCH: Final = 1000
 #: records the audit list keeps (the newest)
 AUDIT_KEEP: Final = 1000
 
@@ -90,7 +91,7 @@ def _members(reply: Any) -> list[Entry]:
 def read_registries(engine: LeaseEngine, owners: Sequence[str]) -> Steps[dict[str, list[Entry]]]:
     """The registry entries of each of ``owners`` (every slot group), by resource name.
 
-    One round trip per :data:`_OPS_BATCH` registries. Unreadable entries are left out
+    One round trip per :data:`OPS_BATCH` registries. Unreadable entries are left out
     here; a cleanup keeps and reports them.
     """
     out: dict[str, list[Entry]] = {owner: [] for owner in owners}
@@ -99,8 +100,8 @@ def read_registries(engine: LeaseEngine, owners: Sequence[str]) -> Steps[dict[st
         for owner in out
         for group in range(engine.settings.slot_groups)
     ]
-    for start in range(0, len(keys), _OPS_BATCH):
-        chunk = keys[start : start + _OPS_BATCH]
+    for start in range(0, len(keys), OPS_BATCH):
+        chunk = keys[start : start + OPS_BATCH]
         calls = [Command(("SMEMBERS", key)) for _, key in chunk]
         replies = yield from engine.send("read owner registries", calls)
         for (owner, _), members in zip(chunk, replies, strict=True):
@@ -150,8 +151,8 @@ def check_entries(
     the registry entry is stale.
     """
     out: list[float | None] = []
-    for start in range(0, len(items), _OPS_BATCH):
-        chunk = items[start : start + _OPS_BATCH]
+    for start in range(0, len(items), OPS_BATCH):
+        chunk = items[start : start + OPS_BATCH]
         calls: list[Call] = []
         for owner, entry in chunk:
             rk = engine.resource_keys(entry.resource)
@@ -239,8 +240,8 @@ def read_liveness(engine: LeaseEngine, owners: Sequence[str]) -> Steps[dict[str,
     out: dict[str, float | None] = {}
     unique = list(dict.fromkeys(owners))
     key = engine.keys.owners
-    for start in range(0, len(unique), _OPS_BATCH):
-        chunk = unique[start : start + _OPS_BATCH]
+    for start in range(0, len(unique), OPS_BATCH):
+        chunk = unique[start : start + OPS_BATCH]
         read = Command(("ZMSCORE", key, *chunk))
         (scores,), now_ms = yield from with_now(engine, "read owner liveness", [read], key)
         for owner, score in zip(chunk, scores, strict=True):

@@ -8,8 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
-from typing import Any, Final, Literal, TypeVar
+from typing import Any, Final, TypeVar
 
 import redis
 from celery.utils.log import get_logger
@@ -19,27 +18,16 @@ from redis.exceptions import MovedError, NoScriptError, RedisClusterException, R
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from . import _cleanup, _connect, _grants, _inspect, _lifetime, _scripts
+from . import _claims, _cleanup, _connect, _grants, _inspect, _lifetime, _scripts
+from ._claims import Claimed, ClaimHolder
 from ._cleanup import CleanupReport
 from ._engine import LeaseEngine, ResourceKeys
 from ._grants import Busy
 from ._identity import Identity
-from ._inspect import _OPS_BATCH, Holder
-from ._keys import (
-    UNIQUE_PREFIX,
-    escape,
-    holder_parts,
-    unescape,
-)
+from ._inspect import Holder
 from ._lease import Held, Want
-from ._lostreply import (
-    BOOK,
-    own_beat_win,
-    requeue_recovered,
-)
 from ._once import (
     OnceRetry,
-    call_once,
     failure_of,
     once_on_cluster,
     one_attempt,
@@ -58,44 +46,24 @@ from ._protocol import (
     words_of,
 )
 from ._registry import (
-    QUEUED_OWNER,
     Entry,
-    entry_text,
 )
 from ._scripts import (
     SOURCE,
-    BeatClaimReply,
-    UniqueClaimReply,
-    UniqueHandoverReply,
-    UniqueRequeueReply,
-    UniqueUnclaimReply,
 )
 from .config import LeaseSettings, safe_url
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError
 
 logger = get_logger(__name__)
 
-#: reads of a running claim holder's task id, which a release at the wrong moment loses
-_HOLDER_READS: Final = 3
-_Outcome = TypeVar("_Outcome")
 T = TypeVar("T")
 
-__all__ = ("ClaimHolder", "Claimed", "CleanupReport", "LeaseStore", "safe_url")
+__all__ = ("LeaseStore", "safe_url")
 
-#: how long the last fencing token of a resource is remembered. Tokens never go backwards even
-#: without it (they are at least the Redis clock in microseconds); it covers bursts of grants
-#: that run ahead of the clock and small steps back of the server clock.
-TOKEN_MEMORY_MS: Final = 86_400_000
 #: extra sleep after a holder's expiry before a waiter tries again
 EXPIRY_SLACK: Final = 0.002
-
-
-#: the Redis clock, read on the node serving KEYS[1] (see LeaseStore._with_now)
-NOW_SCRIPT: Final = "return redis.call('TIME')"
 #: idle subscriber connections a store keeps per process for waiters
 _IDLE_SUBSCRIBERS: Final = 4
-#: seconds between looks at the grant calls still in flight, in a lost reply's recovery
-QUIET_POLL: Final = 0.005
 
 
 class LeaseStore:
@@ -126,7 +94,6 @@ class LeaseStore:
         #: True on a Redis Cluster (grants, renewals and cleanups go per node there)
         self.cluster = engine.cluster = _connect.is_cluster(self._client)
         self._pid = os.getpid()
-        self._register_scripts(self._client)
 
     # --- clients --------------------------------------------------------------------------
     @property
@@ -141,7 +108,6 @@ class LeaseStore:
                 self._client = self._make_client()
                 self._pid = pid
                 self.engine.forked()
-                self._register_scripts(self._client)
             return self._client
 
     def _make_client(self) -> redis.Redis:
@@ -172,21 +138,6 @@ class LeaseStore:
         """The restart check each new connection runs first (see _lifetime)."""
         cluster = self._target.kind == "cluster"
         return _lifetime.connect_hook(self.keys, self.settings, cluster=cluster)
-
-    def _register_scripts(self, client: redis.Redis) -> None:
-        # register_script only hashes locally; each store keeps its own Script objects
-        self._acquire = client.register_script(_scripts.ACQUIRE)
-        self._renew = client.register_script(_scripts.RENEW)
-        self._release = client.register_script(_scripts.RELEASE)
-        self._expired_owners = client.register_script(_scripts.EXPIRED_OWNERS)
-        self._forget_owner = client.register_script(_scripts.FORGET_OWNER)
-        self._commit_receipt = client.register_script(_scripts.COMMIT_RECEIPT)
-        self._beat_claim = client.register_script(_scripts.BEAT_CLAIM)
-        self._now_sha = client.register_script(NOW_SCRIPT).sha
-        self._unique_claim = client.register_script(_scripts.UNIQUE_CLAIM)
-        self._unique_handover = client.register_script(_scripts.UNIQUE_HANDOVER)
-        self._unique_requeue = client.register_script(_scripts.UNIQUE_REQUEUE)
-        self._unique_unclaim = client.register_script(_scripts.UNIQUE_UNCLAIM)
 
     def close(self) -> None:
         """Close this process's connections (a new client is made on next use)."""
@@ -664,42 +615,6 @@ class LeaseStore:
         """For each ``(owner, entry)``: the seconds left on that lease, or None if it is gone."""
         return self.run(_inspect.check_entries(self.engine, items))
 
-    def _with_now(self, build: Callable[[Any], object], key: str) -> tuple[list[Any], int]:
-        """Run the commands ``build`` queues in one pipeline, with the Redis clock in ms.
-
-        The clock is read on the node serving ``key``, by a one-line script: a cluster
-        pipeline cannot send TIME (it names no key). (A core operation uses
-        :func:`_inspect.with_now`.)
-        """
-
-        def queue(pipe: Any) -> None:
-            build(pipe)
-            pipe.execute_command("EVALSHA", self._now_sha, 1, key)
-
-        replies = self._pipeline(self.client, queue, NOW_SCRIPT)
-        sec, usec = replies.pop()
-        return replies, int(sec) * 1000 + int(usec) // 1000
-
-    @staticmethod
-    def _pipeline(target: Any, queue: Callable[[Any], object], script: str) -> list[Any]:
-        """One round trip of the commands ``queue`` puts in a pipeline of ``target``.
-
-        If Redis lost ``script`` (a restart, SCRIPT FLUSH), it is loaded (on every primary of
-        a cluster) and the pipeline sent once more. The first error reply is raised.
-        """
-        for attempt in (1, 2):
-            pipe = target.pipeline(transaction=False)
-            queue(pipe)
-            replies: list[Any] = pipe.execute(raise_on_error=False)
-            if attempt == 1 and any(isinstance(r, NoScriptError) for r in replies):
-                target.script_load(script)
-                continue
-            for reply in replies:
-                if isinstance(reply, Exception):
-                    raise reply
-            return replies
-        raise AssertionError("unreachable")
-
     def read_liveness(self, owners: Sequence[str]) -> dict[str, float | None]:
         """Seconds left on each owner's liveness (negative: it ran out; None: not registered)."""
         return self.run(_inspect.read_liveness(self.engine, owners))
@@ -757,50 +672,18 @@ class LeaseStore:
     def beat_claim(
         self, entry: str, *, due_ms: int | None, bucket: float | None, replica: str, keep: float
     ) -> tuple[bool, int, int, str]:
-        """Claim one due run of beat entry ``entry``.
-
-        Args:
-            due_ms: the run's due time in ms (crontab), or None to claim the current bucket
-                of ``bucket`` seconds on the Redis clock (interval schedules).
-            replica: the claimant's name, recorded with the claim.
-            keep: seconds the claim is remembered after it was made.
+        """Claim one due run of beat entry ``entry`` (see :func:`_claims.beat_claim`).
 
         Returns:
             ``(won, run id, Redis time in ms, winner of that run)``.
         """
-        kind = "every" if due_ms is None else "cron"
-        args: list[Any] = [
-            "" if due_ms is None else str(due_ms),
-            self._ms(bucket or 1.0),
-            self._ms(keep),
-            replica,
-        ]
-        client = self.client  # first: it registers the scripts in this process
-        keys = [self.keys.beat_claim(entry, kind)]
-        with self._backend("claim a beat run"):
-            # idempotent: sent again, it loses to the lost call if that one won; the claim
-            # records the winner, so this replica recognises its own win (own_beat_win)
-            reply, lost = call_once(
-                lambda: (self._beat_claim(keys, args, client=client), False),
-                lambda: (self._beat_claim(keys, args, client=client), True),
+        return self.run(
+            _claims.beat_claim(
+                self.engine, entry, due_ms=due_ms, bucket=bucket, replica=replica, keep=keep
             )
-        won = int(reply[0]) == BeatClaimReply.WON
-        run, now, winner = int(reply[1]), int(reply[2]), str(reply[3])
-        if lost:
-            won = own_beat_win(won, run, winner, replica, self.engine.beat_won.get(keys[0]))
-        if won:
-            self.engine.beat_won[keys[0]] = run
-        return won, run, now, winner
+        )
 
-    # --- unique claims ----------------------------------------------------------------------
-    # A task declared with ``unique=`` has at most one copy queued or running per rendered
-    # key. The claim is the exclusive lease of ``Keyspace.unique_resource(key)``: the producer
-    # takes it with the queue TTL before publishing (queued: ``"<token> %queued/<task id>"``,
-    # in no owner's registry); the worker that starts the task takes it over (running: an
-    # ordinary lease of that process, renewed and cleaned up like every other); the task's
-    # finalizer releases it with release.lua (token-checked), and so does any cleanup of a
-    # dead owner. All the keys of one claim are in the claim resource's slot group.
-
+    # --- unique claims (see _claims) ----------------------------------------------------------
     def unique_claim(self, key: str, task_id: str, ttl: float) -> Claimed | ClaimHolder:
         """Claim ``key`` for ``task_id``, about to be published, for ``ttl`` seconds.
 
@@ -808,149 +691,16 @@ class LeaseStore:
             :class:`Claimed` (``again`` when it was already queued for this task id), or the
             :class:`ClaimHolder` that has it.
         """
-        return self._holder_read(lambda: self._claim_attempt(key, task_id, ttl))
-
-    def _claim_attempt(self, key: str, task_id: str, ttl: float) -> Claimed | ClaimHolder:
-        resource = self.keys.unique_resource(key)
-        Want(resource)  # a name without a UTF-8 form is a LeaseConfigError, not a redis one
-        rk = self.resource_keys(resource)
-        keys = [rk.exclusive, rk.counter, self.keys.unique_queued(rk.group)]
-        args: list[Any] = [escape(task_id), self._ms(ttl), TOKEN_MEMORY_MS, resource]
-        client = self.client  # first: it registers the scripts in this process
-        with self._backend("claim a unique key"):
-            # idempotent: sent again, it finds the claim the lost call made, queued for this
-            # task id; that claim is this call's own (not an earlier publish's), so a failed
-            # publish gives it back
-            reply, lost = call_once(
-                lambda: (self._unique_claim(keys, args, client=client), False),
-                lambda: (self._unique_claim(keys, args, client=client), True),
-            )
-        code = int(reply[0])
-        if code in (UniqueClaimReply.CLAIMED, UniqueClaimReply.CLAIMED_AGAIN):
-            again = code == UniqueClaimReply.CLAIMED_AGAIN and not lost
-            return Claimed(key, task_id, int(reply[1]), again=again)
-        return self._claim_holder(key, resource, str(reply[1]), int(reply[2]))
+        return self.run(_claims.unique_claim(self.engine, key, task_id, ttl))
 
     def unique_handover(
         self, key: str, task_id: str, ident: Identity, ttl: float
     ) -> Held | ClaimHolder:
         """One attempt to take over ``key``'s claim for ``task_id`` as a lease of ``ident``.
 
-        It succeeds when the claim is queued for ``task_id`` or when there is none. (A holder
-        that changed hands while it was read is looked at again: see :meth:`_holder_read`.)
+        It succeeds when the claim is queued for ``task_id`` or when there is none.
         """
-        return self._holder_read(lambda: self._handover_attempt(key, task_id, ident, ttl))
-
-    def _handover_attempt(
-        self, key: str, task_id: str, ident: Identity, ttl: float
-    ) -> Held | ClaimHolder:
-        resource = self.keys.unique_resource(key)
-        Want(resource)
-        rk = self.resource_keys(resource)
-        group, owner = rk.group, ident.owner
-        if not self.liveness_covers(owner, ttl):
-            # register the owner and refresh its liveness first (as try_acquire does for a
-            # lease outside the home group): a lease in the registry of an unregistered owner
-            # is invisible to the start-up cleanup of its node and to the reconcile, and one
-            # whose owner's liveness runs out before the lease's horizon is freed by a
-            # reconcile while its holder still counts it held
-            home = self.run(_grants.acquire_group(self.engine, 0, [], ident, ttl, True, task_id))
-            if isinstance(home, Busy):
-                return ClaimHolder(key, "grace", None, 0, None, home.wait)
-        now = time.monotonic()
-        registry_s = self.engine.registry_expiry(owner, group, ttl, now)
-        keys = [
-            self.keys.lifetime(group),
-            self.registry_key(owner, group),
-            rk.exclusive,
-            rk.counter,
-            self.keys.unique_queued(group),
-        ]
-        args: list[Any] = [
-            owner,
-            self._ms(ttl),
-            self.engine.grace_ms,
-            TOKEN_MEMORY_MS,
-            self._ms(registry_s) if registry_s else 0,
-            escape(task_id),
-            resource,
-        ]
-        client = self.client
-        book = [rk.exclusive]
-        BOOK.begin(owner, book)
-        lost = False
-        try:
-            with self._backend("take over a unique claim"):
-                reply = self._handover_call(keys, args, client)
-                lost = reply is None
-                if reply is None:
-                    BOOK.lost(owner, book)
-                    until = now + self.horizon(ttl) / 2  # as adopt_until for a grant
-                    reply = self._recover_handover(
-                        keys, args, client, owner, group, resource, task_id, until
-                    )
-            code = int(reply[0])
-            if code == UniqueHandoverReply.GRACE:
-                return ClaimHolder(key, "grace", None, 0, None, int(reply[1]) / 1000)
-            if code == UniqueHandoverReply.BUSY:
-                return self._claim_holder(key, resource, str(reply[1]), int(reply[2]))
-            if registry_s:
-                self.engine.registry_until[(owner, group)] = now + registry_s
-            BOOK.hold(owner, rk.exclusive, int(reply[1]))
-        finally:
-            BOOK.end(owner, book, recovered=lost)
-        return Held(
-            store=self,
-            owner=owner,
-            resource=resource,
-            mode="x",
-            token=int(reply[1]),
-            ttl=ttl,
-            acquired_at=now,
-            confirmed_at=now,
-            horizon=self.horizon(ttl),
-            task_id=task_id,
-        )
-
-    def _handover_call(self, keys: list[str], args: list[Any], client: redis.Redis) -> Any:
-        """unique_handover.lua, once; None when its reply was lost (it may have run)."""
-        return call_once(lambda: self._unique_handover(keys, args, client=client), lambda: None)
-
-    def _recover_handover(
-        self,
-        keys: list[str],
-        args: list[Any],
-        client: redis.Redis,
-        owner: str,
-        group: int,
-        resource: str,
-        task_id: str,
-        adopt_until: float,
-    ) -> Any:
-        """After a lost handover reply: read-back, as for a grant (see :meth:`recover_grant`).
-
-        Sent again, the script would find the claim taken by this owner and report it held
-        by a running task (this one): the lease nobody renews blocks the key until its TTL.
-        So the own grant is adopted, or given back and the call sent once more.
-        """
-        try:
-            tokens = self.run(
-                _grants.recover_grant(
-                    self.engine, owner, group, [(resource, "x")], task_id, adopt_until
-                )
-            )
-        except (RedisError, LeaseBackendError, _grants.GrantsInFlight) as failed:
-            _grants.log_unrecovered([resource], RedisConnectionError("lost reply"), failed)
-            raise
-        if tokens is not None:
-            return [UniqueHandoverReply.TAKEN, tokens[0]]
-        reply = self._handover_call(keys, args, client)
-        if reply is None:
-            _grants.log_unrecovered(
-                [resource], RedisConnectionError("lost reply"), RedisConnectionError("lost again")
-            )
-            raise RedisConnectionError("the reply to a unique handover was lost twice")
-        return reply
+        return self.run(_claims.unique_handover(self.engine, key, task_id, ident, ttl))
 
     def unique_take(
         self, key: str, task_id: str, ident: Identity, ttl: float, wait: float
@@ -994,56 +744,12 @@ class LeaseStore:
                 else:
                     pubsub.close()
 
-    @staticmethod
-    def _holder_read(attempt: Callable[[], _Outcome]) -> _Outcome:
-        """``attempt`` (a claim or a handover), made again while it names a running holder
-        whose task id could not be read.
-
-        The holder's task id is read from its registry after the script: a release in
-        between leaves no entry. The next attempt finds the claim free, or reads its new
-        holder; a holder unreadable ``_HOLDER_READS`` times is a key written by something
-        else.
-        """
-        outcome = attempt()
-        for _ in range(_HOLDER_READS - 1):
-            if not (isinstance(outcome, ClaimHolder) and outcome.holder_unread):
-                break
-            outcome = attempt()
-        return outcome
-
     def unique_requeue(self, held: Held, ttl: float) -> bool:
         """Put a running claim (``held``) back in the queued state for its task, for ``ttl``.
 
         Returns False, changing nothing, when ``held`` no longer has the claim.
         """
-        rk = self.resource_keys(held.resource)
-        keys = [
-            rk.exclusive,
-            self.registry_key(held.owner, rk.group),
-            self.keys.unique_queued(rk.group),
-        ]
-        args: list[Any] = [
-            f"{held.token} {held.owner}",
-            entry_text(held.mode, held.token, held.task_id, held.resource),
-            escape(held.task_id or ""),
-            self._ms(ttl),
-            held.resource,
-        ]
-        client = self.client
-
-        def send() -> bool:
-            reply = self._unique_requeue(keys, args, client=client)
-            return int(reply) == UniqueRequeueReply.QUEUED
-
-        def after_lost() -> bool:
-            # read-back: sent again, it would find the claim queued and say "not ours"
-            value = client.get(rk.exclusive)
-            queued = QUEUED_OWNER + escape(held.task_id or "")
-            done = requeue_recovered(value, held.token, held.owner, queued)
-            return send() if done is None else done
-
-        with self._backend("queue a unique claim again"):
-            return call_once(send, after_lost)
+        return self.run(_claims.unique_requeue(self.engine, held, ttl))
 
     def unique_unclaim(self, key: str, task_id: str, token: int | None = None) -> bool:
         """Release ``key``'s claim if it is still queued for ``task_id`` (and ``token``).
@@ -1051,91 +757,15 @@ class LeaseStore:
         Returns True if it was released; a claim a worker took over, or one of another task,
         is left alone.
         """
-        resource = self.keys.unique_resource(key)
-        Want(resource)
-        rk = self.resource_keys(resource)
-        keys = [rk.exclusive, self.keys.unique_queued(rk.group)]
-        args: list[Any] = [
-            escape(task_id),
-            "" if token is None else str(token),
-            resource,
-            rk.channel,
-        ]
-        client = self.client
-
-        def send() -> bool:
-            reply = self._unique_unclaim(keys, args, client=client)
-            return int(reply) == UniqueUnclaimReply.RELEASED
-
-        with self._backend("release a queued unique claim"):
-            # idempotent (token-checked): sent again, it gives back what is still there
-            return call_once(send, send)
+        return self.run(_claims.unique_unclaim(self.engine, key, task_id, token))
 
     def unique_holder(self, key: str) -> ClaimHolder | None:
         """Who holds ``key``'s claim now, or None when it is free."""
-        resource = self.keys.unique_resource(key)
-        Want(resource)
-        xkey = self.resource_keys(resource).exclusive
-        with self._backend("inspect a unique claim"):
-            pipe = self.client.pipeline(transaction=False)
-            pipe.get(xkey)
-            pipe.pttl(xkey)
-            value, pttl = pipe.execute()
-        if value is None:
-            return None
-        return self._claim_holder(key, resource, str(value), int(pttl))
+        return self.run(_claims.unique_holder(self.engine, key))
 
     def queued_claims(self) -> list[ClaimHolder]:
-        """Every unique claim still queued (its task not started yet), by key.
-
-        Read from each slot group's index of queued claims, never from the keyspace; a claim
-        that ran out or was taken over since it was listed is left out.
-        """
-        with self._backend("list queued unique claims"):
-            pipe = self.client.pipeline(transaction=False)
-            for group in range(self.settings.slot_groups):
-                pipe.zrange(self.keys.unique_queued(group), 0, -1)
-            resources = sorted({str(m) for reply in pipe.execute() for m in reply})
-            out: list[ClaimHolder] = []
-            for start in range(0, len(resources), _OPS_BATCH):
-                chunk = resources[start : start + _OPS_BATCH]
-                pipe = self.client.pipeline(transaction=False)
-                for resource in chunk:
-                    xkey = self.resource_keys(resource).exclusive
-                    pipe.get(xkey)
-                    pipe.pttl(xkey)
-                replies = pipe.execute()
-                for i, resource in enumerate(chunk):
-                    value, pttl = replies[2 * i], int(replies[2 * i + 1])
-                    if value is None or not resource.startswith(UNIQUE_PREFIX):
-                        continue
-                    token, who = holder_parts(value)
-                    if not who.startswith(QUEUED_OWNER) or not token.isdigit():
-                        continue
-                    out.append(
-                        ClaimHolder(
-                            resource.removeprefix(UNIQUE_PREFIX),
-                            "queued",
-                            unescape(who.removeprefix(QUEUED_OWNER)),
-                            int(token),
-                            None,
-                            None if pttl < 0 else pttl / 1000,
-                        )
-                    )
-        return out
-
-    def _claim_holder(self, key: str, resource: str, value: str, pttl: int) -> ClaimHolder:
-        """A claim key's value, read: queued (the task id is in it) or running (read the
-        task id from the holder's registry entry)."""
-        text, who = holder_parts(value)
-        token = int(text) if text.isdigit() else 0
-        expires_in = None if pttl < 0 else pttl / 1000
-        if who.startswith(QUEUED_OWNER):
-            task_id = unescape(who.removeprefix(QUEUED_OWNER))
-            return ClaimHolder(key, "queued", task_id, token, None, expires_in)
-        return ClaimHolder(
-            key, "running", self._registry_task(who, resource, token), token, who, expires_in
-        )
+        """Every unique claim still queued (its task not started yet), by key."""
+        return self.run(_claims.queued_claims(self.engine))
 
     def holder_task(self, resource: str) -> str | None:
         """The task id of the exclusive holder of ``resource``, for a busy error's message
@@ -1145,47 +775,3 @@ class LeaseStore:
     def _registry_task(self, owner: str, resource: str, token: int) -> str | None:
         """The task id ``owner``'s registry records for its lease ``resource``/``token``."""
         return self.run(_inspect.registry_task(self.engine, owner, resource, token))
-
-
-# --- unique claims ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Claimed:
-    """A unique claim queued for a task (``again``: it already was, by an earlier publish)."""
-
-    key: str
-    task_id: str
-    token: int
-    again: bool = False
-
-
-@dataclass(frozen=True)
-class ClaimHolder:
-    """Who holds a unique claim (that the caller could not get).
-
-    Attributes:
-        key: the rendered unique key.
-        state: ``"queued"`` (published, not started), ``"running"`` (a worker took it over)
-            or ``"grace"`` (Redis is in its restart grace; nobody may be granted anything).
-        task_id: the holding task's id; None when it could not be read (it changed hands
-            while it was read, or the key was written by something else).
-        token: the claim's fencing token.
-        owner: for ``"running"``, the owner id of the worker process that runs it.
-        expires_in: seconds until the claim runs out unless renewed; None: it never does.
-    """
-
-    key: str
-    state: Literal["queued", "running", "grace"]
-    task_id: str | None
-    token: int
-    owner: str | None
-    expires_in: float | None
-
-    @property
-    def holder_unread(self) -> bool:
-        """Running, but the holder's task id could not be read (see ``task_id``)."""
-        return self.state == "running" and self.task_id is None
-
-    def waits_for(self, task_id: str) -> bool:
-        """True if a taker for ``task_id`` should wait (not give up): the claim is held by
-        a run of that same task elsewhere, or Redis is in its restart grace."""
-        return self.state == "grace" or (self.state == "running" and self.task_id == task_id)

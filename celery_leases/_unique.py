@@ -18,9 +18,9 @@ from celery.utils.log import get_logger
 from kombu.utils.uuid import uuid
 
 from . import signals
+from ._claims import ClaimHolder
 from ._heartbeat import heartbeat
 from ._lease import Held, Lease, held_of
-from ._store import ClaimHolder
 from .config import OnDuplicate
 from .exceptions import DuplicateTask, LeaseBackendError, LeaseConfigError
 

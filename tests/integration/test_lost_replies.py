@@ -15,8 +15,9 @@ from urllib.parse import urlparse
 import pytest
 
 from celery_leases import LeaseBackendError, Leases, Shared, _scripts
+from celery_leases._claims import Claimed, ClaimHolder
 from celery_leases._lease import Held, Want
-from celery_leases._store import Claimed, ClaimHolder, LeaseStore
+from celery_leases._store import LeaseStore
 from tests.support.proxy import LossyProxy
 from tests.support.topologies import resources_in_distinct_groups
 

@@ -55,10 +55,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from celery_leases import LeaseBusy, Leases
+from celery_leases._claims import Claimed, ClaimHolder
 from celery_leases._identity import Identity
+from celery_leases._inspect import Holder
 from celery_leases._lease import Held, Want
 from celery_leases._redis_server import RedisServer
-from celery_leases._store import Claimed, ClaimHolder, Holder, LeaseStore
+from celery_leases._store import LeaseStore
 from celery_leases.config import resolve_settings
 from celery_leases.exceptions import LeaseBackendError
 

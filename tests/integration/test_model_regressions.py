@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from celery_leases._claims import Claimed
 from celery_leases._identity import Identity
 from celery_leases._lease import Held, Want
-from celery_leases._store import Claimed, LeaseStore
+from celery_leases._store import LeaseStore
 from tests.support.polling import wait_until
 
 LIVENESS = 3.0  # the ttl setting

@@ -23,9 +23,9 @@ import pytest
 import redis
 
 from celery_leases import LeaseBusy, LeaseLost, Leases
+from celery_leases._claims import Claimed, ClaimHolder
 from celery_leases._lease import Held
 from celery_leases._redis_server import RedisServer
-from celery_leases._store import Claimed, ClaimHolder
 from celery_leases.signals import lease_lost
 from tests.integration.test_lost import LostLog, confirmed_once, leave_lost, poll
 from tests.support import oldest_redis

@@ -66,13 +66,13 @@ def test_acquire_and_release_recover_from_script_flush(make_redis_server):
         first = store.try_acquire([Want("r1")], ident, 5.0)
         assert isinstance(first, list)
         assert admin.script_flush() is True
-        assert admin.script_exists(store._acquire.sha) == [False]
+        assert admin.script_exists(_scripts.SHA["acquire"]) == [False]
 
         second = store.try_acquire([Want("r2")], ident, 5.0)
 
         assert isinstance(second, list)
         assert second[0].token > first[0].token
-        assert admin.script_exists(store._acquire.sha) == [True]
+        assert admin.script_exists(_scripts.SHA["acquire"]) == [True]
         admin.script_flush()
         assert store.release(first + second) == [True, True]
         assert store.holders("r1") == store.holders("r2") == []
@@ -92,13 +92,13 @@ def test_renew_recovers_from_script_flush(make_redis_server):
         # renew once so the pooled connection and the script are warm, then flush
         assert store.renew(held, ident.owner, timeout=2.0) == set()
         admin.script_flush()
-        assert admin.script_exists(store._renew.sha) == [False]
+        assert admin.script_exists(_scripts.SHA["renew"]) == [False]
         before = admin.pttl(store.keys.exclusive("a"))
 
         lost = store.renew(held, ident.owner, timeout=2.0)
 
         assert lost == set()
-        assert admin.script_exists(store._renew.sha) == [True]
+        assert admin.script_exists(_scripts.SHA["renew"]) == [True]
         # the renewal really ran: the lease's TTL was pushed back up
         assert admin.pttl(store.keys.exclusive("a")) >= before
         assert [h.owner for h in store.holders("a")] == [ident.owner]

@@ -7,9 +7,13 @@ import threading
 import pytest
 import redis
 
+from celery_leases import _claims
+from celery_leases._claims import Claimed, ClaimHolder
+from celery_leases._engine import LeaseEngine
 from celery_leases._identity import Identity
 from celery_leases._lease import Held
-from celery_leases._store import Claimed, ClaimHolder, LeaseStore
+from celery_leases._protocol import Steps
+from celery_leases._store import LeaseStore
 from celery_leases.exceptions import LeaseConfigError
 from tests.support.cluster import hash_tag
 from tests.support.polling import wait_until
@@ -208,15 +212,17 @@ def test_a_release_between_the_claim_read_and_the_registry_read_is_taken_not_giv
     # in between leaves no entry, and the taker must look again rather than give up
     held = leases_store.unique_handover("k", "task-1", A, 30)
     assert isinstance(held, Held)
-    read_registry = leases_store._registry_task
+    read_registry = _claims.registry_task
     releases: list[bool] = []
 
-    def release_first(owner: str, resource: str, token: int) -> str | None:
+    def release_first(
+        engine: LeaseEngine, owner: str, resource: str, token: int
+    ) -> Steps[str | None]:
         if not releases:
             releases.extend(leases_store.release([held]))
-        return read_registry(owner, resource, token)
+        return (yield from read_registry(engine, owner, resource, token))
 
-    monkeypatch.setattr(leases_store, "_registry_task", release_first)
+    monkeypatch.setattr(_claims, "registry_task", release_first)
 
     taken = leases_store.unique_take("k", "task-1", B, 10, wait=25)
 

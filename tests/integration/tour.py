@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from celery_leases import LeaseBusy, Leases, Shared
+from celery_leases._claims import Claimed, ClaimHolder
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
-from celery_leases._store import Claimed, ClaimHolder
 from tests.support.polling import wait_until
 
 #: the tour's leases ttl setting (seconds): short, so renewals and expiries come quickly

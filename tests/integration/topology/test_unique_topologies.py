@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from celery_leases import Leases
+from celery_leases._claims import Claimed, ClaimHolder
 from celery_leases._identity import Identity
 from celery_leases._lease import Held
-from celery_leases._store import Claimed, ClaimHolder
 from tests.support.topologies import Topology, leases_factory
 
 WORKER = Identity("topo-worker@host", "inc", 4242)

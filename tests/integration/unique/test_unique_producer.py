@@ -23,7 +23,7 @@ from celery.result import AsyncResult, EagerResult
 from kombu.exceptions import OperationalError
 
 from celery_leases import DuplicateTask, LeaseBusy, Leases
-from celery_leases._store import ClaimHolder
+from celery_leases._claims import ClaimHolder
 from celery_leases.signals import unique_duplicate
 
 from .conftest import QUEUE_TTL, wait_until

@@ -18,7 +18,7 @@ from celery.exceptions import TimeLimitExceeded
 from celery.result import AsyncResult
 
 from celery_leases import DuplicateTask, Leases
-from celery_leases._store import ClaimHolder
+from celery_leases._claims import ClaimHolder
 from tests.support.workers import WorkerProc
 
 from .conftest import RESULT_TIMEOUT, Ledger, kill_whole_worker, wait_until

@@ -22,8 +22,8 @@ import pytest
 import redis
 
 from celery_leases import LeaseLost, Shared
+from celery_leases._inspect import Holder
 from celery_leases._keys import Keyspace, escape
-from celery_leases._store import Holder
 from celery_leases.worker import RECONCILE_RESOURCE
 from tests.support.reserved import hold_reserved
 
