@@ -25,7 +25,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from . import _grants, _inspect, _lifetime, _scripts
 from ._connect import aclose_client, parse_target
 from ._connect import make_async_client as make_deployment_client
-from ._grants import Busy
+from ._grants import Busy, busy_error, waiting_time
 from ._identity import Identity
 from ._lease import Held, Want
 from ._once import (
@@ -49,9 +49,9 @@ from ._protocol import (
 )
 from ._registry import Entry
 from ._scripts import SOURCE
-from ._store import EXPIRY_SLACK, LeaseStore
+from ._store import LeaseStore
 from .config import LeaseSettings, safe_url
-from .exceptions import LeaseBusy, LeaseConfigError, LeaseError
+from .exceptions import LeaseConfigError, LeaseError
 
 __all__ = ("AsyncLeaseStore", "make_async_client")
 
@@ -488,11 +488,7 @@ class AsyncLeaseStore:
         if not isinstance(outcome, Busy):
             return outcome
         if wait is not None and wait <= 0:
-            raise LeaseBusy(
-                outcome.resource,
-                retry_after=outcome.wait,
-                holder_task=await self.holder_task(outcome.resource),
-            )
+            raise busy_error(outcome, await self.holder_task(outcome.resource))
         deadline = math.inf if wait is None else start + wait
         state = self._state()
         key = tuple(wants)
@@ -507,12 +503,7 @@ class AsyncLeaseStore:
                 queue.lock.acquire(), deadline - time.monotonic(), undo=queue.lock.release
             ):
                 waited = time.monotonic() - start
-                raise LeaseBusy(
-                    outcome.resource,
-                    retry_after=outcome.wait,
-                    waited=waited,
-                    holder_task=await self.holder_task(outcome.resource),
-                )
+                raise busy_error(outcome, await self.holder_task(outcome.resource), waited)
             try:
                 return await self._wait(state, wants, ident, ttl, task_id, start, deadline)
             finally:
@@ -542,18 +533,14 @@ class AsyncLeaseStore:
             while True:
                 event.clear()  # before the attempt: a release from now on wakes us
                 outcome = await self._attempt(wants, ident, ttl, task_id)
-                if not isinstance(outcome, Busy):
-                    return outcome
                 now = time.monotonic()
-                if now >= deadline:
-                    raise LeaseBusy(
-                        outcome.resource,
-                        retry_after=outcome.wait,
-                        waited=now - start,
-                        holder_task=await self.holder_task(outcome.resource),
-                    )
+                pause = waiting_time(outcome, now, deadline)
+                if pause is None:
+                    if not isinstance(outcome, Busy):
+                        return outcome
+                    raise busy_error(outcome, await self.holder_task(outcome.resource), now - start)
                 # woken by a release, or by the blocking holder's expiry at the latest
-                timer = loop.call_later(min(deadline - now, outcome.wait + EXPIRY_SLACK), event.set)
+                timer = loop.call_later(pause, event.set)
                 try:
                     await event.wait()
                 finally:

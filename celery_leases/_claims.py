@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 
 from ._engine import LeaseEngine
 from ._grants import (
+    EXPIRY_SLACK,
     TOKEN_MEMORY_MS,
     Busy,
     GrantsInFlight,
@@ -55,6 +56,7 @@ __all__ = (
     "ClaimHolder",
     "Claimed",
     "beat_claim",
+    "claim_waiting_time",
     "queued_claims",
     "unique_claim",
     "unique_handover",
@@ -321,6 +323,23 @@ def _recover_handover(
         twice = ConnectionError("the reply to a unique handover was lost twice")
         raise engine.backend_error("take over a unique claim", twice) from twice
     return reply
+
+
+def claim_waiting_time(
+    outcome: Held | ClaimHolder, task_id: str, now: float, deadline: float
+) -> float | None:
+    """How long a taker of ``task_id``'s claim waits after ``outcome``; None: stop.
+
+    It stops when it has the claim, when waiting cannot make it its own (the claim is held
+    by another task), or at ``deadline``; else it waits for the claim's release, or the
+    holder's expiry at the latest.
+    """
+    if isinstance(outcome, Held) or not outcome.waits_for(task_id) or now >= deadline:
+        return None
+    pause = deadline - now
+    if outcome.expires_in is not None:
+        pause = min(pause, outcome.expires_in + EXPIRY_SLACK)
+    return pause
 
 
 # --- requeue and unclaim --------------------------------------------------------------------

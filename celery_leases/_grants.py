@@ -32,7 +32,7 @@ from ._protocol import (
 )
 from ._registry import Entry, counted_held, entry_text, parse_entry
 from ._scripts import AcquireReply, CommitReceiptReply, ReleaseReply
-from .exceptions import LeaseBackendError, LeaseConfigError
+from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError
 
 if TYPE_CHECKING:
     from ._engine import LeaseEngine
@@ -93,6 +93,10 @@ class RenewPlan(NamedTuple):
     registry: dict[int, float]  # slot group -> registry expiry the call sets, in seconds
 
 
+#: extra sleep after a holder's expiry before a waiter tries again
+EXPIRY_SLACK: Final = 0.002
+
+
 class GrantsInFlight(Exception):
     """A lost grant's recovery found other grant calls of this process still in flight."""
 
@@ -146,6 +150,25 @@ def try_acquire(
             out[i] = held
             taken.append(held)
     return [h for h in out if h is not None]
+
+
+def waiting_time(outcome: list[Held] | Busy, now: float, deadline: float) -> float | None:
+    """How long a waiter waits for a release after an attempt's ``outcome``; None: stop.
+
+    It stops when granted or at ``deadline``, and else waits until a release wakes it, or
+    until the blocking holder's expiry at the latest (each failed attempt says when that
+    holder runs out), never past the deadline. The sync and asyncio waits both ask this.
+    """
+    if not isinstance(outcome, Busy) or now >= deadline:
+        return None
+    return min(deadline - now, outcome.wait + EXPIRY_SLACK)
+
+
+def busy_error(outcome: Busy, holder_task: str | None, waited: float = 0.0) -> LeaseBusy:
+    """The LeaseBusy of an attempt that stayed busy (``waited``: seconds spent waiting)."""
+    return LeaseBusy(
+        outcome.resource, retry_after=outcome.wait, waited=waited, holder_task=holder_task
+    )
 
 
 def _release_quietly(engine: LeaseEngine, held: Sequence[Held]) -> Steps[None]:

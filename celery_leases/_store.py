@@ -7,22 +7,20 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
-from typing import Any, Final, TypeVar
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import redis
 from celery.utils.log import get_logger
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import MovedError, NoScriptError, RedisClusterException, RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from . import _claims, _cleanup, _connect, _grants, _inspect, _lifetime, _scripts
-from ._claims import Claimed, ClaimHolder
+from ._claims import Claimed, ClaimHolder, claim_waiting_time
 from ._cleanup import CleanupReport
 from ._engine import LeaseEngine, ResourceKeys
-from ._grants import Busy
+from ._grants import Busy, busy_error, waiting_time
 from ._identity import Identity
 from ._inspect import Holder
 from ._lease import Held, Want
@@ -48,22 +46,19 @@ from ._protocol import (
 from ._registry import (
     Entry,
 )
+from ._renewlines import RenewalLines
 from ._scripts import (
     SOURCE,
 )
+from ._subscribers import Subscribers
 from .config import LeaseSettings, safe_url
-from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError
+from .exceptions import LeaseBackendError, LeaseConfigError
 
 logger = get_logger(__name__)
 
 T = TypeVar("T")
 
 __all__ = ("LeaseStore", "safe_url")
-
-#: extra sleep after a holder's expiry before a waiter tries again
-EXPIRY_SLACK: Final = 0.002
-#: idle subscriber connections a store keeps per process for waiters
-_IDLE_SUBSCRIBERS: Final = 4
 
 
 class LeaseStore:
@@ -81,12 +76,8 @@ class LeaseStore:
         self.keys = engine.keys
         self.url = settings.url
         self._lock = threading.Lock()
-        self._pubsubs: list[redis.client.PubSub] = []  # idle subscribers of this process
-        self._pubsub_pid = os.getpid()
-        self._renew_lock = threading.Lock()
-        # see _renewal_connection: node name ("" off a cluster) -> connection, in _renew_pid
-        self._renew_conns: dict[str, Any] = {}
-        self._renew_pid = -1
+        self._subscribers = Subscribers(lambda: self.client, settings.socket_timeout)
+        self._renewals = RenewalLines(self)
         # the client object connects lazily; made now so a bad URL fails at start-up, and so
         # the scripts are registered before any method can reach for them
         self._target = _connect.parse_target(self.url)
@@ -143,16 +134,10 @@ class LeaseStore:
         """Close this process's connections (a new client is made on next use)."""
         with self._lock:
             client, self._client = self._client, None
-            conns, self._renew_conns = self._renew_conns, {}
-            pubsubs, self._pubsubs = self._pubsubs, []
-        if self._pubsub_pid == os.getpid():
-            for pubsub in pubsubs:
-                pubsub.close()
+        self._subscribers.close()
         if client is not None and self._pid == os.getpid():
             client.close()
-        if self._renew_pid == os.getpid():
-            for conn in conns.values():
-                conn.disconnect()
+        self._renewals.close()
 
     def backend_error(self, what: str, exc: BaseException) -> LeaseBackendError:
         """The LeaseBackendError for ``exc`` while trying to ``what`` (the URL without secrets)."""
@@ -226,7 +211,7 @@ class LeaseStore:
                 return self._send_replicated(op.calls)
         if kind is SendWithin:
             assert isinstance(op, SendWithin)
-            return self._send_within(op.calls, op.timeout)
+            return self._renewals.send(op.calls, op.timeout)
         if kind is Sleep:
             assert isinstance(op, Sleep)
             time.sleep(op.seconds)
@@ -276,7 +261,7 @@ class LeaseStore:
         """Each node's calls then ``WAIT`` on one connection, in one round trip per node."""
         routes: dict[str, list[int]] = {}
         for i, call in enumerate(calls):
-            routes.setdefault(self._node_of(call.keys[0]), []).append(i)
+            routes.setdefault(self.node_of(call.keys[0]), []).append(i)
         replies: list[Any] = [None] * len(calls)
         acked: list[Any] = []
         wait = Command(self.wait_replicas)
@@ -320,83 +305,21 @@ class LeaseStore:
         if not isinstance(outcome, Busy):
             return outcome
         if wait is not None and wait <= 0:
-            raise LeaseBusy(
-                outcome.resource,
-                retry_after=outcome.wait,
-                holder_task=self.holder_task(outcome.resource),
-            )
+            raise busy_error(outcome, self.holder_task(outcome.resource))
         deadline = math.inf if wait is None else start + wait
+
+        def attempt() -> float | None:
+            nonlocal outcome
+            outcome = self.try_acquire(wants, ident, ttl, task_id)
+            return waiting_time(outcome, time.monotonic(), deadline)
+
         channels = sorted({self.resource_keys(w.resource).channel for w in wants})
         with self._backend("wait for a release"):
-            pubsub = self._take_pubsub()
-            healthy = False
-            try:
-                pubsub.subscribe(*channels)
-                self._await_subscribed(pubsub, channels)
-                while True:
-                    outcome = self.try_acquire(wants, ident, ttl, task_id)
-                    if not isinstance(outcome, Busy):
-                        healthy = True
-                        return outcome
-                    now = time.monotonic()
-                    if now >= deadline:
-                        healthy = True
-                        raise LeaseBusy(
-                            outcome.resource,
-                            retry_after=outcome.wait,
-                            waited=now - start,
-                            holder_task=self.holder_task(outcome.resource),
-                        )
-                    # woken by a release, or by the blocking holder's expiry at the latest;
-                    # a message of an earlier wait on this connection costs one extra attempt
-                    pubsub.get_message(timeout=min(deadline - now, outcome.wait + EXPIRY_SLACK))
-            finally:
-                if healthy:
-                    self._give_back_pubsub(pubsub, channels)
-                else:
-                    pubsub.close()
-
-    def _take_pubsub(self) -> redis.client.PubSub:
-        """An idle subscriber connection of this process, or a new one.
-
-        Waiters keep their connections: opening one costs redis-py's handshake (several round
-        trips), which a waiter would otherwise pay on every wait.
-        """
-        client = self.client
-        with self._lock:
-            if self._pubsub_pid == self._pid and self._pubsubs:
-                return self._pubsubs.pop()
-        pubsub: redis.client.PubSub = client.pubsub()  # type: ignore[no-untyped-call]
-        return pubsub
-
-    def _give_back_pubsub(self, pubsub: redis.client.PubSub, channels: list[str]) -> None:
-        # UNSUBSCRIBE is sent, not waited for: its confirmations (and any late message) are
-        # skipped by the next waiter's _await_subscribed
-        try:
-            pubsub.unsubscribe(*channels)  # type: ignore[no-untyped-call]
-        except RedisError:
-            pubsub.close()
-            return
-        with self._lock:
-            if self._pubsub_pid != self._pid:
-                self._pubsubs, self._pubsub_pid = [], self._pid
-            if len(self._pubsubs) < _IDLE_SUBSCRIBERS:
-                self._pubsubs.append(pubsub)
-                return
-        pubsub.close()
-
-    def _await_subscribed(self, pubsub: redis.client.PubSub, channels: list[str]) -> None:
-        # The subscription must be in force before the next attempt: a release that comes
-        # between a failed attempt and a late SUBSCRIBE would otherwise go unheard.
-        deadline = time.monotonic() + self.settings.socket_timeout
-        waiting = set(channels)
-        while waiting:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RedisTimeoutError("no SUBSCRIBE confirmation")
-            message = pubsub.get_message(timeout=left)
-            if message is not None and message.get("type") == "subscribe":
-                waiting.discard(str(message.get("channel")))
+            self._subscribers.wait(channels, attempt)
+        if isinstance(outcome, Busy):
+            waited = time.monotonic() - start
+            raise busy_error(outcome, self.holder_task(outcome.resource), waited)
+        return outcome
 
     # --- renew ----------------------------------------------------------------------------
     def renew(self, held: Sequence[Held], owner: str, timeout: float) -> set[int]:
@@ -407,119 +330,12 @@ class LeaseStore:
         """
         return self.run(_grants.renew(self.engine, held, owner, timeout))
 
-    def _send_within(self, calls: Sequence[Script], timeout: float) -> tuple[list[Any], list[Any]]:
-        """EVALSHA each of ``calls`` within ``timeout``: one round trip per Redis node.
-
-        redis-py applies one socket timeout to every command of a connection; the heartbeat
-        needs a deadline per call instead, so it drives connections of its own directly: one
-        for one server or a Sentinel master, one per node on a cluster (each call's keys
-        share one slot, so its first key says which node). Returns the replies and, with
-        min_replicas, each node's WAIT reply.
-        """
-        end = time.monotonic() + timeout
-        if not self._renew_lock.acquire(timeout=timeout):
-            raise RedisTimeoutError(f"another renewal still runs after {timeout:.2f}s")
-        try:
-            routes: dict[str, list[int]] = {}
-            for i, call in enumerate(calls):
-                routes.setdefault(self._node_of(call.keys[0]), []).append(i)
-            conns = {
-                node: self._renewal_connection(node, max(0.0, end - time.monotonic()))
-                for node in routes
-            }
-            replies: list[Any] = [None] * len(calls)
-            acked: list[Any] = []
-            try:
-                # every node gets its commands before any reply is read
-                for node, idx in routes.items():
-                    self._send(conns[node], [calls[i] for i in idx])
-                for node, idx in routes.items():
-                    got, count = self._read(conns[node], [calls[i] for i in idx], end)
-                    for i, reply in zip(idx, got, strict=True):
-                        replies[i] = reply
-                    if count is not None:
-                        acked.append(count)
-            except BaseException as exc:
-                for conn in conns.values():
-                    conn.disconnect()
-                if self.cluster and isinstance(exc, (MovedError, RedisConnectionError)):
-                    self._refresh_slots()
-                raise
-            return replies, acked
-        finally:
-            self._renew_lock.release()
-
-    def _node_of(self, key: str) -> str:
+    def node_of(self, key: str) -> str:
         """The name of the cluster node serving ``key`` ("" off a cluster)."""
         if not self.cluster:
             return ""
         node = self.client.get_node_from_key(key)  # type: ignore[attr-defined]
         return str(node.name)
-
-    def _refresh_slots(self) -> None:
-        """After a MOVED reply or a lost node: read the cluster's slot map again."""
-        with suppress(RedisError):  # the next renewal tries again
-            self.client.nodes_manager.initialize()  # type: ignore[attr-defined]
-
-    def _renewal_connection(self, node: str, timeout: float) -> Any:
-        """This process's renewal connection to ``node``, opened (if it is not) within ``timeout``.
-
-        Not a pooled one: t0 Redis freezes while every pooled connection is in use; t1 the
-        renewal needs a new connection, and redis-py's handshake (CLIENT SETNAME, ...) waits
-        for the full socket timeout; t2 the lease's deadline passes unnoticed; t3 Redis
-        expires the lease and hands it on, and only then is the holder told. Its own
-        connection, opened with the renewal's deadline as its timeouts, cannot stall so.
-        Under Sentinel it asks the sentinels for the master each time it (re)connects.
-        """
-        pid = os.getpid()
-        if self._renew_pid != pid:
-            self._renew_conns, self._renew_pid = {}, pid
-        conn = self._renew_conns.get(node)
-        if conn is None:
-            if self.cluster:
-                cluster_node = self.client.get_node(node_name=node)  # type: ignore[attr-defined]
-                pool = self.client.get_redis_connection(cluster_node).connection_pool  # type: ignore[attr-defined]
-            else:
-                pool = self.client.connection_pool
-            kwargs = {**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0)}
-            conn = self._renew_conns[node] = pool.connection_class(**kwargs)
-        if getattr(conn, "_sock", None) is None:
-            conn.socket_connect_timeout = conn.socket_timeout = max(timeout, 0.001)
-            conn.connect()
-        return conn
-
-    def _send(self, conn: Any, calls: Sequence[Script]) -> None:
-        commands: list[tuple[Any, ...]] = [words_of(call) for call in calls]
-        if self.wait_replicas:
-            commands.append(self.wait_replicas)
-        conn.send_packed_command(conn.pack_commands(commands))
-
-    def _read(self, conn: Any, calls: Sequence[Script], end: float) -> tuple[list[Any], Any]:
-        """The replies to what :meth:`_send` sent ``conn``, each by ``end`` (monotonic), and
-        the WAIT reply (None without min_replicas)."""
-        replies = [self._read_one(conn, end) for _ in calls]
-        acked = self._read_one(conn, end) if self.wait_replicas else None
-        if any(isinstance(r, NoScriptError) for r in replies):
-            # Redis restarted or SCRIPT FLUSH ran: load it and send again, same deadline
-            for name in {call.name for call in calls}:
-                conn.send_command("SCRIPT", "LOAD", SOURCE[name])
-                self._read_one(conn, end)
-            self._send(conn, calls)
-            return self._read(conn, calls, end)
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        return replies, acked
-
-    @staticmethod
-    def _read_one(conn: Any, end: float) -> Any:
-        left = end - time.monotonic()
-        if left <= 0 or not conn.can_read(timeout=left):
-            raise RedisTimeoutError("no reply before the renewal's deadline")
-        try:
-            return conn.read_response()
-        except NoScriptError as exc:
-            return exc  # the other replies must still be read off the connection
 
     def check_replicated(self, acked: Any, what: str) -> None:
         """Raise ReplicaShortfall when WAIT's ``acked`` is below min_replicas."""
@@ -718,31 +534,16 @@ class LeaseStore:
         if isinstance(outcome, Held) or not outcome.waits_for(task_id) or wait <= 0:
             return outcome
         deadline = start + wait
+
+        def attempt() -> float | None:
+            nonlocal outcome
+            outcome = self.unique_handover(key, task_id, ident, ttl)
+            return claim_waiting_time(outcome, task_id, time.monotonic(), deadline)
+
         channel = self.resource_keys(self.keys.unique_resource(key)).channel
         with self._backend("wait for a unique claim"):
-            pubsub = self._take_pubsub()
-            healthy = False
-            try:
-                pubsub.subscribe(channel)
-                self._await_subscribed(pubsub, [channel])
-                while True:
-                    outcome = self.unique_handover(key, task_id, ident, ttl)
-                    now = time.monotonic()
-                    if isinstance(outcome, Held) or not outcome.waits_for(task_id):
-                        healthy = True
-                        return outcome
-                    if now >= deadline:
-                        healthy = True
-                        return outcome
-                    pause = deadline - now
-                    if outcome.expires_in is not None:
-                        pause = min(pause, outcome.expires_in + EXPIRY_SLACK)
-                    pubsub.get_message(timeout=pause)
-            finally:
-                if healthy:
-                    self._give_back_pubsub(pubsub, [channel])
-                else:
-                    pubsub.close()
+            self._subscribers.wait([channel], attempt)
+        return outcome
 
     def unique_requeue(self, held: Held, ttl: float) -> bool:
         """Put a running claim (``held``) back in the queued state for its task, for ``ttl``.
