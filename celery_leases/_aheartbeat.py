@@ -47,16 +47,16 @@ class AsyncHeartbeat:
     """
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
+        self.clock = clock
         self._held: weakref.WeakKeyDictionary[Held, AsyncLeaseStore] = weakref.WeakKeyDictionary()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._next_renew = 0.0
-        # RenewRound takes it around _next_renew; add() runs on this task's own event loop, so
+        self.next_renew = 0.0
+        # RenewRound takes it around next_renew; add() runs on this task's own event loop, so
         # there is nothing to guard
-        self._lock = contextlib.nullcontext()
+        self.lock = contextlib.nullcontext()
         self._planned: float | None = None  # clock time of the next look (None: looking now)
-        self._failing = False
+        self.failing = False
         self.renewals = 0  # renew calls sent (for tests)
 
     def add(self, held: Held, store: AsyncLeaseStore) -> None:
@@ -64,12 +64,12 @@ class AsyncHeartbeat:
         idle = not self.snapshot()
         self._held[held] = store
         due = held.confirmed_at + held.horizon / 3
-        self._next_renew = due if idle else min(self._next_renew, due)
+        self.next_renew = due if idle else min(self.next_renew, due)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(
                 self._run(), name="celery-leases-heartbeat"
             )
-        elif self._planned is None or self._next_renew < self._planned:
+        elif self._planned is None or self.next_renew < self._planned:
             self._wake.set()
 
     def discard(self, held: Held) -> None:
@@ -99,7 +99,7 @@ class AsyncHeartbeat:
             await self._sleep(delay)
 
     async def _sleep(self, delay: float) -> None:
-        self._planned = self._clock() + delay
+        self._planned = self.clock() + delay
         timer = asyncio.get_running_loop().call_later(delay, self._wake.set)
         try:
             await self._wake.wait()
@@ -113,11 +113,11 @@ class AsyncHeartbeat:
         steps = tick_steps(self, self._held.get, logger)
         return await adrive(steps, _renew_call, LeaseError)
 
-    def _lose(self, held: Held, why: str) -> None:
+    def lose(self, held: Held, why: str) -> None:
         if not held.mark_lost():
             return
         self.discard(held)
-        report_lost(held, why, self._clock(), send_lease_lost)
+        report_lost(held, why, self.clock(), send_lease_lost)
 
 
 _beats: dict[asyncio.AbstractEventLoop, AsyncHeartbeat] = {}

@@ -65,20 +65,20 @@ class Heartbeat:
         lost_callback: LostCallback | None = None,
         autostart: bool = True,
     ) -> None:
-        self._clock = clock
+        self.clock = clock
         self._lost_callback = lost_callback
         # False: add() starts no thread and the owner drives tick() (tests with a fake clock)
         self._autostart = autostart
         self._held: weakref.WeakKeyDictionary[Held, None] = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
-        self._next_renew = 0.0
+        self.next_renew = 0.0
         # clock time at which the thread looks again (None: it is looking now, or about to,
         # so add() must wake it)
         self._planned: float | None = None
-        self._failing = False
+        self.failing = False
         self.renewals = 0  # number of renew calls sent (for benchmarks and tests)
 
     # --- registry --------------------------------------------------------------------------
@@ -88,30 +88,30 @@ class Heartbeat:
         The thread is woken only when the new lease needs a renewal sooner than the thread
         planned to look again: waking it for every acquire would cost more than the acquire.
         """
-        with self._lock:
+        with self.lock:
             idle = len(self._held) == 0  # released and lost leases are discarded
             self._held[held] = None
             due = held.confirmed_at + held.horizon / 3
-            # with nothing held, an old _next_renew is meaningless
-            self._next_renew = due if idle else min(self._next_renew, due)
+            # with nothing held, an old next_renew is meaningless
+            self.next_renew = due if idle else min(self.next_renew, due)
             if self._autostart and (self._thread is None or not self._thread.is_alive()):
                 self._stopping.clear()
                 self._thread = threading.Thread(
                     target=self._run, name="celery-leases-heartbeat", daemon=True
                 )
                 self._thread.start()
-            wake = self._planned is None or self._next_renew < self._planned
+            wake = self._planned is None or self.next_renew < self._planned
         if wake:
             self._wake.set()
 
     def discard(self, held: Held) -> None:
         """Stop renewing ``held``."""
-        with self._lock:
+        with self.lock:
             self._held.pop(held, None)
 
     def snapshot(self) -> list[Held]:
         """The leases being renewed now."""
-        with self._lock:
+        with self.lock:
             return [h for h in self._held if not h.lost and not h.released]
 
     def stop(self, timeout: float | None = None) -> None:
@@ -135,11 +135,11 @@ class Heartbeat:
                 # us. Waking the thread for every acquire costs a thread switch per acquire
                 # (it ran after the release, found nothing, slept, was woken again...).
                 delay = IDLE_LOOK
-            with self._lock:
-                self._planned = self._clock() + delay
+            with self.lock:
+                self._planned = self.clock() + delay
             # an add() between tick() and here sees the new plan, or already set _wake
             self._wake.wait(delay)
-            with self._lock:
+            with self.lock:
                 self._wake.clear()
                 self._planned = None
 
@@ -147,11 +147,11 @@ class Heartbeat:
         """Do what is due now; return seconds until something is due (None: nothing held)."""
         return drive(tick_steps(self, _store_of, logger), _renew_call, LeaseError)
 
-    def _lose(self, held: Held, why: str) -> None:
+    def lose(self, held: Held, why: str) -> None:
         if not held.mark_lost():
             return
         self.discard(held)
-        report_lost(held, why, self._clock(), self._lost_callback)
+        report_lost(held, why, self.clock(), self._lost_callback)
 
 
 class RenewCall(NamedTuple):
@@ -172,15 +172,15 @@ def tick_steps(
     renew call is yielded: the thread calls it, the asyncio task awaits it, and a LeaseError
     is thrown back in), and returns the seconds until something is due (None: nothing held).
     """
-    now = beat._clock()
+    now = beat.clock()
     held = beat.snapshot()
     for h in held:
         if now >= h.deadline:
-            beat._lose(h, "not confirmed in time")
+            beat.lose(h, "not confirmed in time")
     held = [h for h in held if not h.lost]
     if not held:
         return None
-    if now >= beat._next_renew:
+    if now >= beat.next_renew:
         round_ = RenewRound(beat, held, store_of, log)
         for store, owner, batch, budget, sent in round_.batches():
             try:
@@ -190,12 +190,12 @@ def tick_steps(
                 continue
             round_.done(batch, owner, lost, sent)
         round_.finish(now)
-        now = beat._clock()
+        now = beat.clock()
         held = [h for h in held if not h.lost and not h.released]
         if not held:
             return None
     first_deadline = min(h.deadline for h in held)
-    return max(0.0, min(beat._next_renew, first_deadline) - now)
+    return max(0.0, min(beat.next_renew, first_deadline) - now)
 
 
 def _store_of(held: Held) -> LeaseStore:
@@ -210,16 +210,16 @@ def _renew_call(call: RenewCall) -> set[int]:
 class _Beat(Protocol):
     """What a :class:`RenewRound` needs of its heartbeat (the thread or the asyncio task)."""
 
-    _clock: Callable[[], float]
-    _failing: bool
-    _next_renew: float
+    clock: Callable[[], float]
+    failing: bool
+    next_renew: float
     renewals: int
 
     @property
-    def _lock(self) -> AbstractContextManager[Any, Any]:
-        """Guards ``_next_renew`` against ``add()`` in other threads."""
+    def lock(self) -> AbstractContextManager[Any, Any]:
+        """Guards ``next_renew`` against ``add()`` in other threads."""
 
-    def _lose(self, held: Held, why: str) -> None: ...
+    def lose(self, held: Held, why: str) -> None: ...
 
     def snapshot(self) -> list[Held]: ...
 
@@ -266,8 +266,8 @@ class RenewRound(Generic[S]):
         # the plan from here on, and finish() keeps that. Timeline: t0 the round starts on a
         # slow Redis; t1 a lease of a short ttl is added, due before the round's interval
         # ends; t2 the round ends and must not plan past that lease's deadline.
-        with beat._lock:
-            beat._next_renew = math.inf
+        with beat.lock:
+            beat.next_renew = math.inf
 
     def batches(self) -> Iterator[tuple[S, str, list[Held], float, float]]:
         """``(store, owner, batch, budget, sent)`` of each batch worth renewing, in order."""
@@ -275,37 +275,37 @@ class RenewRound(Generic[S]):
         for n, ((store_id, owner), batch) in enumerate(self._jobs):
             store = self._stores[store_id]
             later = [other for _, other in self._jobs[n + 1 :]]
-            budget = renew_budget(batch, later, beat._clock(), store.settings)
+            budget = renew_budget(batch, later, beat.clock(), store.settings)
             if budget < MIN_BUDGET:
                 continue  # too late to confirm; the deadline check marks them lost
             beat.renewals += 1
-            yield store, owner, batch, budget, beat._clock()
+            yield store, owner, batch, budget, beat.clock()
 
     def failed(self, batch: list[Held], sent: float, exc: Exception) -> None:
         """The renew call of ``batch``, sent at ``sent``, failed with ``exc``."""
         self.ok = False
-        _observe_renew(self._beat._clock() - sent, False, len(batch))
-        if not self._beat._failing:
+        _observe_renew(self._beat.clock() - sent, False, len(batch))
+        if not self._beat.failing:
             self._log.error("leases: renewal of %d lease(s) failed: %s", len(batch), exc)
         else:
             self._log.debug("leases: renewal still failing: %s", exc)
 
     def done(self, batch: list[Held], owner: str, lost: set[int], sent: float) -> None:
         """The renew call of ``batch`` answered; ``lost`` are the indices Redis no longer has."""
-        _observe_renew(self._beat._clock() - sent, True, len(batch))
+        _observe_renew(self._beat.clock() - sent, True, len(batch))
         self._log.debug("leases: renewed %d lease(s) of %s", len(batch), owner)
         for h in confirm(batch, lost, sent):
-            self._beat._lose(h, "Redis no longer has it")
+            self._beat.lose(h, "Redis no longer has it")
 
     def finish(self, now: float) -> None:
         """The round is over: plan the next one (sooner after a failure)."""
         beat = self._beat
-        if self.ok and beat._failing:
+        if self.ok and beat.failing:
             self._log.warning("leases: renewals succeed again")
-        beat._failing = not self.ok
+        beat.failing = not self.ok
         retry = self.interval if self.ok else min(self.interval, RETRY_AFTER_FAILURE)
-        with beat._lock:
-            beat._next_renew = min(beat._next_renew, now + retry)
+        with beat.lock:
+            beat.next_renew = min(beat.next_renew, now + retry)
 
 
 def renew_budget(

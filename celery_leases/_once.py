@@ -10,7 +10,6 @@ then makes a single attempt. Which errors leave the outcome unknown is :data:`UN
 from __future__ import annotations
 
 import copy
-from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from typing import Any, Final, TypeVar
 
@@ -124,27 +123,6 @@ def once_on_cluster(client: Any) -> None:
     once = copy.copy(retry)
     once.__class__ = AsyncOnceRetry if isinstance(retry, AsyncRetry) else OnceRetry
     client.set_retry(once)
-
-
-def call_once(send: Callable[[], T], after_lost: Callable[[], T]) -> T:
-    """``send()`` (a script call) with one attempt; if its reply was lost, ``after_lost()``.
-
-    Transitional: for the calls not yet written as core operations (see resend_if_lost).
-    """
-    try:
-        with one_attempt():
-            return send()
-    except UNKNOWN:
-        return after_lost()
-
-
-async def acall_once(send: Callable[[], Awaitable[T]], after_lost: Callable[[], Awaitable[T]]) -> T:
-    """:func:`call_once` for the asyncio store (transitional)."""
-    try:
-        with one_attempt():  # a task made inside (by _shielded) inherits it
-            return await send()
-    except UNKNOWN:
-        return await after_lost()
 
 
 def failure_of(exc: BaseException) -> Failure:
