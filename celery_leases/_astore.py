@@ -17,12 +17,11 @@ import redis.asyncio as aredis
 from celery.utils.log import get_logger
 from redis.asyncio.client import PubSub
 from redis.backoff import NoBackoff
-from redis.commands.core import AsyncScript
 from redis.exceptions import AskError, NoScriptError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from . import _grants, _inspect, _lifetime, _scripts
+from . import _grants, _inspect, _lifetime
 from ._connect import aclose_client, parse_target
 from ._connect import make_async_client as make_deployment_client
 from ._grants import Busy, busy_error, waiting_time
@@ -47,11 +46,10 @@ from ._protocol import (
     adrive,
     words_of,
 )
-from ._registry import Entry
 from ._scripts import SOURCE
 from ._store import LeaseStore
 from .config import LeaseSettings, safe_url
-from .exceptions import LeaseConfigError, LeaseError
+from .exceptions import LeaseConfigError
 
 __all__ = ("AsyncLeaseStore", "make_async_client")
 
@@ -288,9 +286,6 @@ class _LoopState:
 
     client: aredis.Redis
     renew_client: aredis.Redis
-    acquire: AsyncScript
-    release: AsyncScript
-    commit_receipt: AsyncScript
     subscriber: _Subscriber | None = None
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     queues: dict[tuple[Want, ...], _Queue] = field(default_factory=dict)
@@ -308,10 +303,12 @@ class _Queue:
 
 
 class AsyncLeaseStore:
-    """The asyncio twin of :class:`~celery_leases._store.LeaseStore`.
+    """The asyncio driver of the lease protocol, next to :class:`~celery_leases._store.LeaseStore`.
 
-    Same scripts, keys, owner registry and tokens: it asks ``store`` for the key names and the
-    arguments of every call and for what each reply means, and only sends them. The leases it
+    It runs the same core operations (``_grants``, ``_inspect``) with ``store``'s engine, so
+    the scripts, keys, owner registry and tokens are the same, and carries out their requests
+    on the running loop (:meth:`run`): per-loop clients, one subscriber, shields against
+    cancellation, a deadline for renewals. The leases it
     grants are :class:`~celery_leases._lease.Held` records of ``store``, so they exclude, and
     are excluded by, the sync side's. Clients are made per event loop (an asyncio connection
     belongs to its loop). Every redis error is raised as
@@ -344,9 +341,6 @@ class AsyncLeaseStore:
                     renew_client=make_async_client(
                         self.settings, max_connections=RENEW_CONNECTIONS
                     ),
-                    acquire=client.register_script(_scripts.ACQUIRE),
-                    release=client.register_script(_scripts.RELEASE),
-                    commit_receipt=client.register_script(_scripts.COMMIT_RECEIPT),
                 )
             return state
 
@@ -453,13 +447,7 @@ class AsyncLeaseStore:
             return
         granted = attempt.result()
         if isinstance(granted, list) and granted:
-            self._spawn(state, self._release_quietly(granted))
-
-    async def _release_quietly(self, held: Sequence[Held]) -> None:
-        try:
-            await self.release(held)
-        except LeaseError as exc:  # it runs out by its TTL; the registry lets a cleanup free it
-            logger.error("leases: could not release %d lease(s): %s", len(held), exc)
+            self._spawn(state, self.run(_grants.release_quietly(self.store.engine, granted)))
 
     async def acquire(
         self,
@@ -683,13 +671,6 @@ class AsyncLeaseStore:
     async def holder_task(self, resource: str) -> str | None:
         """:meth:`LeaseStore.holder_task` for asyncio: the busy path only, never raises."""
         return await self.run(_inspect.holder_task(self.store.engine, resource))
-
-    async def _release_entries(
-        self, owner: str, group: int, entries: Sequence[Entry], counted: Sequence[bool] | None
-    ) -> list[bool]:
-        """release.lua for ``entries`` (see :func:`_grants.release_entries`)."""
-        engine = self.store.engine
-        return await self.run(_grants.release_entries(engine, owner, group, entries, counted))
 
     # --- once receipts --------------------------------------------------------------------
     async def get_receipt(self, name: str) -> str | None:

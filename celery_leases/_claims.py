@@ -34,7 +34,7 @@ from ._grants import (
     recover_grant,
 )
 from ._inspect import OPS_BATCH, registry_task
-from ._keys import UNIQUE_PREFIX, escape, holder_parts, unescape
+from ._keys import UNIQUE_PREFIX, escape, holder_parts, holder_value, unescape
 from ._lease import Held, Want
 from ._lostreply import BOOK, own_beat_win, requeue_recovered, resend_if_lost
 from ._protocol import Command, Failure, Script, Send, Steps
@@ -355,7 +355,7 @@ def unique_requeue(engine: LeaseEngine, held: Held, ttl: float) -> Steps[bool]:
         engine.keys.unique_queued(rk.group),
     ]
     args: list[Any] = [
-        f"{held.token} {held.owner}",
+        holder_value(held.token, held.owner),
         entry_text(held.mode, held.token, held.task_id, held.resource),
         escape(held.task_id or ""),
         engine.ms(ttl),

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
-from ._keys import escape, escaped_node_of_owner, unescape
+from ._keys import escape, escaped_node_of_owner, holder_value, unescape
 from ._lease import Held, Want
 from ._lostreply import BOOK, grant_recovery, parse_holder, release_recovered, resend_if_lost
 from ._protocol import (
@@ -140,7 +140,7 @@ def try_acquire(
                 engine, group, [wants[i] for i in idx], ident, ttl, home, task_id
             )
         except LeaseBackendError:
-            yield from _release_quietly(engine, taken)  # the groups already granted
+            yield from release_quietly(engine, taken)  # the groups already granted
             raise
         if isinstance(outcome, Busy):
             if taken:
@@ -171,7 +171,7 @@ def busy_error(outcome: Busy, holder_task: str | None, waited: float = 0.0) -> L
     )
 
 
-def _release_quietly(engine: LeaseEngine, held: Sequence[Held]) -> Steps[None]:
+def release_quietly(engine: LeaseEngine, held: Sequence[Held]) -> Steps[None]:
     """Release ``held`` where a failure has nobody to tell: it runs out by its TTL (and
     the owner registry lets a cleanup free it sooner)."""
     try:
@@ -279,7 +279,10 @@ def acquire_group(
         lost = False
         try:
             try:
-                reply = yield from _grant(engine, call)
+                if engine.wait_replicas:
+                    reply = yield from _grant_replicated(engine, call)
+                else:  # the hot path: one request, no generator in between
+                    (reply,) = yield Send([Script("acquire", call.keys, call.args)])
                 return acquire_outcome(engine, call, reply)
             except ReplicaShortfall as exc:  # the grant was given back already
                 raise engine.backend_error("acquire", exc) from exc
@@ -300,17 +303,13 @@ def acquire_group(
     raise AssertionError("unreachable")
 
 
-def _grant(engine: LeaseEngine, call: AcquireCall) -> Steps[Any]:
-    """acquire.lua for ``call`` (then WAIT, with min_replicas); its reply.
+def _grant_replicated(engine: LeaseEngine, call: AcquireCall) -> Steps[Any]:
+    """acquire.lua for ``call`` then WAIT (min_replicas), on one connection; its reply.
 
-    With min_replicas the grant and WAIT go down one connection in one round trip. A grant
-    that too few replicas confirm is given back before ReplicaShortfall is raised: a
-    failover to one of them could hand the resource, and the same token, to another.
+    A grant that too few replicas confirm is given back before ReplicaShortfall is raised:
+    a failover to one of them could hand the resource, and the same token, to another.
     """
     script = Script("acquire", call.keys, call.args)
-    if not engine.wait_replicas:
-        (reply,) = yield Send([script])
-        return reply
     (reply,), (acked,) = yield SendReplicated([script])
     if int(reply[0]) == AcquireReply.GRANTED and int(acked) < engine.settings.min_replicas:
         granted = acquire_outcome(engine, call, reply)
@@ -676,8 +675,15 @@ def release_entries(
     call = Script(
         "release", release_keys(engine, owner, group, entries), release_args(engine, owner, entries)
     )
+    lost = False
     try:
-        (reply,), lost = yield from resend_if_lost([call])
+        try:
+            (reply,) = yield Send([call])  # the hot path: resend_if_lost, inlined
+        except Failure as failure:
+            if not failure.lost:
+                raise
+            lost = True  # idempotent (token-checked): sent again, the client may retry
+            (reply,) = yield Send([call], once=False)
     except Failure as failure:
         released(engine, owner, entries)
         raise engine.backend_error("release", failure) from failure.cause
@@ -729,7 +735,11 @@ def commit_receipt(
 ) -> Steps[bool]:
     """Store ``receipt`` if ``held`` (the once-lease) is still ours; False if it is not."""
     keys = [engine.resource_keys(held.resource).exclusive, engine.keys.receipt(name)]
-    args: list[Any] = [f"{held.token} {held.owner}", receipt, 0 if ttl is None else engine.ms(ttl)]
+    args: list[Any] = [
+        holder_value(held.token, held.owner),
+        receipt,
+        0 if ttl is None else engine.ms(ttl),
+    ]
     try:
         # idempotent: the same receipt, stored again while the holder still holds
         (reply,), _ = yield from resend_if_lost([Script("commit_receipt", keys, args)])

@@ -16,7 +16,7 @@ from typing import Any, Final
 
 from . import _grants
 from ._engine import LeaseEngine
-from ._keys import holder_parts, node_of_owner, unescape
+from ._keys import holder_parts, holder_value, node_of_owner, unescape
 from ._protocol import Call, Command, Script, Steps, clock_ms, pairs
 from ._registry import Entry, parse_entry, split_holder, task_in_registry
 from .exceptions import LeaseBackendError
@@ -159,13 +159,13 @@ def check_entries(
             if entry.mode == "x":
                 calls += (Command(("GET", rk.exclusive)), Command(("PTTL", rk.exclusive)))
             else:
-                calls.append(Command(("ZSCORE", rk.shared, f"{entry.token} {owner}")))
+                calls.append(Command(("ZSCORE", rk.shared, holder_value(entry.token, owner))))
         replies, now_ms = yield from with_now(engine, "inspect leases", calls, engine.keys.owners)
         replies.reverse()
         for owner, entry in chunk:
             if entry.mode == "x":
                 value, pttl = replies.pop(), replies.pop()
-                held = value is not None and str(value) == f"{entry.token} {owner}"
+                held = value is not None and str(value) == holder_value(entry.token, owner)
                 out.append(max(int(pttl), 0) / 1000 if held else None)
             else:
                 score = replies.pop()

@@ -15,6 +15,7 @@ __all__ = (
     "escaped_node_of_owner",
     "fenced_keys",
     "holder_parts",
+    "holder_value",
     "node_of_owner",
     "owner_id",
     "pid_of_owner",
@@ -202,6 +203,11 @@ def pid_of_owner(owner: str) -> int | None:
     """The pid at the end of an owner id, or None when it is not a number."""
     pid = owner.rsplit("/", 1)[-1]
     return int(pid) if pid.isdigit() else None
+
+
+def holder_value(token: int | str, owner: str) -> str:
+    """A lease key's value or a shared member: ``"<token> <owner>"``."""
+    return f"{token} {owner}"
 
 
 def holder_parts(value: object) -> tuple[str, str]:

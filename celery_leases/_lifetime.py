@@ -18,10 +18,9 @@ it themselves (``lua/_lifetime.lua``).
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Final
+from typing import Any
 
 from celery.utils.log import get_logger
 from redis.exceptions import AskError, MovedError, NoScriptError, ResponseError
@@ -32,8 +31,6 @@ from ._keys import Keyspace
 from .config import LeaseSettings
 
 logger = get_logger(__name__)
-
-_SHA: Final = hashlib.sha1(_scripts.LIFETIME_CHECK.encode()).hexdigest()
 
 
 class ConnectCheck:
@@ -63,7 +60,10 @@ class ConnectCheck:
         self._refused = False
 
     def _commands(self) -> list[tuple[Any, ...]]:
-        return [("EVALSHA", _SHA, len(keys), *keys, *self._args) for keys in self._calls]
+        return [
+            ("EVALSHA", _scripts.SHA["lifetime_check"], len(keys), *keys, *self._args)
+            for keys in self._calls
+        ]
 
     def _outcome(self, replies: list[Any]) -> None:
         for reply in replies:

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from ._keys import holder_parts
+from ._keys import holder_parts, holder_value
 from ._protocol import Call, Failure, Send, Steps
 
 __all__ = (
@@ -306,8 +306,8 @@ def requeue_recovered(value: object, token: int, owner: str, queued: str) -> boo
     """
     if value is None:
         return False
-    if str(value) == f"{token} {queued}":
+    if str(value) == holder_value(token, queued):
         return True
-    if str(value) == f"{token} {owner}":
+    if str(value) == holder_value(token, owner):
         return None
     return False

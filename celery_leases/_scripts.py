@@ -1,8 +1,9 @@
 """The Lua scripts of ``lua/``, read once from the package as constants, and their reply codes.
 
 Each script's reply codes are named here once, one ``IntEnum`` per script, as its header
-comment states them; the sync and asyncio stores, fence.py and _lifetime.py compare replies
-with these (an ``IntEnum`` equals its int, so a reply from Redis compares directly).
+comment states them; the core operations (``_grants``, ``_claims``, ``_cleanup``), fence.py
+and _lifetime.py compare replies with these (an ``IntEnum`` equals its int, so a reply from
+Redis compares directly).
 """
 
 from __future__ import annotations

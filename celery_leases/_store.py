@@ -1,4 +1,11 @@
-"""LeaseStore: every Redis call celery_leases makes, and nothing else talks to Redis."""
+"""LeaseStore: the sync driver of the lease protocol, and the store the package calls.
+
+Its methods run the core operations (``_grants``, ``_cleanup``, ``_inspect``, ``_claims``)
+and carry out their requests: a client per process (made anew after a fork), EVALSHA and
+NOSCRIPT, redis-py's errors thrown back in as :class:`~celery_leases._protocol.Failure`,
+WAIT routing, the renewal lines (``_renewlines``) and the subscribers (``_subscribers``).
+The asyncio driver is ``_astore.AsyncLeaseStore``.
+"""
 
 from __future__ import annotations
 
@@ -186,9 +193,6 @@ class LeaseStore:
         """See :meth:`LeaseEngine.liveness_covers`: the one rule of the home call."""
         return self.engine.liveness_covers(owner, ttl)
 
-    def _ms(self, seconds: float) -> int:
-        return self.engine.ms(seconds)
-
     # --- the driver -----------------------------------------------------------------------
     def run(self, steps: Steps[T]) -> T:
         """Carry out a core operation: each request it yields, sent; each reply, sent back.
@@ -198,22 +202,17 @@ class LeaseStore:
         return drive(steps, self._execute, RedisError, failure_of)
 
     def _execute(self, op: Op) -> Any:
-        kind = type(op)
-        if kind is Send:
-            assert isinstance(op, Send)
+        if type(op) is Send:
             if op.once:
                 with one_attempt():
                     return self._send_op(op)
             return self._send_op(op)
-        if kind is SendReplicated:
-            assert isinstance(op, SendReplicated)
+        if type(op) is SendReplicated:
             with one_attempt():
                 return self._send_replicated(op.calls)
-        if kind is SendWithin:
-            assert isinstance(op, SendWithin)
+        if type(op) is SendWithin:
             return self._renewals.send(op.calls, op.timeout)
-        if kind is Sleep:
-            assert isinstance(op, Sleep)
+        if type(op) is Sleep:
             time.sleep(op.seconds)
             return None
         raise TypeError(f"not a request of the lease protocol: {op!r}")
@@ -351,16 +350,6 @@ class LeaseStore:
         if not held:
             return []
         return self.run(_grants.release(self.engine, held, time.monotonic()))
-
-    def _release_entries(
-        self,
-        owner: str,
-        group: int,
-        entries: Sequence[Entry],
-        counted: Sequence[bool] | None = None,
-    ) -> list[bool]:
-        """release.lua for ``entries`` (see :func:`_grants.release_entries`)."""
-        return self.run(_grants.release_entries(self.engine, owner, group, entries, counted))
 
     # --- cleanup: _cleanup ----------------------------------------------------------------
     def cleanup_owner(
@@ -572,7 +561,3 @@ class LeaseStore:
         """The task id of the exclusive holder of ``resource``, for a busy error's message
         (see :func:`_inspect.holder_task`): None rather than an error."""
         return self.run(_inspect.holder_task(self.engine, resource))
-
-    def _registry_task(self, owner: str, resource: str, token: int) -> str | None:
-        """The task id ``owner``'s registry records for its lease ``resource``/``token``."""
-        return self.run(_inspect.registry_task(self.engine, owner, resource, token))
