@@ -10,27 +10,25 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from celery_leases import _protocol
 from celery_leases._protocol import Failure, Op, Steps
 
 T = TypeVar("T")
 
 
 def drive(steps: Steps[T], answer: Callable[[Op], Any]) -> tuple[T, list[Op]]:
-    """Carry out ``steps`` with ``answer`` for the I/O; ``(outcome, requests made)``."""
+    """Carry out ``steps`` with ``answer`` for the I/O; ``(outcome, requests made)``.
+
+    The package's own driver loop (:func:`celery_leases._protocol.drive`) runs it, so a
+    Failure the operation lets through leaves as its cause, as it does from a store.
+    """
     made: list[Op] = []
-    value: Any = None
-    failure: Failure | None = None
-    while True:
-        try:
-            op = steps.send(value) if failure is None else steps.throw(failure)
-        except StopIteration as stop:
-            return stop.value, made
+
+    def execute(op: Op) -> Any:
         made.append(op)
-        failure = None
-        try:
-            value = answer(op)
-        except Failure as exc:
-            failure = exc
+        return answer(op)
+
+    return _protocol.drive(steps, execute, Failure), made
 
 
 def replies(*answers: Any) -> Callable[[Op], Any]:

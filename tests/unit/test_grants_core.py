@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+
 import pytest
 
 from celery_leases import _grants
 from celery_leases._engine import LeaseEngine
+from celery_leases._grants import Busy
+from celery_leases._identity import Identity
+from celery_leases._lease import Held, Want
 from celery_leases._lostreply import BOOK
-from celery_leases._protocol import Send
+from celery_leases._protocol import Script, Send, SendWithin
 from celery_leases._registry import Entry
-from celery_leases._scripts import ReleaseReply
+from celery_leases._scripts import AcquireReply, ReleaseReply
+from celery_leases._store import LeaseStore
 from celery_leases.config import LeaseSettings
 from celery_leases.exceptions import LeaseBackendError
 from tests.support.steps import drive, lost, refused, replies, scripts
@@ -35,3 +42,116 @@ def test_a_release_refused_by_redis_is_a_backend_error_and_not_sent_again():
     with pytest.raises(LeaseBackendError, match="failed to release"):
         drive(steps, replies(refused()))
     assert BOOK.held("o/1/2", engine.resource_keys("r").exclusive) == set()
+
+
+# --- acquire over slot groups, and the give-back of a partial grant ------------------------
+WORKER = Identity("worker-a@host", "inca", 101)
+
+
+@pytest.fixture
+def grouped() -> Iterator[LeaseStore]:
+    """A store of 4 slot groups that never reaches Redis; its owner's liveness is fresh."""
+    settings = LeaseSettings(redis_url="redis://127.0.0.1:1/0", key_prefix="unit", slot_groups=4)
+    store = LeaseStore(settings)
+    store.engine.registered[WORKER.owner] = time.monotonic()  # no home call
+    yield store
+    store.close()
+
+
+def _in_groups(store: LeaseStore, *groups: int) -> list[str]:
+    """One resource name in each of ``groups``."""
+    names: list[str] = []
+    for group in groups:
+        names.append(
+            next(n for n in (f"r{i}" for i in range(1000)) if store.resource_keys(n).group == group)
+        )
+    return names
+
+
+def test_a_busy_later_group_gives_the_earlier_groups_grant_back(grouped: LeaseStore):
+    first, second = _in_groups(grouped, 1, 2)
+    steps = _grants.try_acquire(grouped.engine, [Want(first), Want(second)], WORKER, 10.0)
+    granted, busy = [AcquireReply.GRANTED, 41], [AcquireReply.BUSY, 1, 500]
+    outcome, made = drive(steps, replies([granted], [busy], [[ReleaseReply.RELEASED]]))
+    assert outcome == Busy(second, 0.5)
+    assert scripts(made) == ["acquire", "acquire", "release"]
+    release = made[2].calls[0]  # type: ignore[union-attr]
+    assert isinstance(release, Script)
+    assert 41 in release.args
+    assert grouped.resource_keys(first).exclusive in release.keys
+
+
+def test_a_later_group_that_fails_gives_the_earlier_grant_back_and_raises(grouped: LeaseStore):
+    first, second = _in_groups(grouped, 1, 3)
+    steps = _grants.try_acquire(grouped.engine, [Want(first), Want(second)], WORKER, 10.0)
+    answers = replies([[AcquireReply.GRANTED, 41]], refused(), [[ReleaseReply.RELEASED]])
+    with pytest.raises(LeaseBackendError, match="failed to acquire"):
+        drive(steps, answers)
+
+
+def test_the_groups_go_in_ascending_order_and_the_grants_come_back_in_the_order_asked(
+    grouped: LeaseStore,
+):
+    low, high = _in_groups(grouped, 1, 3)
+    steps = _grants.try_acquire(grouped.engine, [Want(high), Want(low)], WORKER, 10.0)
+    held, made = drive(steps, replies([[AcquireReply.GRANTED, 10]], [[AcquireReply.GRANTED, 20]]))
+    assert isinstance(held, list)
+    assert [(h.resource, h.token) for h in held] == [(high, 20), (low, 10)]
+    first_call = made[0].calls[0]  # type: ignore[union-attr]
+    assert grouped.resource_keys(low).exclusive in first_call.keys
+    for h in held:
+        BOOK.drop(WORKER.owner, grouped.resource_keys(h.resource).exclusive, h.token)
+
+
+def test_a_grant_whose_reply_is_lost_is_read_back_and_adopted(grouped: LeaseStore):
+    (name,) = _in_groups(grouped, 2)
+    steps = _grants.try_acquire(grouped.engine, [Want(name)], WORKER, 10.0)
+    read_back = [f"77 {WORKER.owner}", [], [], [1_700_000_000, 0]]
+    held, made = drive(steps, replies(lost(), read_back))
+    assert isinstance(held, list)
+    assert [h.token for h in held] == [77]
+    assert scripts(made) == ["acquire", "cmd:GET", "cmd:ZRANGE", "cmd:SMEMBERS", "now"]
+    assert [op.once for op in made if isinstance(op, Send)] == [True, False]
+    BOOK.drop(WORKER.owner, grouped.resource_keys(name).exclusive, 77)
+
+
+def test_a_grant_whose_reply_is_lost_and_was_not_made_is_sent_once_more(grouped: LeaseStore):
+    (name,) = _in_groups(grouped, 2)
+    steps = _grants.try_acquire(grouped.engine, [Want(name)], WORKER, 10.0)
+    read_back = [None, [], [], [1_700_000_000, 0]]
+    held, made = drive(steps, replies(lost(), read_back, [[AcquireReply.GRANTED, 78]]))
+    assert isinstance(held, list)
+    assert [h.token for h in held] == [78]
+    assert scripts(made)[-1] == "acquire"
+    BOOK.drop(WORKER.owner, grouped.resource_keys(name).exclusive, 78)
+
+
+def test_a_renewal_reports_the_indices_redis_no_longer_has_and_refreshes_the_liveness(
+    grouped: LeaseStore,
+):
+    a, b = _in_groups(grouped, 1, 2)
+    now = time.monotonic()
+    held = [
+        Held(grouped, WORKER.owner, name, "x", token, 10.0, now, now, 9.0)
+        for name, token in ((a, 5), (b, 6))
+    ]
+    steps = _grants.renew(grouped.engine, held, WORKER.owner, 1.0)
+    # one call per group: the home group (liveness only), then a's group, then b's
+    lost_indices, made = drive(steps, replies(([[], [], [1]], [])))
+    assert lost_indices == {1}
+    (request,) = made
+    assert isinstance(request, SendWithin)
+    assert request.timeout == 1.0
+    assert [call.name for call in request.calls] == ["renew", "renew", "renew"]
+    assert grouped.engine.registered[WORKER.owner] >= now
+
+
+def test_a_renewal_that_too_few_replicas_confirm_is_a_backend_error():
+    settings = LeaseSettings(redis_url="redis://127.0.0.1:1/0", key_prefix="unit", min_replicas=1)
+    store = LeaseStore(settings)
+    now = time.monotonic()
+    held = [Held(store, WORKER.owner, "a", "x", 5, 10.0, now, now, 9.0)]
+    steps = _grants.renew(store.engine, held, WORKER.owner, 1.0)
+    with pytest.raises(LeaseBackendError, match="reached 0 of the 1 replicas"):
+        drive(steps, replies(([[]], [0])))  # one call (the home group), WAIT says 0
+    store.close()
