@@ -181,10 +181,6 @@ class LeaseStore:
         """The key names of ``resource`` (see :meth:`LeaseEngine.resource_keys`)."""
         return self.engine.resource_keys(resource)
 
-    def registry_key(self, owner: str, group: int) -> str:
-        """The registry key of ``owner`` in slot group ``group`` (cached)."""
-        return self.engine.registry_key(owner, group)
-
     def horizon(self, ttl: float) -> float:
         """Seconds after a confirmation that a lease of ``ttl`` counts as held."""
         return self.engine.horizon(ttl)
@@ -335,10 +331,6 @@ class LeaseStore:
             return ""
         node = self.client.get_node_from_key(key)  # type: ignore[attr-defined]
         return str(node.name)
-
-    def check_replicated(self, acked: Any, what: str) -> None:
-        """Raise ReplicaShortfall when WAIT's ``acked`` is below min_replicas."""
-        self.engine.check_replicated(acked, what)
 
     # --- release --------------------------------------------------------------------------
     def release(self, held: Sequence[Held]) -> list[bool]:
