@@ -143,6 +143,36 @@ class Grant:
     task: str | None = None  # queued claims: the task id
     gone: bool = False  # surely no longer in Redis
 
+    @classmethod
+    def reported(
+        cls,
+        resource: str,
+        mode: str,
+        token: int,
+        owner: str | None,
+        ttl: float,
+        sent: float,
+        reply: float,
+        *,
+        held: Held | None = None,
+        task: str | None = None,
+    ) -> Grant:
+        """A grant the call sent at ``sent`` reported at ``reply``: surely held until
+        ``sent + ttl``, maybe until ``reply + ttl``."""
+        return cls(
+            resource,
+            mode,
+            token,
+            owner,
+            ttl,
+            confirmed=sent,
+            sure_until=sent + ttl,
+            may_until=reply + ttl,
+            horizon=horizon(ttl),
+            held=held,
+            task=task,
+        )
+
     def surely_held(self, at: float) -> bool:
         return not self.gone and at < self.sure_until - SLACK
 
@@ -408,17 +438,8 @@ class LeaseModel(RuleBasedStateMachine):
         event(f"acquire: granted {len({self.group(h.resource) for h in granted})} group(s)")
         # a wait may have ended with a late attempt: the windows start at the call
         for held in granted:
-            grant = Grant(
-                held.resource,
-                held.mode,
-                held.token,
-                owner.ident.owner,
-                ttl,
-                confirmed=sent,
-                sure_until=sent + ttl,
-                may_until=reply + ttl,
-                horizon=horizon(ttl),
-                held=held,
+            grant = Grant.reported(
+                held.resource, held.mode, held.token, owner.ident.owner, ttl, sent, reply, held=held
             )
             self.on_grant(grant, reply)
             owner.grants.append(grant)
@@ -618,18 +639,7 @@ class LeaseModel(RuleBasedStateMachine):
             # a re-publish raises the claim's TTL to its own, never lowers it
             self.confirm(grant, sent, reply, ttl)
             return
-        grant = Grant(
-            resource,
-            "x",
-            outcome.token,
-            None,
-            ttl,
-            confirmed=sent,
-            sure_until=sent + ttl,
-            may_until=reply + ttl,
-            horizon=horizon(ttl),
-            task=task,
-        )
+        grant = Grant.reported(resource, "x", outcome.token, None, ttl, sent, reply, task=task)
         self.on_grant(grant, reply, lease=False)
 
     @rule(
@@ -657,18 +667,8 @@ class LeaseModel(RuleBasedStateMachine):
         queued = [g for g in self._claim_grants(key) if g.task == task and not g.gone]
         for g in queued:
             g.gone = True  # taken over (the key now names the new holder)
-        grant = Grant(
-            resource,
-            "x",
-            outcome.token,
-            owner.ident.owner,
-            ttl,
-            confirmed=sent,
-            sure_until=sent + ttl,
-            may_until=reply + ttl,
-            horizon=horizon(ttl),
-            held=outcome,
-            task=None,
+        grant = Grant.reported(
+            resource, "x", outcome.token, owner.ident.owner, ttl, sent, reply, held=outcome
         )
         self.on_grant(grant, reply)
         owner.grants.append(grant)
