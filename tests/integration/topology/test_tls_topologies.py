@@ -107,13 +107,18 @@ def _answers_plain(port: int) -> bool:
         client.close()
 
 
+TTL = 3.0  # the renewal tests' lease ttl, in seconds
+
+
 def test_hold_grants_renews_and_releases_over_tls(make: Callable[..., Leases]) -> None:
     leases = make()
     names = resources_in_distinct_groups(leases, 3)
-    with leases.hold(names, ttl=1.0) as held:
+    # ttl 3 s: the first renewal opens a TLS connection to each node, which takes
+    # hundreds of ms on a loaded 2-core machine (a 1 s ttl left it 0.48 s and failed there)
+    with leases.hold(names, ttl=TTL) as held:
         with pytest.raises(LeaseBusy):
             make().acquire([Want(names[0])])  # a second client over TLS sees the grant
-        time.sleep(1.6)  # past the ttl: renewed over TLS by the heartbeat, on every node
+        time.sleep(TTL * 1.3)  # past the ttl: renewed over TLS by the heartbeat, on every node
         for lease in held:
             lease.check()
         for name in names:
@@ -129,10 +134,10 @@ async def test_ahold_grants_renews_and_releases_over_tls(make: Callable[..., Lea
     leases = make()
     names = resources_in_distinct_groups(leases, 3)
     try:
-        async with leases.ahold(names, ttl=1.0) as held:
+        async with leases.ahold(names, ttl=TTL) as held:  # ttl: as above
             with pytest.raises(LeaseBusy):
                 leases.acquire([Want(names[-1])])  # the sync client sees the async grant
-            await asyncio.sleep(1.6)  # renewed past its ttl by the loop's heartbeat
+            await asyncio.sleep(TTL * 1.3)  # renewed past its ttl by the loop's heartbeat
             for lease in held:
                 lease.check()
         assert all(leases.store.holders(name) == [] for name in names)
