@@ -9,6 +9,7 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Final, TypeVar
@@ -51,7 +52,7 @@ from ._store import LeaseStore
 from .config import LeaseSettings, safe_url
 from .exceptions import LeaseConfigError
 
-__all__ = ("AsyncLeaseStore", "make_async_client")
+__all__ = ("AsyncLeaseStore", "make_async_client", "shielded")
 
 logger = get_logger(__name__)
 
@@ -394,16 +395,22 @@ class AsyncLeaseStore:
 
     async def _execute(self, state: _LoopState, op: Op) -> Any:
         kind = type(op)
+        # inside a task of _shielded (an acquire attempt, a holder's release) the caller is
+        # shielded already: a request needs no task of its own there
+        bare = _SHIELD.get() is asyncio.current_task()
         if kind is Send:
             assert isinstance(op, Send)
             if op.once:
                 with one_attempt():  # the request's task inherits it
-                    return await _shielded(_round_trip(state.client, op.calls, op.transaction))
-            return await _shielded(_round_trip(state.client, op.calls, op.transaction))
+                    sending = _round_trip(state.client, op.calls, op.transaction)
+                    return await (sending if bare else _shielded(sending))
+            sending = _round_trip(state.client, op.calls, op.transaction)
+            return await (sending if bare else _shielded(sending))
         if kind is SendReplicated:
             assert isinstance(op, SendReplicated)
             with one_attempt():
-                return await _shielded(self._evalsha_replicated(state, op.calls, renewal=False))
+                replicated = self._evalsha_replicated(state, op.calls, renewal=False)
+                return await (replicated if bare else _shielded(replicated))
         if kind is SendWithin:
             assert isinstance(op, SendWithin)
             return await self._send_within(state, op.calls, op.timeout)
@@ -430,7 +437,7 @@ class AsyncLeaseStore:
         attempt runs shielded, and a grant that comes back to a cancelled caller is released.
         """
         state = self._state()
-        attempt = asyncio.ensure_future(self.try_acquire(wants, ident, ttl, task_id))
+        attempt = _shield_task(self.try_acquire(wants, ident, ttl, task_id))
         try:
             return await asyncio.shield(attempt)
         except asyncio.CancelledError:
@@ -750,6 +757,25 @@ async def _refresh_slots(cluster: aredis.Redis) -> None:
         await manager.initialize()
 
 
+#: the task :func:`_shield_task` made for the work running in it (each task has its own copy
+#: of the context: a task made from that one inherits the value, but is not the task it names)
+_SHIELD: ContextVar[asyncio.Future[Any] | None] = ContextVar("celery_leases_shield", default=None)
+
+
+async def _marked(awaitable: Awaitable[T]) -> T:
+    _SHIELD.set(asyncio.current_task())
+    return await awaitable
+
+
+def _shield_task(awaitable: Awaitable[T]) -> asyncio.Task[T]:
+    """A task that runs ``awaitable``, marked so its requests are sent without a shield each.
+
+    Only for a task nobody but the loop's shutdown cancels: its awaiters hold it under
+    :func:`asyncio.shield`.
+    """
+    return asyncio.get_running_loop().create_task(_marked(awaitable))
+
+
 async def _shielded(awaitable: Awaitable[T]) -> T:
     """Await a redis-py call in a task of its own, so a cancellation of the caller is never lost.
 
@@ -757,14 +783,21 @@ async def _shielded(awaitable: Awaitable[T]) -> T:
     before Python 3.12 can swallow a cancellation that arrives as the I/O completes: the
     caller then runs on as if never cancelled (a cancelled waiter would go on waiting). Under
     :func:`asyncio.shield` the caller gets its ``CancelledError`` at once, and the call itself
-    runs to its end (its outcome is then dropped; a grant is handled by ``_attempt``).
+    runs to its end (its outcome is then dropped; a grant is handled by ``_attempt``). The
+    requests a store sends from inside the task get no task of their own (see ``_execute``).
     """
-    task = asyncio.ensure_future(awaitable)
+    task = _shield_task(awaitable)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
         task.add_done_callback(_drop_outcome)
         raise
+
+
+async def shielded(awaitable: Awaitable[T]) -> T:
+    """:func:`_shielded` for the package: run a store operation (e.g. a holder's release) to
+    its end even if the caller is cancelled; the caller gets its ``CancelledError`` at once."""
+    return await _shielded(awaitable)
 
 
 def _drop_outcome(task: asyncio.Future[Any]) -> None:

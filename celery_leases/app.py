@@ -17,7 +17,6 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -34,7 +33,7 @@ from celery.utils.log import get_logger
 from . import once as _once
 from . import signals
 from ._aheartbeat import loop_heartbeat
-from ._astore import AsyncLeaseStore
+from ._astore import AsyncLeaseStore, shielded
 from ._heartbeat import heartbeat
 from ._identity import Identity, current_identity
 from ._lease import Held, Lease, LeaseArgumentError, Shared, Want, held_of, want_of
@@ -366,7 +365,7 @@ class Leases:
             failed = False
         finally:
             # shielded: a holder cancelled again on its way out still gives its leases back
-            lost = await asyncio.shield(self.arelease(leases))
+            lost = await shielded(self.arelease(leases))
         if not failed:
             _raise_first_lost(lost)
 
