@@ -508,6 +508,7 @@ class AsyncLeaseStore:
                 and type(op.calls[0]) is Script
                 and not op.transaction
             ):
+                lane.busy = True  # now, not when a task of _shielded starts: it is ours
                 sending = self._lane_call(state, lane, op)
                 return await (sending if bare else _shielded(sending))
             if op.once:
@@ -533,10 +534,9 @@ class AsyncLeaseStore:
     async def _lane_call(self, state: _LoopState, lane: _Lane, op: Send) -> list[Any]:
         """One script call down ``lane``, with the pool path's outcomes (see :class:`_Lane`).
 
-        Not ``once``: a cut connection is retried once on the pool's path, as redis-py's
-        retry would.
+        The caller set ``lane.busy``; it is cleared here. Not ``once``: a cut connection is
+        retried once on the pool's path, as redis-py's retry would.
         """
-        lane.busy = True
         try:
             with one_attempt():
                 return [await lane.call(words_of(op.calls[0]))]

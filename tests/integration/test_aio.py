@@ -718,3 +718,16 @@ async def test_ahold_after_its_connection_was_killed_loses_no_reply(
     assert recoveries == []
     assert await lane.call(("CLIENT", "ID")) != killed  # a new connection
     assert is_free(leases_redis, aleases, "r")
+
+
+async def test_concurrent_releases_share_the_lane_one_at_a_time(
+    aleases: Leases, leases_redis: redis.Redis
+) -> None:
+    # each release is a single script call in a task of its own: the first to come takes
+    # the loop's lane, the others take the pool's connections meanwhile (never two calls on
+    # one connection at once)
+    names = [f"r{i}" for i in range(20)]
+    held = [await aleases.aacquire([Want(name)]) for name in names]
+    released = await asyncio.gather(*(aleases.arelease(leases) for leases in held))
+    assert released == [[] for _ in names]  # none was lost
+    assert all(is_free(leases_redis, aleases, name) for name in names)
