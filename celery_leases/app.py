@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import (
     AbstractAsyncContextManager,
     AbstractContextManager,
-    asynccontextmanager,
+    AsyncContextDecorator,
     contextmanager,
 )
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 from celery.utils.log import get_logger
 
@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 __all__ = ("Leases",)
 
 logger = get_logger(__name__)
+
+T = TypeVar("T")
 
 Resource = str | Shared
 
@@ -342,32 +344,8 @@ class Leases:
         """
         _check_wait(wait)
         if isinstance(resource, (str, Shared)):
-            return self._ahold_one(resource, ttl, wait)
-        return self._ahold_many(_resource_list("ahold", resource), ttl, wait)
-
-    @asynccontextmanager
-    async def _ahold_one(
-        self, resource: Resource, ttl: float | None, wait: float | None
-    ) -> AsyncIterator[Lease]:
-        async with self._ahold_many([resource], ttl, wait) as leases:
-            yield leases[0]
-
-    @asynccontextmanager
-    async def _ahold_many(
-        self, resources: list[Resource], ttl: float | None, wait: float | None
-    ) -> AsyncIterator[list[Lease]]:
-        if not resources:
-            raise LeaseConfigError("ahold() needs at least one resource")
-        leases = await self.aacquire(_wants("ahold", resources), ttl=ttl, wait=wait)
-        failed = True
-        try:
-            yield leases
-            failed = False
-        finally:
-            # shielded: a holder cancelled again on its way out still gives its leases back
-            lost = await shielded(self.arelease(leases))
-        if not failed:
-            _raise_first_lost(lost)
+            return _AHold[Lease](self, [resource], ttl, wait, one=True)
+        return _AHold[list[Lease]](self, _resource_list("ahold", resource), ttl, wait, one=False)
 
     async def aonce(
         self,
@@ -449,6 +427,47 @@ class Leases:
             logger.error("leases: could not release %d lease(s): %s", len(todo), exc)
             return lost
         return _released(todo, freed, lost)
+
+
+class _AHold(AbstractAsyncContextManager[T], AsyncContextDecorator):
+    """What :meth:`Leases.ahold` returns: acquire on entry, release on exit.
+
+    A class, not an ``asynccontextmanager``: no generator to step through on each entry and
+    exit (it is the asyncio hot path). A decorator too, as an ``asynccontextmanager`` is.
+    """
+
+    def __init__(
+        self,
+        ext: Leases,
+        resources: list[Resource],
+        ttl: float | None,
+        wait: float | None,
+        *,
+        one: bool,
+    ) -> None:
+        self._ext = ext
+        self._resources = resources
+        self._ttl = ttl
+        self._wait = wait
+        self._one = one
+        self._leases: list[Lease] = []
+
+    def _recreate_cm(self) -> _AHold[T]:  # each decorated call holds anew
+        return _AHold[T](self._ext, self._resources, self._ttl, self._wait, one=self._one)
+
+    async def __aenter__(self) -> T:
+        if not self._resources:
+            raise LeaseConfigError("ahold() needs at least one resource")
+        wants = _wants("ahold", self._resources)
+        leases = self._leases = await self._ext.aacquire(wants, ttl=self._ttl, wait=self._wait)
+        return cast("T", leases[0] if self._one else leases)
+
+    async def __aexit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        leases, self._leases = self._leases, []
+        # shielded: a holder cancelled again on its way out still gives its leases back
+        lost = await shielded(self._ext.arelease(leases))
+        if kind is None:
+            _raise_first_lost(lost)
 
 
 def find_leases(app: object) -> Leases | None:
