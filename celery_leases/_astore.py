@@ -495,7 +495,7 @@ class AsyncLeaseStore:
 
     async def _execute(self, state: _LoopState, op: Op) -> Any:
         kind = type(op)
-        # inside a task of _shielded (an acquire attempt, a holder's release) the caller is
+        # inside a task of _carry (an acquire attempt, a holder's release) the caller is
         # shielded already: a request needs no task of its own there
         bare = _SHIELD.get() is asyncio.current_task()
         if kind is Send:
@@ -570,9 +570,9 @@ class AsyncLeaseStore:
         attempt runs shielded, and a grant that comes back to a cancelled caller is released.
         """
         state = self._state()
-        attempt = _shield_task(self.try_acquire(wants, ident, ttl, task_id))
+        attempt, outcome = _carry(self.try_acquire(wants, ident, ttl, task_id))
         try:
-            return await asyncio.shield(attempt)
+            return await outcome
         except asyncio.CancelledError:
             # also when it is done already: it may have completed just as we were cancelled
             state.tasks.add(attempt)  # aclose() waits for it, and its release
@@ -580,7 +580,7 @@ class AsyncLeaseStore:
             raise
 
     def _release_orphan(
-        self, state: _LoopState, attempt: asyncio.Future[list[Held] | Busy]
+        self, state: _LoopState, attempt: asyncio.Future[list[Held] | Busy | None]
     ) -> None:
         state.tasks.discard(attempt)
         if attempt.cancelled() or attempt.exception() is not None:
@@ -890,23 +890,45 @@ async def _refresh_slots(cluster: aredis.Redis) -> None:
         await manager.initialize()
 
 
-#: the task :func:`_shield_task` made for the work running in it (each task has its own copy
-#: of the context: a task made from that one inherits the value, but is not the task it names)
+#: the task :func:`_carry` made for the work running in it (each task has its own copy of
+#: the context: a task made from that one inherits the value, but is not the task it names)
 _SHIELD: ContextVar[asyncio.Future[Any] | None] = ContextVar("celery_leases_shield", default=None)
 
 
-async def _marked(awaitable: Awaitable[T]) -> T:
-    _SHIELD.set(asyncio.current_task())
-    return await awaitable
+async def _carried(awaitable: Awaitable[T], outcome: asyncio.Future[T]) -> T | None:
+    """Run ``awaitable``, and hand its outcome to ``outcome`` as it ends.
 
-
-def _shield_task(awaitable: Awaitable[T]) -> asyncio.Task[T]:
-    """A task that runs ``awaitable``, marked so its requests are sent without a shield each.
-
-    Only for a task nobody but the loop's shutdown cancels: its awaiters hold it under
-    :func:`asyncio.shield`.
+    Set from here, not from a done callback (as :func:`asyncio.shield` does): the awaiter
+    wakes one turn of the loop sooner. An error is the awaiter's; the task itself then ends
+    with None (nobody is left to retrieve its error when the awaiter was cancelled).
     """
-    return asyncio.get_running_loop().create_task(_marked(awaitable))
+    _SHIELD.set(asyncio.current_task())
+    try:
+        result = await awaitable
+    except asyncio.CancelledError:  # the loop's shutdown: nobody else cancels this task
+        if not outcome.done():
+            outcome.cancel()
+        raise
+    except Exception as exc:
+        if not outcome.done():
+            outcome.set_exception(exc)
+        return None
+    if not outcome.done():
+        outcome.set_result(result)
+    return result
+
+
+def _carry(awaitable: Awaitable[T]) -> tuple[asyncio.Task[T | None], asyncio.Future[T]]:
+    """A task that runs ``awaitable``, and the future its awaiter waits on instead of it.
+
+    The shield of :func:`_shielded`: a cancelled awaiter cancels the future only, the task
+    runs to its end (its result: the outcome, or None after an error). It is marked, so the
+    requests a store sends from inside it get no task of their own (see ``_execute``).
+    """
+    loop = asyncio.get_running_loop()
+    outcome: asyncio.Future[T] = loop.create_future()
+    carried = _carried(awaitable, outcome)
+    return loop.create_task(carried), outcome
 
 
 async def _shielded(awaitable: Awaitable[T]) -> T:
@@ -914,28 +936,19 @@ async def _shielded(awaitable: Awaitable[T]) -> T:
 
     redis-py's asyncio commands wrap their socket I/O in :func:`asyncio.wait_for`, which
     before Python 3.12 can swallow a cancellation that arrives as the I/O completes: the
-    caller then runs on as if never cancelled (a cancelled waiter would go on waiting). Under
-    :func:`asyncio.shield` the caller gets its ``CancelledError`` at once, and the call itself
-    runs to its end (its outcome is then dropped; a grant is handled by ``_attempt``). The
-    requests a store sends from inside the task get no task of their own (see ``_execute``).
+    caller then runs on as if never cancelled (a cancelled waiter would go on waiting). Here
+    (as under :func:`asyncio.shield`) the caller gets its ``CancelledError`` at once, and the
+    call itself runs to its end (its outcome is then dropped; a grant is handled by
+    ``_attempt``). The requests a store sends from inside the task get no task of their own.
     """
-    task = _shield_task(awaitable)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        task.add_done_callback(_drop_outcome)
-        raise
+    _, outcome = _carry(awaitable)
+    return await outcome
 
 
 async def shielded(awaitable: Awaitable[T]) -> T:
     """:func:`_shielded` for the package: run a store operation (e.g. a holder's release) to
     its end even if the caller is cancelled; the caller gets its ``CancelledError`` at once."""
     return await _shielded(awaitable)
-
-
-def _drop_outcome(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # retrieved: no "exception was never retrieved" log
 
 
 async def _within(
