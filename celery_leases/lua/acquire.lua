@@ -76,7 +76,8 @@ for i = 0, n - 1 do
     token = last + 1
     redis.call('SET', ckey, num(token), 'PX', ARGV[7])
   end
-  local holder = num(token) .. ' ' .. owner
+  local text = num(token)
+  local holder = text .. ' ' .. owner
   if mode == 'x' then
     redis.call('SET', xkey, holder, 'PX', ttl)
   else
@@ -86,7 +87,7 @@ for i = 0, n - 1 do
     end
   end
   -- the registry entry: "<mode> <token> <task> <resource>" (the resource last: it may hold spaces)
-  redis.call('SADD', KEYS[2], mode .. ' ' .. num(token) .. ' ' .. ARGV[9] .. ' ' .. resource)
+  redis.call('SADD', KEYS[2], mode .. ' ' .. text .. ' ' .. ARGV[9] .. ' ' .. resource)
   tokens[#tokens + 1] = token
 end
 
@@ -95,9 +96,13 @@ if ARGV[8] ~= '0' then
   redis.call('PEXPIRE', KEYS[2], ARGV[8])
 end
 if home then
-  -- GT: a liveness only grows; a caller with a shorter one never cuts another's short
-  redis.call('ZADD', KEYS[3], 'GT', num(now + tonumber(ARGV[5])), owner)
-  redis.call('SADD', KEYS[4], owner)
-  redis.call('SADD', KEYS[5], ARGV[6])
+  -- GT: a liveness only grows; a caller with a shorter one never cuts another's short.
+  -- ZADD answers 1 only for an owner new to the index (its first grant, or one a reconcile
+  -- forgot): forget_owner.lua drops an owner from the index and its node's set together, so
+  -- an owner found in the index is registered under its node already
+  if redis.call('ZADD', KEYS[3], 'GT', num(now + tonumber(ARGV[5])), owner) == 1 then
+    redis.call('SADD', KEYS[4], owner)
+    redis.call('SADD', KEYS[5], ARGV[6])
+  end
 end
 return tokens
