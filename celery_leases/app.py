@@ -20,12 +20,11 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import (
     AbstractAsyncContextManager,
     AbstractContextManager,
     asynccontextmanager,
-    contextmanager,
 )
 from typing import TYPE_CHECKING, Any, overload
 
@@ -179,31 +178,8 @@ class Leases:
         """
         _check_wait(wait)
         if isinstance(resource, (str, Shared)):
-            return self._hold_one(resource, ttl, wait)
-        return self._hold_many(_resource_list("hold", resource), ttl, wait)
-
-    @contextmanager
-    def _hold_one(
-        self, resource: Resource, ttl: float | None, wait: float | None
-    ) -> Iterator[Lease]:
-        with self._hold_many([resource], ttl, wait) as leases:
-            yield leases[0]
-
-    @contextmanager
-    def _hold_many(
-        self, resources: list[Resource], ttl: float | None, wait: float | None
-    ) -> Iterator[list[Lease]]:
-        if not resources:
-            raise LeaseConfigError("hold() needs at least one resource")
-        leases = self.acquire(_wants("hold", resources), ttl=ttl, wait=wait)
-        failed = True
-        try:
-            yield leases
-            failed = False
-        finally:
-            lost = self.release(leases)
-        if not failed:
-            _raise_first_lost(lost)
+            return _Holding(self, [resource], ttl, wait, one=True)
+        return _Holding(self, _resource_list("hold", resource), ttl, wait, one=False)
 
     # --- once ---------------------------------------------------------------------------
     def once(
@@ -477,6 +453,47 @@ def checked_settings(ext: Leases, *, full: bool = False) -> LeaseSettings:
         full: compare every key (a worker or beat start), not only the cheap ones.
     """
     return ext._check_settings(full=full)
+
+
+class _Holding:
+    """What :meth:`Leases.hold` returns: acquires on entry, releases on exit.
+
+    A class rather than a generator-based context manager: ``hold()`` is the hot path, and
+    the generator form cost two generators and their bookkeeping per block.
+    """
+
+    __slots__ = ("_ext", "_leases", "_one", "_resources", "_ttl", "_wait")
+
+    def __init__(
+        self,
+        ext: Leases,
+        resources: list[Resource],
+        ttl: float | None,
+        wait: float | None,
+        *,
+        one: bool,
+    ) -> None:
+        self._ext = ext
+        self._resources = resources
+        self._ttl = ttl
+        self._wait = wait
+        self._one = one
+        self._leases: list[Lease] | None = None
+
+    def __enter__(self) -> Any:
+        if self._leases is not None:
+            raise RuntimeError("a hold() block can be entered only once")
+        if not self._resources:
+            raise LeaseConfigError("hold() needs at least one resource")
+        wants = _wants("hold", self._resources)
+        leases = self._leases = self._ext.acquire(wants, ttl=self._ttl, wait=self._wait)
+        return leases[0] if self._one else leases
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        assert self._leases is not None
+        lost = self._ext.release(self._leases)
+        if exc_type is None:
+            _raise_first_lost(lost)
 
 
 def ttl_of(ext: Leases, ttl: float | None) -> float:
