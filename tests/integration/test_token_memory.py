@@ -206,3 +206,20 @@ def test_a_bad_token_memory_is_refused_at_start_up(
     app.conf.leases_token_memory = bad
     with pytest.raises(LeaseConfigError, match=r"'token_memory'.*app.conf.leases_token_memory"):
         make_leases(app)
+
+
+@pytest.mark.asyncio
+async def test_zero_on_the_asyncio_path_leaves_nothing_either(
+    make_leases: Callable[..., Leases], leases_redis: redis.Redis
+) -> None:
+    leases = make_leases(token_memory=0)
+    try:
+        tokens = []
+        for mode in ("job:9", Shared("job:9"), "job:9"):
+            async with leases.ahold(mode, ttl=5) as lease:
+                tokens.append(lease.token)
+                assert leases_redis.exists(leases.store.resource_keys("job:9").counter) == 0
+            assert leases_redis.exists(*_resource_keys(leases.store, "job:9")) == 0
+        assert tokens == sorted(set(tokens)), tokens
+    finally:
+        await leases.aclose()
