@@ -368,9 +368,20 @@ def render(results: Sequence[PoolResult], header: Sequence[str], markdown: bool)
             "scripts' us/task",
         )
         lines += ["", *_table(work_heads, work, markdown)]
+        for r in counted:
+            lines += ["", f"{r.pool}: the lease's commands per task, by command: {_extra(r)}"]
     elif results:
         lines += ["", "Redis work per task: n/a (a shared server: its counts are not ours alone)"]
     return "\n".join(lines)
+
+
+def _extra(r: PoolResult) -> str:
+    """Leased minus plain calls per task, per command (those of at least 0.1), most first."""
+    plain, leased = r.by_command("plain"), r.by_command("leased")
+    extra = {c: leased.get(c, 0.0) - plain.get(c, 0.0) for c in set(plain) | set(leased)}
+    shown = sorted((round(v, 1), c) for c, v in extra.items() if abs(v) >= 0.1)
+    shown.sort(key=lambda x: -x[0])
+    return ", ".join(f"{c.upper()} {v:+.1f}" for v, c in shown) or "none"
 
 
 def _pool_json(r: PoolResult) -> dict[str, Any]:
@@ -435,15 +446,16 @@ ABOUT: Final = (
     "benchmark's polling for the results; publishing the tasks falls outside). **Redis cmds**: "
     "the commands the server ran (`INFO commandstats` calls, those run inside Lua scripts and "
     "`MULTI`/`EXEC` included). **EVALSHA**: the lease's script calls. **server us**: the CPU "
-    "time of the server's main thread (`INFO cpu`, user + sys), which includes reading, parsing "
-    "and answering each request. **scripts' us**: the `INFO commandstats` usec of the EVALSHA "
-    "calls, the time the lease's scripts ran, their inner commands included. The usec of all "
-    "commands cannot be added up for a total: Redis counts a command run by a script or an "
-    "`EXEC` both in its own entry and in the script's or the `EXEC`'s time. **lease's**: leased "
-    "minus plain, the medians of the same run: the library's cost per task. A lease adds two "
-    "round trips to every task (the acquire and the release scripts): where one process does all "
-    "of a task's Redis work (solo) they weigh the most; under prefork the children run them while "
-    "the main process does the broker and result work.",
+    "time of the server's main thread (`INFO cpu`, user plus system), which includes reading, "
+    "parsing and answering each request. **scripts' us**: the `INFO commandstats` usec of the "
+    "EVALSHA calls, the time the lease's scripts ran, their inner commands included. The usec "
+    "of all commands cannot be added up for a total: Redis counts a command run by a script or "
+    "an `EXEC` both in its own entry and in the script's or the `EXEC`'s time. **lease's**: "
+    "leased minus plain, the medians of the same run: the library's cost per task; the line "
+    "under the table splits the lease's commands by command. A lease adds two round trips to "
+    "every task (the acquire and the release scripts): where one process does all of a task's "
+    "Redis work (solo) they weigh the most; under prefork the children run them while the main "
+    "process does the broker and result work.",
 )
 PLOT: Final = "![Task throughput and Redis work per task](img/bench-tasks.svg)"
 
@@ -526,7 +538,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             admin.close()
     elapsed = time.monotonic() - started
     header = [
-        f"machine: {machine['cpus']} cores, {machine['cpu_model']}; {machine['platform']}",
+        f"machine: {machine['cpus']} cores, {machine['cpu_model']}; {machine['platform']}; "
+        f"load {machine['load']} at start",
         f"python {machine['python']}, redis-py {machine['redis_py']}, "
         f"server {machine['server']} ({'private' if private else 'shared'})",
         f"run: {rounds} rounds x {n} tasks per kind and pool (+{warmup} warm-up), "
