@@ -951,6 +951,8 @@ def render_tasks(results: Path = RESULTS_DIR) -> str | None:
     dates = f"tasks run {date}" if date else ""
     if cfg.get("quick"):
         dates += " (--quick)"
+    if machine.get("load") is not None:
+        dates += f", load {machine['load']} at start"  # a shared machine shows here
     head = _heading("celery_leases task benchmark", machine, dates)
     return _assemble("celery_leases task benchmark", [head, *(p for p in panels if p)])
 
