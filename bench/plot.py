@@ -5,13 +5,14 @@
 
 ``benchmarks.svg`` comes from ``engine.json`` (parts a to d, whichever were run). Panels:
 
-1. (a) acquire+release cycles/s per contender, ratio to its floor, the 0.9x floor target; an
-   asyncio contender (``ahold``) is compared with the asyncio floor (``afloor``), any other
-   contender in the results is drawn too, under its key;
+1. (a) acquire+release cycles/s per contender, ratio to its floor, the 0.9x floor target;
+   the contenders of ``"a"`` and of any ``"a-..."`` part (``"a-asyncio"``): an asyncio one
+   (``ahold``, ``aredis-py``) is compared with the asyncio floor (``afloor``), and a contender
+   this module does not know is drawn too, under its key;
 2. (b) median handoff delay with a p99 whisker, on a log scale (redis-py's Lock polls);
 3. (c) heartbeat calls/s against the number of leases held, with the +-10% band;
-4. (d) when present: commands per release and the handoff delay against the number of
-   waiters, log-log, per contender; :func:`waiter_series` lists the shapes it reads.
+4. (d) when present: commands and server time per release and the handoff delay against the
+   number of waiters, log-log, per contender; :func:`waiter_series` lists the shapes it reads.
 
 ``bench-tasks.svg`` comes from ``tasks.json`` (failing that, the first table of ``tasks.md``):
 plain against leased tasks/s per worker pool, and the Redis commands and server time per task,
@@ -76,10 +77,11 @@ SERIES_STYLE: Final = {
 CONTENDERS_A: Final = (
     ("hold", "celery_leases hold()"),
     ("floor", "raw floor (SET NX PX + CAD)"),
-    ("ahold", "celery_leases ahold()"),
-    ("afloor", "asyncio raw floor"),
     ("redis-py", "redis-py Lock"),
     ("prl", "python-redis-lock"),
+    ("ahold", "celery_leases ahold()"),
+    ("afloor", "asyncio raw floor"),
+    ("aredis-py", "redis.asyncio Lock"),
 )
 #: the names an asyncio floor of part (a) may have in engine.json; the first one present is
 #: the baseline of every asyncio contender (a key that starts with "a" + a sync key, or has
@@ -614,6 +616,7 @@ WAITER_COMMANDS: Final = (
 )
 WAITER_MEDIAN: Final = ("handoff_median_ms", "handoff_ms", "median_ms", "p50_ms", "handoff_p50_ms")
 WAITER_P99: Final = ("handoff_p99_ms", "p99_ms")
+WAITER_USEC: Final = ("usec_per_release", "server_us_per_release", "server_us")
 WAITER_STYLE: Final = ((OURS, ""), (OTHER, "6 4"), ("#7c3aed", "2 3"), (TARGET_INK, "8 3"))
 
 
@@ -690,6 +693,13 @@ def panels_waiters(d: object) -> list[Canvas | None]:
             lines(WAITER_COMMANDS),
             "waiters blocked on the lease",
             "cmds",
+        ),
+        panel_lines(
+            "(d) Server time per release vs waiters on the lease (log-log)",
+            ["part (d)'s usec_per_release: INFO commandstats usec per release and its handoff"],
+            lines(WAITER_USEC),
+            "waiters blocked on the lease",
+            "us",
         ),
         panel_lines(
             "(d) Handoff delay vs waiters on the lease, median ms (log-log)",
@@ -957,13 +967,22 @@ def render_tasks(results: Path = RESULTS_DIR) -> str | None:
     return _assemble("celery_leases task benchmark", [head, *(p for p in panels if p)])
 
 
+def cycle_results(raw: dict[str, Any]) -> dict[str, Any]:
+    """Part (a)'s contenders: ``raw["a"]`` and those of any ``"a-..."`` part (``"a-asyncio"``)."""
+    merged: dict[str, Any] = dict(raw.get("a") or {})
+    for part in sorted(raw):
+        if part.startswith(("a-", "a_")) and isinstance(raw[part], dict):
+            merged.update(raw[part])
+    return merged
+
+
 def render(results: Path = RESULTS_DIR) -> str:
     """The SVG text of ``benchmarks.svg`` for the engine results in ``results``."""
     engine = _read(results / "engine.json")
     raw = engine.get("results", {})
     private = bool(engine.get("config", {}).get("private_server", True))
     panels = [
-        panel_cycles(raw.get("a", {})),
+        panel_cycles(cycle_results(raw)),
         panel_handoff(raw.get("b", {})),
         panel_heartbeat(raw.get("c", {}), private),
         *panels_waiters(raw.get("d")),

@@ -124,6 +124,19 @@ def test_an_asyncio_contender_is_compared_with_the_asyncio_floor(tmp_path: Path)
     )
 
 
+def test_the_asyncio_part_of_a_is_drawn_beside_the_sync_one(tmp_path: Path) -> None:
+    # the shape of engine.json with the asyncio rows: a part "a-asyncio" of its own
+    asyncio_part = {"ahold": cycles(1800), "afloor": cycles(2000), "aredis-py": cycles(1900)}
+    data = engine({"hold": cycles(3000), "floor": cycles(4000)})
+    data["results"]["a-asyncio"] = asyncio_part
+    write(tmp_path / "engine.json", data)
+    words = texts(plot.render(tmp_path))
+    assert "1,800/s \u00b7 0.90x afloor \u00b7 2 RT" in words
+    assert "1,900/s \u00b7 0.95x afloor \u00b7 2 RT" in words
+    assert "redis.asyncio Lock" in words
+    assert "3,000/s \u00b7 0.75x floor \u00b7 2 RT" in words
+
+
 POINT_1 = {"commands_per_release": 5, "median_ms": 1.2, "p99_ms": 2.0}
 POINT_10 = {"commands_per_release": 5, "median_ms": 1.6, "p99_ms": 3.0}
 
@@ -138,6 +151,27 @@ POINT_10 = {"commands_per_release": 5, "median_ms": 1.6, "p99_ms": 3.0}
         {
             "1": {"handoff": {"median_ms": 1.2}, "calls_per_release": 5},
             "10": {"handoff": {"median_ms": 1.6}, "calls_per_release": 5},
+        },
+        {  # the shape bench_waiters writes (its JSON keys are strings)
+            "1": {
+                "calls_per_release": 5.0,
+                "usec_per_release": 40.0,
+                "first_handoff_ms": 1.0,
+                "median_ms": 1.2,
+                "p99_ms": 2.0,
+                "overtaken": 0,
+                "handoffs": 3,
+            },
+            "10": {
+                "calls_per_release": 5.0,
+                "usec_per_release": 44.0,
+                "first_handoff_ms": 1.1,
+                "median_ms": 1.6,
+                "p99_ms": 3.0,
+                "overtaken": 0,
+                "handoffs": 30,
+                "pass": True,
+            },
         },
     ],
 )
@@ -158,3 +192,13 @@ def test_part_d_of_another_shape_is_left_out(tmp_path: Path, d: object) -> None:
     assert plot.waiter_series(d) == {}
     write(tmp_path / "engine.json", engine({"floor": cycles(4000)}, d))
     assert not any("waiters" in t for t in titles(plot.render(tmp_path)))
+
+
+def test_part_d_server_time_is_drawn_when_it_was_measured(tmp_path: Path) -> None:
+    d = {"1": {**POINT_1, "usec_per_release": 40.0}, "10": {**POINT_10, "usec_per_release": 44.0}}
+    write(tmp_path / "engine.json", engine({"floor": cycles(4000)}, d))
+    svg = plot.render(tmp_path)
+    assert any("Server time per release vs waiters" in t for t in titles(svg))
+    assert "44.0 us" in texts(svg)
+    write(tmp_path / "engine.json", engine({"floor": cycles(4000)}, {"1": POINT_1}))
+    assert not any("Server time per release" in t for t in titles(plot.render(tmp_path)))
