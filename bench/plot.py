@@ -3,13 +3,20 @@
     python -m bench.plot                       # bench/results/*.json -> docs/img/*.svg
     python -m bench.plot --results DIR --out-dir DIR
 
-``benchmarks.svg`` comes from ``engine.json`` (parts a, b and c, whichever were run) and, if
-present, ``tasks.json`` (or, failing that, the table of ``tasks.md``). Panels:
+``benchmarks.svg`` comes from ``engine.json`` (parts a to d, whichever were run). Panels:
 
-1. (a) acquire+release cycles/s per contender, ratio to the raw floor, the 0.9x floor target;
+1. (a) acquire+release cycles/s per contender, ratio to its floor, the 0.9x floor target;
+   the contenders of ``"a"`` and of any ``"a-..."`` part (``"a-asyncio"``): an asyncio one
+   (``ahold``, ``aredis-py``) is compared with the asyncio floor (``afloor``), and a contender
+   this module does not know is drawn too, under its key;
 2. (b) median handoff delay with a p99 whisker, on a log scale (redis-py's Lock polls);
 3. (c) heartbeat calls/s against the number of leases held, with the +-10% band;
-4. plain against leased tasks/s per worker pool, when task results exist.
+4. (d) when present: commands and server time per release and the handoff delay against the
+   number of waiters, log-log, per contender; :func:`waiter_series` lists the shapes it reads.
+
+``bench-tasks.svg`` comes from ``tasks.json`` (failing that, the first table of ``tasks.md``):
+plain against leased tasks/s per worker pool, and the Redis commands and server time per task,
+plain against leased, with the lease's script calls and their time marked.
 
 ``bench-fleet.svg`` comes from ``fleet.json``: plain against leased tasks/s per lease Redis
 (single, cluster), and the acquire latency p50 with a p99 whisker (all tasks, those granted at
@@ -26,6 +33,7 @@ and never fails the benchmark. A plot whose results are missing is left as it is
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import re
@@ -40,6 +48,7 @@ REPO: Final = Path(__file__).resolve().parents[1]
 RESULTS_DIR: Final = REPO / "bench" / "results"
 IMG_DIR: Final = REPO / "docs" / "img"
 SVG_PATH: Final = IMG_DIR / "benchmarks.svg"
+TASKS_SVG: Final = "bench-tasks.svg"
 FLEET_SVG: Final = "bench-fleet.svg"
 CLEANUP_SVG: Final = "bench-cleanup.svg"
 
@@ -70,7 +79,16 @@ CONTENDERS_A: Final = (
     ("floor", "raw floor (SET NX PX + CAD)"),
     ("redis-py", "redis-py Lock"),
     ("prl", "python-redis-lock"),
+    ("ahold", "celery_leases ahold()"),
+    ("afloor", "asyncio raw floor"),
+    ("aredis-py", "redis.asyncio Lock"),
 )
+#: the names an asyncio floor of part (a) may have in engine.json; the first one present is
+#: the baseline of every asyncio contender (a key that starts with "a" + a sync key, or has
+#: "async" in it) unless the contender names its own with a "baseline" field
+ASYNC_FLOORS: Final = ("afloor", "async-floor", "asyncio-floor", "floor-async", "async_floor")
+#: our contenders: drawn in our colour, and held to 0.9x their floor
+OURS_A: Final = ("hold", "ahold", "async-hold", "hold-async", "async_hold")
 CONTENDERS_B: Final = (
     ("hold", "celery_leases hold(wait=10)"),
     ("prl", "python-redis-lock (BLPOP)"),
@@ -156,14 +174,43 @@ def fmt_tick(value: float) -> str:
 
 
 # --- panels -------------------------------------------------------------------------------------
+def cycle_items(a: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """Part (a)'s contenders: the known ones in their order, then any other, by key."""
+    known = dict(CONTENDERS_A)
+    known.update(dict.fromkeys(ASYNC_FLOORS[1:], known["afloor"]))
+    order = [k for k, _ in CONTENDERS_A] + [k for k in sorted(a) if k not in known]
+    order[order.index("afloor") : order.index("afloor") + 1] = list(ASYNC_FLOORS)
+    return [
+        (key, known.get(key, key), a[key])
+        for key in order
+        if isinstance(a.get(key), dict) and a[key].get("median")
+    ]
+
+
+def cycle_baseline(key: str, a: dict[str, Any]) -> str | None:
+    """The key of the floor a part (a) contender is compared with, when it is there."""
+    named = a.get(key, {}).get("baseline")
+    if isinstance(named, str) and named in a:
+        return named
+    if key == "floor" or key in ASYNC_FLOORS:
+        return None
+    sync_keys = {k for k, _ in CONTENDERS_A if not k.startswith("a")}
+    is_async = "async" in key or (key.startswith("a") and key[1:] in sync_keys)
+    if is_async:
+        return next((f for f in ASYNC_FLOORS if f in a), None)
+    return "floor" if "floor" in a else None
+
+
 def panel_cycles(a: dict[str, Any]) -> Canvas | None:
-    floor = a.get("floor", {}).get("median")
-    items = [(key, label, a[key]) for key, label in CONTENDERS_A if key in a]
+    items = cycle_items(a)
     if not items:
         return None
     c = Canvas()
     sub = "one thread, uncontended; bar = median of rounds, thin line = slowest to fastest round"
-    y = c.title("(a) Acquire + release cycles per second (higher is better)", sub)
+    subs = [sub]
+    if any(key in ASYNC_FLOORS for key, _, _ in items):
+        subs.append("asyncio contenders against the asyncio floor; red dashes = 0.9x the floor")
+    y = c.title("(a) Acquire + release cycles per second (higher is better)", *subs)
     x0, x1 = MARGIN + LABEL_W, WIDTH - MARGIN - VALUE_W
     top = max(max(d.get("rates") or [d["median"]]) for _, _, d in items)
     ticks = nice_ticks(top)
@@ -177,7 +224,8 @@ def panel_cycles(a: dict[str, Any]) -> Canvas | None:
         c.text(x, plot_bottom + 16, fmt_tick(t), size=11, anchor="middle", fill=MUTED)
     for i, (key, label, d) in enumerate(items):
         by = plot_top + 4 + i * (bar_h + gap)
-        colour = OURS if key == "hold" else FLOOR if key == "floor" else OTHER
+        is_floor = key == "floor" or key in ASYNC_FLOORS
+        colour = OURS if key in OURS_A else FLOOR if is_floor else OTHER
         c.text(x0 - 10, by + bar_h / 2 + 5, label, size=13, anchor="end")
         c.rect(x0, by, d["median"] * scale, bar_h, colour)
         rates = d.get("rates") or []
@@ -187,10 +235,19 @@ def panel_cycles(a: dict[str, Any]) -> Canvas | None:
             c.line(lo, mid, hi, mid, INK, 1.5)
             c.line(lo, mid - 5, lo, mid + 5, INK, 1.5)
             c.line(hi, mid - 5, hi, mid + 5, INK, 1.5)
-        ratio = f" \u00b7 {d['median'] / floor:.2f}x floor" if floor else ""
+        base_key = cycle_baseline(key, a)
+        base = a[base_key]["median"] if base_key else None
+        ratio = ""
+        if base:
+            name = "floor" if base_key == "floor" else "afloor"
+            ratio = f" \u00b7 {d['median'] / base:.2f}x {name}"
+        if base and base_key != "floor" and key in OURS_A:  # the asyncio floor's target, here
+            tx = x0 + 0.9 * base * scale
+            c.line(tx, by - 3, tx, by + bar_h + 3, TARGET_INK, 2, "4 3")
         rt = d.get("round_trips_per_cycle")
         rts = f" \u00b7 {rt:.0f} RT" if rt else ""
         c.text(x1 + 16, by + bar_h / 2 + 5, f"{d['median']:,.0f}/s{ratio}{rts}", size=12)
+    floor = a.get("floor", {}).get("median")
     if floor:
         tx = x0 + 0.9 * floor * scale
         c.line(tx, plot_top - 6, tx, plot_bottom, TARGET_INK, 2, "6 4")
@@ -346,6 +403,56 @@ def panel_tasks(
     return c
 
 
+def panel_pairs(
+    pools: Sequence[dict[str, Any]],
+    heading: str,
+    subs: Sequence[str],
+    unit: str,
+    part_label: str | None = None,
+) -> Canvas | None:
+    """Plain against leased bars per pool, of a cost per task (lower is better).
+
+    ``pools``: label, plain, leased (None: not measured) and optionally ``part``, the piece
+    of the leased value drawn darker at the start of its bar (``part_label`` names it).
+    """
+    rows = [p for p in pools if p.get("plain") is not None and p.get("leased") is not None]
+    if not rows:
+        return None
+    c = Canvas()
+    y = c.title(heading, *subs)
+    x0, x1 = MARGIN + LABEL_W, WIDTH - MARGIN - VALUE_W
+    top = max(max(p["plain"], p["leased"]) for p in rows) or 1.0
+    ticks = nice_ticks(top)
+    scale = (x1 - x0) / ticks[-1]
+    bar_h, inner, gap = 22, 4, 22
+    group_h = 2 * bar_h + inner
+    plot_top = y + 8
+    plot_bottom = plot_top + len(rows) * (group_h + gap) - gap + 8
+    for t in ticks:
+        x = x0 + t * scale
+        c.line(x, plot_top - 4, x, plot_bottom, GRID)
+        c.text(x, plot_bottom + 16, fmt_tick(t), size=11, anchor="middle", fill=MUTED)
+    for i, p in enumerate(rows):
+        gy = plot_top + 4 + i * (group_h + gap)
+        c.text(x0 - 10, gy + group_h / 2 - 2, p["label"], size=13, anchor="end", weight="bold")
+        extra = p["leased"] - p["plain"]
+        c.text(x0 - 10, gy + group_h / 2 + 14, f"lease adds {fmt(extra)} {unit}", 11, "end")
+        c.rect(x0, gy, p["plain"] * scale, bar_h, OTHER)
+        c.text(x1 + 16, gy + bar_h / 2 + 5, f"plain {fmt(p['plain'])} {unit}", 12)
+        ly = gy + bar_h + inner
+        c.rect(x0, ly, p["leased"] * scale, bar_h, OURS)
+        note = f"leased {fmt(p['leased'])} {unit}"
+        part = p.get("part")
+        if part:
+            c.rect(x0, ly, min(part, p["leased"]) * scale, bar_h, "#1e3a8a")
+            note += f" ({fmt(part)} {part_label or 'part'})"
+        c.text(x1 + 16, ly + bar_h / 2 + 5, note, 12)
+    c.text((x0 + x1) / 2, plot_bottom + 34, f"{unit} per task", size=12, anchor="middle",
+           fill=MUTED)  # fmt: skip
+    c.height = plot_bottom + 46
+    return c
+
+
 def log_bounds(values: Sequence[float]) -> tuple[float, float]:
     """Decades around ``values`` (all > 0) for a log axis."""
     lo = 10 ** math.floor(math.log10(min(values)))
@@ -493,6 +600,115 @@ def panel_lines(
     c.text((x0 + x1) / 2, plot_bottom + 34, xlabel, size=12, anchor="middle", fill=MUTED)
     c.height = plot_bottom + 46
     return c
+
+
+#: part (d) of engine.json (waiters on one lease), whose shape this module guesses: the keys
+#: tried, in order, for the number of waiters, a contender's name, commands per release and
+#: the handoff's median and p99 (in a point, or one level down, e.g. point["handoff"])
+WAITER_N: Final = ("waiters", "n_waiters", "n", "count")
+WAITER_WHO: Final = ("contender", "kind", "name")
+WAITER_COMMANDS: Final = (
+    "commands_per_release",
+    "calls_per_release",
+    "release_commands",
+    "cmds_per_release",
+    "commands",
+)
+WAITER_MEDIAN: Final = ("handoff_median_ms", "handoff_ms", "median_ms", "p50_ms", "handoff_p50_ms")
+WAITER_P99: Final = ("handoff_p99_ms", "p99_ms")
+WAITER_USEC: Final = ("usec_per_release", "server_us_per_release", "server_us")
+WAITER_STYLE: Final = ((OURS, ""), (OTHER, "6 4"), ("#7c3aed", "2 3"), (TARGET_INK, "8 3"))
+
+
+def _number(point: dict[str, Any], keys: Sequence[str]) -> float | None:
+    """The first of ``keys`` in ``point`` or in a dict one level down, as a float."""
+    for where in (point, *(v for v in point.values() if isinstance(v, dict))):
+        for key in keys:
+            value = where.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                return float(value)
+    return None
+
+
+def _is_count(key: object) -> bool:
+    return str(key).isdigit()
+
+
+def waiter_series(d: object) -> dict[str, list[tuple[float, dict[str, Any]]]]:
+    """Part (d) as contender -> [(waiters, point), ...], from any of the shapes below; {} if
+    there is none or it has another shape.
+
+    - ``{"1": point, "10": point, ...}`` (one contender, ours), as part (c);
+    - ``{"hold": {"1": point, ...}, "prl": {...}}``;
+    - a list of points, or ``{"points" | "results" | "rows": [...]}``, each point naming its
+      waiters (``WAITER_N``) and, optionally, its contender (``WAITER_WHO``).
+    """
+    out: dict[str, list[tuple[float, dict[str, Any]]]] = {}
+    if isinstance(d, dict):
+        lists = (d[k] for k in ("points", "results", "rows") if isinstance(d.get(k), list))
+        listed = next(lists, None)
+        if listed is not None:
+            return waiter_series(listed)
+        points = {k: v for k, v in d.items() if isinstance(v, dict)}
+        if points and all(_is_count(k) for k in points):
+            out["hold"] = [(float(k), v) for k, v in points.items()]
+        else:
+            for who, sub in points.items():
+                counted = {k: v for k, v in sub.items() if _is_count(k) and isinstance(v, dict)}
+                if counted:
+                    out[str(who)] = [(float(k), v) for k, v in counted.items()]
+    elif isinstance(d, list):
+        for point in d:
+            if not isinstance(point, dict):
+                continue
+            n = _number(point, WAITER_N)
+            who = next((str(point[k]) for k in WAITER_WHO if isinstance(point.get(k), str)), "hold")
+            if n is not None:
+                out.setdefault(who, []).append((n, point))
+    return {who: sorted(pts, key=lambda p: p[0]) for who, pts in out.items() if pts}
+
+
+def panels_waiters(d: object) -> list[Canvas | None]:
+    """Part (d): commands per release and the handoff delay against the number of waiters."""
+    series = waiter_series(d)
+    if not series:
+        return []
+    labels = {**dict(CONTENDERS_B), "hold": "celery_leases hold(wait=...)"}
+    ordered = sorted(series, key=lambda who: (who != "hold", who))
+    styles = dict(zip(ordered, itertools.cycle(WAITER_STYLE), strict=False))
+
+    def lines(keys: Sequence[str]) -> list[tuple[str, str, str, list[tuple[float, float]]]]:
+        out = []
+        for who in ordered:
+            pts = [(n, v) for n, point in series[who] if (v := _number(point, keys)) is not None]
+            if pts:
+                colour, dash = styles[who]
+                out.append((labels.get(who, who), colour, dash, pts))
+        return out
+
+    return [
+        panel_lines(
+            "(d) Commands per release vs waiters on the lease (log-log; flat is the goal)",
+            ["the Redis commands one release costs, those run inside its script included"],
+            lines(WAITER_COMMANDS),
+            "waiters blocked on the lease",
+            "cmds",
+        ),
+        panel_lines(
+            "(d) Server time per release vs waiters on the lease (log-log)",
+            ["part (d)'s usec_per_release: INFO commandstats usec per release and its handoff"],
+            lines(WAITER_USEC),
+            "waiters blocked on the lease",
+            "us",
+        ),
+        panel_lines(
+            "(d) Handoff delay vs waiters on the lease, median ms (log-log)",
+            ["release in another process to the first waiter holding the lease"],
+            lines(WAITER_MEDIAN),
+            "waiters blocked on the lease",
+            "ms",
+        ),
+    ]
 
 
 def cleanup_series(
@@ -648,7 +864,11 @@ def render_cleanup(results: Path = RESULTS_DIR) -> str | None:
 
 
 def load_tasks(results: Path) -> tuple[list[dict[str, Any]], float, str]:
-    """Per pool: label, plain and leased tasks/s (medians); the target; the date line."""
+    """Per pool: label, plain and leased tasks/s (medians); the target; the date line.
+
+    From ``tasks.json`` (each pool also keeps its raw entry under ``"json"``), else from the
+    first table of ``tasks.md``.
+    """
     path = results / "tasks.json"
     if path.exists():
         data = json.loads(path.read_text())
@@ -657,6 +877,7 @@ def load_tasks(results: Path) -> tuple[list[dict[str, Any]], float, str]:
                 "label": f"{p['pool']} (-c {p['concurrency']})",
                 "plain": p["plain_median"],
                 "leased": p["leased_median"],
+                "json": p,
             }
             for p in data.get("pools", [])
         ]
@@ -671,29 +892,106 @@ def load_tasks(results: Path) -> tuple[list[dict[str, Any]], float, str]:
         if m:
             plain, leased = (float(g.replace(",", "")) for g in m.group(2, 3))
             pools.append({"label": m.group(1), "plain": plain, "leased": leased})
+        elif pools and not line.startswith("|"):
+            break  # the first table only: the second one is the Redis work per task
     date = re.search(r"(\d{4}-\d\d-\d\d \d\d:\d\d UTC)", md.read_text())
     return pools, 0.9, date.group(1) if date else ""
 
 
+def task_work(
+    pools: Sequence[dict[str, Any]], metric: str, part: str | None = None
+) -> list[dict[str, Any]]:
+    """Per pool, plain and leased medians of a per-task metric of ``tasks.json``."""
+    out = []
+    for p in pools:
+        raw = p.get("json") or {}
+        out.append(
+            {
+                "label": p["label"],
+                "plain": raw.get(f"plain_{metric}_median"),
+                "leased": raw.get(f"leased_{metric}_median"),
+                "part": raw.get(f"leased_{part}_median") if part else None,
+            }
+        )
+    return out
+
+
+def render_tasks(results: Path = RESULTS_DIR) -> str | None:
+    """The SVG of the task benchmark (``tasks.json``, else ``tasks.md``), or None."""
+    pools, target, date = load_tasks(results)
+    if not pools:
+        return None
+    data = _read(results / "tasks.json")
+    cfg = data.get("config", {})
+    runs = ""
+    if cfg:
+        runs = f"; {cfg.get('rounds')} interleaved rounds x {cfg.get('tasks'):,} tasks per kind"
+    sub = (
+        f"one worker per pool{runs}; median of rounds; dashed = target {target}x plain\n"
+        "plain(x) and leased_tiny(rid): the same trivial body, the second under a lease"
+    )
+    where = "per task of a round, from the consume order to the last result (not the publishing)"
+    panels = [
+        panel_tasks(pools, target, sub=sub),
+        panel_pairs(
+            task_work(pools, "calls_per_task", "evalsha_per_task"),
+            "Redis commands per task (lower is better)",
+            [
+                "INFO commandstats calls, those run inside Lua scripts and MULTI/EXEC included; "
+                "dark = the lease's EVALSHA calls",
+                where,
+            ],
+            "cmds",
+            "EVALSHA",
+        ),
+        panel_pairs(
+            task_work(pools, "server_us_per_task", "script_us_per_task"),
+            "Redis server time per task, us (lower is better)",
+            [
+                "the CPU time of the server's main thread (INFO cpu, user + sys)",
+                "dark = the lease scripts' run time (INFO commandstats usec of EVALSHA, their "
+                "inner commands included)",
+                where,
+            ],
+            "us",
+            "scripts",
+        ),
+    ]
+    machine = data.get("machine", {})
+    dates = f"tasks run {date}" if date else ""
+    if cfg.get("quick"):
+        dates += " (--quick)"
+    if machine.get("load") is not None:
+        dates += f", load {machine['load']} at start"  # a shared machine shows here
+    head = _heading("celery_leases task benchmark", machine, dates)
+    return _assemble("celery_leases task benchmark", [head, *(p for p in panels if p)])
+
+
+def cycle_results(raw: dict[str, Any]) -> dict[str, Any]:
+    """Part (a)'s contenders: ``raw["a"]`` and those of any ``"a-..."`` part (``"a-asyncio"``)."""
+    merged: dict[str, Any] = dict(raw.get("a") or {})
+    for part in sorted(raw):
+        if part.startswith(("a-", "a_")) and isinstance(raw[part], dict):
+            merged.update(raw[part])
+    return merged
+
+
 def render(results: Path = RESULTS_DIR) -> str:
-    """The SVG text of ``benchmarks.svg`` for the engine and task results in ``results``."""
+    """The SVG text of ``benchmarks.svg`` for the engine results in ``results``."""
     engine = _read(results / "engine.json")
     raw = engine.get("results", {})
     private = bool(engine.get("config", {}).get("private_server", True))
-    pools, target, tasks_date = load_tasks(results)
     panels = [
-        panel_cycles(raw.get("a", {})),
+        panel_cycles(cycle_results(raw)),
         panel_handoff(raw.get("b", {})),
         panel_heartbeat(raw.get("c", {}), private),
-        panel_tasks(pools, target),
+        *panels_waiters(raw.get("d")),
     ]
     drawn = [p for p in panels if p is not None]
     if not drawn:
-        raise FileNotFoundError(f"no engine or task benchmark results in {results}")
+        raise FileNotFoundError(f"no engine benchmark results in {results}")
     m = engine.get("machine", {})
-    dates = ""
-    if m:
-        dates = f"engine run {m.get('date')}" + (f"; tasks run {tasks_date}" if tasks_date else "")
+    dates = f"engine run {m.get('date')}" if m else ""
     head = _heading("celery_leases benchmarks", m, dates)
     return _assemble("celery_leases benchmarks", [head, *drawn])
 
@@ -714,10 +1012,10 @@ def write_plot(results: Path = RESULTS_DIR, out: Path = SVG_PATH) -> Path:
 def write_plots(results: Path = RESULTS_DIR, out_dir: Path = IMG_DIR) -> list[Path]:
     """Write every plot whose results exist in ``results`` into ``out_dir``; returns them."""
     written = []
-    engine_or_tasks = any((results / n).exists() for n in ("engine.json", "tasks.json", "tasks.md"))
-    if engine_or_tasks:
+    if (results / "engine.json").exists():
         written.append(write_plot(results, out_dir / SVG_PATH.name))
-    for name, draw in ((FLEET_SVG, render_fleet), (CLEANUP_SVG, render_cleanup)):
+    drawings = ((TASKS_SVG, render_tasks), (FLEET_SVG, render_fleet), (CLEANUP_SVG, render_cleanup))
+    for name, draw in drawings:
         svg = draw(results)
         if svg is not None:
             written.append(_write(svg, out_dir / name))

@@ -17,10 +17,13 @@ A round measures the worker alone: its messages are published to a fresh queue t
 consumes, then the worker is told to consume it (remote control ``add_consumer``), so it never
 waits for the publisher. The rate is ``(n - 1) / (last date_done - first date_done)`` from the
 results the worker stored. By default a private redis-server on a free loopback port holds
-broker, result backend and leases, so the numbers are ours alone.
+broker, result backend and leases, so the numbers are ours alone, and each round also records
+what it cost the server per task: the commands it ran (INFO commandstats, those inside scripts
+included), the lease scripts' calls and their usec, and the server's main-thread CPU time (INFO
+cpu), each for leased and plain tasks; leased minus plain is the library's cost.
 
-The table goes to stdout and ``bench/results/tasks.md`` (raw samples: ``tasks.json``), the plot
-``docs/img/benchmarks.svg`` is redrawn (``bench/plot.py``), and the run replaces the ``## Task
+The tables go to stdout and ``bench/results/tasks.md`` (raw samples: ``tasks.json``), the plot
+``docs/img/bench-tasks.svg`` is redrawn (``bench/plot.py``), and the run replaces the ``## Task
 throughput`` section of ``docs/benchmarks.md`` (appended if there is none).
 """
 
@@ -35,7 +38,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from types import ModuleType
@@ -45,6 +48,7 @@ import redis
 
 from . import plot
 from ._common import (
+    CommandStats,
     Worker,
     machine_info,
     median,
@@ -118,24 +122,63 @@ def start_worker(
     return worker
 
 
-def total_calls(admin: redis.Redis) -> tuple[int, int]:
-    """Commands the server has run so far (INFO commandstats), and how many were EVALSHA.
+#: the script calls. Their commandstats usec is the scripts' whole server time; each command a
+#: script runs is counted again in its own entry (and EXEC's usec holds its queued commands),
+#: so the usec of all commands cannot be summed: the total is the server's CPU time instead.
+SCRIPTS: Final = ("evalsha", "eval", "evalsha_ro", "eval_ro", "fcall")
 
-    The total counts the commands that scripts run too.
-    """
-    stats = admin.info("commandstats")
-    total = sum(int(v.get("calls", 0)) for v in stats.values() if isinstance(v, dict))
-    return total, int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+@dataclass(frozen=True)
+class ServerSnapshot:
+    """What the server has done so far: INFO commandstats and its main thread's CPU time."""
+
+    stats: CommandStats
+    cpu_us: float
+
+    @classmethod
+    def take(cls, admin: redis.Redis) -> ServerSnapshot:
+        stats = CommandStats.take(admin)
+        cpu = admin.info("cpu")
+        user = cpu.get("used_cpu_user_main_thread", cpu.get("used_cpu_user", 0.0))
+        system = cpu.get("used_cpu_sys_main_thread", cpu.get("used_cpu_sys", 0.0))
+        return cls(stats, (float(user) + float(system)) * 1e6)
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    """One round of one kind: its rate and, on a private server, its Redis work per task."""
+
+    rate: float
+    commands: float  # every command the server ran, those run by scripts and EXEC included
+    scripts: float  # EVALSHA (and EVAL, FCALL) calls
+    script_us: float  # commandstats usec of those calls: the scripts' whole server time
+    cpu_us: float  # the server's main-thread CPU time (user + sys)
+    by_command: dict[str, float]
+
+
+def round_stats(rate: float, before: ServerSnapshot, after: ServerSnapshot, n: int) -> RoundStats:
+    """Per task, between two snapshots: commands, script calls and their usec, server CPU us."""
+    names = sorted(set(after.stats.stats) | set(before.stats.stats))
+    by_command = {c: after.stats.calls_since(before.stats, c) / n for c in names}
+    return RoundStats(
+        rate=rate,
+        commands=sum(by_command.values()),
+        scripts=sum(by_command.get(c, 0.0) for c in SCRIPTS),
+        script_us=sum(after.stats.usec_since(before.stats, c) for c in SCRIPTS) / n,
+        cpu_us=(after.cpu_us - before.cpu_us) / n,
+        by_command={c: v for c, v in by_command.items() if v},
+    )
 
 
 def run_round(
     worker_app: ModuleType, worker: Worker, kind: str, n: int, tag: str, admin: redis.Redis | None
-) -> tuple[float, float, float]:
+) -> RoundStats:
     """Publish ``n`` tasks to a fresh queue and let the worker drain it.
 
-    Returns tasks/s (by the results' date_done) and, with ``admin`` (a private server), the
-    Redis commands (those run by scripts included) and the EVALSHA calls that the whole round
-    cost per task, publishing and collecting included.
+    Returns tasks/s (by the results' date_done) and, with ``admin`` (a private server), what
+    the round cost the server per task from the consume order to the last result: the
+    worker's broker, result and lease work and this process's polling for the results.
+    Publishing the tasks and forgetting their results fall outside.
     """
     app = worker_app.app
     queue = f"bench-{tag}"
@@ -149,7 +192,7 @@ def run_round(
                 results.append(
                     worker_app.leased_tiny.apply_async((rid,), queue=queue, producer=producer)
                 )
-    before = total_calls(admin) if admin is not None else (0, 0)
+    before = ServerSnapshot.take(admin) if admin is not None else None
     replies = app.control.add_consumer(queue, destination=[worker.hostname], reply=True)
     if not replies:
         raise SystemExit(f"worker {worker.hostname} did not answer add_consumer")
@@ -172,15 +215,16 @@ def run_round(
         if len(done) < n:
             time.sleep(0.1)  # polling the backend slowly keeps its load off the measurement
     app.control.cancel_consumer(queue, destination=[worker.hostname], reply=True)
-    after = total_calls(admin) if admin is not None else (0, 0)
-    calls, scripts = ((a - b) / n for a, b in zip(after, before, strict=True))
-    if admin is None:
-        calls = scripts = float("nan")
+    after = ServerSnapshot.take(admin) if admin is not None else None
     for r in results:
         r.forget()
     stamps = sorted(_stamp(meta["date_done"]) for meta in done.values())
     span = stamps[-1] - stamps[0]
-    return ((n - 1) / span if span > 0 else float("inf")), calls, scripts
+    rate = (n - 1) / span if span > 0 else float("inf")
+    if before is None or after is None:
+        nan = math.nan
+        return RoundStats(rate, nan, nan, nan, nan, {})
+    return round_stats(rate, before, after, n)
 
 
 def _stamp(value: Any) -> float:
@@ -193,15 +237,39 @@ def _stamp(value: Any) -> float:
 class PoolResult:
     pool: str
     concurrency: int
-    plain: list[float]
-    leased: list[float]
-    plain_calls: list[float]
-    leased_calls: list[float]
-    leased_scripts: list[float]
+    plain_rounds: list[RoundStats] = field(default_factory=list)
+    leased_rounds: list[RoundStats] = field(default_factory=list)
+
+    @property
+    def plain(self) -> list[float]:
+        return [r.rate for r in self.plain_rounds]
+
+    @property
+    def leased(self) -> list[float]:
+        return [r.rate for r in self.leased_rounds]
 
     @property
     def ratio(self) -> float:
         return median(self.leased) / median(self.plain)
+
+    def work(self, kind: str, metric: str) -> float:
+        """The median over the rounds of one kind of a per-task metric of RoundStats."""
+        rounds = self.plain_rounds if kind == "plain" else self.leased_rounds
+        return median([getattr(r, metric) for r in rounds])
+
+    def lease_cost(self, metric: str) -> float:
+        """What the lease adds per task: leased minus plain, medians of the same run."""
+        return self.work("leased", metric) - self.work("plain", metric)
+
+    @property
+    def counted(self) -> bool:
+        return not math.isnan(self.work("leased", "commands"))
+
+    def by_command(self, kind: str) -> dict[str, float]:
+        """Per command, the median over the rounds of its calls per task."""
+        rounds = self.plain_rounds if kind == "plain" else self.leased_rounds
+        names = sorted({c for r in rounds for c in r.by_command})
+        return {c: median([r.by_command.get(c, 0.0) for r in rounds]) for c in names}
 
 
 def bench_pool(
@@ -213,21 +281,18 @@ def bench_pool(
     run_id: str,
     admin: redis.Redis | None,
 ) -> PoolResult:
-    out = PoolResult(worker.pool, worker.concurrency, [], [], [], [], [])
+    out = PoolResult(worker.pool, worker.concurrency)
     for kind in ("plain", "leased"):  # warm-up: imports, script loading, heartbeat threads
         run_round(worker_app, worker, kind, warmup, f"{run_id}-{worker.pool}-warm-{kind}", admin)
     for r in range(rounds):
         order = ("plain", "leased") if r % 2 == 0 else ("leased", "plain")
         for kind in order:
             tag = f"{run_id}-{worker.pool}-{r}-{kind}"
-            rate, calls, scripts = run_round(worker_app, worker, kind, n, tag, admin)
-            getattr(out, kind).append(rate)
-            getattr(out, f"{kind}_calls").append(calls)
-            if kind == "leased":
-                out.leased_scripts.append(scripts)
+            stats = run_round(worker_app, worker, kind, n, tag, admin)
+            (out.plain_rounds if kind == "plain" else out.leased_rounds).append(stats)
             progress(
-                f"{worker.pool} round {r + 1}/{rounds} {kind:6s} {rate:8.0f} tasks/s"
-                f"  {calls:5.1f} Redis commands/task"
+                f"{worker.pool} round {r + 1}/{rounds} {kind:6s} {stats.rate:8.0f} tasks/s"
+                f"  {stats.commands:5.1f} Redis commands/task, server {stats.cpu_us:5.0f} us/task"
             )
     return out
 
@@ -236,8 +301,23 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
+def _table(heads: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool) -> list[str]:
+    if markdown:
+        lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+        return lines + ["| " + " | ".join(row) + " |" for row in rows]
+    table = [tuple(heads), *(tuple(row) for row in rows)]
+    widths = [max(len(line[i]) for line in table) for i in range(len(heads))]
+    text = []
+    for k, line in enumerate(table):
+        text.append("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
+        if k == 0:
+            text.append("  ".join("-" * w for w in widths))
+    return text
+
+
 def render(results: Sequence[PoolResult], header: Sequence[str], markdown: bool) -> str:
-    rows = [
+    """The header, the throughput table and (private server) the Redis work per task."""
+    rates = [
         (
             f"{r.pool} (-c {r.concurrency})",
             f"{median(r.plain):,.0f}",
@@ -246,7 +326,6 @@ def render(results: Sequence[PoolResult], header: Sequence[str], markdown: bool)
             f">= {TARGET}",
             verdict(r.ratio >= TARGET),
             " / ".join(f"{lp:.2f}" for lp in _pair_ratios(r)),
-            _calls(r),
         )
         for r in results
     ]
@@ -258,37 +337,64 @@ def render(results: Sequence[PoolResult], header: Sequence[str], markdown: bool)
         "target",
         "verdict",
         "per-round ratios",
-        "Redis cmds/task plain / leased",
     )
-    if markdown:
-        lines = [*(f"- {line}" for line in header), ""]
-        lines += ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
-        lines += ["| " + " | ".join(row) + " |" for row in rows]
-        return "\n".join(lines)
-    table = [heads, *rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(heads))]
-    text = [*header, ""]
-    for k, line in enumerate(table):
-        text.append("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
-        if k == 0:
-            text.append("  ".join("-" * w for w in widths))
-    return "\n".join(text)
+    lines = [*(f"- {line}" for line in header)] if markdown else [*header]
+    lines += ["", *_table(heads, rates, markdown)]
+    counted = [r for r in results if r.counted]
+    if counted:
+        work = [
+            (
+                f"{r.pool} (-c {r.concurrency})",
+                f"{r.work('plain', 'commands'):.1f}",
+                f"{r.work('leased', 'commands'):.1f}",
+                f"{r.lease_cost('commands'):+.1f}",
+                f"{r.work('leased', 'scripts'):.2f}",
+                f"{r.work('plain', 'cpu_us'):,.0f}",
+                f"{r.work('leased', 'cpu_us'):,.0f}",
+                f"{r.lease_cost('cpu_us'):+,.0f}",
+                f"{r.work('leased', 'script_us'):,.0f}",
+            )
+            for r in counted
+        ]
+        work_heads = (
+            "pool",
+            "Redis cmds/task plain",
+            "leased",
+            "lease's cmds",
+            "EVALSHA/task",
+            "server us/task plain",
+            "leased",
+            "lease's us",
+            "scripts' us/task",
+        )
+        lines += ["", *_table(work_heads, work, markdown)]
+        for r in counted:
+            lines += ["", f"{r.pool}: the lease's commands per task, by command: {_extra(r)}"]
+    elif results:
+        lines += ["", "Redis work per task: n/a (a shared server: its counts are not ours alone)"]
+    return "\n".join(lines)
 
 
-def _calls(r: PoolResult) -> str:
-    plain, leased = median(r.plain_calls), median(r.leased_calls)
-    if math.isnan(plain) or math.isnan(leased):
-        return "n/a (shared server)"
-    return f"{plain:.1f} / {leased:.1f} ({median(r.leased_scripts):.1f} EVALSHA)"
+def _extra(r: PoolResult) -> str:
+    """Leased minus plain calls per task, per command (those of at least 0.1), most first."""
+    plain, leased = r.by_command("plain"), r.by_command("leased")
+    extra = {c: leased.get(c, 0.0) - plain.get(c, 0.0) for c in set(plain) | set(leased)}
+    shown = sorted((round(v, 1), c) for c, v in extra.items() if abs(v) >= 0.1)
+    shown.sort(key=lambda x: -x[0])
+    return ", ".join(f"{c.upper()} {v:+.1f}" for v, c in shown) or "none"
 
 
 def _pool_json(r: PoolResult) -> dict[str, Any]:
     """One pool's raw samples and medians; NaN (no counts on a shared server) becomes null."""
 
-    def clean(values: list[float]) -> list[float | None]:
-        return [None if math.isnan(v) else v for v in values]
+    def clean(value: float) -> float | None:
+        return None if math.isnan(value) else value
 
-    return {
+    def rounds(kind: str, metric: str) -> list[float | None]:
+        stats = r.plain_rounds if kind == "plain" else r.leased_rounds
+        return [clean(getattr(s, metric)) for s in stats]
+
+    out: dict[str, Any] = {
         "pool": r.pool,
         "concurrency": r.concurrency,
         "plain": r.plain,
@@ -297,10 +403,25 @@ def _pool_json(r: PoolResult) -> dict[str, Any]:
         "leased_median": median(r.leased),
         "ratio": r.ratio,
         "pass": r.ratio >= TARGET,
-        "plain_calls_per_task": clean(r.plain_calls),
-        "leased_calls_per_task": clean(r.leased_calls),
-        "leased_evalsha_per_task": clean(r.leased_scripts),
+        "round_ratios": _pair_ratios(r),
     }
+    for metric, name in METRICS.items():
+        for kind in ("plain", "leased"):
+            out[f"{kind}_{name}"] = rounds(kind, metric)
+            out[f"{kind}_{name}_median"] = clean(r.work(kind, metric))
+        out[f"lease_{name}"] = clean(r.lease_cost(metric))
+    out["plain_by_command"] = r.by_command("plain")
+    out["leased_by_command"] = r.by_command("leased")
+    return out
+
+
+#: RoundStats field -> its name in tasks.json (per task; ``_median`` and ``lease_`` variants)
+METRICS: Final = {
+    "commands": "calls_per_task",
+    "scripts": "evalsha_per_task",
+    "script_us": "script_us_per_task",
+    "cpu_us": "server_us_per_task",
+}
 
 
 def _pair_ratios(r: PoolResult) -> list[float]:
@@ -316,21 +437,32 @@ ABOUT: Final = (
     "round (1,000 tasks by default) publishes its tasks to a fresh queue first and then tells the "
     "worker to consume it (remote control `add_consumer`), so the worker never waits for the "
     "publisher; the rate is `(n - 1) / (last - first date_done)` of the stored results. Workers "
-    "run with `-l warning`, results stored. By default a private redis-server holds broker, "
-    "backend and leases, so `INFO commandstats` counts our commands only: the last column is the "
-    "commands a whole round cost per task (publish, consume, store and collect the result; for "
-    "leased tasks also acquire and release), the commands that Lua scripts run included, and in "
-    "brackets the EVALSHA calls per leased task. The value is the median of the rounds (5 by "
-    "default); the target is leased >= 0.9 x plain. Results also go to `bench/results/tasks.md`. "
-    "A lease adds two round trips to every task (the acquire and the release scripts): where one "
-    "process does all of a task's Redis work (solo) they weigh the most; under prefork the "
-    "children run them while the main process does the broker and result work."
+    "run with `-l warning`, results stored. The value is the median of the rounds (5 by "
+    "default); the target is leased >= 0.9 x plain. Results also go to `bench/results/tasks.md` "
+    "and `bench/results/tasks.json` (every round).",
+    "By default a private redis-server holds broker, backend and leases, so the server's counters "
+    "are ours alone, and the second table gives what a round cost the server per task, from the "
+    "consume order to the last stored result (the worker's broker, result and lease work and the "
+    "benchmark's polling for the results; publishing the tasks falls outside). **Redis cmds**: "
+    "the commands the server ran (`INFO commandstats` calls, those run inside Lua scripts and "
+    "`MULTI`/`EXEC` included). **EVALSHA**: the lease's script calls. **server us**: the CPU "
+    "time of the server's main thread (`INFO cpu`, user plus system), which includes reading, "
+    "parsing and answering each request. **scripts' us**: the `INFO commandstats` usec of the "
+    "EVALSHA calls, the time the lease's scripts ran, their inner commands included. The usec "
+    "of all commands cannot be added up for a total: Redis counts a command run by a script or "
+    "an `EXEC` both in its own entry and in the script's or the `EXEC`'s time. **lease's**: "
+    "leased minus plain, the medians of the same run: the library's cost per task; the line "
+    "under the table splits the lease's commands by command. A lease adds two round trips to "
+    "every task (the acquire and the release scripts): where one process does all of a task's "
+    "Redis work (solo) they weigh the most; under prefork the children run them while the main "
+    "process does the broker and result work.",
 )
+PLOT: Final = "![Task throughput and Redis work per task](img/bench-tasks.svg)"
 
 
 def docs_section(body: str) -> str:
-    about = textwrap.fill(ABOUT, 100, break_on_hyphens=False, break_long_words=False)
-    return "\n".join([SECTION, "", about, "", body, ""])
+    about = [textwrap.fill(p, 100, break_on_hyphens=False, break_long_words=False) for p in ABOUT]
+    return "\n\n".join([SECTION, *about, PLOT, body]) + "\n"
 
 
 def update_docs(path: Path, section: str) -> None:
@@ -406,7 +538,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             admin.close()
     elapsed = time.monotonic() - started
     header = [
-        f"machine: {machine['cpus']} cores, {machine['cpu_model']}; {machine['platform']}",
+        f"machine: {machine['cpus']} cores, {machine['cpu_model']}; {machine['platform']}; "
+        f"load {machine['load']} at start",
         f"python {machine['python']}, redis-py {machine['redis_py']}, "
         f"server {machine['server']} ({'private' if private else 'shared'})",
         f"run: {rounds} rounds x {n} tasks per kind and pool (+{warmup} warm-up), "

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 from ._engine import LeaseEngine
 from ._grants import (
     EXPIRY_SLACK,
-    TOKEN_MEMORY_MS,
     Busy,
     GrantsInFlight,
     acquire_call,
@@ -179,7 +178,7 @@ def _claim_attempt(
     Want(resource)  # a name without a UTF-8 form is a LeaseConfigError, not a redis one
     rk = engine.resource_keys(resource)
     keys = [rk.exclusive, rk.counter, engine.keys.unique_queued(rk.group)]
-    args: list[Any] = [escape(task_id), engine.ms(ttl), TOKEN_MEMORY_MS, resource]
+    args: list[Any] = [escape(task_id), engine.ms(ttl), engine.token_memory_ms, resource]
     try:
         # idempotent: sent again, it finds the claim the lost call made, queued for this
         # task id; that claim is this call's own (not an earlier publish's), so a failed
@@ -253,7 +252,7 @@ def _handover_attempt(
         owner,
         engine.ms(ttl),
         engine.grace_ms,
-        TOKEN_MEMORY_MS,
+        engine.token_memory_ms,
         engine.ms(registry_s) if registry_s else 0,
         escape(task_id),
         resource,

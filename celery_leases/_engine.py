@@ -89,6 +89,8 @@ class LeaseEngine:
         self.beat_won: dict[str, int] = {}
         self.grace_ms = grace_arg(settings)
         self.liveness = str(self.ms(settings.ttl))
+        #: the scripts' token counter memory (ms); 0: no counter is written (token_memory=0)
+        self.token_memory_ms = self.ms(settings.token_memory) if settings.token_memory else 0
         self.wait_replicas: tuple[Any, ...] = ()
         if settings.min_replicas:
             self.wait_replicas = (

@@ -54,10 +54,6 @@ __all__ = (
 
 logger = logging.getLogger(__name__)
 
-#: how long the last fencing token of a resource is remembered. Tokens never go backwards even
-#: without it (they are at least the Redis clock in microseconds); it covers bursts of grants
-#: that run ahead of the clock and small steps back of the server clock.
-TOKEN_MEMORY_MS: Final = 86_400_000
 #: seconds between looks at the grant calls still in flight, in a lost reply's recovery
 QUIET_POLL: Final = 0.005
 
@@ -441,7 +437,7 @@ def acquire_call(
     else:
         args += ["0", "0", ""]
     args += [
-        TOKEN_MEMORY_MS,
+        engine.token_memory_ms,
         engine.ms(registry_s) if registry_s else 0,
         escape(task_id) if task_id else "-",
     ]

@@ -377,6 +377,9 @@ def send_lease_lost(held: Held) -> None:
 def heartbeat() -> Heartbeat:
     """This process's heartbeat (made on first use, and again in a forked child)."""
     global _instance
+    instance = _instance  # the hot path: one read (a fork resets it in the child)
+    if instance is not None:
+        return instance
     with _instance_lock:
         if _instance is None:
             _instance = Heartbeat(lost_callback=send_lease_lost)

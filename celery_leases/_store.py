@@ -30,6 +30,7 @@ from ._engine import LeaseEngine, ResourceKeys
 from ._grants import Busy, busy_error, waiting_time
 from ._identity import Identity
 from ._inspect import Holder
+from ._lanes import Lanes
 from ._lease import Held, Want
 from ._once import (
     OnceRetry,
@@ -85,6 +86,7 @@ class LeaseStore:
         self._lock = threading.Lock()
         self._subscribers = Subscribers(lambda: self.client, settings.socket_timeout)
         self._renewals = RenewalLines(self)
+        self._lanes = Lanes()
         # the client object connects lazily; made now so a bad URL fails at start-up, and so
         # the scripts are registered before any method can reach for them
         self._target = _connect.parse_target(self.url)
@@ -144,6 +146,7 @@ class LeaseStore:
         self._subscribers.close()
         if client is not None and self._pid == os.getpid():
             client.close()
+        self._lanes.close()
         self._renewals.close()
 
     def backend_error(self, what: str, exc: BaseException) -> LeaseBackendError:
@@ -222,6 +225,8 @@ class LeaseStore:
             if type(call) is Command:
                 return [client.execute_command(*call.words)]
             assert isinstance(call, Script)
+            if not self.cluster:  # a grant, a release: on this thread's lane (_lanes)
+                return [self._lanes.send(client, call, op.once)]
             words = words_of(call)
             try:
                 return [client.execute_command(*words)]

@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import (
     AbstractAsyncContextManager,
     AbstractContextManager,
-    AsyncContextDecorator,
-    contextmanager,
 )
 from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
@@ -180,31 +178,8 @@ class Leases:
         """
         _check_wait(wait)
         if isinstance(resource, (str, Shared)):
-            return self._hold_one(resource, ttl, wait)
-        return self._hold_many(_resource_list("hold", resource), ttl, wait)
-
-    @contextmanager
-    def _hold_one(
-        self, resource: Resource, ttl: float | None, wait: float | None
-    ) -> Iterator[Lease]:
-        with self._hold_many([resource], ttl, wait) as leases:
-            yield leases[0]
-
-    @contextmanager
-    def _hold_many(
-        self, resources: list[Resource], ttl: float | None, wait: float | None
-    ) -> Iterator[list[Lease]]:
-        if not resources:
-            raise LeaseConfigError("hold() needs at least one resource")
-        leases = self.acquire(_wants("hold", resources), ttl=ttl, wait=wait)
-        failed = True
-        try:
-            yield leases
-            failed = False
-        finally:
-            lost = self.release(leases)
-        if not failed:
-            _raise_first_lost(lost)
+            return _Holding(self, [resource], ttl, wait, one=True)
+        return _Holding(self, _resource_list("hold", resource), ttl, wait, one=False)
 
     # --- once ---------------------------------------------------------------------------
     def once(
@@ -429,12 +404,15 @@ class Leases:
         return _released(todo, freed, lost)
 
 
-class _AHold(AbstractAsyncContextManager[T], AsyncContextDecorator):
-    """What :meth:`Leases.ahold` returns: acquire on entry, release on exit.
+class _AHold(AbstractAsyncContextManager[T]):
+    """What :meth:`Leases.ahold` returns: acquires on entry, releases on exit (as
+    :class:`_Holding` for :meth:`Leases.hold`).
 
-    A class, not an ``asynccontextmanager``: no generator to step through on each entry and
-    exit (it is the asyncio hot path). A decorator too, as an ``asynccontextmanager`` is.
+    A class rather than an ``asynccontextmanager``: ``ahold()`` is the asyncio hot path, and
+    the generator form stepped two generators per block.
     """
+
+    __slots__ = ("_ext", "_leases", "_one", "_resources", "_ttl", "_wait")
 
     def __init__(
         self,
@@ -450,23 +428,22 @@ class _AHold(AbstractAsyncContextManager[T], AsyncContextDecorator):
         self._ttl = ttl
         self._wait = wait
         self._one = one
-        self._leases: list[Lease] = []
-
-    def _recreate_cm(self) -> _AHold[T]:  # each decorated call holds anew
-        return _AHold[T](self._ext, self._resources, self._ttl, self._wait, one=self._one)
+        self._leases: list[Lease] | None = None
 
     async def __aenter__(self) -> T:
+        if self._leases is not None:
+            raise RuntimeError("an ahold() block can be entered only once")
         if not self._resources:
             raise LeaseConfigError("ahold() needs at least one resource")
         wants = _wants("ahold", self._resources)
         leases = self._leases = await self._ext.aacquire(wants, ttl=self._ttl, wait=self._wait)
         return cast("T", leases[0] if self._one else leases)
 
-    async def __aexit__(self, kind: type[BaseException] | None, *exc: object) -> None:
-        leases, self._leases = self._leases, []
+    async def __aexit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        assert self._leases is not None
         # shielded: a holder cancelled again on its way out still gives its leases back
-        lost = await shielded(self._ext.arelease(leases))
-        if kind is None:
+        lost = await shielded(self._ext.arelease(self._leases))
+        if exc_type is None:
             _raise_first_lost(lost)
 
 
@@ -495,6 +472,47 @@ def checked_settings(ext: Leases, *, full: bool = False) -> LeaseSettings:
         full: compare every key (a worker or beat start), not only the cheap ones.
     """
     return ext._check_settings(full=full)
+
+
+class _Holding:
+    """What :meth:`Leases.hold` returns: acquires on entry, releases on exit.
+
+    A class rather than a generator-based context manager: ``hold()`` is the hot path, and
+    the generator form cost two generators and their bookkeeping per block.
+    """
+
+    __slots__ = ("_ext", "_leases", "_one", "_resources", "_ttl", "_wait")
+
+    def __init__(
+        self,
+        ext: Leases,
+        resources: list[Resource],
+        ttl: float | None,
+        wait: float | None,
+        *,
+        one: bool,
+    ) -> None:
+        self._ext = ext
+        self._resources = resources
+        self._ttl = ttl
+        self._wait = wait
+        self._one = one
+        self._leases: list[Lease] | None = None
+
+    def __enter__(self) -> Any:
+        if self._leases is not None:
+            raise RuntimeError("a hold() block can be entered only once")
+        if not self._resources:
+            raise LeaseConfigError("hold() needs at least one resource")
+        wants = _wants("hold", self._resources)
+        leases = self._leases = self._ext.acquire(wants, ttl=self._ttl, wait=self._wait)
+        return leases[0] if self._one else leases
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        assert self._leases is not None
+        lost = self._ext.release(self._leases)
+        if exc_type is None:
+            _raise_first_lost(lost)
 
 
 def ttl_of(ext: Leases, ttl: float | None) -> float:

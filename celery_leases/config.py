@@ -248,6 +248,21 @@ class LeaseSettings(BaseSettings):
             "Costs nothing on a new Redis. 0 turns the check off. Needs INFO in the ACL."
         ),
     )
+    token_memory: float = Field(
+        86400.0,
+        ge=0.0,
+        le=10 * 365 * 86400.0,
+        description=(
+            "Seconds the last fencing token of a resource is kept in Redis after its grant (one "
+            "counter key per resource, about 130 bytes). A token is at least the Redis clock in "
+            "microseconds at its grant; within this time of the resource's last grant, the "
+            "counter also keeps it above the last one when the server clock steps back, or a "
+            "failover or slot migration lands the resource on a server whose clock is behind. "
+            "0 keeps no counter: nothing of a resource stays in Redis after its release, and "
+            "a token grows as long as the clock that grants it never reads earlier than at an "
+            "earlier grant of the resource. See 'How tokens are made' in hold-and-once.md."
+        ),
+    )
     receipt_ttl: float | None = Field(
         None,
         gt=0.0,

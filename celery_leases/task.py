@@ -95,6 +95,15 @@ from .app import Leases, find_leases, ttl_of
 from .config import LeaseSettings, OnBackendError, OnBusy, OnDuplicate, OnLost, get_settings
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseError, LeaseLost
 
+try:
+    # signal.signal converts both handlers to and from enums: 10 us a call, measured, and
+    # every leased task in a main thread sets and restores one; the C function takes 0.4 us
+    # (it knows the default action by its own SIG_DFL object only, not the enum)
+    from _signal import SIG_DFL as _DEFAULT_ACTION  # type: ignore[import-not-found]
+    from _signal import signal as _set_handler
+except ImportError:  # pragma: no cover - an interpreter without CPython's _signal
+    _set_handler, _DEFAULT_ACTION = signal.signal, signal.SIG_DFL
+
 __all__ = ("LeasedTask", "current_leases")
 
 logger = get_logger(__name__)
@@ -187,6 +196,17 @@ class _Template:
         return Want(name, "x" if self.mode == "x" else "s", self.limit)
 
 
+def _plain_params(signature: inspect.Signature) -> tuple[tuple[str, ...], dict[str, Any]] | None:
+    """``(names, defaults)`` of a signature whose parameters are all positional-or-keyword;
+    None for any other (``*args``, ``**kwargs``, keyword-only, positional-only)."""
+    params = signature.parameters.values()
+    if any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params):
+        return None
+    names = tuple(p.name for p in params)
+    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    return names, defaults
+
+
 def _backoff(settings: LeaseSettings, attempt: int) -> float:
     """Countdown of retry number ``attempt`` (0 first): exponential, capped, "equal jitter"."""
     delay = min(settings.retry_max_delay, settings.retry_delay * 2.0 ** min(attempt, 64))
@@ -274,7 +294,7 @@ class _Interrupter:
 
     def __enter__(self) -> _Interrupter:
         if self.main:
-            self._old_handler = signal.signal(self.SIGNAL, self._on_signal)
+            self._old_handler = _set_handler(self.SIGNAL, self._on_signal)
         with self._lock:
             self.running = True
         return self
@@ -286,7 +306,8 @@ class _Interrupter:
                 # cancel an asynchronous exception that did not land yet
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
         if self.main and self.fired is None:
-            signal.signal(self.SIGNAL, self._old_handler or signal.SIG_DFL)
+            old = self._old_handler
+            _set_handler(self.SIGNAL, _DEFAULT_ACTION if old is None else old)
         # After a fired interrupt our handler stays, inert (running is False): restoring the
         # default action could let a signal still in flight terminate the process.
 
@@ -355,6 +376,9 @@ class LeasedTask(Task[Any, Any]):
 
     _lease_templates: ClassVar[tuple[_Template, ...]] = ()
     _lease_signature: ClassVar[inspect.Signature | None] = None
+    #: the signature's ``(names, defaults)`` when every parameter is a plain one (positional
+    #: or keyword), for binding without ``Signature.bind`` (see ``_bound_values``)
+    _plain_params: ClassVar[tuple[tuple[str, ...], dict[str, Any]] | None] = None
     _unique_template: ClassVar[_Template | None] = None
 
     #: a busy lease is an expected end (on_busy="fail", a "wait" or "retry" that ran out):
@@ -402,6 +426,7 @@ class LeasedTask(Task[Any, Any]):
             return
         signature = cls._run_signature()
         cls._lease_signature = signature
+        cls._plain_params = _plain_params(signature)
         cls._lease_templates = tuple(_Template(name, i, signature.parameters) for i in items)
         if cls.unique is not None:
             cls._unique_template = _Template(name, cls.unique, signature.parameters, "unique")
@@ -422,6 +447,24 @@ class LeasedTask(Task[Any, Any]):
 
     # --- per call -----------------------------------------------------------------------
     def _bound_values(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        plain = self._plain_params
+        if plain is not None:
+            # the hot path of every leased task: what bind() and apply_defaults() give for a
+            # signature of plain parameters, when the arguments fit it (else bind() says why)
+            names, defaults = plain
+            if len(args) <= len(names):
+                values = dict(zip(names, args, strict=False))  # args may be fewer
+                if not any(k in values or k not in names for k in kwargs):
+                    values.update(kwargs)
+                    if len(values) == len(names):
+                        return values
+                    for name in names:
+                        if name not in values:
+                            if name not in defaults:
+                                break
+                            values[name] = defaults[name]
+                    else:
+                        return values
         signature = self._lease_signature or inspect.Signature()
         try:
             bound = signature.bind(*args, **kwargs)

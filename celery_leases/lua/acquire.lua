@@ -13,7 +13,9 @@
 --         restart_grace setting; -1: the record is not even read): see _lifetime.lua
 -- ARGV[4] "1" when the home keys are given (register the owner, refresh its liveness)
 -- ARGV[5] owner liveness in milliseconds   ARGV[6] escaped node name
--- ARGV[7] token counter memory in milliseconds
+-- ARGV[7] token counter memory in milliseconds (the token_memory setting); "0": no counter
+--         is written (one left by a caller with a memory is still read), and a shared grant
+--         stays above the tokens of the live shared holders instead
 -- ARGV[8] registry expiry to set in milliseconds (0: the caller knows it is long enough)
 -- ARGV[9] the holding task's id, escaped, or "-" (recorded in the registry for operators)
 -- then per resource i: mode ("x" or "s"), limit (0 = none), resource name (for the registry)
@@ -39,6 +41,8 @@ end
 local h = home and 5 or 2
 local a = 9
 local n = (#KEYS - h) / 3
+local memory = ARGV[7]
+local sharing = {}  -- i -> true: resource i has live shared holders (read with memory "0")
 
 -- first pass: every resource must be free for the mode asked; nothing is written but the
 -- removal of shared holders that already ran out
@@ -60,6 +64,7 @@ for i = 0, n - 1 do
       local first = redis.call('ZRANGE', skey, 0, 0, 'WITHSCORES')
       return {0, i + 1, math.max(tonumber(first[2]) - now, 1)}
     end
+    sharing[i] = count > 0
   end
 end
 
@@ -68,15 +73,33 @@ local tokens = {1}
 for i = 0, n - 1 do
   local xkey, skey, ckey = KEYS[h + 3 * i + 1], KEYS[h + 3 * i + 2], KEYS[h + 3 * i + 3]
   local mode, resource = ARGV[a + 3 * i + 1], ARGV[a + 3 * i + 3]
-  -- one call in the common case: store the clock, and look at what was there
   local token = now_us
-  local last = tonumber(redis.call('SET', ckey, num(token), 'PX', ARGV[7], 'GET') or '0')
-  if last >= token then
-    -- granted twice in one microsecond, or the server clock stepped back: stay above
-    token = last + 1
-    redis.call('SET', ckey, num(token), 'PX', ARGV[7])
+  if memory ~= '0' then
+    -- one call in the common case: store the clock, and look at what was there
+    local last = tonumber(redis.call('SET', ckey, num(token), 'PX', memory, 'GET') or '0')
+    if last >= token then
+      -- granted twice in one microsecond, or the server clock stepped back: stay above
+      token = last + 1
+      redis.call('SET', ckey, num(token), 'PX', memory)
+    end
+  else
+    -- no counter is kept; one that a caller with a memory left still counts
+    local last = tonumber(redis.call('GET', ckey) or '0')
+    if last >= token then
+      token = last + 1
+    end
+    if sharing[i] then
+      -- shared holders granted beside each other need no release in between: stay above theirs
+      for _, member in ipairs(redis.call('ZRANGE', skey, 0, -1)) do
+        local held = tonumber(string.match(member, '^%d+') or '0')
+        if held >= token then
+          token = held + 1
+        end
+      end
+    end
   end
-  local holder = num(token) .. ' ' .. owner
+  local text = num(token)
+  local holder = text .. ' ' .. owner
   if mode == 'x' then
     redis.call('SET', xkey, holder, 'PX', ttl)
   else
@@ -86,7 +109,7 @@ for i = 0, n - 1 do
     end
   end
   -- the registry entry: "<mode> <token> <task> <resource>" (the resource last: it may hold spaces)
-  redis.call('SADD', KEYS[2], mode .. ' ' .. num(token) .. ' ' .. ARGV[9] .. ' ' .. resource)
+  redis.call('SADD', KEYS[2], mode .. ' ' .. text .. ' ' .. ARGV[9] .. ' ' .. resource)
   tokens[#tokens + 1] = token
 end
 
@@ -95,9 +118,13 @@ if ARGV[8] ~= '0' then
   redis.call('PEXPIRE', KEYS[2], ARGV[8])
 end
 if home then
-  -- GT: a liveness only grows; a caller with a shorter one never cuts another's short
-  redis.call('ZADD', KEYS[3], 'GT', num(now + tonumber(ARGV[5])), owner)
-  redis.call('SADD', KEYS[4], owner)
-  redis.call('SADD', KEYS[5], ARGV[6])
+  -- GT: a liveness only grows; a caller with a shorter one never cuts another's short.
+  -- ZADD answers 1 only for an owner new to the index (its first grant, or one a reconcile
+  -- forgot): forget_owner.lua drops an owner from the index and its node's set together, so
+  -- an owner found in the index is registered under its node already
+  if redis.call('ZADD', KEYS[3], 'GT', num(now + tonumber(ARGV[5])), owner) == 1 then
+    redis.call('SADD', KEYS[4], owner)
+    redis.call('SADD', KEYS[5], ARGV[6])
+  end
 end
 return tokens

@@ -9,8 +9,7 @@
 -- then per lease i: mode ("x" or "s"), token, registry entry, release channel
 -- returns per lease i: 1 = released now, 0 = was no longer held by us
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now -- the Redis clock in ms, read only for a shared lease (an exclusive one needs none)
 local owner = ARGV[1]
 local out = {}
 for i = 0, #KEYS - 2 do
@@ -28,6 +27,10 @@ for i = 0, #KEYS - 2 do
     -- a shared member outlives its score until an acquire sweeps it out: one whose score
     -- passed had run out, and is not released now (though it goes)
     local score = redis.call('ZSCORE', key, holder)
+    if score and not now then
+      local t = redis.call('TIME')
+      now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    end
     if score then
       redis.call('ZREM', key, holder)
       if tonumber(score) > now then

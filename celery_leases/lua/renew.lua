@@ -52,10 +52,12 @@ end
 
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 if home then
-  -- re-registering costs little and heals an owner that a reconcile forgot while it could not
-  -- renew (its leases are reported lost above)
-  redis.call('ZADD', KEYS[2], 'GT', num(now + tonumber(ARGV[4])), owner)
-  redis.call('SADD', KEYS[3], owner)
-  redis.call('SADD', KEYS[4], ARGV[5])
+  -- an owner that a reconcile forgot while it could not renew (its leases are reported lost
+  -- above) is registered again: ZADD answers 1 only for an owner new to the index, and
+  -- forget_owner.lua drops an owner from the index and its node's set together
+  if redis.call('ZADD', KEYS[2], 'GT', num(now + tonumber(ARGV[4])), owner) == 1 then
+    redis.call('SADD', KEYS[3], owner)
+    redis.call('SADD', KEYS[4], ARGV[5])
+  end
 end
 return lost

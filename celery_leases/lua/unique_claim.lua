@@ -8,7 +8,8 @@
 -- KEYS[1] claim key (the exclusive lease key of the claim resource)
 -- KEYS[2] token counter of the claim resource   KEYS[3] queued-claims index of the slot group
 -- ARGV[1] task id, escaped   ARGV[2] queue ttl in milliseconds
--- ARGV[3] token counter memory in milliseconds   ARGV[4] claim resource name (index member)
+-- ARGV[3] token counter memory in milliseconds ("0": none is written, one left is still read)
+-- ARGV[4] claim resource name (index member)
 -- returns {1, token}          claimed for this task
 --         {2, token}          already queued for this same task id (a re-publish): its TTL is
 --                             raised to the queue ttl if it was shorter
@@ -51,10 +52,14 @@ end
 
 -- a fencing token as acquire.lua makes them: above every earlier one, at least the clock in us
 local token = now_us
-local last = tonumber(redis.call('SET', KEYS[2], num(token), 'PX', ARGV[3], 'GET') or '0')
-if last >= token then
-  token = last + 1
-  redis.call('SET', KEYS[2], num(token), 'PX', ARGV[3])
+if ARGV[3] ~= '0' then
+  local last = tonumber(redis.call('SET', KEYS[2], num(token), 'PX', ARGV[3], 'GET') or '0')
+  if last >= token then
+    token = last + 1
+    redis.call('SET', KEYS[2], num(token), 'PX', ARGV[3])
+  end
+else
+  token = math.max(token, tonumber(redis.call('GET', KEYS[2]) or '0') + 1)
 end
 redis.call('SET', KEYS[1], num(token) .. ' ' .. mine, 'PX', ttl)
 index(now + ttl)

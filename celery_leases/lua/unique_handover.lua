@@ -11,7 +11,8 @@
 -- ARGV[1] owner id   ARGV[2] lease ttl in milliseconds
 -- ARGV[3] grace in milliseconds after Redis is found without the lifetime record (the
 --         restart_grace setting; -1: the record is not even read): see _lifetime.lua
--- ARGV[4] token counter memory in milliseconds
+-- ARGV[4] token counter memory in milliseconds ("0": none is written, one left is still read,
+--         and the token stays above the queued claim's)
 -- ARGV[5] registry expiry to set in milliseconds (0: the caller knows it is long enough)
 -- ARGV[6] task id, escaped   ARGV[7] claim resource name
 -- returns {1, token}          taken: it was queued for this task, or free
@@ -41,10 +42,17 @@ if current then
 end
 
 local token = now_us
-local last = tonumber(redis.call('SET', KEYS[4], num(token), 'PX', ARGV[4], 'GET') or '0')
-if last >= token then
-  token = last + 1
-  redis.call('SET', KEYS[4], num(token), 'PX', ARGV[4])
+if ARGV[4] ~= '0' then
+  local last = tonumber(redis.call('SET', KEYS[4], num(token), 'PX', ARGV[4], 'GET') or '0')
+  if last >= token then
+    token = last + 1
+    redis.call('SET', KEYS[4], num(token), 'PX', ARGV[4])
+  end
+else
+  local last = tonumber(redis.call('GET', KEYS[4]) or '0')
+  -- the queued claim's token, "<token> %queued/<task>": no counter holds it
+  local queued = current and tonumber(string.match(current, '^%d+') or '0') or 0
+  token = math.max(token, last + 1, queued + 1)
 end
 redis.call('SET', KEYS[3], num(token) .. ' ' .. owner, 'PX', ARGV[2])
 -- the registry entry, as acquire.lua writes it: "x <token> <task> <resource>"

@@ -1,4 +1,4 @@
-"""The fleet and cleanup benchmarks run at a tiny size, so they cannot rot.
+"""The task, fleet and cleanup benchmarks run at a tiny size, so they cannot rot.
 
 No timing is asserted: only that each run ends well and writes results of the right shape,
 its plot and its docs section. The claims the cleanup benchmark checks on exact command
@@ -138,3 +138,41 @@ def test_fleet_bench_tiny(tmp_path: Path, leases_redis_url: str) -> None:
     titles = svg_titles(tmp_path / "bench-fleet.svg")
     assert any("plain vs leased" in t for t in titles)
     assert any("Acquire latency" in t for t in titles)
+
+
+@pytest.mark.worker
+def test_tasks_bench_tiny(tmp_path: Path) -> None:
+    docs = tmp_path / "benchmarks.md"
+    out = run_bench(
+        "tasks",
+        "--pools", "solo",
+        "--rounds", "1",
+        "--tasks", "20",
+        "--out-dir", str(tmp_path),
+        "--docs", str(docs),
+    )  # fmt: skip
+
+    data: dict[str, Any] = json.loads((tmp_path / "tasks.json").read_text())
+    assert data["config"]["private_server"] is True
+    (solo,) = data["pools"]
+    assert solo["pool"] == "solo"
+    assert solo["plain_median"] > 0
+    assert solo["leased_median"] > 0
+    # a private server counts our commands only: the lease's two scripts and what they run
+    assert solo["leased_evalsha_per_task_median"] >= 2
+    assert solo["plain_evalsha_per_task_median"] < 1
+    assert solo["lease_calls_per_task"] > 2
+    assert solo["leased_by_command"]["evalsha"] >= 2
+    for kind in ("plain", "leased"):
+        assert solo[f"{kind}_calls_per_task_median"] > 0
+        assert solo[f"{kind}_server_us_per_task_median"] > 0
+    assert solo["leased_script_us_per_task_median"] > 0
+    assert "lease's cmds" in out
+    section = docs.read_text()
+    assert "## Task throughput" in section
+    assert "img/bench-tasks.svg" in section
+    assert "scripts' us/task" in section
+    heads = svg_titles(tmp_path / "bench-tasks.svg")
+    assert any("plain vs leased" in t for t in heads)
+    assert any("Redis commands per task" in t for t in heads)
+    assert any("server time per task" in t for t in heads)

@@ -312,6 +312,25 @@ def test_a_lost_release_reply_is_no_lost_lease(
     assert_free_for_others(other, "printer")
 
 
+@HOW
+def test_after_a_lost_reply_the_threads_next_calls_read_their_own_replies(
+    mine: Leases, other: Leases, proxy: LossyProxy, how: str
+):
+    # grants and releases go on a connection of the thread's own (_lanes): a reply that
+    # comes late must never be read as the reply to the thread's next call
+    lose(proxy, _scripts.RELEASE, how)
+    with mine.hold("first") as first:
+        pass
+    assert not proxy.armed()
+    for name in ("second", "third"):
+        with mine.hold(name) as lease:
+            (holder,) = other.store.holders(name)
+            assert (holder.token, holder.owner) == (lease.token, mine.identity().owner)
+            assert lease.token > first.token
+        assert other.store.holders(name) == []
+    assert registry_empty(mine)
+
+
 def test_a_release_replayed_is_harmless(make_leases: Callable[..., Leases]):
     mine = make_leases()
     other = make_leases(node="other-node")

@@ -1,0 +1,126 @@
+"""Lanes: each thread's own connection for the sync driver's single script calls.
+
+A grant and a release are one EVALSHA each. Sent through ``client.execute_command``, each
+pays redis-py's per-command machinery (the pool's checkout and check-in, its observability
+recorders, the retry wrapper, event dispatch): measured at about 75 µs of a 115 µs call on
+loopback, against 38 µs for the same call written and read on a connection directly. So a
+thread keeps one connection of its own (a lane) and sends a single script call on it
+directly, with the client's semantics kept: the connection's own connect step (the restart
+check of ``_lifetime`` runs on every new connection), its socket timeouts, one resend after
+a connection error only when the call allows it (``Send.once`` is False), NOSCRIPT loading
+the script and sending again (the script did not run), and a connection that failed in the
+middle of a call dropped, so no later call can read a stale reply.
+
+Not on a cluster (the client routes by slot there). A lane is made anew after a fork or a
+new client, closed when its thread ends, and all of them by :meth:`Lanes.close`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+
+from ._protocol import Script, words_of
+from ._scripts import SOURCE
+
+__all__ = ("Lanes",)
+
+_pack: Callable[[tuple[Any, ...]], bytes] | None
+try:
+    from hiredis import pack_command as _pack
+except ImportError:  # pragma: no cover - hiredis is optional
+    _pack = None
+
+
+class _Lane:
+    """One thread's connection, for one client in one process."""
+
+    __slots__ = ("__weakref__", "client", "conn", "pid")
+
+    def __init__(self, client: Any, conn: Any, pid: int) -> None:
+        self.client = client
+        self.conn = conn
+        self.pid = pid
+
+    def __del__(self) -> None:
+        # the thread ended (its locals go) or the lane was replaced: close the socket
+        if self.pid == os.getpid():
+            with suppress(Exception):
+                self.conn.disconnect()
+
+
+class Lanes:
+    """A store's lanes: one connection per thread that sends script calls."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._all: weakref.WeakSet[_Lane] = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def send(self, client: Any, call: Script, once: bool) -> Any:
+        """EVALSHA ``call`` on this thread's connection of ``client``; its reply.
+
+        ``once``: a single attempt (no resend after a connection error). Raises redis-py's
+        errors, as ``client.execute_command`` would.
+        """
+        conn = self._conn(client)
+        words = words_of(call)
+        # hiredis packs our words (str and int) as redis-py would, without its per-word scan
+        packed = [_pack(words)] if _pack is not None else conn.pack_command(*words)
+        resends = 0 if once else 1
+        while True:
+            try:
+                if conn._sock is None:
+                    # connect() as the pool does: a Sentinel connection asks the sentinels
+                    # for the master there (send_packed_command would connect to the
+                    # connection's default address instead), and the restart check runs
+                    conn.connect()
+                conn.send_packed_command(packed, check_health=False)
+                return conn.read_response()
+            except NoScriptError:
+                # Redis restarted or SCRIPT FLUSH ran: the script did not run
+                conn.send_command("SCRIPT", "LOAD", SOURCE[call.name], check_health=False)
+                conn.read_response()
+                conn.send_packed_command(packed, check_health=False)
+                return conn.read_response()
+            except ResponseError:
+                raise  # an error reply: the connection is in step
+            except RedisConnectionError:
+                conn.disconnect()
+                if resends == 0:
+                    raise
+                resends -= 1
+            except BaseException:
+                # a timeout, or an interrupt mid-call: the reply may still come on this
+                # connection, so it must not be read by the next call
+                conn.disconnect()
+                raise
+
+    def _conn(self, client: Any) -> Any:
+        lane: _Lane | None = getattr(self._local, "lane", None)
+        if lane is not None and lane.client is client and lane.pid == os.getpid():
+            return lane.conn
+        pool = client.connection_pool
+        conn = pool.connection_class(**pool.connection_kwargs)
+        lane = self._local.lane = _Lane(client, conn, os.getpid())
+        with self._lock:
+            self._all.add(lane)
+        return conn
+
+    def close(self) -> None:
+        """Close every lane of this process (each thread makes a new one on its next call)."""
+        with self._lock:
+            lanes = list(self._all)
+            self._all = weakref.WeakSet()
+        pid = os.getpid()
+        for lane in lanes:
+            if lane.pid == pid:
+                lane.conn.disconnect()
+        self._local = threading.local()

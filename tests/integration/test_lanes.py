@@ -1,0 +1,81 @@
+"""Each thread's own connection for grants and releases (``_lanes``): opened on a thread's
+first script call, closed when the thread ends and by ``store.close()``. Counted on a private
+server, where every connection named ``celery_leases`` is this test's.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from celery_leases import Leases
+from tests.support.polling import wait_until
+
+
+def ours(server_url: str) -> int:
+    with redis.Redis.from_url(server_url) as admin:
+        return sum(1 for c in admin.client_list() if c.get("name") == "celery_leases")
+
+
+def hold_in_threads(
+    leases: Leases, n: int, gate: threading.Event
+) -> tuple[list[threading.Thread], threading.Semaphore]:
+    """``n`` threads that each hold and release a lease, then wait for ``gate``; the
+    semaphore is released once per thread that is done with its lease."""
+    done = threading.Semaphore(0)
+
+    def work(i: int) -> None:
+        with leases.hold(f"lane:{i}"):
+            pass
+        done.release()
+        gate.wait(30)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads, done
+
+
+def all_done(done: threading.Semaphore, n: int) -> None:
+    for _ in range(n):
+        assert done.acquire(timeout=10), "a thread did not finish its hold"
+
+
+def test_a_threads_connection_goes_when_the_thread_ends(
+    make_redis_server: Callable[..., Any], make_leases: Callable[..., Leases]
+) -> None:
+    server = make_redis_server()
+    leases = make_leases(redis_url=server.url)
+    with leases.hold("warm"):  # this thread's own, and the pool's
+        pass
+    before = ours(server.url)
+    gate = threading.Event()
+    threads, done = hold_in_threads(leases, 3, gate)
+    all_done(done, 3)
+    assert ours(server.url) == before + 3  # one each, kept while the thread lives
+    gate.set()
+    for t in threads:
+        t.join(10)
+    # the three threads' connections are closed with them; the pool's stay
+    wait_until(lambda: ours(server.url) <= before, 10, "the threads' connections closed")
+
+
+def test_store_close_closes_every_threads_connection(
+    make_redis_server: Callable[..., Any], make_leases: Callable[..., Leases]
+) -> None:
+    server = make_redis_server()
+    leases = make_leases(redis_url=server.url)
+    gate = threading.Event()
+    threads, done = hold_in_threads(leases, 3, gate)
+    all_done(done, 3)
+    assert ours(server.url) >= 3
+    leases.store.close()  # the threads are still alive
+    wait_until(lambda: ours(server.url) == 0, 10, "every connection closed")
+    gate.set()
+    for t in threads:
+        t.join(10)
+    with leases.hold("after-close"):  # a new connection is made on the next call
+        pass
