@@ -57,6 +57,13 @@ __all__ = ("AsyncLeaseStore", "make_async_client", "shielded")
 
 logger = get_logger(__name__)
 
+_hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
+try:
+    from hiredis import pack_command as _hiredis_pack
+except ImportError:  # pragma: no cover - hiredis is optional
+    _hiredis_pack = None
+_UTF8: Final = frozenset({"utf-8", "utf8", "UTF-8"})
+
 T = TypeVar("T")
 
 #: connections of one event loop's client; more concurrent commands wait for a free one
@@ -348,10 +355,7 @@ class _Lane:
                 await conn.connect()  # with the restart check (see _lifetime)
             finally:
                 conn.socket_timeout = None
-        encoder = conn.encoder
-        packed = _packed(words, encoder.encoding, encoder.encoding_errors)
-        if packed is None:
-            packed = conn.pack_command(*words)
+        packed = _pack(conn, words)
         try:
             async with asyncio.timeout(self._timeout):  # type: ignore[attr-defined,unused-ignore]
                 await conn.send_packed_command(packed)
@@ -367,6 +371,16 @@ class _Lane:
     async def aclose(self) -> None:
         with contextlib.suppress(RedisError, OSError):
             await self.conn.disconnect()
+
+
+def _pack(conn: Any, words: Sequence[Any]) -> list[bytes]:
+    """``words`` packed for ``conn``: by hiredis if there (our words are str and int, which it
+    packs as redis-py does, utf-8), else by :func:`_packed`, else by redis-py."""
+    encoder = conn.encoder
+    utf8 = encoder.encoding in _UTF8 and encoder.encoding_errors == "strict"
+    if _hiredis_pack is not None and utf8:
+        return [_hiredis_pack(tuple(words))]
+    return _packed(words, encoder.encoding, encoder.encoding_errors) or conn.pack_command(*words)
 
 
 def _packed(words: Sequence[Any], encoding: str, errors: str) -> list[bytes] | None:

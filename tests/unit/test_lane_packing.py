@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from redis.asyncio.connection import Connection
 
-from celery_leases._astore import _packed
+from celery_leases._astore import _pack, _packed
 
 WORDS: list[tuple[Any, ...]] = [
     ("EVALSHA", "4c929e7085c491f98e5a000ac9aea021c49be65a", 2, "{p:0}:x:r", "{p:0}:reg:n/1/2"),
@@ -22,6 +22,16 @@ def test_the_lane_packs_as_redis_py(words: tuple[Any, ...]) -> None:
     packed = _packed(words, "utf-8", "strict")
     assert packed is not None
     assert b"".join(packed) == b"".join(conn.pack_command(*words))
+
+
+@pytest.mark.parametrize("words", WORDS)
+@pytest.mark.parametrize(("encoding", "errors"), [("utf-8", "strict"), ("latin-1", "replace")])
+def test_the_lane_packs_for_its_connection_as_redis_py(
+    words: tuple[Any, ...], encoding: str, errors: str
+) -> None:
+    # hiredis's packer where it is installed and the encoding is utf-8, else ours
+    conn = Connection(decode_responses=True, encoding=encoding, encoding_errors=errors)
+    assert b"".join(_pack(conn, words)) == b"".join(conn.pack_command(*words))
 
 
 @pytest.mark.parametrize("odd", [True, None, bytearray(b"x"), memoryview(b"x"), object()])
