@@ -937,12 +937,21 @@ def _carry(awaitable: Awaitable[T]) -> tuple[asyncio.Task[T | None], asyncio.Fut
 
     The shield of :func:`_shielded`: a cancelled awaiter cancels the future only, the task
     runs to its end (its result: the outcome, or None after an error). It is marked, so the
-    requests a store sends from inside it get no task of their own (see ``_execute``).
+    requests a store sends from inside it get no task of their own (see ``_execute``). On
+    Python 3.12 and later it starts eagerly: its first step runs before this returns.
     """
     loop = asyncio.get_running_loop()
     outcome: asyncio.Future[T] = loop.create_future()
     carried = _carried(awaitable, outcome)
+    if _EAGER:
+        # it runs at once up to its first wait (the request written), not a loop turn later
+        task = asyncio.Task(carried, loop=loop, eager_start=True)  # type: ignore[call-arg,unused-ignore]
+        return task, outcome
     return loop.create_task(carried), outcome
+
+
+#: tasks may start eagerly (Python 3.12)
+_EAGER: Final = sys.version_info >= (3, 12)
 
 
 async def _shielded(awaitable: Awaitable[T]) -> T:
