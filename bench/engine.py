@@ -10,7 +10,8 @@ in rounds that interleave the contenders against the same Redis (so noise hits a
 alike), marks each target PASS or MISS, and exits 0 either way. By default it starts a private
 redis-server on a free loopback port, so INFO commandstats counts our commands only.
 
-(a) uncontended acquire+release cycles/s from one thread, and client round trips per cycle
+(a) uncontended acquire+release cycles/s from one thread, and client round trips per cycle;
+    its asyncio rows: ahold() against the same floor on redis.asyncio, and its Lock
 (b) handoff delay: a holder in another process releases, a blocked waiter here takes over
 (c) heartbeat cost: Redis calls per second while one process holds 1, 10, 100, 1000 leases
 
@@ -21,6 +22,7 @@ docs/img/benchmarks.svg is redrawn from them (bench/plot.py, best effort).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import cProfile
 import io
 import itertools
@@ -30,13 +32,14 @@ import random
 import secrets
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Final
 
 import redis
+import redis.asyncio as aredis
 import redis_lock
 from celery import Celery
 
@@ -80,6 +83,7 @@ LEGEND: Final = (
 # targets
 CYCLE_RATIO_TARGET: Final = 0.9  # hold() >= 0.9x the raw floor
 CYCLE_ROUND_TRIPS_TARGET: Final = 2.0  # and 2 round trips per acquire+release
+ACYCLE_RATIO_TARGET: Final = 0.9  # ahold() >= 0.9x the raw floor on redis.asyncio
 FLAT_TOLERANCE: Final = 0.1  # heartbeat calls/s within +-10% of the 1-lease case
 
 # the contenders' keys, in table order
@@ -92,6 +96,15 @@ LABELS: Final = {
     FLOOR: "raw floor (SET NX PX + CAD script)",
     REDIS_PY: "redis-py Lock",
     PRL: "python-redis-lock",
+}
+# the asyncio contenders of (a)
+AHOLD: Final = "ahold"
+AFLOOR: Final = "afloor"
+AREDIS_PY: Final = "aredis-py"
+ALABELS: Final = {
+    AHOLD: "celery_leases ahold()",
+    AFLOOR: "asyncio floor (SET NX PX + CAD script)",
+    AREDIS_PY: "redis.asyncio Lock",
 }
 WAIT_LABELS: Final = {
     HOLD: "celery_leases hold(wait=10)",
@@ -292,6 +305,189 @@ def cycle_rows(cfg: Config, res: dict[str, dict[str, Any]], private: bool) -> li
 
 def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
+
+
+# --- (a) asyncio: uncontended cycles on one event loop ----------------------------------------
+@dataclass(frozen=True)
+class AsyncCycleContender:
+    key: str
+    cycle: Callable[[], Awaitable[None]]
+    top_level: tuple[str, ...]
+
+
+def async_cycle_contenders(
+    url: str, leases: Leases, run_id: str
+) -> tuple[list[AsyncCycleContender], list[aredis.Redis]]:
+    """The asyncio contenders, and the clients to close on the loop when done."""
+
+    def name(key: str) -> str:
+        return f"bench:{run_id}:a:{key}"
+
+    hold_name = name(AHOLD)
+
+    async def ahold_cycle() -> None:
+        async with leases.ahold(hold_name, ttl=30.0):
+            pass
+
+    floor_client = aredis.Redis.from_url(url)
+    compare_and_delete = floor_client.register_script(COMPARE_AND_DELETE)
+    floor_key = name(AFLOOR)
+    tokens = itertools.count(1)
+
+    async def afloor_cycle() -> None:
+        token = str(next(tokens))
+        if not await floor_client.set(floor_key, token, nx=True, px=30_000):
+            raise RuntimeError(f"asyncio floor: {floor_key} was not free")
+        if await compare_and_delete(keys=[floor_key], args=[token]) != 1:
+            raise RuntimeError(f"asyncio floor: {floor_key} was not ours at release")
+
+    rpy_client = aredis.Redis.from_url(url)
+    rpy_name = name(AREDIS_PY)
+
+    async def arpy_cycle() -> None:
+        lock = rpy_client.lock(rpy_name, timeout=30)
+        if not await lock.acquire(blocking=False):
+            raise RuntimeError(f"redis.asyncio Lock: {rpy_name} was not free")
+        await lock.release()
+
+    contenders = [
+        AsyncCycleContender(AHOLD, ahold_cycle, ("evalsha",)),
+        AsyncCycleContender(AFLOOR, afloor_cycle, ("set", "evalsha")),
+        AsyncCycleContender(AREDIS_PY, arpy_cycle, ("set", "evalsha")),
+    ]
+    return contenders, [floor_client, rpy_client]
+
+
+async def atimed(cycle: Callable[[], Awaitable[None]], count: int) -> float:
+    """Seconds that ``count`` awaited calls of ``cycle`` take."""
+    start = time.perf_counter()
+    for _ in range(count):
+        await cycle()
+    return time.perf_counter() - start
+
+
+class AsyncWriteCounter:
+    """Counts asyncio client round trips: redis.asyncio's ``send_packed_command`` calls.
+
+    The asyncio twin of :class:`WriteCounter`. Everything on the loop counts (one loop, one
+    thread; the asyncio heartbeat renews every 10 s at ttl 30 s, so its share is nil).
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._owner: Any = aredis.connection.AbstractConnection
+        self._original: Any = None
+
+    def __enter__(self) -> AsyncWriteCounter:
+        original = self._original = self._owner.__dict__["send_packed_command"]
+
+        async def send_packed_command(conn: Any, *args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return await original(conn, *args, **kwargs)
+
+        self._owner.send_packed_command = send_packed_command
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._owner.send_packed_command = self._original
+
+
+async def _abench_cycles(
+    cfg: Config, contenders: list[AsyncCycleContender], admin: redis.Redis
+) -> dict[str, dict[str, Any]]:
+    """:func:`bench_cycles` on the running loop: the same interleaved slices and rounds."""
+    for contender in contenders:
+        await atimed(contender.cycle, cfg.warmup)  # connections, SCRIPT LOAD, the heartbeat
+    rates: dict[str, list[float]] = {c.key: [] for c in contenders}
+    server_us: dict[str, list[float]] = {c.key: [] for c in contenders}
+    slices = max(1, cfg.cycles // cfg.slice_cycles)
+    per_slice = cfg.cycles // slices
+    for rnd in range(cfg.rounds):
+        seconds = dict.fromkeys(rates, 0.0)
+        usec = dict.fromkeys(rates, 0)
+        before = CommandStats.take(admin)  # a sync call, outside the timed slices
+        for turn in range(slices):
+            for contender in rotated(contenders, rnd + turn):
+                seconds[contender.key] += await atimed(contender.cycle, per_slice)
+                after = CommandStats.take(admin)
+                usec[contender.key] += sum(after.usec_since(before, c) for c in contender.top_level)
+                before = after
+        for key in rates:
+            rates[key].append(slices * per_slice / seconds[key])
+            server_us[key].append(usec[key] / (slices * per_slice))
+        summary = ", ".join(f"{k} {rates[k][-1]:,.0f}/s" for k in rates)
+        progress(f"(a, asyncio) round {rnd + 1}/{cfg.rounds}: {summary}")
+    round_trips: dict[str, float] = {}
+    for contender in contenders:
+        with AsyncWriteCounter() as writes:
+            await atimed(contender.cycle, cfg.count_cycles)
+        round_trips[contender.key] = writes.count / cfg.count_cycles
+    return {
+        c.key: {
+            "rates": rates[c.key],
+            "median": median(rates[c.key]),
+            "server_us_per_cycle": median(server_us[c.key]),
+            "round_trips_per_cycle": round_trips[c.key],
+        }
+        for c in contenders
+    }
+
+
+def bench_async_cycles(
+    cfg: Config, url: str, leases: Leases, admin: redis.Redis, run_id: str
+) -> dict[str, dict[str, Any]]:
+    """(a) on one event loop of its own: ahold() against the asyncio floor and Lock."""
+
+    async def main() -> dict[str, dict[str, Any]]:
+        contenders, clients = async_cycle_contenders(url, leases, run_id)
+        try:
+            return await _abench_cycles(cfg, contenders, admin)
+        finally:
+            await leases.aclose()
+            for client in clients:
+                await client.aclose()
+
+    return asyncio.run(main())
+
+
+def async_cycle_rows(cfg: Config, res: dict[str, dict[str, Any]], private: bool) -> list[Row]:
+    floor = res[AFLOOR]["median"]
+    metric = f"asyncio cycles/s (median of {cfg.rounds}x{cfg.cycles})"
+    rows = []
+    for key in (AHOLD, AFLOOR, AREDIS_PY):
+        r = res[key]
+        ratio = r["median"] / floor
+        details = [
+            f"{r['round_trips_per_cycle']:.2f} RT/cycle",
+            f"{1e6 / r['median']:.0f} us/cycle",
+        ]
+        if private:
+            details.append(f"server {r['server_us_per_cycle']:.1f} us/cycle")
+        details.append(f"rounds {min(r['rates']):,.0f}-{max(r['rates']):,.0f}")
+        if key == AHOLD:
+            ok = (
+                ratio >= ACYCLE_RATIO_TARGET
+                and round(r["round_trips_per_cycle"], 2) == CYCLE_ROUND_TRIPS_TARGET
+            )
+            target = f">= {ACYCLE_RATIO_TARGET:.2f}x asyncio floor, 2 RT: {verdict(ok)}"
+            r["pass"] = ok
+        elif key == AFLOOR:
+            target = "baseline (asyncio)"
+        else:
+            target = "-"
+        rows.append(
+            Row(
+                "a",
+                ALABELS[key],
+                metric,
+                format_rate(r["median"]),
+                f"{ratio:.2f}x asyncio floor",
+                "; ".join(details),
+                target,
+                data={"contender": key, **r, "ratio": ratio},
+            )
+        )
+    return rows
 
 
 # --- (b) handoff delay ----------------------------------------------------------------------------
@@ -644,6 +840,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "a" in args.only:
                 raw["a"] = bench_cycles(cfg, contenders, admin)
                 rows += cycle_rows(cfg, raw["a"], private)
+                raw["a-asyncio"] = bench_async_cycles(cfg, url, leases, admin, run_id)
+                rows += async_cycle_rows(cfg, raw["a-asyncio"], private)
             if "b" in args.only:
                 raw["b"] = bench_handoff(cfg, url, leases, prefix, run_id)
                 rows += handoff_rows(cfg, raw["b"])

@@ -6,9 +6,11 @@ import asyncio
 import contextlib
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Final, TypeVar
@@ -51,9 +53,16 @@ from ._store import LeaseStore
 from .config import LeaseSettings, safe_url
 from .exceptions import LeaseConfigError
 
-__all__ = ("AsyncLeaseStore", "make_async_client")
+__all__ = ("AsyncLeaseStore", "make_async_client", "shielded")
 
 logger = get_logger(__name__)
+
+_hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
+try:
+    from hiredis import pack_command as _hiredis_pack
+except ImportError:  # pragma: no cover - hiredis is optional
+    _hiredis_pack = None
+_UTF8: Final = frozenset({"utf-8", "utf8", "UTF-8"})
 
 T = TypeVar("T")
 
@@ -292,6 +301,107 @@ class _LoopState:
     # on a cluster with min_replicas: plain clients of single nodes, (host, port, renewal?)
     # -> client; a WAIT has no key, so it goes down the connection of the write before it
     nodes: dict[tuple[str, int, bool], aredis.Redis] = field(default_factory=dict)
+    # standalone or Sentinel: the connection of single script calls (see _Lane)
+    lane: _Lane | None = None
+
+
+class _Lane:
+    """A connection of its own for single script calls, one call at a time (the hot path).
+
+    redis-py's per-command path (the pool's get and release with their observability
+    records, the retry wrapper, a task of :func:`asyncio.wait_for` around each socket write
+    before Python 3.12) costs more than the round trip itself on a loopback. A call that
+    finds the lane free goes down its connection directly; others take the pool's path. The
+    outcome of a call is the same as on that path:
+
+    - before each call, a connection that was closed (its EOF seen) or has unread data is
+      connected afresh, with the restart check and the socket timeouts of any new
+      connection: a connection killed between calls costs a reconnect, not a lost reply.
+      (The pool makes this check too, but skips it when redis-py's maintenance
+      notifications are on.)
+    - the write and the read have one deadline, ``socket_timeout``; a reply not read by
+      then is redis-py's TimeoutError, and the connection is closed. A cut connection is its
+      ConnectionError. Both leave the outcome unknown: the caller throws a lost Failure.
+    - an error reply is raised as it is; NOSCRIPT (nothing ran) goes the pool's path.
+    - a cancelled call closes the connection (redis-py does, on any error while reading).
+
+    The connection is made like the pool's (the same class and options: TLS, Sentinel's
+    master lookup, the restart check), but apart from it. Its ``socket_timeout`` is set while
+    it connects only; its calls run under the lane's own deadline.
+    """
+
+    def __init__(self, pool: Any, timeout: float) -> None:
+        self._timeout = timeout
+        self.conn: Any = pool.connection_class(**{**pool.connection_kwargs})
+        self.busy = False
+
+    @staticmethod
+    def usable(pool: Any) -> bool:
+        """True if this redis-py and Python have what the lane uses."""
+        if sys.version_info < (3, 11):  # asyncio.timeout
+            return False
+        made = getattr(pool, "connection_class", None)
+        return all(callable(getattr(made, name, None)) for name in ("can_read", "pack_command"))
+
+    async def call(self, words: Sequence[Any]) -> Any:
+        """Send one command down the lane and read its reply (the caller set ``busy``)."""
+        conn = self.conn
+        if conn.is_connected and await conn.can_read():
+            # closed by the server (its EOF was seen), or a reply nobody read: start afresh
+            await conn.disconnect()
+        if not conn.is_connected:
+            conn.socket_timeout = self._timeout  # a connect's reads: as on any connection
+            try:
+                await conn.connect()  # with the restart check (see _lifetime)
+            finally:
+                conn.socket_timeout = None
+        packed = _pack(conn, words)
+        try:
+            async with asyncio.timeout(self._timeout):  # type: ignore[attr-defined,unused-ignore]
+                await conn.send_packed_command(packed)
+                return await conn.read_response()
+        except TimeoutError:  # asyncio's, on 3.11 and later
+            await conn.disconnect(nowait=True)  # the reply may still come: never read it
+            raise RedisTimeoutError(f"Timeout reading from {self._host(conn)}") from None
+
+    @staticmethod
+    def _host(conn: Any) -> str:
+        return f"{getattr(conn, 'host', '?')}:{getattr(conn, 'port', '?')}"
+
+    async def aclose(self) -> None:
+        with contextlib.suppress(RedisError, OSError):
+            await self.conn.disconnect()
+
+
+def _pack(conn: Any, words: Sequence[Any]) -> list[bytes]:
+    """``words`` packed for ``conn``: by hiredis if there (our words are str and int, which it
+    packs as redis-py does, utf-8), else by :func:`_packed`, else by redis-py."""
+    encoder = conn.encoder
+    utf8 = encoder.encoding in _UTF8 and encoder.encoding_errors == "strict"
+    if _hiredis_pack is not None and utf8:
+        return [_hiredis_pack(tuple(words))]
+    return _packed(words, encoder.encoding, encoder.encoding_errors) or conn.pack_command(*words)
+
+
+def _packed(words: Sequence[Any], encoding: str, errors: str) -> list[bytes] | None:
+    """``words`` as redis-py packs them (RESP), for str, int and float words; else None.
+
+    The same bytes as ``Connection.pack_command`` (whose encoder also writes an int or a
+    float as its ``repr``) at a third of its cost on a script call of twenty words.
+    """
+    out = [b"*%d\r\n" % len(words)]
+    for word in words:
+        kind = type(word)
+        if kind is str:
+            data = word.encode(encoding, errors)
+        elif kind is int or kind is float:  # not bool: redis-py refuses it
+            data = repr(word).encode()
+        elif kind is bytes:
+            data = word
+        else:
+            return None
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return [b"".join(out)]
 
 
 @dataclass
@@ -342,6 +452,9 @@ class AsyncLeaseStore:
                         self.settings, max_connections=RENEW_CONNECTIONS
                     ),
                 )
+                pool = getattr(client, "connection_pool", None)  # a cluster client has none
+                if not self.store.cluster and pool is not None and _Lane.usable(pool):
+                    state.lane = _Lane(pool, self.settings.socket_timeout)
             return state
 
     def _connect_check(self) -> Callable[[Any], Awaitable[None]] | None:
@@ -364,6 +477,8 @@ class AsyncLeaseStore:
                 del self._loops[loop]
         if state.subscriber is not None:
             await state.subscriber.aclose()
+        if state.lane is not None:
+            await state.lane.aclose()
         await aclose_client(state.client)
         await aclose_client(state.renew_client)
         for node_client in state.nodes.values():
@@ -394,16 +509,33 @@ class AsyncLeaseStore:
 
     async def _execute(self, state: _LoopState, op: Op) -> Any:
         kind = type(op)
+        # inside a task of _carry (an acquire attempt, a holder's release) the caller is
+        # shielded already: a request needs no task of its own there
+        bare = _SHIELD.get() is asyncio.current_task()
         if kind is Send:
             assert isinstance(op, Send)
+            lane = state.lane
+            if (
+                lane is not None
+                and not lane.busy
+                and len(op.calls) == 1
+                and type(op.calls[0]) is Script
+                and not op.transaction
+            ):
+                lane.busy = True  # now, not when a task of _shielded starts: it is ours
+                sending = self._lane_call(state, lane, op)
+                return await (sending if bare else _shielded(sending))
             if op.once:
                 with one_attempt():  # the request's task inherits it
-                    return await _shielded(_round_trip(state.client, op.calls, op.transaction))
-            return await _shielded(_round_trip(state.client, op.calls, op.transaction))
+                    sending = _round_trip(state.client, op.calls, op.transaction)
+                    return await (sending if bare else _shielded(sending))
+            sending = _round_trip(state.client, op.calls, op.transaction)
+            return await (sending if bare else _shielded(sending))
         if kind is SendReplicated:
             assert isinstance(op, SendReplicated)
             with one_attempt():
-                return await _shielded(self._evalsha_replicated(state, op.calls, renewal=False))
+                replicated = self._evalsha_replicated(state, op.calls, renewal=False)
+                return await (replicated if bare else _shielded(replicated))
         if kind is SendWithin:
             assert isinstance(op, SendWithin)
             return await self._send_within(state, op.calls, op.timeout)
@@ -412,6 +544,28 @@ class AsyncLeaseStore:
             await asyncio.sleep(op.seconds)
             return None
         raise TypeError(f"not a request of the lease protocol: {op!r}")
+
+    async def _lane_call(self, state: _LoopState, lane: _Lane, op: Send) -> list[Any]:
+        """One script call down ``lane``, with the pool path's outcomes (see :class:`_Lane`).
+
+        The caller set ``lane.busy``; it is cleared here. Not ``once``: a cut connection is
+        retried once on the pool's path, as redis-py's retry would.
+        """
+        try:
+            with one_attempt():
+                return [await lane.call(words_of(op.calls[0]))]
+        except NoScriptError:
+            once = op.once  # nothing ran: the pool's path loads the script and sends it again
+        except RedisConnectionError:
+            if op.once:
+                raise
+            once = True  # the retry, as redis-py's: one more attempt, no more
+        finally:
+            lane.busy = False
+        if once:
+            with one_attempt():
+                return await _round_trip(state.client, op.calls)
+        return await _round_trip(state.client, op.calls)
 
     # --- acquire --------------------------------------------------------------------------
     async def try_acquire(
@@ -430,9 +584,9 @@ class AsyncLeaseStore:
         attempt runs shielded, and a grant that comes back to a cancelled caller is released.
         """
         state = self._state()
-        attempt = asyncio.ensure_future(self.try_acquire(wants, ident, ttl, task_id))
+        attempt, outcome = _carry(self.try_acquire(wants, ident, ttl, task_id))
         try:
-            return await asyncio.shield(attempt)
+            return await outcome
         except asyncio.CancelledError:
             # also when it is done already: it may have completed just as we were cancelled
             state.tasks.add(attempt)  # aclose() waits for it, and its release
@@ -440,7 +594,7 @@ class AsyncLeaseStore:
             raise
 
     def _release_orphan(
-        self, state: _LoopState, attempt: asyncio.Future[list[Held] | Busy]
+        self, state: _LoopState, attempt: asyncio.Future[list[Held] | Busy | None]
     ) -> None:
         state.tasks.discard(attempt)
         if attempt.cancelled() or attempt.exception() is not None:
@@ -750,26 +904,74 @@ async def _refresh_slots(cluster: aredis.Redis) -> None:
         await manager.initialize()
 
 
+#: the task :func:`_carry` made for the work running in it (each task has its own copy of
+#: the context: a task made from that one inherits the value, but is not the task it names)
+_SHIELD: ContextVar[asyncio.Future[Any] | None] = ContextVar("celery_leases_shield", default=None)
+
+
+async def _carried(awaitable: Awaitable[T], outcome: asyncio.Future[T]) -> T | None:
+    """Run ``awaitable``, and hand its outcome to ``outcome`` as it ends.
+
+    Set from here, not from a done callback (as :func:`asyncio.shield` does): the awaiter
+    wakes one turn of the loop sooner. An error is the awaiter's; the task itself then ends
+    with None (nobody is left to retrieve its error when the awaiter was cancelled).
+    """
+    _SHIELD.set(asyncio.current_task())
+    try:
+        result = await awaitable
+    except asyncio.CancelledError:  # the loop's shutdown: nobody else cancels this task
+        if not outcome.done():
+            outcome.cancel()
+        raise
+    except Exception as exc:
+        if not outcome.done():
+            outcome.set_exception(exc)
+        return None
+    if not outcome.done():
+        outcome.set_result(result)
+    return result
+
+
+def _carry(awaitable: Awaitable[T]) -> tuple[asyncio.Task[T | None], asyncio.Future[T]]:
+    """A task that runs ``awaitable``, and the future its awaiter waits on instead of it.
+
+    The shield of :func:`_shielded`: a cancelled awaiter cancels the future only, the task
+    runs to its end (its result: the outcome, or None after an error). It is marked, so the
+    requests a store sends from inside it get no task of their own (see ``_execute``). On
+    Python 3.12 and later it starts eagerly: its first step runs before this returns.
+    """
+    loop = asyncio.get_running_loop()
+    outcome: asyncio.Future[T] = loop.create_future()
+    carried = _carried(awaitable, outcome)
+    if _EAGER:
+        # it runs at once up to its first wait (the request written), not a loop turn later
+        task = asyncio.Task(carried, loop=loop, eager_start=True)  # type: ignore[call-arg,unused-ignore]
+        return task, outcome
+    return loop.create_task(carried), outcome
+
+
+#: tasks may start eagerly (Python 3.12)
+_EAGER: Final = sys.version_info >= (3, 12)
+
+
 async def _shielded(awaitable: Awaitable[T]) -> T:
     """Await a redis-py call in a task of its own, so a cancellation of the caller is never lost.
 
     redis-py's asyncio commands wrap their socket I/O in :func:`asyncio.wait_for`, which
     before Python 3.12 can swallow a cancellation that arrives as the I/O completes: the
-    caller then runs on as if never cancelled (a cancelled waiter would go on waiting). Under
-    :func:`asyncio.shield` the caller gets its ``CancelledError`` at once, and the call itself
-    runs to its end (its outcome is then dropped; a grant is handled by ``_attempt``).
+    caller then runs on as if never cancelled (a cancelled waiter would go on waiting). Here
+    (as under :func:`asyncio.shield`) the caller gets its ``CancelledError`` at once, and the
+    call itself runs to its end (its outcome is then dropped; a grant is handled by
+    ``_attempt``). The requests a store sends from inside the task get no task of their own.
     """
-    task = asyncio.ensure_future(awaitable)
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        task.add_done_callback(_drop_outcome)
-        raise
+    _, outcome = _carry(awaitable)
+    return await outcome
 
 
-def _drop_outcome(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # retrieved: no "exception was never retrieved" log
+async def shielded(awaitable: Awaitable[T]) -> T:
+    """:func:`_shielded` for the package: run a store operation (e.g. a holder's release) to
+    its end even if the caller is cancelled; the caller gets its ``CancelledError`` at once."""
+    return await _shielded(awaitable)
 
 
 async def _within(

@@ -17,23 +17,21 @@ Example::
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import (
     AbstractAsyncContextManager,
     AbstractContextManager,
-    asynccontextmanager,
 )
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 from celery.utils.log import get_logger
 
 from . import once as _once
 from . import signals
 from ._aheartbeat import loop_heartbeat
-from ._astore import AsyncLeaseStore
+from ._astore import AsyncLeaseStore, shielded
 from ._heartbeat import heartbeat
 from ._identity import Identity, current_identity
 from ._lease import Held, Lease, LeaseArgumentError, Shared, Want, held_of, want_of
@@ -49,6 +47,8 @@ if TYPE_CHECKING:
 __all__ = ("Leases",)
 
 logger = get_logger(__name__)
+
+T = TypeVar("T")
 
 Resource = str | Shared
 
@@ -319,32 +319,8 @@ class Leases:
         """
         _check_wait(wait)
         if isinstance(resource, (str, Shared)):
-            return self._ahold_one(resource, ttl, wait)
-        return self._ahold_many(_resource_list("ahold", resource), ttl, wait)
-
-    @asynccontextmanager
-    async def _ahold_one(
-        self, resource: Resource, ttl: float | None, wait: float | None
-    ) -> AsyncIterator[Lease]:
-        async with self._ahold_many([resource], ttl, wait) as leases:
-            yield leases[0]
-
-    @asynccontextmanager
-    async def _ahold_many(
-        self, resources: list[Resource], ttl: float | None, wait: float | None
-    ) -> AsyncIterator[list[Lease]]:
-        if not resources:
-            raise LeaseConfigError("ahold() needs at least one resource")
-        leases = await self.aacquire(_wants("ahold", resources), ttl=ttl, wait=wait)
-        failed = True
-        try:
-            yield leases
-            failed = False
-        finally:
-            # shielded: a holder cancelled again on its way out still gives its leases back
-            lost = await asyncio.shield(self.arelease(leases))
-        if not failed:
-            _raise_first_lost(lost)
+            return _AHold[Lease](self, [resource], ttl, wait, one=True)
+        return _AHold[list[Lease]](self, _resource_list("ahold", resource), ttl, wait, one=False)
 
     async def aonce(
         self,
@@ -426,6 +402,49 @@ class Leases:
             logger.error("leases: could not release %d lease(s): %s", len(todo), exc)
             return lost
         return _released(todo, freed, lost)
+
+
+class _AHold(AbstractAsyncContextManager[T]):
+    """What :meth:`Leases.ahold` returns: acquires on entry, releases on exit (as
+    :class:`_Holding` for :meth:`Leases.hold`).
+
+    A class rather than an ``asynccontextmanager``: ``ahold()`` is the asyncio hot path, and
+    the generator form stepped two generators per block.
+    """
+
+    __slots__ = ("_ext", "_leases", "_one", "_resources", "_ttl", "_wait")
+
+    def __init__(
+        self,
+        ext: Leases,
+        resources: list[Resource],
+        ttl: float | None,
+        wait: float | None,
+        *,
+        one: bool,
+    ) -> None:
+        self._ext = ext
+        self._resources = resources
+        self._ttl = ttl
+        self._wait = wait
+        self._one = one
+        self._leases: list[Lease] | None = None
+
+    async def __aenter__(self) -> T:
+        if self._leases is not None:
+            raise RuntimeError("an ahold() block can be entered only once")
+        if not self._resources:
+            raise LeaseConfigError("ahold() needs at least one resource")
+        wants = _wants("ahold", self._resources)
+        leases = self._leases = await self._ext.aacquire(wants, ttl=self._ttl, wait=self._wait)
+        return cast("T", leases[0] if self._one else leases)
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        assert self._leases is not None
+        # shielded: a holder cancelled again on its way out still gives its leases back
+        lost = await shielded(self._ext.arelease(self._leases))
+        if exc_type is None:
+            _raise_first_lost(lost)
 
 
 def find_leases(app: object) -> Leases | None:

@@ -273,8 +273,10 @@ async def test_cancelled_waiters_leave_nothing_behind(aleases: Leases, leases_re
         for task in tasks:
             with pytest.raises(asyncio.CancelledError):
                 await task
+        # the local set first: the SUBSCRIBE may not have reached Redis yet (its connection
+        # may still be connecting), when Redis counts no subscriber either
+        await until(lambda: not aleases.astore.subscribed_channels(), 10, "the unsubscribe")
         await until(lambda: subscribers(leases_redis, aleases, "r") == 0, 10, "unsubscribe")
-        assert aleases.astore.subscribed_channels() == set()
         await settled(aleases)
         assert len(registry(leases_redis, aleases)) == 1  # the holder's own entry
     await settled(aleases)
@@ -673,3 +675,59 @@ async def test_a_grant_outside_the_home_group_registers_the_owner_or_is_given_ba
     assert owner in store.node_owners(leases.identity().node)
     await leases.arelease([lease])
     assert store.holders(second) == []
+
+
+LANE = pytest.mark.skipif(sys.version_info < (3, 11), reason="the lane needs asyncio.timeout")
+
+
+@LANE
+async def test_ahold_after_its_connection_was_killed_loses_no_reply(
+    aleases: Leases, leases_redis: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # single script calls go down one connection of the loop's own (the lane); one killed
+    # between two calls is connected afresh before the next call, as the pool's would be:
+    # the call is not sent on a dead socket, its reply is not "lost", nothing is read back
+    from celery_leases import _grants
+
+    recoveries: list[object] = []
+    recover = _grants._recover_grant_logged
+
+    def counted(*args: Any) -> Any:
+        recoveries.append(args)
+        return recover(*args)
+
+    monkeypatch.setattr(_grants, "_recover_grant_logged", counted)
+    async with aleases.ahold("r"):
+        pass
+    lane = aleases.astore._state().lane
+    assert lane is not None
+    killed = await lane.call(("CLIENT", "ID"))
+    assert leases_redis.client_kill_filter(_id=killed) == 1
+
+    async def closed() -> bool:
+        return bool(await lane.conn.can_read())  # EOF seen by the loop
+
+    deadline = time.monotonic() + 10
+    while not await closed():
+        assert time.monotonic() < deadline, "the killed connection never saw its EOF"
+        await asyncio.sleep(0.005)
+
+    async with aleases.ahold("r") as lease:
+        assert leases_redis.exists(aleases.store.keys.exclusive("r")) == 1
+    assert lease.token > 0
+    assert recoveries == []
+    assert await lane.call(("CLIENT", "ID")) != killed  # a new connection
+    assert is_free(leases_redis, aleases, "r")
+
+
+async def test_concurrent_releases_share_the_lane_one_at_a_time(
+    aleases: Leases, leases_redis: redis.Redis
+) -> None:
+    # each release is a single script call in a task of its own: the first to come takes
+    # the loop's lane, the others take the pool's connections meanwhile (never two calls on
+    # one connection at once)
+    names = [f"r{i}" for i in range(20)]
+    held = [await aleases.aacquire([Want(name)]) for name in names]
+    released = await asyncio.gather(*(aleases.arelease(leases) for leases in held))
+    assert released == [[] for _ in names]  # none was lost
+    assert all(is_free(leases_redis, aleases, name) for name in names)

@@ -119,6 +119,34 @@ def test_hold_of_a_free_resource_survives_a_lost_grant_reply(
     assert_free_for_others(other, resource)
 
 
+def test_ahold_gives_up_on_a_redis_that_stops_answering(
+    mine: Leases, other: Leases, proxy: LossyProxy
+):
+    # the reply of the grant is held back far past the socket timeout: the call must end at
+    # that timeout as a lost reply (read back on a new connection), not wait for the reply
+    import asyncio
+
+    proxy.delay_next_reply(sha(_scripts.ACQUIRE), 60 * SOCKET_TIMEOUT)
+
+    async def run() -> tuple[int, int]:
+        try:
+            async with mine.ahold("printer") as lease:
+                assert not proxy.armed()
+            async with mine.ahold("printer") as again:  # the next call gets its own reply
+                pass
+            return lease.token, again.token
+        finally:
+            await mine.astore.aclose()
+
+    async def bounded() -> tuple[int, int]:
+        return await asyncio.wait_for(run(), 20 * SOCKET_TIMEOUT)
+
+    first, second = asyncio.run(bounded())
+    assert 0 < first < second
+    assert registry_empty(mine)
+    assert_free_for_others(other, "printer")
+
+
 @HOW
 def test_ahold_of_a_free_resource_survives_a_lost_grant_reply(
     mine: Leases,
