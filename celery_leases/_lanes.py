@@ -26,6 +26,7 @@ from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._protocol import Script, words_of
 from ._scripts import SOURCE
@@ -56,6 +57,26 @@ class _Lane:
                 self.conn.disconnect()
 
 
+def _ready(conn: Any) -> None:
+    """Make ``conn`` ready to send, as the pool makes its connections.
+
+    connect() through the connection: a Sentinel connection asks the sentinels for the
+    master there (send_packed_command would connect to the connection's default address
+    instead), and the restart check runs. A connected one with something to read was closed
+    by the server (CLIENT KILL, a timeout, a restart) or holds a stray reply: it is made
+    anew before the call goes out, so a call that allows a single attempt does not spend it
+    on a dead connection (a lost reply and its read-back).
+    """
+    if conn._sock is not None:
+        try:
+            if not conn.can_read():
+                return
+        except (RedisConnectionError, RedisTimeoutError, OSError):
+            pass
+        conn.disconnect()
+    conn.connect()
+
+
 class Lanes:
     """A store's lanes: one connection per thread that sends script calls."""
 
@@ -77,11 +98,7 @@ class Lanes:
         resends = 0 if once else 1
         while True:
             try:
-                if conn._sock is None:
-                    # connect() as the pool does: a Sentinel connection asks the sentinels
-                    # for the master there (send_packed_command would connect to the
-                    # connection's default address instead), and the restart check runs
-                    conn.connect()
+                _ready(conn)
                 conn.send_packed_command(packed, check_health=False)
                 return conn.read_response()
             except NoScriptError:

@@ -79,3 +79,24 @@ def test_store_close_closes_every_threads_connection(
         t.join(10)
     with leases.hold("after-close"):  # a new connection is made on the next call
         pass
+
+
+def test_a_connection_the_server_closed_is_made_anew_before_a_call(
+    make_redis_server: Callable[..., Any], make_leases: Callable[..., Leases]
+) -> None:
+    # a grant allows a single attempt: sent on a dead connection, its reply would count as
+    # lost and be read back (GET, ZRANGE, SMEMBERS...) before it is sent again
+    server = make_redis_server()
+    leases = make_leases(redis_url=server.url)
+    with leases.hold("first"):
+        pass
+    with redis.Redis.from_url(server.url) as admin:
+        for c in admin.client_list():
+            if c.get("name") == "celery_leases":
+                admin.client_kill_filter(_id=c["id"])
+        admin.config_resetstat()
+        with leases.hold("second") as lease:
+            assert lease.token > 0
+        stats = admin.info("commandstats")
+    assert "cmdstat_smembers" not in stats  # no read-back of a lost grant
+    assert stats["cmdstat_evalsha"]["calls"] >= 2
