@@ -91,9 +91,11 @@ HOLD: Final = "hold"
 FLOOR: Final = "floor"
 REDIS_PY: Final = "redis-py"
 PRL: Final = "prl"
+BARE: Final = "bare"
 LABELS: Final = {
     HOLD: "celery_leases hold()",
     FLOOR: "raw floor (SET NX PX + CAD script)",
+    BARE: "two bare round trips (the floor's, on one connection)",
     REDIS_PY: "redis-py Lock",
     PRL: "python-redis-lock",
 }
@@ -185,6 +187,23 @@ def cycle_contenders(url: str, leases: Leases, run_id: str) -> list[CycleContend
         if compare_and_delete(keys=[floor_key], args=[token]) != 1:
             raise RuntimeError(f"raw floor: {floor_key} was not ours at release")
 
+    # the floor's two commands written and read on one connection, without redis-py's
+    # per-command machinery: the physical floor of an acquire and a release from Python
+    bare_pool = redis.Redis.from_url(url).connection_pool
+    bare_conn = bare_pool.get_connection()
+    bare_key = name(BARE)
+    cad_sha = compare_and_delete.sha
+
+    def bare_cycle() -> None:
+        token = str(next(tokens))
+        conn: Any = bare_conn  # redis-py's Connection methods are untyped
+        conn.send_packed_command(conn.pack_command("SET", bare_key, token, "NX", "PX", 30_000))
+        if conn.read_response() is None:
+            raise RuntimeError(f"bare round trips: {bare_key} was not free")
+        conn.send_packed_command(conn.pack_command("EVALSHA", cad_sha, 1, bare_key, token))
+        if conn.read_response() != 1:
+            raise RuntimeError(f"bare round trips: {bare_key} was not ours at release")
+
     rpy_client = redis.Redis.from_url(url)
     rpy_name = name(REDIS_PY)
 
@@ -206,6 +225,7 @@ def cycle_contenders(url: str, leases: Leases, run_id: str) -> list[CycleContend
     return [
         CycleContender(HOLD, hold_cycle, ("evalsha",)),
         CycleContender(FLOOR, floor_cycle, ("set", "evalsha")),
+        CycleContender(BARE, bare_cycle, ("set", "evalsha")),
         CycleContender(REDIS_PY, rpy_cycle, ("set", "evalsha")),
         CycleContender(PRL, prl_cycle, ("set", "evalsha")),
     ]
@@ -267,7 +287,7 @@ def cycle_rows(cfg: Config, res: dict[str, dict[str, Any]], private: bool) -> li
     floor = res[FLOOR]["median"]
     metric = f"cycles/s (median of {cfg.rounds}x{cfg.cycles})"
     rows = []
-    for key in (HOLD, FLOOR, REDIS_PY, PRL):
+    for key in (HOLD, FLOOR, BARE, REDIS_PY, PRL):
         r = res[key]
         ratio = r["median"] / floor
         details = [
@@ -278,6 +298,7 @@ def cycle_rows(cfg: Config, res: dict[str, dict[str, Any]], private: bool) -> li
             details.append(f"server {r['server_us_per_cycle']:.1f} us/cycle")
         details.append(f"rounds {min(r['rates']):,.0f}-{max(r['rates']):,.0f}")
         if key == HOLD:
+            details.append(f"{r['median'] / res[BARE]['median']:.2f}x two bare round trips")
             ok = (
                 ratio >= CYCLE_RATIO_TARGET
                 and round(r["round_trips_per_cycle"], 2) == CYCLE_ROUND_TRIPS_TARGET
