@@ -4,23 +4,30 @@
 -- first queued: first come, first served) and the tickets' expiry (Redis ms), so the ticket of
 -- a waiter that died is pruned instead of holding its place forever.
 
--- the live head of the queue (tickets that ran out are pruned first), or nil
+-- the live head of the queue and its expiry, or nil. Two calls when the head is live; a head
+-- that ran out is dropped, with every other ticket that ran out (up to 64 at a time). now: the
+-- Redis clock in ms, or a function that reads it (called only if there is a head).
 local function queue_head(wkey, ekey, now)
-  local expired = redis.call('ZRANGEBYSCORE', ekey, '-inf', now, 'LIMIT', 0, 64)
-  if #expired > 0 then
-    redis.call('ZREM', wkey, unpack(expired))
-    redis.call('ZREM', ekey, unpack(expired))
-  end
   for _ = 1, 8 do
     local head = redis.call('ZRANGE', wkey, 0, 0)[1]
     if not head then
       return nil
     end
-    local expiry = redis.call('ZSCORE', ekey, head)
-    if expiry then
-      return head, tonumber(expiry)
+    if type(now) == 'function' then
+      now = now()
     end
-    redis.call('ZREM', wkey, head) -- no expiry: a ticket half written cannot hold the queue
+    -- no expiry (half written) counts as run out: it cannot hold the queue
+    local expiry = tonumber(redis.call('ZSCORE', ekey, head) or '0')
+    if expiry > now then
+      return head, expiry
+    end
+    redis.call('ZREM', wkey, head)
+    redis.call('ZREM', ekey, head)
+    local expired = redis.call('ZRANGEBYSCORE', ekey, '-inf', now, 'LIMIT', 0, 64)
+    if #expired > 0 then
+      redis.call('ZREM', wkey, unpack(expired))
+      redis.call('ZREM', ekey, unpack(expired))
+    end
   end
   return nil
 end

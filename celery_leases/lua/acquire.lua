@@ -82,26 +82,34 @@ for i = 0, n - 1 do
   local xkey, skey = KEYS[h + 5 * i + 1], KEYS[h + 5 * i + 2]
   local wkey, ekey = KEYS[h + 5 * i + 4], KEYS[h + 5 * i + 5]
   -- the common case, a free resource without waiters, costs one call
-  if redis.call('EXISTS', xkey, skey, wkey) > 0 then
-    local mode, limit = ARGV[a + 3 * i + 1], tonumber(ARGV[a + 3 * i + 2])
-    local xttl = redis.call('PTTL', xkey)
-    if xttl >= 0 then
-      return busy(i, xttl)
-    elseif xttl == -1 then
-      -- a holder without expiry can only come from outside this library: never grant over it
-      return busy(i, ttl)
+  local found = redis.call('EXISTS', xkey, skey, wkey)
+  if found > 0 then
+    local queued = redis.call('EXISTS', wkey) == 1
+    if found > 1 or not queued then
+      -- a holder key: the checks as without a queue
+      local mode, limit = ARGV[a + 3 * i + 1], tonumber(ARGV[a + 3 * i + 2])
+      local xttl = redis.call('PTTL', xkey)
+      if xttl >= 0 then
+        return busy(i, xttl)
+      elseif xttl == -1 then
+        -- a holder without expiry can only come from outside this library: never grant over it
+        return busy(i, ttl)
+      end
+      redis.call('ZREMRANGEBYSCORE', skey, '-inf', num(now))
+      local count = redis.call('ZCARD', skey)
+      if count > 0 and (mode == 'x' or (limit > 0 and count >= limit)) then
+        local first = redis.call('ZRANGE', skey, 0, 0, 'WITHSCORES')
+        return busy(i, math.max(tonumber(first[2]) - now, 1))
+      end
+      sharing[i] = count > 0
     end
-    redis.call('ZREMRANGEBYSCORE', skey, '-inf', num(now))
-    local count = redis.call('ZCARD', skey)
-    if count > 0 and (mode == 'x' or (limit > 0 and count >= limit)) then
-      local first = redis.call('ZRANGE', skey, 0, 0, 'WITHSCORES')
-      return busy(i, math.max(tonumber(first[2]) - now, 1))
+    if queued then
+      -- free for the mode asked, but first come, first served
+      local head, expiry = queue_head(wkey, ekey, now)
+      if head and (ticket == '' or head ~= ticket_of(i)) then
+        return busy(i, math.max(expiry - now, 1))
+      end
     end
-    local head, expiry = queue_head(wkey, ekey, now)
-    if head and (ticket == '' or head ~= ticket_of(i)) then
-      return busy(i, math.max(expiry - now, 1))
-    end
-    sharing[i] = count > 0
   end
 end
 

@@ -48,8 +48,7 @@ for i = 0, (#KEYS - 1) / 3 - 1 do
   redis.call('SREM', KEYS[1], entry)
   if freed == 1 then
     -- nobody queued (the common case: one call), or nobody left to wake: the release channel
-    local queued = redis.call('EXISTS', wkey) == 1
-    if not queued or wake_head(wkey, ekey, clock(), wprefix, trust, nil, token) == 0 then
+    if wake_head(wkey, ekey, clock, wprefix, trust, nil, token) == 0 then
       redis.call('PUBLISH', channel, token)
     end
   end
