@@ -14,6 +14,8 @@ redis-server on a free loopback port, so INFO commandstats counts our commands o
     its asyncio rows: ahold() against the same floor on redis.asyncio, and its Lock
 (b) handoff delay: a holder in another process releases, a blocked waiter here takes over
 (c) heartbeat cost: Redis calls per second while one process holds 1, 10, 100, 1000 leases
+(d) waiter queues: 1, 10, 100, 1000 waiters (threads of this process) on one resource; per
+    release the server's commands and time, the handoff delay, and FIFO order (overtaken)
 
 The table goes to stdout, bench/results/engine.md and bench/results/engine.json; the plot
 docs/img/benchmarks.svg is redrawn from them (bench/plot.py, best effort).
@@ -31,6 +33,7 @@ import pstats
 import random
 import secrets
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -45,6 +48,7 @@ from celery import Celery
 
 from celery_leases import LeaseLost, Leases, Shared
 from celery_leases._heartbeat import heartbeat
+from celery_leases._lease import Want
 
 from . import plot
 from ._common import (
@@ -128,6 +132,8 @@ class Config:
     window: float
     counts: tuple[int, ...]
     seed: int
+    waiters: tuple[int, ...] = (1, 10, 100, 1000)
+    chains: int = 1
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Config:
@@ -144,6 +150,8 @@ class Config:
             window=args.window or (2.0 if quick else 6.0),
             counts=tuple(args.counts),
             seed=args.seed,
+            waiters=tuple(args.waiters),
+            chains=args.chains or (1 if quick else 3),
         )
 
 
@@ -790,6 +798,148 @@ def heartbeat_rows(cfg: Config, res: dict[int, dict[str, Any]], private: bool) -
     return rows
 
 
+# --- (d) waiter queues -------------------------------------------------------------------------
+def _server_totals(client: redis.Redis) -> tuple[int, int]:
+    """(calls, usec) of every command the server ran so far, INFO itself left out."""
+    stats = CommandStats.take(client).stats
+    calls = sum(c for name, (c, _) in stats.items() if name != "info")
+    usec = sum(u for name, (_, u) in stats.items() if name != "info")
+    return calls, usec
+
+
+def _queued(client: redis.Redis, key: str) -> int:
+    return int(client.zcard(key))
+
+
+def waiter_chain(leases: Leases, admin: redis.Redis, resource: str, n: int) -> dict[str, Any]:
+    """One chain: ``n`` threads queue in a known order, then each release hands over to one.
+
+    The bench holds ``resource``; waiter i starts once waiter i-1 is seen in the queue. Then
+    the bench releases, and each waiter, once granted, notes the time and releases at once,
+    so the lease goes down the queue: n releases, n handoffs. Counted on the server from the
+    bench's release to the last grant (n releases and n grants).
+    """
+    queue_key = leases.store.keys.waiters(resource)
+    lock = threading.Lock()
+    granted: list[tuple[int, float, float]] = []  # (waiter, granted at, releasing at)
+    errors: list[BaseException] = []
+    last = threading.Event()  # the last grant came: counted before its release
+    gate = threading.Event()
+
+    def waiter(i: int) -> None:
+        try:
+            with leases.hold(resource, wait=120, ttl=60):
+                t = time.perf_counter()
+                with lock:
+                    granted.append((i, t, time.perf_counter()))
+                    done = len(granted) == n
+                if done:
+                    last.set()
+                    gate.wait(300)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    first = leases.acquire([Want(resource)], ttl=120)
+    threads = []
+    for i in range(n):
+        thread = threading.Thread(target=waiter, args=(i,), daemon=True)
+        thread.start()
+        threads.append(thread)
+        deadline = time.monotonic() + 30
+        while _queued(admin, queue_key) < i + 1:
+            if time.monotonic() > deadline or errors:
+                raise RuntimeError(f"waiter {i} never queued: {errors}")
+            time.sleep(0.0005)
+    time.sleep(0.05)  # every waiter asleep on its channel
+    calls0, usec0 = _server_totals(admin)
+    released = time.perf_counter()
+    leases.release(first)
+    last.wait(300)
+    calls1, usec1 = _server_totals(admin)
+    gate.set()
+    for thread in threads:
+        thread.join(300)
+    if errors or len(granted) != n:
+        raise RuntimeError(f"the chain broke: {len(granted)} of {n} granted; {errors[:3]}")
+    order = [i for i, _, _ in granted]
+    delays = [granted[0][1] - released]
+    delays += [granted[k][1] - granted[k - 1][2] for k in range(1, n)]
+    overtaken, highest = 0, -1
+    for i in order:
+        if highest > i:
+            overtaken += 1  # someone queued after it was granted first
+        highest = max(highest, i)
+    return {
+        "waiters": n,
+        "releases": n,
+        "calls_per_release": (calls1 - calls0) / n,
+        "usec_per_release": (usec1 - usec0) / n,
+        "handoff_ms": [d * 1000 for d in delays],
+        "overtaken": overtaken,
+    }
+
+
+def bench_waiters(
+    cfg: Config, url: str, admin: redis.Redis, run_id: str
+) -> dict[int, dict[str, Any]]:
+    # each waiting thread keeps a subscriber connection from the client's pool, and redis-py
+    # caps a pool at 100 by default (the library sets no cap of its own): room for the most
+    leases = make_leases(url, f"bench-{run_id}-d")
+    leases.store.client.connection_pool.max_connections = 2 * max(cfg.waiters) + 50
+    # warm: the owner's first grant registers it, and starts the heartbeat thread
+    leases.release(leases.acquire([Want(f"warm-{run_id}")], ttl=60))
+    out: dict[int, dict[str, Any]] = {}
+    for n in cfg.waiters:
+        chains = []
+        for c in range(cfg.chains):
+            progress(f"(d) {n} waiter(s), chain {c + 1} of {cfg.chains}")
+            chains.append(waiter_chain(leases, admin, f"queue-{run_id}-{n}-{c}", n))
+        delays = [d for chain in chains for d in chain["handoff_ms"]]
+        out[n] = {
+            "calls_per_release": median([ch["calls_per_release"] for ch in chains]),
+            "usec_per_release": median([ch["usec_per_release"] for ch in chains]),
+            "first_handoff_ms": median([ch["handoff_ms"][0] for ch in chains]),
+            "median_ms": median(delays),
+            "p99_ms": percentile(delays, 99),
+            "overtaken": sum(ch["overtaken"] for ch in chains),
+            "handoffs": len(delays),
+        }
+    return out
+
+
+def waiter_rows(cfg: Config, res: dict[int, dict[str, Any]], private: bool) -> list[Row]:
+    base = res[cfg.waiters[0]]
+    rows = []
+    for n in cfg.waiters:
+        r = res[n]
+        ratio = r["calls_per_release"] / base["calls_per_release"]
+        flat = ratio <= 1 + FLAT_TOLERANCE and r["overtaken"] == 0
+        if n == cfg.waiters[0]:
+            target = "baseline" if r["overtaken"] == 0 else f"FIFO: {verdict(False)}"
+        else:
+            target = f"flat within {FLAT_TOLERANCE:.0%}, none overtaken: {verdict(flat)}"
+        r["pass"] = flat
+        server = f"server {r['usec_per_release']:.0f} us/release; " if private else ""
+        details = (
+            f"{server}handoff median {r['median_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms, "
+            f"first {r['first_handoff_ms']:.2f} ms; overtaken {r['overtaken']}; "
+            f"n={r['handoffs']}"
+        )
+        rows.append(
+            Row(
+                "d",
+                f"hold(wait=...), {n} waiter(s)",
+                "commands/release",
+                f"{r['calls_per_release']:.1f}",
+                f"{ratio:.2f}x {cfg.waiters[0]}",
+                details,
+                target,
+                data={"waiters": n, **r, "ratio": ratio},
+            )
+        )
+    return rows
+
+
 # --- profile ------------------------------------------------------------------------------------
 def profile_hold(cfg: Config, contender: CycleContender, out_dir: Path, limit: int = 30) -> str:
     """cProfile ``cfg.cycles`` hold() cycles in this thread (the heartbeat thread is not seen)."""
@@ -830,7 +980,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=1, help="seed of the release jitter in (b)")
     parser.add_argument(
-        "--only", default="abc", help="which parts to run, e.g. 'a' or 'bc' (default: abc)"
+        "--waiters",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 10, 100, 1000],
+        help="waiter counts in (d), comma-separated; the first is the baseline",
+    )
+    parser.add_argument("--chains", type=int, default=0, help="release chains per count in (d)")
+    parser.add_argument(
+        "--only", default="abcd", help="which parts to run, e.g. 'a' or 'bd' (default: abcd)"
     )
     parser.add_argument(
         "--profile", action="store_true", help="also cProfile hold() cycles and print the top"
@@ -869,6 +1026,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "c" in args.only:
                 raw["c"] = bench_heartbeat(cfg, leases, admin, run_id)
                 rows += heartbeat_rows(cfg, raw["c"], private)
+            if "d" in args.only:
+                raw["d"] = bench_waiters(cfg, url, admin, run_id)
+                rows += waiter_rows(cfg, raw["d"], private)
             profile = profile_hold(cfg, contenders[0], out_dir) if args.profile else ""
         finally:
             if not private:  # leave nothing behind on somebody else's server
@@ -882,7 +1042,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     settings = leases.settings
     kind = "--quick" if args.quick else "default"
-    if args.rounds or args.cycles or args.handoffs or args.window or args.only != "abc":
+    if args.rounds or args.cycles or args.handoffs or args.window or args.only != "abcd":
         kind += " with overrides"
     header = [
         f"machine: {machine['cpus']} cores, {machine['cpu_model']}; {machine['platform']}; "
@@ -891,7 +1051,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"server {machine['server']} ({'private' if private else 'shared'})",
         f"run: {kind}, {elapsed:.0f} s, {machine['date']}: "
         f"(a) {cfg.rounds} rounds x {cfg.cycles} cycles, (b) {cfg.handoffs} handoffs each, "
-        f"(c) {cfg.window:.0f} s windows; lost_margin {settings.lost_margin}, "
+        f"(c) {cfg.window:.0f} s windows, (d) {cfg.chains} chain(s) per count; "
+        f"lost_margin {settings.lost_margin}, "
         f"slot_groups {settings.slot_groups}",
     ]
     summary = "targets: " + ", ".join(f"({p}) {verdict(ok)}" for p, ok in verdicts.items())

@@ -51,7 +51,7 @@ from ._protocol import (
 from ._scripts import SOURCE
 from ._store import LeaseStore
 from .config import LeaseSettings, safe_url
-from .exceptions import LeaseConfigError
+from .exceptions import LeaseBusy, LeaseConfigError
 
 __all__ = ("AsyncLeaseStore", "make_async_client", "shielded")
 
@@ -297,7 +297,6 @@ class _LoopState:
     renew_client: aredis.Redis
     subscriber: _Subscriber | None = None
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
-    queues: dict[tuple[Want, ...], _Queue] = field(default_factory=dict)
     # on a cluster with min_replicas: plain clients of single nodes, (host, port, renewal?)
     # -> client; a WAIT has no key, so it goes down the connection of the write before it
     nodes: dict[tuple[str, int, bool], aredis.Redis] = field(default_factory=dict)
@@ -402,14 +401,6 @@ def _packed(words: Sequence[Any], encoding: str, errors: str) -> list[bytes] | N
             return None
         out.append(b"$%d\r\n%s\r\n" % (len(data), data))
     return [b"".join(out)]
-
-
-@dataclass
-class _Queue:
-    """The coroutines of one loop waiting for the same resources, first come first served."""
-
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    users: int = 0
 
 
 class AsyncLeaseStore:
@@ -569,13 +560,25 @@ class AsyncLeaseStore:
 
     # --- acquire --------------------------------------------------------------------------
     async def try_acquire(
-        self, wants: Sequence[Want], ident: Identity, ttl: float, task_id: str | None = None
+        self,
+        wants: Sequence[Want],
+        ident: Identity,
+        ttl: float,
+        task_id: str | None = None,
+        ticket: _grants.Ticket | None = None,
     ) -> list[Held] | Busy:
         """One all-or-nothing attempt (see :func:`_grants.try_acquire`)."""
-        return await self.run(_grants.try_acquire(self.store.engine, wants, ident, ttl, task_id))
+        return await self.run(
+            _grants.try_acquire(self.store.engine, wants, ident, ttl, task_id, ticket)
+        )
 
     async def _attempt(
-        self, wants: Sequence[Want], ident: Identity, ttl: float, task_id: str | None
+        self,
+        wants: Sequence[Want],
+        ident: Identity,
+        ttl: float,
+        task_id: str | None,
+        ticket: _grants.Ticket | None = None,
     ) -> list[Held] | Busy:
         """:meth:`try_acquire`, and if the caller is cancelled meanwhile, nothing is kept.
 
@@ -584,24 +587,33 @@ class AsyncLeaseStore:
         attempt runs shielded, and a grant that comes back to a cancelled caller is released.
         """
         state = self._state()
-        attempt, outcome = _carry(self.try_acquire(wants, ident, ttl, task_id))
+        attempt, outcome = _carry(self.try_acquire(wants, ident, ttl, task_id, ticket))
         try:
             return await outcome
         except asyncio.CancelledError:
             # also when it is done already: it may have completed just as we were cancelled
             state.tasks.add(attempt)  # aclose() waits for it, and its release
-            attempt.add_done_callback(lambda done: self._release_orphan(state, done))
+            attempt.add_done_callback(lambda done: self._release_orphan(state, done, wants, ticket))
             raise
 
     def _release_orphan(
-        self, state: _LoopState, attempt: asyncio.Future[list[Held] | Busy | None]
+        self,
+        state: _LoopState,
+        attempt: asyncio.Future[list[Held] | Busy | None],
+        wants: Sequence[Want],
+        ticket: _grants.Ticket | None,
     ) -> None:
         state.tasks.discard(attempt)
         if attempt.cancelled() or attempt.exception() is not None:
             return
         granted = attempt.result()
+        engine = self.store.engine
         if isinstance(granted, list) and granted:
-            self._spawn(state, self.run(_grants.release_quietly(self.store.engine, granted)))
+            self._spawn(state, self.run(_grants.release_quietly(engine, granted)))
+        elif isinstance(granted, Busy) and ticket is not None:
+            # it queued the ticket after its caller left (and left the queues): leave again
+            ticket.queued = {w.resource for w in wants}
+            self._spawn(state, self.run(_grants.leave_queues(engine, wants, ticket)))
 
     async def acquire(
         self,
@@ -613,13 +625,13 @@ class AsyncLeaseStore:
     ) -> list[Held]:
         """Acquire all of ``wants`` or none, waiting up to ``wait`` seconds (None: no limit).
 
-        As :meth:`LeaseStore.acquire`: a waiter is woken by a release on one of its channels
-        at once, and by the blocking holder's expiry at the latest, and holds nothing while it
-        waits. The waiters of one event loop share one subscriber connection, and those that
-        want the same resources queue locally: only the first of them tries again on each
-        release (200 coroutines waiting for one resource cost one attempt per release, not
-        200), and they get it in the order they came. A cancelled waiter leaves nothing
-        behind: no subscription, no lease, no place in the queue.
+        As :meth:`LeaseStore.acquire`: a waiter takes a ticket and is woken alone, on its
+        own channel, when a release makes it the head of the waiter queue (first come, first
+        served, across processes and loops: 200 coroutines waiting for one resource cost
+        one attempt per release, not 200), and by the blocking holder's expiry at the
+        latest; it holds nothing while it waits. The waiters of one event loop share one
+        subscriber connection. A cancelled waiter leaves nothing behind: no subscription,
+        no lease, no place in the queue (it leaves in a task of its own).
 
         Raises:
             LeaseBusy: still busy when the wait ran out; ``.resource`` names the first busy one.
@@ -633,27 +645,20 @@ class AsyncLeaseStore:
             raise busy_error(outcome, await self.holder_task(outcome.resource))
         deadline = math.inf if wait is None else start + wait
         state = self._state()
-        key = tuple(wants)
-        queue = state.queues.get(key)
-        if queue is None:
-            queue = state.queues[key] = _Queue()
-        queue.users += 1
+        ticket = _grants.Ticket()
+        done = False
         try:
-            if deadline == math.inf:
-                await queue.lock.acquire()
-            elif not await _within(
-                queue.lock.acquire(), deadline - time.monotonic(), undo=queue.lock.release
-            ):
-                waited = time.monotonic() - start
-                raise busy_error(outcome, await self.holder_task(outcome.resource), waited)
-            try:
-                return await self._wait(state, wants, ident, ttl, task_id, start, deadline)
-            finally:
-                queue.lock.release()
+            granted = await self._wait(state, wants, ident, ttl, task_id, start, deadline, ticket)
+            done = True
+            return granted
+        except LeaseBusy:
+            done = True  # timed out: queued only where it was last blocked
+            raise
         finally:
-            queue.users -= 1
-            if not queue.users and state.queues.get(key) is queue:
-                del state.queues[key]
+            if not done:  # failed or cancelled: it may be queued anywhere it waited
+                ticket.queued = {w.resource for w in wants}
+            if ticket.queued:  # leave, and wake the next waiter; never waited for
+                self._spawn(state, self.run(_grants.leave_queues(self.store.engine, wants, ticket)))
 
     async def _wait(
         self,
@@ -664,17 +669,19 @@ class AsyncLeaseStore:
         task_id: str | None,
         start: float,
         deadline: float,
+        ticket: _grants.Ticket,
     ) -> list[Held]:
-        """Subscribe, then try again on each release (or expiry) until granted or ``deadline``."""
+        """Subscribe, then try again on each wake-up (or expiry) until granted or ``deadline``."""
         keys = self.store.resource_keys
         channels = sorted({keys(w.resource).channel for w in wants})
+        channels.append(self.store.keys.waiter_channel(ticket.id))
         loop = asyncio.get_running_loop()
         event = asyncio.Event()
         subscriber = await self._subscribe(state, channels, event)
         try:
             while True:
                 event.clear()  # before the attempt: a release from now on wakes us
-                outcome = await self._attempt(wants, ident, ttl, task_id)
+                outcome = await self._attempt(wants, ident, ttl, task_id, ticket)
                 now = time.monotonic()
                 pause = waiting_time(outcome, now, deadline)
                 if pause is None:

@@ -64,6 +64,8 @@ class ResourceKeys:
     counter: str
     channel: str
     group: int
+    waiters: str
+    ticket_expiry: str
 
 
 class LeaseEngine:
@@ -100,6 +102,7 @@ class LeaseEngine:
             )
         self.cluster = False
         self.store: LeaseStore
+        self.waiter_prefix = self.keys.waiter_channel_prefix
         self._rkeys: dict[str, ResourceKeys] = {}
         self._regkeys: dict[tuple[str, int], str] = {}
 
@@ -121,6 +124,8 @@ class LeaseEngine:
                 k.counter(resource),
                 k.channel(resource),
                 k.group_of(resource),
+                k.waiters(resource),
+                k.ticket_expiry(resource),
             )
         return keys
 

@@ -9,9 +9,10 @@ the give-back of a partial grant over several slot groups are written here only.
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from ._keys import escape, escaped_node_of_owner, holder_value, unescape
@@ -42,10 +43,12 @@ __all__ = (
     "AcquireCall",
     "Busy",
     "RenewPlan",
+    "Ticket",
     "acquire_group",
     "commit_receipt",
     "delete_receipt",
     "get_receipt",
+    "leave_queues",
     "release",
     "release_entries",
     "renew",
@@ -93,6 +96,23 @@ class RenewPlan(NamedTuple):
 EXPIRY_SLACK: Final = 0.002
 
 
+#: milliseconds a queued ticket outlives the wait its waiter was told: the waiter's next
+#: attempt (which refreshes it) comes by then, unless it died or hangs
+TICKET_SLACK_MS: Final = 3000
+
+
+@dataclass
+class Ticket:
+    """One wait's place in the waiter queues (see lua/_waiters.lua), made once per wait.
+
+    ``queued``: the resources whose queue it may be in now (the one an attempt was last
+    blocked on: an attempt queues it only there, and leaves the others of its slot group).
+    """
+
+    id: str = field(default_factory=lambda: secrets.token_hex(6))
+    queued: set[str] = field(default_factory=set)
+
+
 class GrantsInFlight(Exception):
     """A lost grant's recovery found other grant calls of this process still in flight."""
 
@@ -104,28 +124,69 @@ def try_acquire(
     ident: Identity,
     ttl: float,
     task_id: str | None = None,
+    ticket: Ticket | None = None,
 ) -> Steps[list[Held] | Busy]:
     """One all-or-nothing attempt at ``wants``; the grants come back in the order given.
 
     Resources are taken group by group in ascending group order (one script call per
     group; one call in all with a single slot group). If a later group is busy, or fails,
     the groups already granted are released again, so the caller never holds part of the
-    set.
+    set. With a ``ticket`` (a waiter's), a busy attempt queues it where it is blocked, and
+    only there (see :func:`follow_ticket`); a grant takes it out of every queue.
     """
+    outcome = yield from _try_acquire(engine, wants, ident, ttl, task_id, ticket)
+    if ticket is not None:
+        yield from follow_ticket(engine, wants, ticket, outcome)
+    return outcome
+
+
+def follow_ticket(
+    engine: LeaseEngine, wants: Sequence[Want], ticket: Ticket, outcome: list[Held] | Busy
+) -> Steps[None]:
+    """Record where ``ticket`` is queued after an attempt's ``outcome``.
+
+    A grant took it out of every queue of its calls. A busy attempt queued it at the
+    blocking resource and took it out of the others of that slot group; the groups before
+    it were granted (and given back), so only the queues of later groups may still hold it
+    from an earlier attempt: it leaves them, so a request never holds the head of a queue
+    while it is blocked by another resource (that resource would stay free for nobody).
+    """
+    if not isinstance(outcome, Busy):
+        ticket.queued = set()
+        return
+    group = engine.resource_keys(outcome.resource).group
+    stale = {r for r in ticket.queued if engine.resource_keys(r).group > group}
+    ticket.queued = {outcome.resource}
+    if stale:
+        yield from leave_queues(engine, [w for w in wants if w.resource in stale], ticket)
+
+
+def _try_acquire(
+    engine: LeaseEngine,
+    wants: Sequence[Want],
+    ident: Identity,
+    ttl: float,
+    task_id: str | None,
+    ticket: Ticket | None,
+) -> Steps[list[Held] | Busy]:
     by_group, fresh = acquire_plan(engine, wants, ident.owner, ttl)
     single = len(by_group) == 1 and len(next(iter(by_group.values()))) == 1
     if 0 not in by_group and not fresh:
         if single and not engine.wait_replicas:
             # the home call and the grant in one round trip (two nodes on a cluster)
             group = next(iter(by_group))
-            return (yield from _acquire_with_home(engine, group, wants, ident, ttl, task_id))
+            return (
+                yield from _acquire_with_home(engine, group, wants, ident, ttl, task_id, ticket)
+            )
         outcome = yield from acquire_group(engine, 0, [], ident, ttl, True, task_id)
         if isinstance(outcome, Busy):
             return outcome
         fresh = True
     if single:
         group = next(iter(by_group))
-        return (yield from acquire_group(engine, group, wants, ident, ttl, not fresh, task_id))
+        return (
+            yield from acquire_group(engine, group, wants, ident, ttl, not fresh, task_id, ticket)
+        )
     out: list[Held | None] = [None] * len(wants)
     taken: list[Held] = []
     for group in sorted(by_group):
@@ -133,7 +194,7 @@ def try_acquire(
         home = not fresh and group == 0
         try:
             outcome = yield from acquire_group(
-                engine, group, [wants[i] for i in idx], ident, ttl, home, task_id
+                engine, group, [wants[i] for i in idx], ident, ttl, home, task_id, ticket
             )
         except LeaseBackendError:
             yield from release_quietly(engine, taken)  # the groups already granted
@@ -183,6 +244,7 @@ def _acquire_with_home(
     ident: Identity,
     ttl: float,
     task_id: str | None,
+    ticket: Ticket | None = None,
 ) -> Steps[list[Held] | Busy]:
     """The owner's home call (group 0) and the grant in ``group``, sent together.
 
@@ -190,7 +252,7 @@ def _acquire_with_home(
     given back, as :func:`try_acquire` would never have asked for it.
     """
     home = acquire_call(engine, 0, [], ident, ttl, True, task_id)
-    call = acquire_call(engine, group, wants, ident, ttl, False, task_id)
+    call = acquire_call(engine, group, wants, ident, ttl, False, task_id, ticket)
     book = book_keys(engine, wants)
     BOOK.begin(call.owner, book)
     lost = False
@@ -229,7 +291,7 @@ def _acquire_with_home(
         return registered
     if adopted is not None:
         return adopted
-    return (yield from acquire_group(engine, group, wants, ident, ttl, False, task_id))
+    return (yield from acquire_group(engine, group, wants, ident, ttl, False, task_id, ticket))
 
 
 def acquire_plan(
@@ -258,6 +320,7 @@ def acquire_group(
     ttl: float,
     home: bool,
     task_id: str | None = None,
+    ticket: Ticket | None = None,
 ) -> Steps[list[Held] | Busy]:
     """One acquire.lua call for ``wants`` (all in slot group ``group``; none: the home call).
 
@@ -270,7 +333,7 @@ def acquire_group(
     """
     book = book_keys(engine, wants)
     for attempt in (1, 2):
-        call = acquire_call(engine, group, wants, ident, ttl, home, task_id)
+        call = acquire_call(engine, group, wants, ident, ttl, home, task_id, ticket)
         BOOK.begin(call.owner, book)
         lost = False
         try:
@@ -423,8 +486,9 @@ def acquire_call(
     ttl: float,
     home: bool,
     task_id: str | None = None,
+    ticket: Ticket | None = None,
 ) -> AcquireCall:
-    """The keys and arguments of one acquire.lua call."""
+    """The keys and arguments of one acquire.lua call (with a waiter's ``ticket``, or none)."""
     owner = ident.owner
     now = time.monotonic()
     registry_s = engine.registry_expiry(owner, group, ttl, now) if wants else 0.0
@@ -440,10 +504,14 @@ def acquire_call(
         engine.token_memory_ms,
         engine.ms(registry_s) if registry_s else 0,
         escape(task_id) if task_id else "-",
+        ticket.id if ticket is not None else "",
+        engine.waiter_prefix,
+        trusted_receivers(engine),
+        TICKET_SLACK_MS,
     ]
     for w in wants:
         rk = engine.resource_keys(w.resource)
-        keys += (rk.exclusive, rk.shared, rk.counter)
+        keys += (rk.exclusive, rk.shared, rk.counter, rk.waiters, rk.ticket_expiry)
         args += (w.mode, w.limit, w.resource)
     return AcquireCall(keys, args, group, wants, owner, ttl, home, task_id, now, registry_s)
 
@@ -694,17 +762,18 @@ def release_entries(
 def release_keys(
     engine: LeaseEngine, owner: str, group: int, entries: Sequence[Entry]
 ) -> list[str]:
-    """The keys of one release.lua call: the registry, then each lease key."""
+    """The keys of one release.lua call: the registry, then each lease key and its waiter
+    queue (with the tickets' expiry)."""
     keys = [engine.registry_key(owner, group)]
     for e in entries:
         rk = engine.resource_keys(e.resource)
-        keys.append(rk.exclusive if e.mode == "x" else rk.shared)
+        keys += (rk.exclusive if e.mode == "x" else rk.shared, rk.waiters, rk.ticket_expiry)
     return keys
 
 
 def release_args(engine: LeaseEngine, owner: str, entries: Sequence[Entry]) -> list[Any]:
     """The arguments of one release.lua call."""
-    args: list[Any] = [owner]
+    args: list[Any] = [owner, engine.waiter_prefix, trusted_receivers(engine)]
     for e in entries:
         args += (e.mode, e.token, e.text, engine.resource_keys(e.resource).channel)
     return args
@@ -715,6 +784,47 @@ def released(engine: LeaseEngine, owner: str, entries: Sequence[Entry]) -> None:
     has their tokens any more, so a lost reply's recovery may give such a grant back."""
     for e in entries:
         BOOK.drop(owner, engine.resource_keys(e.resource).exclusive, e.token)
+
+
+def trusted_receivers(engine: LeaseEngine) -> str:
+    """ "1" when PUBLISH's count of receivers is exact, so a queued waiter nobody listens
+    for is gone (not on a cluster, where a subscriber may sit on another node)."""
+    return "0" if engine.cluster else "1"
+
+
+# --- the waiter queues --------------------------------------------------------------------
+def leave_queues(engine: LeaseEngine, wants: Sequence[Want], ticket: Ticket) -> Steps[None]:
+    """Take ``ticket`` out of the waiter queues of ``wants``, waking the next waiter where
+    it was the head. Idempotent; one leave.lua call per slot group, in one round trip.
+
+    A failure is only logged: the ticket runs out on its own (see TICKET_SLACK_MS), and
+    until then the waiters behind it are woken by their own timers.
+    """
+    by_group: dict[int, list[Want]] = {}
+    for w in wants:
+        by_group.setdefault(engine.resource_keys(w.resource).group, []).append(w)
+    calls = []
+    for _, group_wants in sorted(by_group.items()):
+        keys: list[str] = []
+        args: list[Any] = [ticket.id, engine.waiter_prefix, trusted_receivers(engine)]
+        for w in group_wants:
+            rk = engine.resource_keys(w.resource)
+            keys += (rk.waiters, rk.ticket_expiry)
+            args.append(w.mode)
+        calls.append(Script("leave", keys, args))
+    ticket.queued -= {w.resource for w in wants}
+    if not calls:
+        return
+    try:
+        yield Send(calls, once=False)  # idempotent: the client may send it again
+    except Failure as failure:
+        logger.warning(
+            "leases: a waiter could not leave the queue of %s (%s); its ticket runs out "
+            "on its own (the wait it was last told, plus %d ms)",
+            ", ".join(repr(w.resource) for w in wants),
+            failure.cause,
+            TICKET_SLACK_MS,
+        )
 
 
 # --- once receipts ------------------------------------------------------------------------

@@ -87,6 +87,24 @@ class Keyspace:
         """Pub/Sub channel on which a release of ``resource`` is announced."""
         return f"{self.tag(self.group_of(resource))}:c:{escape(resource)}"
 
+    def waiters(self, resource: str) -> str:
+        """ZSET: the waiter queue of ``resource``, tickets ``"<mode><ticket>"`` scored by
+        when they first queued (Redis clock in microseconds)."""
+        return f"{self.tag(self.group_of(resource))}:q:{escape(resource)}"
+
+    def ticket_expiry(self, resource: str) -> str:
+        """ZSET: the same tickets as :meth:`waiters`, scored by when they run out (Redis ms)."""
+        return f"{self.tag(self.group_of(resource))}:qe:{escape(resource)}"
+
+    @property
+    def waiter_channel_prefix(self) -> str:
+        """What every waiter's own channel starts with (the ticket follows)."""
+        return f"{self.tag(0)}:cw:"
+
+    def waiter_channel(self, ticket: str) -> str:
+        """Pub/Sub channel on which the waiter holding ``ticket`` is woken (its turn came)."""
+        return self.waiter_channel_prefix + ticket
+
     def resource_keys(self, resource: str) -> tuple[str, str, str]:
         """``(exclusive, shared, counter)`` keys of ``resource``."""
         return self.exclusive(resource), self.shared(resource), self.counter(resource)

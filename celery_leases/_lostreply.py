@@ -52,6 +52,8 @@ POLICIES: Final[Mapping[str, str]] = {
     "acquire (home call, no resources)": "idempotent: sent again",
     "acquire + WAIT (min_replicas)": "read-back, give-back: release the own grant, send again",
     "release": "idempotent: sent again; a lease still counted held when sent is reported freed",
+    "leave": "idempotent: sent again (a ticket leaves a queue once; the next head may be woken "
+    "twice, which costs it one attempt)",
     "renew (heartbeat)": "idempotent: the next renewal runs it again (the asyncio renewal "
     "client's retry may replay it: it extends the same leases again)",
     "unique_claim": "idempotent: sent again; 'already queued for this task' is this call's claim",

@@ -21,6 +21,7 @@ __all__ = (
     "EXPIRED_OWNERS",
     "FENCED_WRITE",
     "FORGET_OWNER",
+    "LEAVE",
     "LIFETIME_CHECK",
     "NOW",
     "SHA",
@@ -129,17 +130,25 @@ def _read(name: str) -> str:
     return (files(__package__) / "lua" / f"{name}.lua").read_text(encoding="utf-8")
 
 
-def _with_lifetime(name: str) -> str:
+def _with_lifetime(name: str, *more: str) -> str:
     """The script ``name`` with the restart check of ``_lifetime.lua`` put in after its header
     comment: the check is written once (Redis scripts cannot share code otherwise)."""
+    return _with(name, "_lifetime", *more)
+
+
+def _with(name: str, *parts: str) -> str:
+    """The script ``name`` with the shared code of ``parts`` (``_lifetime``, ``_waiters``)
+    put in after its header comment, in that order."""
     lines = _read(name).splitlines(keepends=True)
     code = next(i for i, line in enumerate(lines) if line.strip() and not line.startswith("--"))
-    return "".join(lines[:code]) + _read("_lifetime") + "".join(lines[code:])
+    shared = "".join(_read(part) for part in parts)
+    return "".join(lines[:code]) + shared + "".join(lines[code:])
 
 
-ACQUIRE: Final = _with_lifetime("acquire")
+ACQUIRE: Final = _with_lifetime("acquire", "_waiters")
 RENEW: Final = _read("renew")
-RELEASE: Final = _read("release")
+RELEASE: Final = _with("release", "_waiters")
+LEAVE: Final = _with("leave", "_waiters")
 EXPIRED_OWNERS: Final = _read("expired_owners")
 FORGET_OWNER: Final = _read("forget_owner")
 COMMIT_RECEIPT: Final = _read("commit_receipt")
@@ -155,6 +164,7 @@ ALL: Final[dict[str, str]] = {
     "acquire": ACQUIRE,
     "renew": RENEW,
     "release": RELEASE,
+    "leave": LEAVE,
     "expired_owners": EXPIRED_OWNERS,
     "forget_owner": FORGET_OWNER,
     "commit_receipt": COMMIT_RECEIPT,

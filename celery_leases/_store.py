@@ -291,10 +291,13 @@ class LeaseStore:
     ) -> list[Held]:
         """Acquire all of ``wants`` or none, waiting up to ``wait`` seconds (None: no limit).
 
-        A waiter subscribes to the release channels of every resource it wants, then tries
-        again; it is woken by a release at once (no polling), and by the blocking holder's
-        expiry at the latest, since each failed attempt says when that holder runs out.
-        While it waits it holds none of the resources.
+        A waiter takes a ticket, subscribes to its own channel (and the release channels of
+        every resource it wants), then tries again. A busy attempt queues the ticket at the
+        resource that blocks it (lua/_waiters.lua): a release wakes the head of that queue
+        alone, at once (no polling), and the blocking holder's expiry wakes it at the latest,
+        since each failed attempt says when that holder runs out. Within a slot group,
+        waiters are served first come, first served. While it waits it holds none of the
+        resources; when it stops waiting without a grant it leaves the queues.
 
         Raises:
             LeaseBusy: still busy when the wait ran out; ``.resource`` names the first busy one.
@@ -307,15 +310,26 @@ class LeaseStore:
         if wait is not None and wait <= 0:
             raise busy_error(outcome, self.holder_task(outcome.resource))
         deadline = math.inf if wait is None else start + wait
+        # a place in the waiter queues: woken alone, on its own channel, when its turn comes
+        ticket = _grants.Ticket()
 
         def attempt() -> float | None:
             nonlocal outcome
-            outcome = self.try_acquire(wants, ident, ttl, task_id)
+            outcome = self.run(_grants.try_acquire(self.engine, wants, ident, ttl, task_id, ticket))
             return waiting_time(outcome, time.monotonic(), deadline)
 
         channels = sorted({self.resource_keys(w.resource).channel for w in wants})
-        with self._backend("wait for a release"):
-            self._subscribers.wait(channels, attempt)
+        channels.append(self.keys.waiter_channel(ticket.id))
+        done = False
+        try:
+            with self._backend("wait for a release"):
+                self._subscribers.wait(channels, attempt)
+            done = True
+        finally:
+            if not done:  # failed or interrupted: it may be queued anywhere it waited
+                ticket.queued = {w.resource for w in wants}
+            if ticket.queued:  # timed out (or failed): leave, and wake the next waiter
+                self.run(_grants.leave_queues(self.engine, wants, ticket))
         if isinstance(outcome, Busy):
             waited = time.monotonic() - start
             raise busy_error(outcome, self.holder_task(outcome.resource), waited)

@@ -7,7 +7,7 @@
 --
 -- KEYS[1] lifetime record of the group      KEYS[2] owner registry in the group
 -- when ARGV[4] == "1" (home group): KEYS[3] owners index  KEYS[4] node's owner set  KEYS[5] node set
--- then per resource i: exclusive key, shared key, token counter key
+-- then per resource i: exclusive key, shared key, token counter key, waiter queue, ticket expiry
 -- ARGV[1] owner id   ARGV[2] ttl in milliseconds
 -- ARGV[3] grace in milliseconds after Redis is found without the lifetime record (the
 --         restart_grace setting; -1: the record is not even read): see _lifetime.lua
@@ -18,11 +18,24 @@
 --         stays above the tokens of the live shared holders instead
 -- ARGV[8] registry expiry to set in milliseconds (0: the caller knows it is long enough)
 -- ARGV[9] the holding task's id, escaped, or "-" (recorded in the registry for operators)
+-- ARGV[10] the waiter's ticket, or "" (no ticket: one try, or an attempt before it waits)
+-- ARGV[11] waiter channel prefix (a ticket's channel is the prefix and the ticket)
+-- ARGV[12] "1" when PUBLISH counts receivers exactly (not on a cluster)
+-- ARGV[13] ticket slack in milliseconds: a queued ticket lives the wait it is told plus this
 -- then per resource i: mode ("x" or "s"), limit (0 = none), resource name (for the registry)
 -- returns {1, token_1, ..., token_n}  granted
 --         {0, i, wait_ms}             resource i (1-based) is busy; its blocking holder runs out
 --                                     in wait_ms unless renewed
 --         {-1, wait_ms}               restart grace: Redis restarted or failed over (see above)
+--
+-- The waiter queue (see _waiters.lua): a resource free for the mode asked is still busy while
+-- the live head of its queue is another waiter (first come, first served; a call without a
+-- ticket never barges in), and the wait told is until that head's ticket runs out. A call
+-- with a ticket that is busy on resource i queues the ticket there (keeping its place) until
+-- now + wait_ms + slack, and leaves the queues of the call's other resources (queued only
+-- where it is blocked now, so it never holds the head of a queue it is not waiting for); a
+-- grant removes it from every queue of the call, and a shared grant wakes the next waiter if
+-- that one wants a shared lease too.
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -39,39 +52,71 @@ if grace >= 0 then
 end
 
 local h = home and 5 or 2
-local a = 9
-local n = (#KEYS - h) / 3
+local a = 13
+local n = (#KEYS - h) / 5
 local memory = ARGV[7]
 local sharing = {}  -- i -> true: resource i has live shared holders (read with memory "0")
+local ticket, wprefix, trust = ARGV[10], ARGV[11], ARGV[12] == '1'
+local slack = tonumber(ARGV[13])
+
+local function ticket_of(i)
+  return ARGV[a + 3 * i + 1] .. ticket
+end
+
+-- busy on resource i (0-based) for wait ms: queue the ticket there, and only there
+local function busy(i, wait)
+  if ticket ~= '' then
+    for j = 0, n - 1 do
+      if j ~= i then
+        dequeue(KEYS[h + 5 * j + 4], KEYS[h + 5 * j + 5], ticket_of(j))
+      end
+    end
+    enqueue(KEYS[h + 5 * i + 4], KEYS[h + 5 * i + 5], ticket_of(i), now, now_us, wait + slack)
+  end
+  return {0, i + 1, wait}
+end
 
 -- first pass: every resource must be free for the mode asked; nothing is written but the
 -- removal of shared holders that already ran out
 for i = 0, n - 1 do
-  local xkey, skey = KEYS[h + 3 * i + 1], KEYS[h + 3 * i + 2]
-  -- the common case, a free resource, costs one call
-  if redis.call('EXISTS', xkey, skey) > 0 then
-    local mode, limit = ARGV[a + 3 * i + 1], tonumber(ARGV[a + 3 * i + 2])
-    local xttl = redis.call('PTTL', xkey)
-    if xttl >= 0 then
-      return {0, i + 1, xttl}
-    elseif xttl == -1 then
-      -- a holder without expiry can only come from outside this library: never grant over it
-      return {0, i + 1, ttl}
+  local xkey, skey = KEYS[h + 5 * i + 1], KEYS[h + 5 * i + 2]
+  local wkey, ekey = KEYS[h + 5 * i + 4], KEYS[h + 5 * i + 5]
+  -- the common case, a free resource without waiters, costs one call
+  local found = redis.call('EXISTS', xkey, skey, wkey)
+  if found > 0 then
+    local queued = redis.call('EXISTS', wkey) == 1
+    if found > 1 or not queued then
+      -- a holder key: the checks as without a queue
+      local mode, limit = ARGV[a + 3 * i + 1], tonumber(ARGV[a + 3 * i + 2])
+      local xttl = redis.call('PTTL', xkey)
+      if xttl >= 0 then
+        return busy(i, xttl)
+      elseif xttl == -1 then
+        -- a holder without expiry can only come from outside this library: never grant over it
+        return busy(i, ttl)
+      end
+      redis.call('ZREMRANGEBYSCORE', skey, '-inf', num(now))
+      local count = redis.call('ZCARD', skey)
+      if count > 0 and (mode == 'x' or (limit > 0 and count >= limit)) then
+        local first = redis.call('ZRANGE', skey, 0, 0, 'WITHSCORES')
+        return busy(i, math.max(tonumber(first[2]) - now, 1))
+      end
+      sharing[i] = count > 0
     end
-    redis.call('ZREMRANGEBYSCORE', skey, '-inf', num(now))
-    local count = redis.call('ZCARD', skey)
-    if count > 0 and (mode == 'x' or (limit > 0 and count >= limit)) then
-      local first = redis.call('ZRANGE', skey, 0, 0, 'WITHSCORES')
-      return {0, i + 1, math.max(tonumber(first[2]) - now, 1)}
+    if queued then
+      -- free for the mode asked, but first come, first served
+      local head, expiry = queue_head(wkey, ekey, now)
+      if head and (ticket == '' or head ~= ticket_of(i)) then
+        return busy(i, math.max(expiry - now, 1))
+      end
     end
-    sharing[i] = count > 0
   end
 end
 
 -- second pass: grant them all
 local tokens = {1}
 for i = 0, n - 1 do
-  local xkey, skey, ckey = KEYS[h + 3 * i + 1], KEYS[h + 3 * i + 2], KEYS[h + 3 * i + 3]
+  local xkey, skey, ckey = KEYS[h + 5 * i + 1], KEYS[h + 5 * i + 2], KEYS[h + 5 * i + 3]
   local mode, resource = ARGV[a + 3 * i + 1], ARGV[a + 3 * i + 3]
   local token = now_us
   if memory ~= '0' then
@@ -111,6 +156,14 @@ for i = 0, n - 1 do
   -- the registry entry: "<mode> <token> <task> <resource>" (the resource last: it may hold spaces)
   redis.call('SADD', KEYS[2], mode .. ' ' .. text .. ' ' .. ARGV[9] .. ' ' .. resource)
   tokens[#tokens + 1] = token
+  if ticket ~= '' then
+    local wkey, ekey = KEYS[h + 5 * i + 4], KEYS[h + 5 * i + 5]
+    dequeue(wkey, ekey, ticket_of(i))
+    if mode == 's' then
+      -- the next waiter may share it too: wake it (it is refused if the limit is reached)
+      wake_head(wkey, ekey, now, wprefix, trust, 's', num(token))
+    end
+  end
 end
 
 -- the registry outlives every lease it records, so a cleanup always finds them

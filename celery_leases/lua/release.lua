@@ -1,21 +1,32 @@
--- release.lua: give back leases of one owner in one slot group, and wake their waiters.
+-- release.lua: give back leases of one owner in one slot group, and wake their waiters: the
+-- live head of a lease's waiter queue on its own channel (one waiter per release; see
+-- _waiters.lua), or, with nobody queued, whoever listens on the release channel.
 -- Only the holder can release: the key must still name our token. A second release of the
 -- same lease is a no-op. The registry entry goes either way, so a cleanup pass can use this
 -- script for leases that already ran out.
 --
 -- KEYS[1] owner registry in the group
--- then per lease i: its exclusive or shared key
--- ARGV[1] owner id
+-- then per lease i: its exclusive or shared key, its waiter queue, its ticket expiry
+-- ARGV[1] owner id   ARGV[2] waiter channel prefix   ARGV[3] "1" when PUBLISH counts receivers
+-- exactly (not on a cluster)
 -- then per lease i: mode ("x" or "s"), token, registry entry, release channel
 -- returns per lease i: 1 = released now, 0 = was no longer held by us
 
-local now -- the Redis clock in ms, read only for a shared lease (an exclusive one needs none)
-local owner = ARGV[1]
+local now -- the Redis clock in ms, read only when needed (an exclusive release with nobody
+-- queued needs none)
+local function clock()
+  if not now then
+    local t = redis.call('TIME')
+    now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return now
+end
+local owner, wprefix, trust = ARGV[1], ARGV[2], ARGV[3] == '1'
 local out = {}
-for i = 0, #KEYS - 2 do
-  local key = KEYS[i + 2]
-  local mode, token = ARGV[4 * i + 2], ARGV[4 * i + 3]
-  local entry, channel = ARGV[4 * i + 4], ARGV[4 * i + 5]
+for i = 0, (#KEYS - 1) / 3 - 1 do
+  local key, wkey, ekey = KEYS[3 * i + 2], KEYS[3 * i + 3], KEYS[3 * i + 4]
+  local mode, token = ARGV[4 * i + 4], ARGV[4 * i + 5]
+  local entry, channel = ARGV[4 * i + 6], ARGV[4 * i + 7]
   local holder = token .. ' ' .. owner
   local freed = 0
   if mode == 'x' then
@@ -27,20 +38,19 @@ for i = 0, #KEYS - 2 do
     -- a shared member outlives its score until an acquire sweeps it out: one whose score
     -- passed had run out, and is not released now (though it goes)
     local score = redis.call('ZSCORE', key, holder)
-    if score and not now then
-      local t = redis.call('TIME')
-      now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-    end
     if score then
       redis.call('ZREM', key, holder)
-      if tonumber(score) > now then
+      if tonumber(score) > clock() then
         freed = 1
       end
     end
   end
   redis.call('SREM', KEYS[1], entry)
   if freed == 1 then
-    redis.call('PUBLISH', channel, token)
+    -- nobody queued (the common case: one call), or nobody left to wake: the release channel
+    if wake_head(wkey, ekey, clock, wprefix, trust, nil, token) == 0 then
+      redis.call('PUBLISH', channel, token)
+    end
   end
   out[#out + 1] = freed
 end

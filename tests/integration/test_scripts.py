@@ -29,10 +29,20 @@ def test_every_lua_file_is_a_script_constant():
     # a file named "_..." is a fragment put into the scripts that use it, not a script
     scripts = {name: src for name, src in shipped.items() if not name.startswith("_")}
     assert set(scripts) == set(_scripts.ALL)
+    # the fragments each script has put in after its header, in that order
+    fragments = {
+        "acquire": ["_lifetime", "_waiters"],
+        "unique_handover": ["_lifetime"],
+        "lifetime_check": ["_lifetime"],
+        "release": ["_waiters"],
+        "leave": ["_waiters"],
+    }
     for name, source in scripts.items():
-        if name in ("acquire", "unique_handover", "lifetime_check"):
+        parts = fragments.get(name, [])
+        if parts:
             assert _scripts.ALL[name] != source
-            assert _scripts.ALL[name].replace(shipped["_lifetime"], "", 1) == source
+            put_in = "".join(shipped[part] for part in parts)
+            assert _scripts.ALL[name].replace(put_in, "", 1) == source
         else:
             assert _scripts.ALL[name] == source
 

@@ -155,3 +155,59 @@ def test_a_renewal_that_too_few_replicas_confirm_is_a_backend_error():
     with pytest.raises(LeaseBackendError, match="reached 0 of the 1 replicas"):
         drive(steps, replies(([[]], [0])))  # one call (the home group), WAIT says 0
     store.close()
+
+
+# --- the waiter queues ---------------------------------------------------------------------
+def test_a_ticket_goes_with_the_attempt_and_is_followed_to_where_it_is_blocked(
+    grouped: LeaseStore,
+):
+    (name,) = _in_groups(grouped, 2)
+    ticket = _grants.Ticket()
+    steps = _grants.try_acquire(grouped.engine, [Want(name)], WORKER, 10.0, ticket=ticket)
+    outcome, made = drive(steps, replies([[AcquireReply.BUSY, 1, 500]]))
+    assert outcome == Busy(name, 0.5)
+    call = made[0].calls[0]  # type: ignore[union-attr]
+    assert isinstance(call, Script)
+    assert ticket.id in call.args
+    assert grouped.resource_keys(name).waiters in call.keys
+    assert ticket.queued == {name}
+    assert scripts(made) == ["acquire"]  # one group: nothing to leave
+
+
+def test_a_request_blocked_in_an_earlier_group_leaves_the_queue_of_a_later_one(
+    grouped: LeaseStore,
+):
+    first, second = _in_groups(grouped, 1, 3)
+    wants = [Want(first), Want(second)]
+    ticket = _grants.Ticket(queued={second})  # an earlier attempt was blocked by `second`
+    steps = _grants.try_acquire(grouped.engine, wants, WORKER, 10.0, ticket=ticket)
+    outcome, made = drive(steps, replies([[AcquireReply.BUSY, 1, 500]], [[1]]))
+    assert outcome == Busy(first, 0.5)
+    assert scripts(made) == ["acquire", "leave"]
+    leave = made[1].calls[0]  # type: ignore[union-attr]
+    assert isinstance(leave, Script)
+    assert grouped.resource_keys(second).waiters in leave.keys
+    assert leave.args[0] == ticket.id
+    assert ticket.queued == {first}
+
+
+def test_a_grant_takes_the_ticket_out_of_every_queue(grouped: LeaseStore):
+    (name,) = _in_groups(grouped, 2)
+    ticket = _grants.Ticket(queued={name})
+    steps = _grants.try_acquire(grouped.engine, [Want(name)], WORKER, 10.0, ticket=ticket)
+    held, made = drive(steps, replies([[AcquireReply.GRANTED, 9]]))
+    assert isinstance(held, list)
+    assert ticket.queued == set()
+    assert scripts(made) == ["acquire"]
+    BOOK.drop(WORKER.owner, grouped.resource_keys(name).exclusive, 9)
+
+
+def test_leaving_the_queues_that_fails_is_only_logged(grouped: LeaseStore):
+    (name,) = _in_groups(grouped, 2)
+    ticket = _grants.Ticket(queued={name})
+    steps = _grants.leave_queues(grouped.engine, [Want(name)], ticket)
+    outcome, made = drive(steps, replies(refused()))
+    assert outcome is None
+    assert scripts(made) == ["leave"]
+    assert made[0].once is False  # type: ignore[union-attr]  # idempotent: may be resent
+    assert ticket.queued == set()

@@ -10,7 +10,7 @@ import pytest
 
 from celery_leases import _scripts
 
-#: script -> the IntEnum of its reply codes (renew and expired_owners reply with data only)
+#: script -> the IntEnum of its reply codes (renew, expired_owners and leave reply with data only)
 REPLIES: dict[str, type[IntEnum]] = {
     "acquire": _scripts.AcquireReply,
     "unique_claim": _scripts.UniqueClaimReply,
@@ -24,7 +24,7 @@ REPLIES: dict[str, type[IntEnum]] = {
     "fenced_write": _scripts.FencedWriteReply,
     "lifetime_check": _scripts.LifetimeCheckReply,
 }
-DATA_ONLY = {"renew", "expired_owners"}
+DATA_ONLY = {"renew", "expired_owners", "leave"}
 
 
 def _returns_comment(name: str) -> str:

@@ -111,6 +111,15 @@ KEYS: list[tuple[str, int, str, tuple[Any, ...] | None, object]] = [
     ("leases", 1, "owners", None, "{leases:0}:owners"),
     ("leases", 1, "nodes", None, "{leases:0}:nodes"),
     ("leases", 1, "audit", None, "{leases:0}:audit"),
+    # the waiter queues (issue 14): a resource's queue and its tickets' expiry, in its group;
+    # a waiter's own channel, under the home group's tag
+    ("leases", 1, "waiters", ("a{b}:c d",), "{leases:0}:q:a%7Bb%7D:c%20d"),
+    ("leases", 1, "ticket_expiry", ("a{b}:c d",), "{leases:0}:qe:a%7Bb%7D:c%20d"),
+    ("leases", 1, "waiter_channel_prefix", None, "{leases:0}:cw:"),
+    ("leases", 1, "waiter_channel", ("0a1b2c3d4e5f",), "{leases:0}:cw:0a1b2c3d4e5f"),
+    ("leases", 16, "waiters", ("job:42",), "{leases:10}:q:job:42"),
+    ("leases", 16, "ticket_expiry", ("job:42",), "{leases:10}:qe:job:42"),
+    ("leases", 16, "waiter_channel", ("0a1b2c3d4e5f",), "{leases:0}:cw:0a1b2c3d4e5f"),
     # prefix 'leases', 16 slot groups
     ("leases", 16, "group_of", ("job:42",), 10),
     ("leases", 16, "exclusive", ("job:42",), "{leases:10}:x:job:42"),
