@@ -404,12 +404,11 @@ class Leases:
         return _released(todo, freed, lost)
 
 
-class _AHold(AbstractAsyncContextManager[T]):
-    """What :meth:`Leases.ahold` returns: acquires on entry, releases on exit (as
-    :class:`_Holding` for :meth:`Leases.hold`).
+class _Block:
+    """A ``hold()`` or ``ahold()`` block: what to acquire on entry, and what it got.
 
-    A class rather than an ``asynccontextmanager``: ``ahold()`` is the asyncio hot path, and
-    the generator form stepped two generators per block.
+    Classes rather than generator-based context managers: these are the hot paths, and the
+    generator forms stepped two generators and their bookkeeping per block.
     """
 
     __slots__ = ("_ext", "_leases", "_one", "_resources", "_ttl", "_wait")
@@ -430,12 +429,22 @@ class _AHold(AbstractAsyncContextManager[T]):
         self._one = one
         self._leases: list[Lease] | None = None
 
-    async def __aenter__(self) -> T:
+    def _wants(self, what: str) -> list[Want]:
+        """The block's Wants, on its (only) entry; errors name ``what`` (hold or ahold)."""
         if self._leases is not None:
-            raise RuntimeError("an ahold() block can be entered only once")
+            raise RuntimeError(f"this {what}() block was entered already: enter it once")
         if not self._resources:
-            raise LeaseConfigError("ahold() needs at least one resource")
-        wants = _wants("ahold", self._resources)
+            raise LeaseConfigError(f"{what}() needs at least one resource")
+        return _wants(what, self._resources)
+
+
+class _AHold(_Block, AbstractAsyncContextManager[T]):
+    """What :meth:`Leases.ahold` returns: acquires on entry, releases on exit."""
+
+    __slots__ = ()
+
+    async def __aenter__(self) -> T:
+        wants = self._wants("ahold")
         leases = self._leases = await self._ext.aacquire(wants, ttl=self._ttl, wait=self._wait)
         return cast("T", leases[0] if self._one else leases)
 
@@ -474,37 +483,13 @@ def checked_settings(ext: Leases, *, full: bool = False) -> LeaseSettings:
     return ext._check_settings(full=full)
 
 
-class _Holding:
-    """What :meth:`Leases.hold` returns: acquires on entry, releases on exit.
+class _Holding(_Block):
+    """What :meth:`Leases.hold` returns: acquires on entry, releases on exit."""
 
-    A class rather than a generator-based context manager: ``hold()`` is the hot path, and
-    the generator form cost two generators and their bookkeeping per block.
-    """
-
-    __slots__ = ("_ext", "_leases", "_one", "_resources", "_ttl", "_wait")
-
-    def __init__(
-        self,
-        ext: Leases,
-        resources: list[Resource],
-        ttl: float | None,
-        wait: float | None,
-        *,
-        one: bool,
-    ) -> None:
-        self._ext = ext
-        self._resources = resources
-        self._ttl = ttl
-        self._wait = wait
-        self._one = one
-        self._leases: list[Lease] | None = None
+    __slots__ = ()
 
     def __enter__(self) -> Any:
-        if self._leases is not None:
-            raise RuntimeError("a hold() block can be entered only once")
-        if not self._resources:
-            raise LeaseConfigError("hold() needs at least one resource")
-        wants = _wants("hold", self._resources)
+        wants = self._wants("hold")
         leases = self._leases = self._ext.acquire(wants, ttl=self._ttl, wait=self._wait)
         return leases[0] if self._one else leases
 

@@ -118,28 +118,13 @@ local tokens = {1}
 for i = 0, n - 1 do
   local xkey, skey, ckey = KEYS[h + 5 * i + 1], KEYS[h + 5 * i + 2], KEYS[h + 5 * i + 3]
   local mode, resource = ARGV[a + 3 * i + 1], ARGV[a + 3 * i + 3]
-  local token = now_us
-  if memory ~= '0' then
-    -- one call in the common case: store the clock, and look at what was there
-    local last = tonumber(redis.call('SET', ckey, num(token), 'PX', memory, 'GET') or '0')
-    if last >= token then
-      -- granted twice in one microsecond, or the server clock stepped back: stay above
-      token = last + 1
-      redis.call('SET', ckey, num(token), 'PX', memory)
-    end
-  else
-    -- no counter is kept; one that a caller with a memory left still counts
-    local last = tonumber(redis.call('GET', ckey) or '0')
-    if last >= token then
-      token = last + 1
-    end
-    if sharing[i] then
-      -- shared holders granted beside each other need no release in between: stay above theirs
-      for _, member in ipairs(redis.call('ZRANGE', skey, 0, -1)) do
-        local held = tonumber(string.match(member, '^%d+') or '0')
-        if held >= token then
-          token = held + 1
-        end
+  local token = next_token(ckey, now_us, memory)
+  if memory == '0' and sharing[i] then
+    -- shared holders granted beside each other need no release in between: stay above theirs
+    for _, member in ipairs(redis.call('ZRANGE', skey, 0, -1)) do
+      local held = tonumber(string.match(member, '^%d+') or '0')
+      if held >= token then
+        token = held + 1
       end
     end
   end

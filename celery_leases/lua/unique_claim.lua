@@ -51,16 +51,7 @@ if current then
 end
 
 -- a fencing token as acquire.lua makes them: above every earlier one, at least the clock in us
-local token = now_us
-if ARGV[3] ~= '0' then
-  local last = tonumber(redis.call('SET', KEYS[2], num(token), 'PX', ARGV[3], 'GET') or '0')
-  if last >= token then
-    token = last + 1
-    redis.call('SET', KEYS[2], num(token), 'PX', ARGV[3])
-  end
-else
-  token = math.max(token, tonumber(redis.call('GET', KEYS[2]) or '0') + 1)
-end
+local token = next_token(KEYS[2], now_us, ARGV[3])
 redis.call('SET', KEYS[1], num(token) .. ' ' .. mine, 'PX', ttl)
 index(now + ttl)
 return {1, token}

@@ -41,18 +41,11 @@ if current then
   end
 end
 
-local token = now_us
-if ARGV[4] ~= '0' then
-  local last = tonumber(redis.call('SET', KEYS[4], num(token), 'PX', ARGV[4], 'GET') or '0')
-  if last >= token then
-    token = last + 1
-    redis.call('SET', KEYS[4], num(token), 'PX', ARGV[4])
-  end
-else
-  local last = tonumber(redis.call('GET', KEYS[4]) or '0')
+local token = next_token(KEYS[4], now_us, ARGV[4])
+if ARGV[4] == '0' then
   -- the queued claim's token, "<token> %queued/<task>": no counter holds it
   local queued = current and tonumber(string.match(current, '^%d+') or '0') or 0
-  token = math.max(token, last + 1, queued + 1)
+  token = math.max(token, queued + 1)
 end
 redis.call('SET', KEYS[3], num(token) .. ' ' .. owner, 'PX', ARGV[2])
 -- the registry entry, as acquire.lua writes it: "x <token> <task> <resource>"

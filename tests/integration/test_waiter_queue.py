@@ -171,34 +171,24 @@ def test_one_release_wakes_one_waiter_whatever_their_number(make_leases, make_re
     assert twenty <= one + 10, (one, twenty)
 
 
-def test_a_dead_waiters_ticket_does_not_hold_the_queue(leases: Leases, leases_redis):
+@pytest.mark.parametrize(
+    "dead_ticket_expiry_ms",
+    [
+        # a ticket of a waiter that died, queued first, already run out
+        pytest.param(-1, id="run-out"),
+        # a process killed while it waited: its ticket is live (far expiry) but its subscriber
+        # connection is gone, so the release's PUBLISH reaches nobody and the next is woken
+        pytest.param(600_000, id="live-but-nobody-listens"),
+    ],
+)
+def test_a_dead_waiters_ticket_does_not_hold_the_queue(
+    leases: Leases, leases_redis, dead_ticket_expiry_ms: int
+):
     keys = leases.store.keys
     held = hold_by_hand(leases, "r")
-    # a ticket of a waiter that died, queued first, already run out
     now_ms = int(leases_redis.time()[0]) * 1000
     leases_redis.zadd(keys.waiters("r"), {"xdeaddeaddead": 1})
-    leases_redis.zadd(keys.ticket_expiry("r"), {"xdeaddeaddead": now_ms - 1})
-    waiter = Waiter(leases, "r", wait=30)
-    waiter.start()
-    poll(lambda: len(queue(leases_redis, leases, "r")) == 2, 10, "the waiter queued")
-    released_at = time.monotonic()
-    leases.store.release(held)
-    waiter.finish(30)
-    assert waiter.error is None
-    # the release pruned the dead ticket and woke the waiter behind it
-    assert waiter.granted_at is not None
-    assert waiter.granted_at - released_at < 5
-    assert queue(leases_redis, leases, "r") == []
-
-
-def test_a_live_ticket_nobody_listens_for_is_skipped_at_once(leases: Leases, leases_redis):
-    keys = leases.store.keys
-    held = hold_by_hand(leases, "r")
-    # a process killed while it waited: its ticket is live (far expiry) but its subscriber
-    # connection is gone, so the release's PUBLISH reaches nobody and the next one is woken
-    now_ms = int(leases_redis.time()[0]) * 1000
-    leases_redis.zadd(keys.waiters("r"), {"xdeaddeaddead": 1})
-    leases_redis.zadd(keys.ticket_expiry("r"), {"xdeaddeaddead": now_ms + 600_000})
+    leases_redis.zadd(keys.ticket_expiry("r"), {"xdeaddeaddead": now_ms + dead_ticket_expiry_ms})
     waiter = Waiter(leases, "r", wait=60)
     waiter.start()
     poll(lambda: len(queue(leases_redis, leases, "r")) == 2, 10, "the waiter queued")
@@ -206,7 +196,8 @@ def test_a_live_ticket_nobody_listens_for_is_skipped_at_once(leases: Leases, lea
     leases.store.release(held)
     waiter.finish(60)
     assert waiter.error is None
-    # far sooner than the dead ticket's expiry (10 minutes) or the holder's ttl (30 s)
+    # the release pruned the dead ticket and woke the waiter behind it: far sooner than the
+    # live dead ticket's expiry (10 minutes) or the holder's ttl (30 s)
     assert waiter.granted_at is not None
     assert waiter.granted_at - released_at < 5
     assert queue(leases_redis, leases, "r") == []
