@@ -292,12 +292,41 @@ def bench_cycles(
 
 
 def cycle_rows(cfg: Config, res: dict[str, dict[str, Any]], private: bool) -> list[Row]:
-    floor = res[FLOOR]["median"]
-    metric = f"cycles/s (median of {cfg.rounds}x{cfg.cycles})"
+    """The sync rows of (a): hold() against the redis-py floor (and two bare round trips)."""
+    bare = f"{res[HOLD]['median'] / res[BARE]['median']:.2f}x two bare round trips"
+    return _rows_against(
+        cfg,
+        res,
+        private,
+        (HOLD, FLOOR, BARE, REDIS_PY, PRL),
+        LABELS,
+        floor="floor",
+        target=CYCLE_RATIO_TARGET,
+        extra={HOLD: bare},
+    )
+
+
+def _rows_against(
+    cfg: Config,
+    res: dict[str, dict[str, Any]],
+    private: bool,
+    keys: tuple[str, ...],
+    labels: dict[str, str],
+    *,
+    floor: str,
+    target: float,
+    extra: dict[str, str] | None = None,
+) -> list[Row]:
+    """The rows of (a) for ``keys``: the first is ours (held to ``target`` x the second, the
+    ``floor``), the second the baseline, the rest for comparison."""
+    ours, base = keys[0], keys[1]
+    floor_rate = res[base]["median"]
+    prefix = "" if floor == "floor" else "asyncio "
+    metric = f"{prefix}cycles/s (median of {cfg.rounds}x{cfg.cycles})"
     rows = []
-    for key in (HOLD, FLOOR, BARE, REDIS_PY, PRL):
+    for key in keys:
         r = res[key]
-        ratio = r["median"] / floor
+        ratio = r["median"] / floor_rate
         details = [
             f"{r['round_trips_per_cycle']:.2f} RT/cycle",
             f"{1e6 / r['median']:.0f} us/cycle",
@@ -305,27 +334,27 @@ def cycle_rows(cfg: Config, res: dict[str, dict[str, Any]], private: bool) -> li
         if private:
             details.append(f"server {r['server_us_per_cycle']:.1f} us/cycle")
         details.append(f"rounds {min(r['rates']):,.0f}-{max(r['rates']):,.0f}")
-        if key == HOLD:
-            details.append(f"{r['median'] / res[BARE]['median']:.2f}x two bare round trips")
+        if extra and key in extra:
+            details.append(extra[key])
+        if key == ours:
             ok = (
-                ratio >= CYCLE_RATIO_TARGET
-                and round(r["round_trips_per_cycle"], 2) == CYCLE_ROUND_TRIPS_TARGET
+                ratio >= target and round(r["round_trips_per_cycle"], 2) == CYCLE_ROUND_TRIPS_TARGET
             )
-            target = f">= {CYCLE_RATIO_TARGET:.2f}x floor, 2 RT: {verdict(ok)}"
+            verdict_text = f">= {target:.2f}x {floor}, 2 RT: {verdict(ok)}"
             r["pass"] = ok
-        elif key == FLOOR:
-            target = "baseline"
+        elif key == base:
+            verdict_text = "baseline" if floor == "floor" else f"baseline ({prefix.strip()})"
         else:
-            target = "-"
+            verdict_text = "-"
         rows.append(
             Row(
                 "a",
-                LABELS[key],
+                labels[key],
                 metric,
                 format_rate(r["median"]),
-                f"{ratio:.2f}x floor",
+                f"{ratio:.2f}x {floor}",
                 "; ".join(details),
-                target,
+                verdict_text,
                 data={"contender": key, **r, "ratio": ratio},
             )
         )
@@ -480,43 +509,16 @@ def bench_async_cycles(
 
 
 def async_cycle_rows(cfg: Config, res: dict[str, dict[str, Any]], private: bool) -> list[Row]:
-    floor = res[AFLOOR]["median"]
-    metric = f"asyncio cycles/s (median of {cfg.rounds}x{cfg.cycles})"
-    rows = []
-    for key in (AHOLD, AFLOOR, AREDIS_PY):
-        r = res[key]
-        ratio = r["median"] / floor
-        details = [
-            f"{r['round_trips_per_cycle']:.2f} RT/cycle",
-            f"{1e6 / r['median']:.0f} us/cycle",
-        ]
-        if private:
-            details.append(f"server {r['server_us_per_cycle']:.1f} us/cycle")
-        details.append(f"rounds {min(r['rates']):,.0f}-{max(r['rates']):,.0f}")
-        if key == AHOLD:
-            ok = (
-                ratio >= ACYCLE_RATIO_TARGET
-                and round(r["round_trips_per_cycle"], 2) == CYCLE_ROUND_TRIPS_TARGET
-            )
-            target = f">= {ACYCLE_RATIO_TARGET:.2f}x asyncio floor, 2 RT: {verdict(ok)}"
-            r["pass"] = ok
-        elif key == AFLOOR:
-            target = "baseline (asyncio)"
-        else:
-            target = "-"
-        rows.append(
-            Row(
-                "a",
-                ALABELS[key],
-                metric,
-                format_rate(r["median"]),
-                f"{ratio:.2f}x asyncio floor",
-                "; ".join(details),
-                target,
-                data={"contender": key, **r, "ratio": ratio},
-            )
-        )
-    return rows
+    """The asyncio rows of (a): ahold() against the asyncio floor."""
+    return _rows_against(
+        cfg,
+        res,
+        private,
+        (AHOLD, AFLOOR, AREDIS_PY),
+        ALABELS,
+        floor="asyncio floor",
+        target=ACYCLE_RATIO_TARGET,
+    )
 
 
 # --- (b) handoff delay ----------------------------------------------------------------------------
