@@ -28,6 +28,7 @@ from ._connect import aclose_client, parse_target
 from ._connect import make_async_client as make_deployment_client
 from ._grants import Busy, busy_error, waiting_time
 from ._identity import Identity
+from ._lanes import pack
 from ._lease import Held, Want
 from ._once import (
     AsyncOnceRetry,
@@ -57,12 +58,6 @@ __all__ = ("AsyncLeaseStore", "make_async_client", "shielded")
 
 logger = get_logger(__name__)
 
-_hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
-try:
-    from hiredis import pack_command as _hiredis_pack
-except ImportError:  # pragma: no cover - hiredis is optional
-    _hiredis_pack = None
-_UTF8: Final = frozenset({"utf-8", "utf8", "UTF-8"})
 
 T = TypeVar("T")
 
@@ -354,7 +349,7 @@ class _Lane:
                 await conn.connect()  # with the restart check (see _lifetime)
             finally:
                 conn.socket_timeout = None
-        packed = _pack(conn, words)
+        packed = pack(conn, words)
         try:
             async with asyncio.timeout(self._timeout):  # type: ignore[attr-defined,unused-ignore]
                 await conn.send_packed_command(packed)
@@ -370,37 +365,6 @@ class _Lane:
     async def aclose(self) -> None:
         with contextlib.suppress(RedisError, OSError):
             await self.conn.disconnect()
-
-
-def _pack(conn: Any, words: Sequence[Any]) -> list[bytes]:
-    """``words`` packed for ``conn``: by hiredis if there (our words are str and int, which it
-    packs as redis-py does, utf-8), else by :func:`_packed`, else by redis-py."""
-    encoder = conn.encoder
-    utf8 = encoder.encoding in _UTF8 and encoder.encoding_errors == "strict"
-    if _hiredis_pack is not None and utf8:
-        return [_hiredis_pack(tuple(words))]
-    return _packed(words, encoder.encoding, encoder.encoding_errors) or conn.pack_command(*words)
-
-
-def _packed(words: Sequence[Any], encoding: str, errors: str) -> list[bytes] | None:
-    """``words`` as redis-py packs them (RESP), for str, int and float words; else None.
-
-    The same bytes as ``Connection.pack_command`` (whose encoder also writes an int or a
-    float as its ``repr``) at a third of its cost on a script call of twenty words.
-    """
-    out = [b"*%d\r\n" % len(words)]
-    for word in words:
-        kind = type(word)
-        if kind is str:
-            data = word.encode(encoding, errors)
-        elif kind is int or kind is float:  # not bool: redis-py refuses it
-            data = repr(word).encode()
-        elif kind is bytes:
-            data = word
-        else:
-            return None
-        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return [b"".join(out)]
 
 
 class AsyncLeaseStore:

@@ -20,10 +20,11 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import suppress
-from typing import Any
+from typing import Any, Final
 
+from redis.connection import HiredisRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -31,13 +32,52 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ._protocol import Script, words_of
 from ._scripts import SOURCE
 
-__all__ = ("Lanes",)
+__all__ = ("Lanes", "pack")
 
-_pack: Callable[[tuple[Any, ...]], bytes] | None
+_hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
 try:
-    from hiredis import pack_command as _pack
+    from hiredis import pack_command as _hiredis_pack
 except ImportError:  # pragma: no cover - hiredis is optional
-    _pack = None
+    _hiredis_pack = None
+_UTF8: Final = frozenset({"utf-8", "utf8", "UTF-8"})
+
+
+def pack(conn: Any, words: Sequence[Any]) -> list[bytes]:
+    """``words`` packed for ``conn`` (a sync or an asyncio connection, the lanes of both
+    drivers): by hiredis if there (our words are str and int, which it packs as redis-py
+    does, utf-8), else by :func:`_packed`, else by redis-py."""
+    encoder = conn.encoder
+    utf8 = encoder.encoding in _UTF8 and encoder.encoding_errors == "strict"
+    # a sync connection with hiredis packs by hiredis (utf-8) whatever its encoding
+    if _hiredis_pack is not None and (utf8 or _packs_by_hiredis(conn)):
+        return [_hiredis_pack(tuple(words))]
+    return _packed(words, encoder.encoding, encoder.encoding_errors) or conn.pack_command(*words)
+
+
+def _packs_by_hiredis(conn: Any) -> bool:
+    """True if redis-py itself packs ``conn``'s commands with hiredis."""
+    return isinstance(getattr(conn, "_command_packer", None), HiredisRespSerializer)
+
+
+def _packed(words: Sequence[Any], encoding: str, errors: str) -> list[bytes] | None:
+    """``words`` as redis-py packs them (RESP), for str, int and float words; else None.
+
+    The same bytes as ``Connection.pack_command`` (whose encoder also writes an int or a
+    float as its ``repr``) at a third of its cost on a script call of twenty words.
+    """
+    out = [b"*%d\r\n" % len(words)]
+    for word in words:
+        kind = type(word)
+        if kind is str:
+            data = word.encode(encoding, errors)
+        elif kind is int or kind is float:  # not bool: redis-py refuses it
+            data = repr(word).encode()
+        elif kind is bytes:
+            data = word
+        else:
+            return None
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return [b"".join(out)]
 
 
 class _Lane:
@@ -92,9 +132,7 @@ class Lanes:
         errors, as ``client.execute_command`` would.
         """
         conn = self._conn(client)
-        words = words_of(call)
-        # hiredis packs our words (str and int) as redis-py would, without its per-word scan
-        packed = [_pack(words)] if _pack is not None else conn.pack_command(*words)
+        packed = pack(conn, words_of(call))
         resends = 0 if once else 1
         while True:
             try:

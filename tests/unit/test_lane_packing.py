@@ -1,4 +1,4 @@
-"""The asyncio lane packs its script calls itself: the bytes must be redis-py's, word for word."""
+"""The lanes pack their script calls themselves: the bytes must be redis-py's, word for word."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ from typing import Any
 
 import pytest
 from redis.asyncio.connection import Connection
+from redis.connection import Connection as SyncConnection
 
-from celery_leases._astore import _pack, _packed
+from celery_leases._lanes import _packed, pack
 
 WORDS: list[tuple[Any, ...]] = [
     ("EVALSHA", "4c929e7085c491f98e5a000ac9aea021c49be65a", 2, "{p:0}:x:r", "{p:0}:reg:n/1/2"),
@@ -26,12 +27,14 @@ def test_the_lane_packs_as_redis_py(words: tuple[Any, ...]) -> None:
 
 @pytest.mark.parametrize("words", WORDS)
 @pytest.mark.parametrize(("encoding", "errors"), [("utf-8", "strict"), ("latin-1", "replace")])
+@pytest.mark.parametrize("connection", [Connection, SyncConnection])
 def test_the_lane_packs_for_its_connection_as_redis_py(
-    words: tuple[Any, ...], encoding: str, errors: str
+    words: tuple[Any, ...], encoding: str, errors: str, connection: Any
 ) -> None:
-    # hiredis's packer where it is installed and the encoding is utf-8, else ours
-    conn = Connection(decode_responses=True, encoding=encoding, encoding_errors=errors)
-    assert b"".join(_pack(conn, words)) == b"".join(conn.pack_command(*words))
+    # hiredis's packer where it is installed and the encoding is utf-8, else ours; the same
+    # for the sync and the asyncio lane
+    conn = connection(decode_responses=True, encoding=encoding, encoding_errors=errors)
+    assert b"".join(pack(conn, words)) == b"".join(conn.pack_command(*words))
 
 
 @pytest.mark.parametrize("odd", [True, None, bytearray(b"x"), memoryview(b"x"), object()])
