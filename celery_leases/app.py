@@ -567,16 +567,17 @@ def _granted(
         leases.append(lease)
         logger.info("leases: acquired %s for %.1fs", held.resource, ttl)
         logger.debug("leases: %s token %d owner %s", held.resource, held.token, held.owner)
-        _send(
-            signals.lease_acquired,
-            held.resource,
-            token=held.token,
-            owner=held.owner,
-            ttl=ttl,
-            shared=held.mode == "s",
-            task_id=task_id,
-            elapsed=elapsed,
-        )
+        if signals.lease_acquired.receivers:  # no receivers: not even the arguments are built
+            _send(
+                signals.lease_acquired,
+                held.resource,
+                token=held.token,
+                owner=held.owner,
+                ttl=ttl,
+                shared=held.mode == "s",
+                task_id=task_id,
+                elapsed=elapsed,
+            )
     return leases
 
 
@@ -606,14 +607,15 @@ def _released(todo: list[Lease], freed: Sequence[bool], lost: list[Lease]) -> li
         if not ok and lease not in lost:
             lost.append(lease)
         logger.info("leases: released %s", held.resource)
-        _send(
-            signals.lease_released,
-            held.resource,
-            token=held.token,
-            owner=held.owner,
-            held_for=now - held.acquired_at,
-            task_id=held.task_id,
-        )
+        if signals.lease_released.receivers:
+            _send(
+                signals.lease_released,
+                held.resource,
+                token=held.token,
+                owner=held.owner,
+                held_for=now - held.acquired_at,
+                task_id=held.task_id,
+            )
     return lost
 
 
