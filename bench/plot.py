@@ -82,6 +82,8 @@ SERIES_STYLE: Final = {
 CONTENDERS_A: Final = (
     ("hold", "celery_leases hold()"),
     ("floor", "raw floor (SET NX PX + CAD)"),
+    ("bare", "two bare round trips"),
+    ("hold-calls", "hold()'s calls, sent bare"),
     ("redis-py", "redis-py Lock"),
     ("prl", "python-redis-lock"),
     ("ahold", "celery_leases ahold()"),
