@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
             "beat",
             "once",
             "cli",
+            "web",
             "_unique",
             "fence",
             "metrics",
