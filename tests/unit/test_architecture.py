@@ -39,6 +39,7 @@ LAYERS: dict[str, int] = {
             "_unique",
             "fence",
             "metrics",
+            "otel",
             "pytest_plugin",
             "__init__",
         ),
