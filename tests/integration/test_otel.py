@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -64,6 +65,18 @@ def test_hold_makes_acquire_hold_and_release_spans(spans, leases):
     assert release.attributes["celery_leases.resource"] == "report:42"
     # the hold ends once the release is done (both spans are made by that release)
     assert hold.start_time <= release.start_time <= release.end_time <= hold.end_time
+
+
+def test_ahold_makes_the_same_spans(spans, leases):
+    async def main() -> None:
+        async with leases.ahold("async:1"):
+            pass
+
+    asyncio.run(main())
+    names = sorted(s.name for s in spans.get_finished_spans())
+    assert names == ["celery_leases.acquire", "celery_leases.hold", "celery_leases.release"]
+    (release,) = named(spans, "celery_leases.release")
+    assert release.end_time - release.start_time > 0  # the round trip of the release
 
 
 def test_a_busy_acquire_records_its_wait(spans, leases):
