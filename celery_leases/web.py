@@ -34,6 +34,7 @@ page elsewhere cannot reach it through DNS rebinding. It is read-only by default
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import hmac
 import ipaddress
@@ -47,8 +48,6 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.middleware import Middleware
-from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
@@ -148,10 +147,25 @@ def _error(status: int, message: str, **headers: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers or None)
 
 
-def _allowed_hosts(bind: Bind) -> list[str]:
+def _allowed_hosts(bind: Bind) -> frozenset[str] | None:
+    """The ``Host`` names the view answers to; None: any (a ``--public`` bind)."""
     if not bind.loopback:
-        return ["*"]
-    return sorted({bind.host, "localhost", "127.0.0.1", "::1", "[::1]"})
+        return None
+    own = f"[{bind.host}]" if ":" in bind.host else bind.host
+    return frozenset({own, "localhost", "127.0.0.1", "[::1]"})
+
+
+def _host_name(header: str) -> str:
+    """The name in a ``Host`` header, without its port (``[::1]:80`` -> ``[::1]``)."""
+    if header.startswith("["):
+        return header[: header.find("]") + 1]
+    return header.rpartition(":")[0] if ":" in header else header
+
+
+def _jsonable(value: object) -> object:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value
 
 
 def create_app(
@@ -189,12 +203,19 @@ def create_app(
     }
     expected = (token or "").encode()
 
+    hosts = _allowed_hosts(bind)
+
     def guarded(
         endpoint: Callable[[Request], Awaitable[Response]],
     ) -> Callable[[Request], Awaitable[Response]]:
         async def run(request: Request) -> Response:
+            response: Response
             try:
-                response = await endpoint(request)
+                if hosts is not None and _host_name(request.headers.get("host", "")) not in hosts:
+                    # another name for a loopback address: a page elsewhere rebinding DNS
+                    response = _error(400, "invalid Host header")
+                else:
+                    response = await endpoint(request)
             except LeaseBackendError as exc:
                 response = _error(503, str(exc))
             except LeaseError as exc:
@@ -277,7 +298,7 @@ def create_app(
         record = await run_in_threadpool(read, resource)
         if record is None:
             return _error(404, f"no record of {resource!r}")
-        return JSONResponse(record)
+        return JSONResponse(_jsonable(record))
 
     async def release(request: Request) -> Response:
         if not allow_release:
@@ -312,8 +333,7 @@ def create_app(
         Route("/api/lease", guarded(lease)),
         Route("/api/leases/release", guarded(release), methods=["POST"]),
     ]
-    middleware = [Middleware(TrustedHostMiddleware, allowed_hosts=_allowed_hosts(bind))]
-    return Starlette(routes=routes, middleware=middleware)
+    return Starlette(routes=routes)
 
 
 def _challenge() -> dict[str, str]:

@@ -109,6 +109,17 @@ def test_shared_holders_are_listed_and_all_released(ext: Leases, view: httpx.Cli
     assert "(web view, client 127.0.0.1)" in first["by"]
 
 
+def test_only_the_own_host_names_are_answered(view: httpx.Client) -> None:
+    assert view.get("/api/leases", headers={"Host": "localhost:1"}).status_code == 200
+    assert view.get("/healthz", headers={"Host": "rebound.example:80"}).status_code == 400
+    got = view.post(
+        "/api/leases/release",
+        content='{"resource": "r"}',
+        headers={"Host": "rebound.example", "Authorization": f"Bearer {TOKEN}"},
+    )
+    assert got.status_code == 400
+
+
 def test_a_malformed_body_is_refused(view: httpx.Client) -> None:
     auth = {"Authorization": f"Bearer {TOKEN}"}
     for body in ("not json", "[]", '{"resource": 5}', '{"resource": "  "}'):

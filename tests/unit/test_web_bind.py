@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("starlette", reason="the web extra")
 
-from celery_leases.web import check_bind
+from celery_leases.web import _allowed_hosts, _host_name, check_bind
 
 
 @pytest.mark.parametrize(
@@ -32,3 +32,33 @@ def test_check_bind(bind: str, public: bool, ok: bool) -> None:
     else:
         with pytest.raises(ValueError, match="--bind"):
             check_bind(bind, public=public)
+
+
+@pytest.mark.parametrize(
+    ("header", "name"),
+    [
+        ("127.0.0.1:8765", "127.0.0.1"),
+        ("localhost", "localhost"),
+        ("[::1]:8765", "[::1]"),
+        ("[::1]", "[::1]"),
+        ("attacker.example:8765", "attacker.example"),
+        ("", ""),
+    ],
+)
+def test_host_names_lose_their_port(header: str, name: str) -> None:
+    assert _host_name(header) == name
+
+
+def test_a_loopback_view_answers_its_own_names_only() -> None:
+    assert _allowed_hosts(check_bind("[::1]:1", public=False)) == {
+        "[::1]",
+        "127.0.0.1",
+        "localhost",
+    }
+    assert _allowed_hosts(check_bind("127.0.0.2:1", public=False)) == {
+        "127.0.0.2",
+        "127.0.0.1",
+        "localhost",
+        "[::1]",
+    }
+    assert _allowed_hosts(check_bind("0.0.0.0:1", public=True)) is None
