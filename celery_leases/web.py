@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from importlib.resources import files
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -342,6 +343,4 @@ def _challenge() -> dict[str, str]:
 
 def serve(app: Starlette, bind: Bind) -> None:
     """Serve ``app`` on ``bind`` until interrupted (uvicorn, one process)."""
-    import uvicorn
-
     uvicorn.run(app, host=bind.host, port=bind.port, log_level="warning", access_log=False)

@@ -153,10 +153,11 @@ def test_release_without_a_token_is_refused_at_creation(ext: Leases) -> None:
         create_app(ext.store, _WebData(ext.app, ext.store), bind=Bind("::1", 1), allow_release=True)
 
 
-def test_without_the_extra_the_command_names_it(leases_redis_url: str) -> None:
+@pytest.mark.parametrize("missing", ["starlette", "uvicorn"])
+def test_without_the_extra_the_command_names_it(leases_redis_url: str, missing: str) -> None:
     code = (
         "import sys\n"
-        "sys.modules['starlette'] = None  # as if the extra were not installed\n"
+        f"sys.modules[{missing!r}] = None  # as if the extra were not installed\n"
         "sys.argv = ['celery', '-A', 'tests.integration.worker.worker_app', 'leases', 'web']\n"
         "from celery.__main__ import main\n"
         "main()\n"
