@@ -278,6 +278,13 @@ def test_the_page_shows_a_worker_lease_and_releases_it(
                 page.locator("#owners table").wait_for()
                 page.screenshot(path=str(Path(shots) / "web-owners.png"), full_page=True)
                 page.click('nav button[data-tab="leases"]')
+            # the history tab: the records, or what this version says without them
+            page.click('nav button[data-tab="history"]')
+            history = page.locator("#history")
+            wait_until(lambda: history.inner_text().strip() != "", 20, "the history tab")
+            if view.get("/api/config").json()["history"] is False:
+                assert "history not available in this version" in history.inner_text()
+            page.click('nav button[data-tab="leases"]')
             # the filters narrow the table
             page.fill("#f-resource", "other")
             row.wait_for(state="detached")
