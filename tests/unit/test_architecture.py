@@ -36,6 +36,7 @@ LAYERS: dict[str, int] = {
             "once",
             "cli",
             "_unique",
+            "_guard",
             "fence",
             "metrics",
             "pytest_plugin",
