@@ -71,6 +71,16 @@ def slow(self: Any, seconds: float = 8.0) -> str:
     return "done"
 
 
+@app.task(bind=True, acks_late=True, max_retries=1)
+def retry_once(self: Any) -> str:
+    """Retries itself once: the retry has the same task id and must not be dropped."""
+    _note("started", self.request.id)
+    if self.request.retries == 0:
+        raise self.retry(countdown=1)
+    _note("finished", self.request.id)
+    return "done"
+
+
 @app.task(bind=True, acks_late=True)
 def lose_ack(self: Any) -> str:
     """Finishes, then its worker is killed (below) before the main process acks it."""

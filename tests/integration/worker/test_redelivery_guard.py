@@ -206,6 +206,16 @@ def test_a_completed_task_whose_ack_was_lost_does_not_run_again(
     _quiet_for(2 * VISIBILITY, once)
 
 
+def test_a_retry_with_the_same_task_id_is_not_taken_for_a_copy(
+    start: Callable[..., WorkerProc], fleet: Fleet
+) -> None:
+    worker = start(concurrency=1)
+    task_id = fleet.send("retry_once")
+    wait_until(lambda: fleet.count("finished", task_id) >= 1, 30, "the retry to end")
+    assert fleet.count("started", task_id) == 2
+    assert "dropped a copy" not in worker.log()
+
+
 def test_rabbitmq_a_killed_workers_task_completes_elsewhere(
     start: Callable[..., WorkerProc], guard_env: dict[str, str]
 ) -> None:
