@@ -199,6 +199,8 @@ class RedeliveryGuard:
         self.consumer = consumer
         self.keepalive = KeepAlive()
         self._lock = threading.Lock()
+        #: the deliveries of the consumer's connection not settled yet (waiting ones included)
+        self._open: set[_Delivery] = set()
         #: guarded, waited, dropped, redone (a waiting copy that ran), unguarded (Redis failed)
         self.counts: Counter[str] = Counter()
 
@@ -229,6 +231,8 @@ class RedeliveryGuard:
                 strategy, message, body, ack, reject, callbacks, kwargs, task_id, retries,
                 redelivered, acks_late, name, tag,
             )  # fmt: skip
+            with self._lock:
+                self._open.add(d)
             return self._admit(d)
 
         setattr(guarded, _WRAPPED, True)
@@ -237,6 +241,8 @@ class RedeliveryGuard:
     # --- a delivery's way in ------------------------------------------------------------
     def _admit(self, d: _Delivery) -> Any:
         """Hand ``d`` to Celery if no other copy holds its lease; else let it wait."""
+        if d.settled:  # its connection was lost while it waited: the broker has it back
+            return None
         resource = self.ext.store.keys.redelivery_resource(d.task_id, d.retries)
         first = d.waiting_since is None
         try:
@@ -262,6 +268,7 @@ class RedeliveryGuard:
             )
             if not first:
                 self.keepalive.discard(d.tag)
+            self._forget(d)
             return d.strategy(d.message, d.body, d.ack, d.reject, d.callbacks, **d.kwargs)
         if d.redelivered or not first:
             try:
@@ -322,6 +329,7 @@ class RedeliveryGuard:
             state,
         )
         d.settled = True
+        self._forget(d)
         self.keepalive.discard(d.tag)
         try:
             d.ack(logger, self.consumer.connection_errors)
@@ -370,6 +378,7 @@ class RedeliveryGuard:
 
     def _settle(self, d: _Delivery) -> None:
         with self._lock:
+            self._open.discard(d)
             if d.settled:
                 return
             d.settled = True
@@ -377,6 +386,27 @@ class RedeliveryGuard:
         self.keepalive.discard(d.tag)
         if leases:
             self.ext.release(leases)
+
+    def _forget(self, d: _Delivery) -> None:
+        with self._lock:
+            self._open.discard(d)
+
+    def connection_lost(self, running: set[str]) -> None:
+        """The consumer's connection is gone (it restarts, or the worker stops).
+
+        Its deliveries can no longer be acked, and the broker gives their messages back (the
+        Redis transport restores them when the channel closes; RabbitMQ when the connection
+        does). Celery drops the requests that did not start (reserved, waiting for an ETA),
+        so their leases are given back for the copies to come. A task still running
+        (``running``: task ids) keeps its lease: its copy waits for its outcome, as after
+        any redelivery. A copy that was waiting stops looking.
+        """
+        with self._lock:
+            todo = list(self._open)
+        for d in todo:
+            if d.leases and d.task_id in running:
+                continue
+            self._settle(d)
 
 
 class GuardStep(bootsteps.StartStopStep):
@@ -405,6 +435,13 @@ class GuardStep(bootsteps.StartStopStep):
             self.guard = RedeliveryGuard(ext, c)
             logger.info("leases: the redelivery guard is on")
         self.guard.wrap_strategies()
+
+    def stop(self, c: Any) -> None:
+        if self.guard is not None:
+            from celery.worker import state as worker_state
+
+            running = {getattr(r, "id", None) for r in tuple(worker_state.active_requests)}
+            self.guard.connection_lost({r for r in running if isinstance(r, str)})
 
     def shutdown(self, c: Any) -> None:
         if self.guard is not None:

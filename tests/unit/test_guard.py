@@ -8,7 +8,7 @@ import pytest
 
 from celery_leases import _grants
 from celery_leases._engine import LeaseEngine
-from celery_leases._guard import KeepAlive, delivery_of
+from celery_leases._guard import KeepAlive, RedeliveryGuard, _Delivery, delivery_of
 from celery_leases._keys import REDELIVERY_PREFIX, Keyspace
 from celery_leases._protocol import Command, Send
 from celery_leases.config import LeaseSettings
@@ -97,3 +97,41 @@ def test_the_keep_alive_counts_each_tag_as_often_as_it_is_held():
     keep.discard(None)
     assert keep.held() == []
     assert keep.attach(object()) is False  # not a Redis channel: nothing to keep fresh
+
+
+class _Ext:
+    """What the guard needs of Leases to settle deliveries: a release that records."""
+
+    def __init__(self) -> None:
+        self.released: list[list[object]] = []
+
+    def release(self, leases: list[object]) -> list[object]:
+        self.released.append(list(leases))
+        return []
+
+
+def _delivery(task_id: str, leases: list[object], tag: str) -> _Delivery:
+    def nothing(*args: object, **kwargs: object) -> None:
+        return None
+
+    return _Delivery(
+        nothing, object(), None, nothing, nothing, None, {}, task_id, 0, False, True, "t", tag,
+        leases,
+    )  # fmt: skip
+
+
+def test_a_lost_connection_frees_what_did_not_start_and_keeps_what_runs():
+    ext = _Ext()
+    guard = RedeliveryGuard(ext, SimpleNamespace())  # type: ignore[arg-type]
+    running = _delivery("run", ["lease-run"], "t1")
+    eta = _delivery("eta", ["lease-eta"], "t2")
+    waiting = _delivery("copy", [], "t3")  # a copy waiting for its first copy's outcome
+    for d in (running, eta, waiting):
+        guard.keepalive.add(d.tag)
+        guard._open.add(d)
+    guard.connection_lost({"run"})
+    assert ext.released == [["lease-eta"]]
+    assert guard.keepalive.held() == ["t1"]
+    assert waiting.settled
+    assert not running.settled
+    assert guard._admit(waiting) is None  # its next look does nothing

@@ -119,8 +119,11 @@ def test_without_the_guard_a_long_acks_late_task_runs_twice(
     wait_until(lambda: fleet.count("finished", task_id) >= 2, 30, "both runs to end")
 
 
-def test_with_the_guard_it_runs_once(start: Callable[..., WorkerProc], fleet: Fleet) -> None:
-    worker = start(concurrency=2)
+@pytest.mark.parametrize("pool", ["prefork", "solo", "threads"])
+def test_with_the_guard_it_runs_once(
+    start: Callable[..., WorkerProc], fleet: Fleet, pool: str
+) -> None:
+    worker = start(pool=pool, concurrency=1 if pool == "solo" else 2)
     task_id = fleet.send("slow", TASK_SECONDS)
     wait_until(lambda: fleet.count("finished", task_id) >= 1, 30, "the task to end")
 
