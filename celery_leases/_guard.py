@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Final
 from celery import bootsteps
 from celery.utils.log import get_logger
 
+from . import signals
 from ._lease import Lease, Want
 from .exceptions import LeaseBusy, LeaseError
 
@@ -201,7 +202,7 @@ class RedeliveryGuard:
         self._lock = threading.Lock()
         #: the deliveries of the consumer's connection not settled yet (waiting ones included)
         self._open: set[_Delivery] = set()
-        #: guarded, waited, dropped, redone (a waiting copy that ran), unguarded (Redis failed)
+        #: deliveries by outcome: guarded, and the ``redelivery_guarded`` signal's outcomes
         self.counts: Counter[str] = Counter()
 
     # --- wrapping -----------------------------------------------------------------------
@@ -250,7 +251,7 @@ class RedeliveryGuard:
         except LeaseBusy:
             if first:
                 d.waiting_since = time.monotonic()
-                self.counts["waited"] += 1
+                self._count(d, "waiting")
                 self.keepalive.add(d.tag)
                 logger.warning(
                     "leases: task %s[%s] was delivered again while another copy holds it; "
@@ -262,7 +263,7 @@ class RedeliveryGuard:
             return None
         except LeaseError as exc:
             # at least once: the guard must not lose a task because the leases Redis failed
-            self.counts["unguarded"] += 1
+            self._count(d, "unguarded")
             logger.error(
                 "leases: task %s[%s] runs without its redelivery guard: %s", d.name, d.task_id, exc
             )
@@ -287,7 +288,7 @@ class RedeliveryGuard:
         if first:
             self.keepalive.add(d.tag)
         else:
-            self.counts["redone"] += 1
+            self._count(d, "ran")
             logger.warning(
                 "leases: task %s[%s]: its other copy ended unfinished; this one runs",
                 d.name,
@@ -301,6 +302,17 @@ class RedeliveryGuard:
         except BaseException:
             self._settle(d)
             raise
+
+    def _count(self, d: _Delivery, outcome: str) -> None:
+        """Count ``outcome`` and send the ``redelivery_guarded`` signal (receivers' errors are
+        logged)."""
+        self.counts[outcome] += 1
+        try:
+            signals.redelivery_guarded.send(
+                sender=d.name, task_id=d.task_id, retries=d.retries, outcome=outcome
+            )
+        except Exception:
+            logger.exception("leases: a redelivery_guarded receiver failed")
 
     def _look_later(self, d: _Delivery) -> None:
         timer = getattr(self.consumer, "timer", None)
@@ -320,7 +332,7 @@ class RedeliveryGuard:
 
     def _drop(self, d: _Delivery, state: str) -> None:
         """Ack and drop ``d``: its delivery already ended in ``state`` elsewhere."""
-        self.counts["dropped"] += 1
+        self._count(d, "dropped")
         logger.warning(
             "leases: dropped a copy of task %s[%s] delivered again: that delivery already "
             "ended (%s)",
