@@ -9,7 +9,10 @@ start and end in a ledger.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +22,7 @@ import redis
 
 from tests.support.polling import wait_until
 from tests.support.workers import (
+    REPO,
     WorkerProc,
     amqp_url_or_skip,
     kill_whole_worker,
@@ -217,6 +221,41 @@ def test_a_retry_with_the_same_task_id_is_not_taken_for_a_copy(
     wait_until(lambda: fleet.count("finished", task_id) >= 1, 30, "the retry to end")
     assert fleet.count("started", task_id) == 2
     assert "dropped a copy" not in worker.log()
+
+
+def test_a_guard_lease_shows_in_leases_ls_with_its_task_id(
+    start: Callable[..., WorkerProc], fleet: Fleet, guard_env: dict[str, str]
+) -> None:
+    worker = start(concurrency=1)
+    task_id = fleet.send("slow", 4.0)
+    wait_until(lambda: fleet.count("started", task_id) >= 1, 30, "the task to start")
+    out = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", APP, "leases", "ls", "--json"],
+        cwd=REPO,
+        env=guard_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    (row,) = [r for r in json.loads(out) if r["resource"].startswith("celery_leases:redelivery:")]
+    assert row["resource"] == f"celery_leases:redelivery:{task_id}"
+    assert row["task_id"] == task_id
+    assert worker.hostname in row["owner"]
+
+
+def test_a_restarted_worker_frees_its_dead_predecessors_guards_at_once(
+    start: Callable[..., WorkerProc], fleet: Fleet, guard_env: dict[str, str]
+) -> None:
+    """With a ttl of 30 s, the copy runs long before the dead guard lease would run out."""
+    worker = start(concurrency=1, env={**guard_env, "CELERY_LEASES_TTL": "30"})
+    task_id = fleet.send("slow", TASK_SECONDS)
+    wait_until(lambda: fleet.count("started", task_id) >= 1, 30, "the first run")
+    kill_whole_worker(worker)
+    worker.start()
+    assert f"celery_leases:redelivery:{task_id}" in worker.current_log().split(" ready.")[0]
+    wait_until(lambda: fleet.count("finished", task_id) >= 1, 25, "the copy to run to its end")
+    assert fleet.count("started", task_id) == 2
 
 
 def test_rabbitmq_a_killed_workers_task_completes_elsewhere(
