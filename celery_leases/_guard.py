@@ -253,6 +253,9 @@ class RedeliveryGuard:
                 d.waiting_since = time.monotonic()
                 self._count(d, "waiting")
                 self.keepalive.add(d.tag)
+                # as for an ETA task: a copy that waits must not take the prefetch slot of
+                # the next message (a worker of -c 1 would take nothing else meanwhile)
+                self._prefetch(+1)
                 logger.warning(
                     "leases: task %s[%s] was delivered again while another copy holds it; "
                     "waiting for that copy's outcome",
@@ -269,6 +272,7 @@ class RedeliveryGuard:
             )
             if not first:
                 self.keepalive.discard(d.tag)
+                self._prefetch(-1)
             self._forget(d)
             return d.strategy(d.message, d.body, d.ack, d.reject, d.callbacks, **d.kwargs)
         if d.redelivered or not first:
@@ -288,6 +292,7 @@ class RedeliveryGuard:
         if first:
             self.keepalive.add(d.tag)
         else:
+            self._prefetch(-1)
             self._count(d, "ran")
             logger.warning(
                 "leases: task %s[%s]: its other copy ended unfinished; this one runs",
@@ -302,6 +307,18 @@ class RedeliveryGuard:
         except BaseException:
             self._settle(d)
             raise
+
+    def _prefetch(self, step: int) -> None:
+        qos = getattr(self.consumer, "qos", None)
+        if qos is None:
+            return
+        try:
+            if step > 0:
+                qos.increment_eventually()
+            else:
+                qos.decrement_eventually()
+        except Exception:
+            logger.debug("leases: could not change the prefetch count", exc_info=True)
 
     def _count(self, d: _Delivery, outcome: str) -> None:
         """Count ``outcome`` and send the ``redelivery_guarded`` signal (receivers' errors are
@@ -343,6 +360,8 @@ class RedeliveryGuard:
         d.settled = True
         self._forget(d)
         self.keepalive.discard(d.tag)
+        if d.waiting_since is not None:
+            self._prefetch(-1)
         try:
             d.ack(logger, self.consumer.connection_errors)
         finally:

@@ -4,7 +4,9 @@ Configured from the environment: ``GUARD_BROKER`` (the Redis test server or Rabb
 ``GUARD_QUEUE``, ``GUARD_KEYPREFIX`` (kombu's ``global_keyprefix`` on Redis, so the test's
 ``unacked`` keys are its own), ``GUARD_VISIBILITY`` (seconds), ``GUARD_LEDGER``, plus every
 ``CELERY_LEASES_*`` setting (``CELERY_LEASES_REDELIVERY_GUARD`` turns the guard on). kombu's
-restore sweep runs every second (``unacked_restore_interval=1``, ``unacked_restore_throttle=1``).
+restore sweep runs every second (``unacked_restore_interval=1``,
+``unacked_restore_throttle=1``). ``GUARD_NO_KEEPALIVE=1`` turns the guard's keep-alive off, so
+that copies are delivered while the first one runs.
 
 The tasks are plain ``@app.task`` tasks (no lease of their own) with ``acks_late``; each run
 is counted in a ledger in Redis (``{<prefix>:ledger}:...``).
@@ -46,6 +48,13 @@ app.conf.update(
     worker_enable_remote_control=False,
 )
 leases = Leases(app)
+
+if os.environ.get("GUARD_NO_KEEPALIVE"):
+    # the broker restores the deliveries of this live worker, as without the keep-alive: the
+    # copies meet the guard lease instead
+    from celery_leases._guard import KeepAlive
+
+    KeepAlive.touch = lambda self: None  # type: ignore[method-assign]
 
 ledger = PerProcessClient(LEDGER_URL)
 

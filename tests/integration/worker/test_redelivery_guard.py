@@ -140,6 +140,25 @@ def test_with_the_guard_it_runs_once(
     assert "the redelivery guard is on" in worker.log()
 
 
+def test_a_copy_delivered_while_the_first_runs_waits_and_is_dropped(
+    start: Callable[..., WorkerProc], fleet: Fleet, guard_env: dict[str, str]
+) -> None:
+    """Without the keep-alive the broker restores the running task's message: the copies meet
+    the guard lease, wait for the outcome and are dropped when the first copy finishes."""
+    worker = start(concurrency=2, env={**guard_env, "GUARD_NO_KEEPALIVE": "1"})
+    task_id = fleet.send("slow", TASK_SECONDS)
+    wait_until(lambda: "waiting for that copy's outcome" in worker.log(), 30, "a waiting copy")
+    other = fleet.send("slow", 0.1)  # the waiting copy does not keep it from running
+    wait_until(lambda: fleet.count("finished", task_id) >= 1, 30, "the first copy to end")
+    wait_until(lambda: "already ended (SUCCESS)" in worker.log(), 30, "the copy to be dropped")
+    wait_until(lambda: fleet.count("finished", other) >= 1, 30, "the other task")
+
+    def once() -> None:
+        assert fleet.count("started", task_id) == 1
+
+    _quiet_for(2 * VISIBILITY, once)
+
+
 def test_two_tasks_on_two_workers_run_once_each(
     start: Callable[..., WorkerProc], fleet: Fleet
 ) -> None:
