@@ -465,6 +465,7 @@ class GuardStep(bootsteps.StartStopStep):
         if self.guard is None:
             self.guard = RedeliveryGuard(ext, c)
             logger.info("leases: the redelivery guard is on")
+            _check_record_ttl(ext, c.app.conf)
         self.guard.wrap_strategies()
 
     def stop(self, c: Any) -> None:
@@ -477,6 +478,30 @@ class GuardStep(bootsteps.StartStopStep):
     def shutdown(self, c: Any) -> None:
         if self.guard is not None:
             self.guard.keepalive.stop()
+
+
+def _check_record_ttl(ext: Leases, conf: Any) -> None:
+    """Warn when a completion record may run out before a Redis redelivery can come."""
+    url = conf.broker_url
+    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "sentinel://")):
+        return
+    options = conf.broker_transport_options or {}
+    try:
+        visibility = float(options.get("visibility_timeout", 3600))
+        sweep = float(options.get("unacked_restore_interval", 10)) * float(
+            options.get("unacked_restore_throttle", 10)
+        )
+    except (TypeError, ValueError):
+        return
+    record_ttl = ext.settings.redelivery_record_ttl
+    if record_ttl < visibility + sweep:
+        logger.warning(
+            "leases: redelivery_record_ttl (%.0fs) is shorter than the broker's "
+            "visibility_timeout plus its restore sweep (%.0fs): a task whose ack is lost may "
+            "run again when it is redelivered",
+            record_ttl,
+            visibility + sweep,
+        )
 
 
 def on_task_postrun(

@@ -8,7 +8,13 @@ import pytest
 
 from celery_leases import _grants
 from celery_leases._engine import LeaseEngine
-from celery_leases._guard import KeepAlive, RedeliveryGuard, _Delivery, delivery_of
+from celery_leases._guard import (
+    KeepAlive,
+    RedeliveryGuard,
+    _check_record_ttl,
+    _Delivery,
+    delivery_of,
+)
 from celery_leases._keys import REDELIVERY_PREFIX, Keyspace
 from celery_leases._protocol import Command, Send
 from celery_leases.config import LeaseSettings
@@ -135,3 +141,20 @@ def test_a_lost_connection_frees_what_did_not_start_and_keeps_what_runs():
     assert waiting.settled
     assert not running.settled
     assert guard._admit(waiting) is None  # its next look does nothing
+
+
+@pytest.mark.parametrize(
+    ("options", "warned"),
+    [
+        ({}, False),  # kombu's defaults: one hour, and a sweep every 100 s; the record: 2 h
+        ({"visibility_timeout": 4 * 3600}, True),
+    ],
+)
+def test_a_record_shorter_than_a_redelivery_is_warned_of(
+    caplog: pytest.LogCaptureFixture, options: dict[str, object], warned: bool
+):
+    ext = SimpleNamespace(settings=SimpleNamespace(redelivery_record_ttl=7200.0))
+    conf = SimpleNamespace(broker_url="redis://h:1/0", broker_transport_options=options)
+    with caplog.at_level("WARNING", logger="celery_leases._guard"):
+        _check_record_ttl(ext, conf)  # type: ignore[arg-type]
+    assert ("redelivery_record_ttl" in caplog.text) is warned
