@@ -10,8 +10,10 @@ target (leased >= 0.9 x plain) PASS or MISS, and exits 0 either way.
 Each pool gets one real ``celery worker`` subprocess running the worker-test app
 (``tests.integration.worker.worker_app``): ``plain(x)`` returns its argument; ``leased_tiny(rid)``
 does the same under an exclusive lease on ``tiny:<rid>``, every rid distinct, so no task ever
-waits for another. Rounds interleave the two kinds on the same worker (plain, leased, then
-leased, plain, ...), so a slow spell of the machine hits both alike.
+waits for another. A second worker of the same pool runs with the redelivery guard on
+(``CELERY_LEASES_REDELIVERY_GUARD=true``) for the third kind, ``guarded``: ``plain(x)`` there.
+Rounds interleave the kinds (plain, leased, guarded, then leased, guarded, plain, ...), so a slow
+spell of the machine hits all alike.
 
 A round measures the worker alone: its messages are published to a fresh queue that no one
 consumes, then the worker is told to consume it (remote control ``add_consumer``), so it never
@@ -103,6 +105,10 @@ def load_app(env: dict[str, str]) -> ModuleType:
     return worker_app
 
 
+#: the kinds of a round: the plain task, the leased one, and the plain one on a guarded worker
+KINDS: Final = ("plain", "leased", "guarded")
+
+
 def start_worker(
     worker_app: ModuleType,
     pool: str,
@@ -110,9 +116,14 @@ def start_worker(
     env: dict[str, str],
     run_id: str,
     log_dir: Path,
+    *,
+    guard: bool = False,
 ) -> Worker:
-    hostname = f"bench-{pool}-{run_id}@{socket.gethostname()}"
-    log_path = log_dir / f"tasks-worker-{pool}-{run_id}.log"
+    name = f"{pool}-guard" if guard else pool
+    hostname = f"bench-{name}-{run_id}@{socket.gethostname()}"
+    log_path = log_dir / f"tasks-worker-{name}-{run_id}.log"
+    if guard:
+        env = {**env, "CELERY_LEASES_REDELIVERY_GUARD": "true"}
     worker = spawn_worker(APP, pool, concurrency, hostname, log_path, env, REPO)
     deadline = time.monotonic() + START_TIMEOUT
     while not worker_app.app.control.ping(destination=[hostname], timeout=0.5):
@@ -185,7 +196,7 @@ def run_round(
     results = []
     with app.producer_or_acquire() as producer:
         for i in range(n):
-            if kind == "plain":
+            if kind in ("plain", "guarded"):  # guarded: the plain task on the guarded worker
                 results.append(worker_app.plain.apply_async((i,), queue=queue, producer=producer))
             else:
                 rid = f"{tag}-{i}"
@@ -239,6 +250,14 @@ class PoolResult:
     concurrency: int
     plain_rounds: list[RoundStats] = field(default_factory=list)
     leased_rounds: list[RoundStats] = field(default_factory=list)
+    guarded_rounds: list[RoundStats] = field(default_factory=list)
+
+    def rounds_of(self, kind: str) -> list[RoundStats]:
+        return {
+            "plain": self.plain_rounds,
+            "leased": self.leased_rounds,
+            "guarded": self.guarded_rounds,
+        }[kind]
 
     @property
     def plain(self) -> list[float]:
@@ -249,17 +268,28 @@ class PoolResult:
         return [r.rate for r in self.leased_rounds]
 
     @property
+    def guarded(self) -> list[float]:
+        return [r.rate for r in self.guarded_rounds]
+
+    @property
     def ratio(self) -> float:
         return median(self.leased) / median(self.plain)
 
+    @property
+    def guard_ratio(self) -> float:
+        """Guarded over plain tasks/s (NaN when the run had no guarded rounds)."""
+        return median(self.guarded) / median(self.plain) if self.guarded else math.nan
+
     def work(self, kind: str, metric: str) -> float:
         """The median over the rounds of one kind of a per-task metric of RoundStats."""
-        rounds = self.plain_rounds if kind == "plain" else self.leased_rounds
+        rounds = self.rounds_of(kind)
+        if not rounds:
+            return math.nan
         return median([getattr(r, metric) for r in rounds])
 
-    def lease_cost(self, metric: str) -> float:
-        """What the lease adds per task: leased minus plain, medians of the same run."""
-        return self.work("leased", metric) - self.work("plain", metric)
+    def lease_cost(self, metric: str, kind: str = "leased") -> float:
+        """What the lease (or the guard) adds per task: minus plain, medians of the same run."""
+        return self.work(kind, metric) - self.work("plain", metric)
 
     @property
     def counted(self) -> bool:
@@ -267,7 +297,7 @@ class PoolResult:
 
     def by_command(self, kind: str) -> dict[str, float]:
         """Per command, the median over the rounds of its calls per task."""
-        rounds = self.plain_rounds if kind == "plain" else self.leased_rounds
+        rounds = self.rounds_of(kind)
         names = sorted({c for r in rounds for c in r.by_command})
         return {c: median([r.by_command.get(c, 0.0) for r in rounds]) for c in names}
 
@@ -280,16 +310,24 @@ def bench_pool(
     warmup: int,
     run_id: str,
     admin: redis.Redis | None,
+    guarded: Worker | None = None,
 ) -> PoolResult:
+    """The rounds of one pool; ``guarded`` is the worker of the ``guarded`` kind (if any)."""
     out = PoolResult(worker.pool, worker.concurrency)
-    for kind in ("plain", "leased"):  # warm-up: imports, script loading, heartbeat threads
-        run_round(worker_app, worker, kind, warmup, f"{run_id}-{worker.pool}-warm-{kind}", admin)
+    kinds = KINDS if guarded is not None else KINDS[:2]
+
+    def on(kind: str) -> Worker:
+        return guarded if kind == "guarded" and guarded is not None else worker
+
+    for kind in kinds:  # warm-up: imports, script loading, heartbeat threads
+        tag = f"{run_id}-{worker.pool}-warm-{kind}"
+        run_round(worker_app, on(kind), kind, warmup, tag, admin)
     for r in range(rounds):
-        order = ("plain", "leased") if r % 2 == 0 else ("leased", "plain")
+        order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]
         for kind in order:
             tag = f"{run_id}-{worker.pool}-{r}-{kind}"
-            stats = run_round(worker_app, worker, kind, n, tag, admin)
-            (out.plain_rounds if kind == "plain" else out.leased_rounds).append(stats)
+            stats = run_round(worker_app, on(kind), kind, n, tag, admin)
+            out.rounds_of(kind).append(stats)
             progress(
                 f"{worker.pool} round {r + 1}/{rounds} {kind:6s} {stats.rate:8.0f} tasks/s"
                 f"  {stats.commands:5.1f} Redis commands/task, server {stats.cpu_us:5.0f} us/task"
@@ -326,6 +364,8 @@ def render(results: Sequence[PoolResult], header: Sequence[str], markdown: bool)
             f">= {TARGET}",
             verdict(r.ratio >= TARGET),
             " / ".join(f"{lp:.2f}" for lp in _pair_ratios(r)),
+            f"{median(r.guarded):,.0f}" if r.guarded else "-",
+            f"{r.guard_ratio:.2f}" if r.guarded else "-",
         )
         for r in results
     ]
@@ -337,6 +377,8 @@ def render(results: Sequence[PoolResult], header: Sequence[str], markdown: bool)
         "target",
         "verdict",
         "per-round ratios",
+        "guarded tasks/s",
+        "guarded/plain",
     )
     lines = [*(f"- {line}" for line in header)] if markdown else [*header]
     lines += ["", *_table(heads, rates, markdown)]
@@ -353,6 +395,8 @@ def render(results: Sequence[PoolResult], header: Sequence[str], markdown: bool)
                 f"{r.work('leased', 'cpu_us'):,.0f}",
                 f"{r.lease_cost('cpu_us'):+,.0f}",
                 f"{r.work('leased', 'script_us'):,.0f}",
+                _signed(r.lease_cost("commands", "guarded"), "+.1f"),
+                _signed(r.lease_cost("cpu_us", "guarded"), "+,.0f"),
             )
             for r in counted
         ]
@@ -366,18 +410,29 @@ def render(results: Sequence[PoolResult], header: Sequence[str], markdown: bool)
             "leased",
             "lease's us",
             "scripts' us/task",
+            "guard's cmds",
+            "guard's us",
         )
         lines += ["", *_table(work_heads, work, markdown)]
         for r in counted:
             lines += ["", f"{r.pool}: the lease's commands per task, by command: {_extra(r)}"]
+            if r.guarded_rounds:
+                lines += [
+                    "",
+                    f"{r.pool}: the guard's commands per task, by command: {_extra(r, 'guarded')}",
+                ]
     elif results:
         lines += ["", "Redis work per task: n/a (a shared server: its counts are not ours alone)"]
     return "\n".join(lines)
 
 
-def _extra(r: PoolResult) -> str:
-    """Leased minus plain calls per task, per command (those of at least 0.1), most first."""
-    plain, leased = r.by_command("plain"), r.by_command("leased")
+def _signed(value: float, spec: str) -> str:
+    return "-" if math.isnan(value) else format(value, spec)
+
+
+def _extra(r: PoolResult, kind: str = "leased") -> str:
+    """``kind`` minus plain calls per task, per command (those of at least 0.1), most first."""
+    plain, leased = r.by_command("plain"), r.by_command(kind)
     extra = {c: leased.get(c, 0.0) - plain.get(c, 0.0) for c in set(plain) | set(leased)}
     shown = sorted((round(v, 1), c) for c, v in extra.items() if abs(v) >= 0.1)
     shown.sort(key=lambda x: -x[0])
@@ -391,8 +446,7 @@ def _pool_json(r: PoolResult) -> dict[str, Any]:
         return None if math.isnan(value) else value
 
     def rounds(kind: str, metric: str) -> list[float | None]:
-        stats = r.plain_rounds if kind == "plain" else r.leased_rounds
-        return [clean(getattr(s, metric)) for s in stats]
+        return [clean(getattr(s, metric)) for s in r.rounds_of(kind)]
 
     out: dict[str, Any] = {
         "pool": r.pool,
@@ -404,14 +458,18 @@ def _pool_json(r: PoolResult) -> dict[str, Any]:
         "ratio": r.ratio,
         "pass": r.ratio >= TARGET,
         "round_ratios": _pair_ratios(r),
+        "guarded": r.guarded,
+        "guarded_median": median(r.guarded) if r.guarded else None,
+        "guard_ratio": clean(r.guard_ratio),
     }
     for metric, name in METRICS.items():
-        for kind in ("plain", "leased"):
+        for kind in KINDS:
             out[f"{kind}_{name}"] = rounds(kind, metric)
             out[f"{kind}_{name}_median"] = clean(r.work(kind, metric))
         out[f"lease_{name}"] = clean(r.lease_cost(metric))
-    out["plain_by_command"] = r.by_command("plain")
-    out["leased_by_command"] = r.by_command("leased")
+        out[f"guard_{name}"] = clean(r.lease_cost(metric, "guarded"))
+    for kind in KINDS:
+        out[f"{kind}_by_command"] = r.by_command(kind)
     return out
 
 
@@ -456,6 +514,10 @@ ABOUT: Final = (
     "every task (the acquire and the release scripts): where one process does all of a task's "
     "Redis work (solo) they weigh the most; under prefork the children run them while the main "
     "process does the broker and result work.",
+    "**guarded**: the plain task on a second worker of the same pool that runs with the "
+    "[redelivery guard](redelivery.md) on, in the same rounds; **guard's**: guarded minus plain. "
+    "The guard takes a lease, writes a completion record and releases the lease for every task, "
+    "in the worker's main process.",
 )
 PLOT: Final = "![Task throughput and Redis work per task](img/bench-tasks.svg)"
 
@@ -519,15 +581,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             for pool in pools:
                 worker = start_worker(worker_app, pool, POOLS[pool], env, run_id, out_dir)
-                progress(f"{pool} worker up ({worker.hostname})")
+                guarded: Worker | None = None
                 try:
+                    guarded = start_worker(
+                        worker_app, pool, POOLS[pool], env, run_id, out_dir, guard=True
+                    )
+                    progress(f"{pool} workers up ({worker.hostname}, {guarded.hostname})")
                     counter = admin if private else None
                     results.append(
-                        bench_pool(worker_app, worker, rounds, n, warmup, run_id, counter)
+                        bench_pool(worker_app, worker, rounds, n, warmup, run_id, counter, guarded)
                     )
                 finally:
-                    worker.stop()
-                    worker.log_path.unlink(missing_ok=True)
+                    for w in (worker, guarded):
+                        if w is not None:
+                            w.stop()
+                            w.log_path.unlink(missing_ok=True)
         finally:
             worker_app.app.close()
             worker_app.leases.store.close()

@@ -836,6 +836,28 @@ def get_receipt(engine: LeaseEngine, name: str) -> Steps[str | None]:
     return None if value is None else str(value)
 
 
+def put_delivery_done(
+    engine: LeaseEngine, task_id: str, retries: int, state: str, ttl: float
+) -> Steps[None]:
+    """Record that a delivery of a task ended in ``state`` (kept ``ttl`` seconds).
+
+    The redelivery guard's completion record: a copy of the same delivery that arrives later
+    (its ack was lost) is dropped. Idempotent: a resend writes the same value again.
+    """
+    key = engine.keys.delivery_done(task_id, retries)
+    command = Command(("SET", key, state, "PX", engine.ms(ttl)))
+    yield from engine.send("record a delivery's end", [command])
+
+
+def get_delivery_done(engine: LeaseEngine, task_id: str, retries: int) -> Steps[str | None]:
+    """The state in which a delivery of a task ended, or None (no completion record)."""
+    key = engine.keys.delivery_done(task_id, retries)
+    (value,) = yield from engine.send("read a delivery's end", [Command(("GET", key))])
+    if value is None:
+        return None
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def commit_receipt(
     engine: LeaseEngine, name: str, held: Held, receipt: str, ttl: float | None
 ) -> Steps[bool]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Final, NamedTuple
 
 __all__ = (
+    "REDELIVERY_PREFIX",
     "UNIQUE_PREFIX",
     "Keyspace",
     "OwnerParts",
@@ -26,6 +27,8 @@ __all__ = (
 _UNSAFE: Final = re.compile(r"[%{}\x00-\x20\x7f]")
 #: the resource name of a unique claim is this prefix + the rendered unique key
 UNIQUE_PREFIX: Final = "celery_leases:unique:"
+#: the resource name of a redelivery guard is this prefix + the task id (see redelivery.md)
+REDELIVERY_PREFIX: Final = "celery_leases:redelivery:"
 
 
 def escape(name: str) -> str:
@@ -162,6 +165,21 @@ class Keyspace:
     def unique_queued(self, group: int) -> str:
         """ZSET of the claim resources queued in ``group``, scored by expiry (Redis ms)."""
         return f"{self.tag(group)}:unique-queued"
+
+    def redelivery_resource(self, task_id: str, retries: int) -> str:
+        """The resource whose lease guards one delivery of a task (the redelivery guard).
+
+        ``redelivery:<task id>``, and ``redelivery:<task id>#<retries>`` for a retry: a retry
+        is a new message with the same task id, never a copy of the one it retries.
+        """
+        suffix = f"#{retries}" if retries else ""
+        return f"{REDELIVERY_PREFIX}{task_id}{suffix}"
+
+    def delivery_done(self, task_id: str, retries: int) -> str:
+        """STRING: the state in which a delivery of a task ended (the redelivery guard's
+        completion record), in the slot group of its guard lease."""
+        resource = self.redelivery_resource(task_id, retries)
+        return f"{self.tag(self.group_of(resource))}:done:{escape(resource)}"
 
     def receipt(self, name: str) -> str:
         """STRING (JSON) receipt of ``once(name, ...)``, in the slot group of its lease."""

@@ -476,6 +476,14 @@ class LeaseStore:
         """The stored receipt (JSON text) of ``once(name)``, or None."""
         return self.run(_grants.get_receipt(self.engine, name))
 
+    def put_delivery_done(self, task_id: str, retries: int, state: str, ttl: float) -> None:
+        """Write the redelivery guard's completion record of a delivery."""
+        return self.run(_grants.put_delivery_done(self.engine, task_id, retries, state, ttl))
+
+    def get_delivery_done(self, task_id: str, retries: int) -> str | None:
+        """The state in which a delivery ended (its completion record), or None."""
+        return self.run(_grants.get_delivery_done(self.engine, task_id, retries))
+
     def commit_receipt(self, name: str, held: Held, receipt: str, ttl: float | None) -> bool:
         """Store ``receipt`` if ``held`` (the once-lease) is still ours; False if it is not."""
         return self.run(_grants.commit_receipt(self.engine, name, held, receipt, ttl))

@@ -303,6 +303,38 @@ class LeaseSettings(BaseSettings):
             "result in state REJECTED (nothing is sent)."
         ),
     )
+    redelivery_guard: bool = Field(
+        False,
+        description=(
+            "Workers guard every delivery of every task (plain @app.task included) with a "
+            "lease named redelivery:<task id>: while one copy of a task runs or waits for its "
+            "ETA on a live worker, another delivery of the same message waits for its outcome "
+            "(it runs if the first copy died unfinished, and is acked and dropped if it "
+            "finished), and on the Redis transport the worker keeps its deliveries from being "
+            "restored by visibility_timeout. Off by default: it costs a grant, a completion "
+            "record and a release per task (see redelivery.md)."
+        ),
+    )
+    redelivery_record_ttl: float = Field(
+        7200.0,
+        gt=0.0,
+        le=30 * 86400.0,
+        description=(
+            "redelivery_guard: seconds the completion record of a finished delivery is kept, so "
+            "that a copy redelivered after a lost ack is dropped. It must exceed the longest "
+            "time a redelivery can take: the broker's visibility_timeout plus its restore "
+            "sweep on Redis (the connection's loss on RabbitMQ)."
+        ),
+    )
+    redelivery_recheck: float = Field(
+        1.0,
+        gt=0.0,
+        le=60.0,
+        description=(
+            "redelivery_guard: seconds between two looks of a delivery that waits for another "
+            "copy of its task (a look reads the completion record and tries the guard lease)."
+        ),
+    )
     node: str | None = Field(
         None,
         description=(

@@ -57,7 +57,15 @@ CLEANUP_KINDS: Final = ("startup", "reaper", "reconcile", "shutdown")
 #: whose release failed on a Redis error is never reported released)
 MAX_TRACKED: Final = 100_000
 
-_SIGNALS: Final = ("lease_acquired", "lease_busy", "lease_released", "lease_lost")
+_SIGNALS: Final = (
+    "lease_acquired",
+    "lease_busy",
+    "lease_released",
+    "lease_lost",
+    "redelivery_guarded",
+)
+#: the ``outcome`` label values of ``redelivery_total``
+REDELIVERY_OUTCOMES: Final = ("waiting", "dropped", "ran", "unguarded")
 
 _installed: dict[int, LeaseMetrics] = {}
 _installed_lock = threading.Lock()
@@ -129,6 +137,8 @@ class LeaseMetrics:
         lost_total: Counter, leases lost while held.
         cleanup_released_total: Counter (``kind``: startup|reaper|reconcile|shutdown), leases
             freed by the worker's cleanup passes.
+        redelivery_total: Counter (``outcome``: waiting|dropped|ran|unguarded), deliveries
+            of a task that met another copy of it, with the redelivery guard on.
 
     .. versionadded:: 0.1
     """
@@ -140,6 +150,7 @@ class LeaseMetrics:
     renew_failures_total: Counter
     lost_total: Counter
     cleanup_released_total: Counter
+    redelivery_total: Counter
 
     def __init__(self, prometheus: ModuleType, registry: CollectorRegistry, namespace: str) -> None:
         self.registry = registry
@@ -179,12 +190,20 @@ class LeaseMetrics:
             ["kind"],
             **common,
         )
+        self.redelivery_total = prometheus.Counter(
+            "redelivery_total",
+            "Deliveries that met another copy of their task (redelivery guard), by outcome",
+            ["outcome"],
+            **common,
+        )
         # export every known series from the start, at 0
         for mode in ("exclusive", "shared"):
             self.leases_held.labels(mode)
         self.busy_total.labels("-")
         for kind in CLEANUP_KINDS:
             self.cleanup_released_total.labels(kind)
+        for outcome in REDELIVERY_OUTCOMES:
+            self.redelivery_total.labels(outcome)
         # (resource, token) -> mode of each lease acquired and neither released nor lost yet,
         # so a lease lost and then released is counted down once. Timeline: t0 acquired (+1);
         # t1 the heartbeat loses it, lease_lost (-1); t2 release() gives it back and still
@@ -197,6 +216,7 @@ class LeaseMetrics:
             "lease_busy": self.on_lease_busy,
             "lease_released": self.on_lease_released,
             "lease_lost": self.on_lease_lost,
+            "redelivery_guarded": self.on_redelivery_guarded,
         }
 
     def __repr__(self) -> str:
@@ -232,6 +252,7 @@ class LeaseMetrics:
                 self.renew_failures_total,
                 self.lost_total,
                 self.cleanup_released_total,
+                self.redelivery_total,
             ):
                 self.registry.unregister(collector)
 
@@ -283,6 +304,15 @@ class LeaseMetrics:
             self.busy_total.labels(name).inc()
         except Exception:
             logger.exception("leases: metrics could not count a busy resource")
+
+    def on_redelivery_guarded(self, sender: object = None, **kwargs: Any) -> None:
+        """``redelivery_guarded``: count the outcome."""
+        try:
+            outcome = kwargs.get("outcome")
+            if outcome in REDELIVERY_OUTCOMES:
+                self.redelivery_total.labels(outcome).inc()
+        except Exception:
+            logger.exception("leases: metrics could not count a redelivery")
 
     def on_lease_released(self, sender: object = None, **kwargs: Any) -> None:
         """``lease_released``: one lease fewer, unless it was counted down when lost."""

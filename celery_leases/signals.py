@@ -28,6 +28,13 @@ a receiver is logged and never stops celery_leases.
   sent), ``holder_task_id`` (of the copy holding it, None if unknown), ``state`` (``queued``
   or ``running``), ``policy`` (the ``on_duplicate`` applied)
 
+- ``redelivery_guarded``: sent by a worker's main process with the redelivery guard on
+  (``sender`` = the task name) when a delivery meets another copy of its task: ``task_id``,
+  ``retries``, ``outcome``: ``waiting`` (another copy holds it; this one waits for its
+  outcome), ``dropped`` (that delivery already ended: this copy was acked and not run),
+  ``ran`` (a waiting copy runs: the other one ended unfinished) or ``unguarded`` (the leases
+  Redis failed; the delivery runs without the guard). See redelivery.md.
+
 ``lease_released`` is sent once per lease given back by ``release()``, also for a lease that
 was lost before (its ``lease_lost`` was sent already), and not at all when Redis could not be
 reached to give it back.
@@ -39,10 +46,18 @@ from __future__ import annotations
 
 from celery.utils.dispatch import Signal
 
-__all__ = ("lease_acquired", "lease_busy", "lease_lost", "lease_released", "unique_duplicate")
+__all__ = (
+    "lease_acquired",
+    "lease_busy",
+    "lease_lost",
+    "lease_released",
+    "redelivery_guarded",
+    "unique_duplicate",
+)
 
 lease_acquired = Signal(name="lease_acquired")
 lease_busy = Signal(name="lease_busy")
 lease_released = Signal(name="lease_released")
 lease_lost = Signal(name="lease_lost")
 unique_duplicate = Signal(name="unique_duplicate")
+redelivery_guarded = Signal(name="redelivery_guarded")

@@ -26,6 +26,8 @@ from celery.utils.log import get_logger
 from celery.worker import state as worker_state
 
 from ._cleanup import CleanupReport
+from ._guard import GuardStep
+from ._guard import on_task_postrun as guard_task_postrun
 from ._identity import set_node
 from ._keys import split_owner
 from ._lease import Want
@@ -477,11 +479,16 @@ def install(ext: Leases) -> None:
         steps = ext.app.steps["worker"]
         if LeaseBootstep not in steps:
             steps.add(LeaseBootstep)
+        # the redelivery guard: a consumer step that does nothing unless the setting is on
+        consumer_steps = ext.app.steps["consumer"]
+        if GuardStep not in consumer_steps:
+            consumer_steps.add(GuardStep)
         handlers = {
             "task_failure": on_task_failure,
             "task_revoked": on_task_revoked,
             "worker_before_create_process": on_worker_before_create_process,
             "worker_shutdown": on_worker_shutdown,
+            "task_postrun": guard_task_postrun,
         }
         for name, handler in handlers.items():
             getattr(signals, name).connect(

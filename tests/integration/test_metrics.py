@@ -207,3 +207,15 @@ def test_a_failing_observer_never_stops_the_heartbeat(registry, metrics, leases,
         start = lease._held.confirmed_at
         wait_until(lambda: lease._held.confirmed_at > start, 5, "renewals despite the observer")
     assert not lease.lost
+
+
+def test_redelivery_outcomes_are_counted(registry, metrics):
+    from celery_leases import signals
+
+    assert value(registry, "redelivery_total", outcome="dropped") == 0
+    for outcome in ("waiting", "dropped", "dropped", "ran"):
+        signals.redelivery_guarded.send(sender="proj.t", task_id="x", retries=0, outcome=outcome)
+    assert value(registry, "redelivery_total", outcome="waiting") == 1
+    assert value(registry, "redelivery_total", outcome="dropped") == 2
+    assert value(registry, "redelivery_total", outcome="ran") == 1
+    assert value(registry, "redelivery_total", outcome="unguarded") == 0

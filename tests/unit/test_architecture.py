@@ -37,6 +37,7 @@ LAYERS: dict[str, int] = {
             "cli",
             "web",
             "_unique",
+            "_guard",
             "fence",
             "metrics",
             "otel",
