@@ -119,16 +119,8 @@ class LeaseEngine:
         if keys is None:
             if len(self._rkeys) >= _KEY_CACHE_SIZE:
                 self._rkeys.clear()
-            k = self.keys
-            keys = self._rkeys[resource] = ResourceKeys(
-                k.exclusive(resource),
-                k.shared(resource),
-                k.counter(resource),
-                k.channel(resource),
-                k.group_of(resource),
-                k.waiters(resource),
-                k.ticket_expiry(resource),
-            )
+            x, s, n, c, q, qe, group = self.keys.per_resource(resource)
+            keys = self._rkeys[resource] = ResourceKeys(x, s, n, c, group, q, qe)
         return keys
 
     def registry_key(self, owner: str, group: int) -> str:

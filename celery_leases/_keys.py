@@ -99,6 +99,22 @@ class Keyspace:
         """ZSET: the same tickets as :meth:`waiters`, scored by when they run out (Redis ms)."""
         return f"{self.tag(self.group_of(resource))}:qe:{escape(resource)}"
 
+    def per_resource(self, resource: str) -> tuple[str, str, str, str, str, str, int]:
+        """``(exclusive, shared, counter, channel, waiters, ticket_expiry, group)`` of
+        ``resource``: the names of the methods above, escaping the name once for all six."""
+        group = self.group_of(resource)
+        base = f"{self.tag(group)}:"
+        name = escape(resource)
+        return (
+            f"{base}x:{name}",
+            f"{base}s:{name}",
+            f"{base}n:{name}",
+            f"{base}c:{name}",
+            f"{base}q:{name}",
+            f"{base}qe:{name}",
+            group,
+        )
+
     @property
     def waiter_channel_prefix(self) -> str:
         """What every waiter's own channel starts with (the ticket follows)."""

@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -566,13 +567,18 @@ def _granted(
 ) -> list[Lease]:
     """The Leases of fresh grants (already being renewed); logs and signals each."""
     leases = []
+    # asked once per call, not per lease: a worker at -l warning logs neither line
+    info = logger.isEnabledFor(logging.INFO)
+    debug = info and logger.isEnabledFor(logging.DEBUG)
     for held in granted:
         if on_lost is not None:
             held.on_lost.append(on_lost)
         lease = Lease(held.resource, held.token, held.ttl, held.mode == "s", held)
         leases.append(lease)
-        logger.info("leases: acquired %s for %.1fs", held.resource, ttl)
-        logger.debug("leases: %s token %d owner %s", held.resource, held.token, held.owner)
+        if info:
+            logger.info("leases: acquired %s for %.1fs", held.resource, ttl)
+        if debug:
+            logger.debug("leases: %s token %d owner %s", held.resource, held.token, held.owner)
         if signals.lease_acquired.receivers:  # no receivers: not even the arguments are built
             _send(
                 signals.lease_acquired,
@@ -615,11 +621,13 @@ def _released(
 ) -> list[Lease]:
     """Log and signal the release of ``todo``; returns ``lost`` and those found not held."""
     now = time.monotonic()
+    info = logger.isEnabledFor(logging.INFO)
     for lease, ok in zip(todo, freed, strict=True):
         held = held_of(lease)
         if not ok and lease not in lost:
             lost.append(lease)
-        logger.info("leases: released %s", held.resource)
+        if info:
+            logger.info("leases: released %s", held.resource)
         if signals.lease_released.receivers:
             _send(
                 signals.lease_released,

@@ -520,12 +520,12 @@ class LeasedTask(Task[Any, Any]):
             return super().__call__(*args, **kwargs)
         wants = self._render_leases(args, kwargs)
         ext = self._extension()
-        settings = get_settings(self.app)
+        settings = ext.settings
         on_lost = self.on_lost or settings.on_lost
         task_id = request.id
         interrupter = _Interrupter() if on_lost == "interrupt" else None
         if not unique or not task_id:
-            return self._call_leased(ext, wants, task_id, interrupter, args, kwargs)
+            return self._call_leased(ext, settings, wants, task_id, interrupter, args, kwargs)
         try:
             claim = take_claim(
                 ext, self, task_id, request, args, kwargs, ttl_of(ext, self.lease_ttl), interrupter
@@ -535,13 +535,14 @@ class LeasedTask(Task[Any, Any]):
         if claim is None:
             return None  # a duplicate of a queued or running copy: not run (logged)
         try:
-            return self._call_leased(ext, wants, task_id, interrupter, args, kwargs)
+            return self._call_leased(ext, settings, wants, task_id, interrupter, args, kwargs)
         finally:
             release_claim(ext, task_id, claim)
 
     def _call_leased(
         self,
         ext: Leases,
+        settings: LeaseSettings,
         wants: list[Want],
         task_id: str | None,
         interrupter: _Interrupter | None,
@@ -549,7 +550,6 @@ class LeasedTask(Task[Any, Any]):
         kwargs: dict[str, Any],
     ) -> Any:
         """Acquire ``wants``, run the body, release them (however it ends)."""
-        settings = get_settings(self.app)
         on_busy = self.on_busy or settings.on_busy
         wait: float | None = 0.0
         if on_busy == "wait":

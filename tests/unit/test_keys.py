@@ -231,3 +231,18 @@ def test_fenced_keys_are_distinct_for_distinct_prefix_and_name(a, b):
 )
 def test_fenced_keys_of_tricky_pairs_differ(a, b):
     assert set(fenced_keys(*a)).isdisjoint(fenced_keys(*b))
+
+
+@pytest.mark.parametrize("resource", ["plain", "a b{c}%d", "ünï:cödé", "x" * 300])
+@pytest.mark.parametrize("groups", [1, 16])
+def test_per_resource_names_are_those_of_the_single_methods(resource: str, groups: int) -> None:
+    keys = Keyspace("pre", groups)
+    assert keys.per_resource(resource) == (
+        keys.exclusive(resource),
+        keys.shared(resource),
+        keys.counter(resource),
+        keys.channel(resource),
+        keys.waiters(resource),
+        keys.ticket_expiry(resource),
+        keys.group_of(resource),
+    )
