@@ -17,11 +17,11 @@ left per distinct resource once every lease is released. The contenders:
 - redis-py's ``Lock`` and python-redis-lock, for comparison (python-redis-lock leaves its
   signal list for 1 s after each release, and the count is taken at once).
 
-``used_memory`` is read after the process's own leases are released and the owner's
-registry is empty; the owner's liveness and node entries (a few hundred bytes, once per
-process) are in the baseline, taken after one warm-up cycle. The table goes to stdout,
-``bench/results/memory.{md,json}``, the ``## Memory left behind`` section of
-``docs/benchmarks.md`` and the plot ``docs/img/bench-memory.svg``.
+``used_memory`` (less the clients' buffers) is read after the process's own leases are
+released and the owner's registry is empty; the owner's liveness and node entries (a few
+hundred bytes, once per process) are in the baseline, taken after one warm-up cycle. The
+table goes to stdout, ``bench/results/memory.{md,json}``, the ``## Memory left behind``
+section of ``docs/benchmarks.md`` and the plot ``docs/img/bench-memory.svg``.
 """
 
 from __future__ import annotations
@@ -103,6 +103,12 @@ def cycles(key: str, url: str, prefix: str) -> tuple[Callable[[str], None], Call
     return prl_cycle, client.close
 
 
+def _kept(admin: redis.Redis) -> int:
+    """``used_memory`` less the clients' buffers, which come and go with the traffic."""
+    info = admin.info("memory")
+    return int(info["used_memory"]) - int(info.get("mem_clients_normal", 0))
+
+
 def measure(url: str, admin: redis.Redis, key: str, n: int) -> dict[str, Any]:
     """Bytes and keys left after ``n`` distinct resources were taken and released."""
     admin.flushdb()
@@ -111,13 +117,13 @@ def measure(url: str, admin: redis.Redis, key: str, n: int) -> dict[str, Any]:
     try:
         cycle("warm-up")  # the owner's one-off entries, its connections, the scripts
         time.sleep(0.05)
-        before = int(admin.info("memory")["used_memory"])
+        before = _kept(admin)
         keys_before = int(admin.dbsize())
         started = time.monotonic()
         for i in range(n):
             cycle(f"report:{i}")
         elapsed = time.monotonic() - started
-        after = int(admin.info("memory")["used_memory"])
+        after = _kept(admin)
         keys_after = int(admin.dbsize())
     finally:
         close()
@@ -218,7 +224,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     write_json(
         str(out_dir / "memory.json"),
-        {"machine": machine, "counts": counts, "labels": LABELS, "results": res},
+        {
+            "machine": machine,
+            "counts": counts,
+            "labels": LABELS,
+            "order": [key for key, _ in CONTENDERS],
+            "results": res,
+        },
     )
     if not args.no_docs:
         replace_section(Path(args.docs), SECTION, docs_section(head, text))

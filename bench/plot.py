@@ -1024,7 +1024,9 @@ def panel_memory(data: dict[str, Any]) -> Canvas | None:
     if not results or not counts:
         return None
     top = counts[-1]
-    rows = [(k, labels.get(k, k), pts[top]) for k, pts in results.items() if top in pts]
+    first = [k for k in data.get("order") or labels if k in results]  # the benchmark's order
+    order = [*first, *(k for k in results if k not in first)]
+    rows = [(k, labels.get(k, k), results[k][top]) for k in order if top in results.get(k, {})]
     c = Canvas()
     y = c.title(
         "Redis memory left per distinct resource after its release",

@@ -189,7 +189,6 @@ def test_memory_bench_tiny(tmp_path: Path) -> None:
     # exact counts, whatever the timing: the counter key per resource with the default, none
     # without it (nor with redis-py's Lock), once every lease is released
     assert res["hold"]["200"]["keys_per_resource"] == 1.0
-    assert res["hold"]["200"]["bytes_per_resource"] > 0
     assert res["hold0"]["200"]["keys_per_resource"] == 0.0
     assert res["redis-py"]["200"]["keys_per_resource"] == 0.0
     assert "bytes/resource at 200" in out
