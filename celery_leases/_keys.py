@@ -105,6 +105,15 @@ class Keyspace:
         """Pub/Sub channel on which the waiter holding ``ticket`` is woken (its turn came)."""
         return self.waiter_channel_prefix + ticket
 
+    def resource_history(self, resource: str) -> str:
+        """STREAM: the last events of ``resource`` (the ``history`` setting; see _inspect)."""
+        return f"{self.tag(self.group_of(resource))}:h:{escape(resource)}"
+
+    def record(self, resource: str) -> str:
+        """HASH ``transitions``, ``ttl`` (ms, of the last grant): what the history setting
+        keeps of ``resource`` besides its events."""
+        return f"{self.tag(self.group_of(resource))}:rec:{escape(resource)}"
+
     def resource_keys(self, resource: str) -> tuple[str, str, str]:
         """``(exclusive, shared, counter)`` keys of ``resource``."""
         return self.exclusive(resource), self.shared(resource), self.counter(resource)
@@ -126,6 +135,11 @@ class Keyspace:
         lifetime that last checked this group, and until when nothing is granted in it (see
         lua/_lifetime.lua)."""
         return f"{self.tag(group)}:life"
+
+    def history(self, group: int) -> str:
+        """STREAM: the last events of every resource of ``group`` (the ``history`` setting);
+        a fleet-wide read merges the groups' streams."""
+        return f"{self.tag(group)}:h"
 
     # --- home group ---------------------------------------------------------------------
     @property

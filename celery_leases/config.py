@@ -263,6 +263,27 @@ class LeaseSettings(BaseSettings):
             "earlier grant of the resource. See 'How tokens are made' in hold-and-once.md."
         ),
     )
+    history: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "Events kept per slot group in a capped Redis stream (XADD MAXLEN ~): granted, "
+            "released, expired, freed (by cleanup, reaper or reconcile), lost, forced and busy, "
+            "each with its task and node; each resource also keeps its last min(history, 100) "
+            "events, its transitions and its last ttl. 0 (the default) writes nothing. Read by "
+            "`celery leases history` and `show`. See 'History' in operations.md for its cost."
+        ),
+    )
+    history_keep: float = Field(
+        86400.0,
+        gt=0.0,
+        le=365 * 86400.0,
+        description=(
+            "With history: seconds a resource's own events and record live after its last "
+            "event (the slot groups' streams are capped by count only)."
+        ),
+    )
     receipt_ttl: float | None = Field(
         None,
         gt=0.0,

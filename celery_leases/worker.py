@@ -329,7 +329,11 @@ class LeaseBootstep(bootsteps.StartStopStep):
                 if incarnation == ident.incarnation and pid.isdigit() and select(int(pid)):
                     report.merge(
                         ext.store.cleanup_owner_isolated(
-                            owner, dead=True, granted_before_us=before_us, clock_offsets_us=offsets
+                            owner,
+                            dead=True,
+                            granted_before_us=before_us,
+                            clock_offsets_us=offsets,
+                            by=kind,
                         )
                     )
         _log_report(kind, what, report, self._task_names(report))
