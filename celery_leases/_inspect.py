@@ -39,8 +39,10 @@ __all__ = (
     "owners",
     "parse_event",
     "read_liveness",
+    "recent_events",
     "read_registries",
     "registry_task",
+    "waiter_counts",
     "with_now",
 )
 
@@ -453,6 +455,9 @@ def lease_record(engine: LeaseEngine, resource: str) -> Steps[dict[str, Any]]:
     for mode, token, holder_owner, queued_task, left in found:
         ttl = grant_ttls.get(token, last_ttl)
         renewed = None if ttl is None or left > ttl else round(now - (ttl - left), 3)
+        if renewed is not None and token:
+            # ms clocks against the µs token: a renewal is never before its grant
+            renewed = max(renewed, token / 1e6)
         holders.append(
             {
                 "owner": holder_owner,
@@ -483,3 +488,35 @@ def lease_record(engine: LeaseEngine, resource: str) -> Steps[dict[str, Any]]:
         "now": now,
         "history": past,
     }
+
+
+def waiter_counts(engine: LeaseEngine, resources: Sequence[str]) -> Steps[list[int]]:
+    """The live tickets in the waiter queue of each of ``resources`` (one round trip per
+    :data:`OPS_BATCH`)."""
+    out: list[int] = []
+    for start in range(0, len(resources), OPS_BATCH):
+        chunk = resources[start : start + OPS_BATCH]
+        calls: list[Call] = [
+            Command(("ZRANGE", engine.resource_keys(r).ticket_expiry, 0, -1, "WITHSCORES"))
+            for r in chunk
+        ]
+        key = engine.keys.owners
+        replies, now_ms = yield from with_now(engine, "read waiter queues", calls, key)
+        out += [sum(1 for _, score in pairs(reply) if score > now_ms) for reply in replies]
+    return out
+
+
+def recent_events(
+    engine: LeaseEngine, seconds: float, limit: int = 10_000
+) -> Steps[tuple[list[dict[str, Any]], float]]:
+    """The fleet's events of the last ``seconds`` (at most ``limit`` per slot group), oldest
+    first, and the Redis clock (epoch seconds) they were read at."""
+    key = engine.keys.history(0)
+    _, now = yield from with_now(engine, "read the clock", [], key)
+    since = f"{max(now - int(seconds * 1000), 0)}-0"
+    streams = [engine.keys.history(g) for g in range(engine.settings.slot_groups)]
+    calls = [Command(("XRANGE", k, since, "+", "COUNT", limit)) for k in streams]
+    replies = yield from engine.send("read the history", calls)
+    events = [e for reply in replies for e in _events(reply)]
+    events.sort(key=lambda e: _id_key(e["id"]))
+    return events, now / 1000

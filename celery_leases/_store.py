@@ -458,6 +458,14 @@ class LeaseStore:
         """The last events, newest first (see :func:`_inspect.history`)."""
         return self.run(_inspect.history(self.engine, resource=resource, node=node, count=count))
 
+    def recent_events(self, seconds: float) -> tuple[list[dict[str, Any]], float]:
+        """The fleet's events of the last ``seconds`` (see :func:`_inspect.recent_events`)."""
+        return self.run(_inspect.recent_events(self.engine, seconds))
+
+    def waiter_counts(self, resources: Sequence[str]) -> list[int]:
+        """The live waiters of each of ``resources`` (see :func:`_inspect.waiter_counts`)."""
+        return self.run(_inspect.waiter_counts(self.engine, resources))
+
     def audit(self, record: Mapping[str, object]) -> None:
         """Append ``record`` (JSON-serialisable) to the audit list; the newest are kept."""
         self.run(_inspect.audit(self.engine, record))

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from celery_leases import LeaseBusy, LeaseLost, Leases, Shared
+from celery_leases import LeaseBusy, LeaseLost, Shared
 from celery_leases._lease import Want
 from tests.support.polling import wait_until
 
@@ -19,7 +19,8 @@ def test_without_the_setting_nothing_is_written(make_leases, leases_redis, lease
     leases = make_leases()  # history=0, the default
     with leases.hold("quiet", ttl=5) as lease:
         record = leases.store.lease_record("quiet")
-        assert record["transitions"] is None and record["history"] == []
+        assert record["transitions"] is None
+        assert record["history"] == []
         assert record["renewed_at"] is None  # the ttl is not known without the history
         assert record["granted_at"] == lease.token / 1e6
     assert leases.store.history() == []
@@ -35,23 +36,28 @@ def test_a_grant_and_its_release(make_leases):
     (holder,) = record["holders"]
     assert holder["owner"] == leases.identity().owner
     assert holder["node"] == leases.identity().node
-    assert holder["token"] == lease.token and holder["mode"] == "exclusive"
+    assert holder["token"] == lease.token
+    assert holder["mode"] == "exclusive"
     assert 0 < holder["ttl_left"] <= 5
     # the grant was made at or before token / 1e6, and after the clock read before it
     assert before <= record["granted_at"] <= after
     assert record["granted_at"] == lease.token / 1e6
-    assert record["renewed_at"] is not None and before - 0.01 <= record["renewed_at"] <= after
-    assert record["transitions"] == 1 and record["waiters"] == 0
+    assert record["renewed_at"] is not None
+    assert before - 0.01 <= record["renewed_at"] <= after
+    assert record["transitions"] == 1
+    assert record["waiters"] == 0
     assert record["mode"] == "exclusive"
     assert _kinds(record["history"]) == ["granted"]
     (granted,) = record["history"]
     assert (granted["token"], granted["ttl"], granted["resource"]) == (lease.token, 5.0, "rec:1")
     events = leases.store.history(resource="rec:1")
     assert _kinds(events) == ["released", "granted"]
-    assert events[0]["token"] == lease.token and events[0]["owner"] == holder["owner"]
+    assert events[0]["token"] == lease.token
+    assert events[0]["owner"] == holder["owner"]
     assert events[0]["at"] >= events[1]["at"]
     after_release = leases.store.lease_record("rec:1")
-    assert after_release["holders"] == [] and after_release["transitions"] == 1
+    assert after_release["holders"] == []
+    assert after_release["transitions"] == 1
 
 
 def test_transitions_count_each_change_of_hands(make_leases):
@@ -65,13 +71,13 @@ def test_transitions_count_each_change_of_hands(make_leases):
 
 def test_busy_events_name_the_refused_caller_and_the_wait(make_leases):
     leases = make_leases(history=100)
-    with leases.hold("b:1", ttl=5):
-        with pytest.raises(LeaseBusy):
-            leases.acquire([Want("b:1")], task_id="t-refused")
+    with leases.hold("b:1", ttl=5), pytest.raises(LeaseBusy):
+        leases.acquire([Want("b:1")], task_id="t-refused")
     events = leases.store.history(resource="b:1")
     assert _kinds(events) == ["released", "busy", "granted"]
     busy = events[1]
-    assert busy["task_id"] == "t-refused" and busy["token"] is None
+    assert busy["task_id"] == "t-refused"
+    assert busy["token"] is None
     assert 0 < busy["wait"] <= 5
 
 
@@ -119,17 +125,23 @@ def test_an_expired_lease_released_late(make_leases):
 
 def test_a_lost_lease(make_leases, leases_redis):
     leases = make_leases(history=100)
-    with pytest.raises(LeaseLost):
+    tokens = []
+
+    def hold_while_it_is_taken() -> None:
         with leases.hold("gone", ttl=3) as lease:
+            tokens.append(lease.token)
             leases_redis.delete(leases.store.keys.exclusive("gone"))  # taken from under it
             wait_until(
                 lambda: "lost" in _kinds(leases.store.history(resource="gone")),
                 timeout=10,
                 what="the renewal finds the lease gone",
             )
+
+    with pytest.raises(LeaseLost):
+        hold_while_it_is_taken()
     events = leases.store.history(resource="gone")
     assert _kinds(events)[:2] == ["lost", "granted"]
-    assert events[0]["token"] == lease.token
+    assert events[0]["token"] == tokens[0]
 
 
 def test_freed_by_a_cleanup_and_by_a_reconcile(make_leases):
@@ -138,7 +150,8 @@ def test_freed_by_a_cleanup_and_by_a_reconcile(make_leases):
     (a,) = leases.store.try_acquire([Want("c:1")], leases.identity(), 5.0)
     leases.store.cleanup_owner(owner, dead=True)
     (freed,) = [e for e in leases.store.history(resource="c:1") if e["event"] == "freed"]
-    assert freed["by"] == "cleanup" and freed["token"] == a.token
+    assert freed["by"] == "cleanup"
+    assert freed["token"] == a.token
     leases.store.try_acquire([Want("c:2")], leases.identity(), 5.0)
     leases.store.cleanup_owner(owner, dead=True, by="reconcile")
     assert leases.store.history(resource="c:2")[0]["by"] == "reconcile"
@@ -146,10 +159,14 @@ def test_freed_by_a_cleanup_and_by_a_reconcile(make_leases):
 
 def test_forced_by_an_operator(make_leases):
     leases = make_leases(history=100)
-    with pytest.raises(LeaseLost):
+
+    def hold_while_forced() -> None:
         with leases.hold("f:1", ttl=5):
             (holder,) = leases.store.holders("f:1")
             assert leases.store.force_release("f:1", holder, by="ops@host")
+
+    with pytest.raises(LeaseLost):
+        hold_while_forced()
     forced = leases.store.history(resource="f:1")[0]
     assert (forced["event"], forced["by"]) == ("forced", "ops@host")
 

@@ -1,0 +1,120 @@
+"""``show``, ``history``, ``health`` and ``top`` run for real, against a real worker.
+
+The worker's task ``worker_app.sleeper`` holds ``res:<rid>`` while it sleeps; the worker and
+the CLI both run with the history setting on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from celery_leases import LeaseBusy
+
+from .conftest import kill_whole_worker, wait_until
+from .test_cli import Cli, assert_one_line_error
+
+pytestmark = pytest.mark.worker
+
+#: live holders (nothing expires under the test), with the history on
+LIVE = {
+    "CELERY_LEASES_TTL": "60",
+    "CELERY_LEASES_RECONCILE_INTERVAL": "0",
+    "CELERY_LEASES_HISTORY": "1000",
+}
+
+
+@pytest.fixture
+def cli(worker_env: dict[str, str]) -> Cli:
+    return Cli({**worker_env, **LIVE})
+
+
+def test_show_history_health_and_top_describe_a_workers_lease(
+    start_worker: Any, worker_app: Any, send: Any, ledger: Any, cli: Cli, make_leases: Any
+) -> None:
+    w = start_worker("prefork", 2, env=LIVE)
+    try:
+        a = send(worker_app.sleeper, "rec", 120)
+        ledger.wait_event("started:rec")
+        before = make_leases(ttl=60).store.redis_time()
+        contender = make_leases(ttl=60, history=1000)
+        with pytest.raises(LeaseBusy), contender.hold("res:rec"):
+            pass
+
+        record = cli.json("show", "res:rec")
+        (holder,) = record["holders"]
+        assert holder["node"] == w.hostname
+        assert holder["task_id"] == a.id
+        assert holder["pid"] in w.children()
+        assert holder["task_name"] == worker_app.sleeper.name
+        assert holder["alive"] is True
+        assert holder["mode"] == "exclusive"
+        assert record["granted_at"] == holder["token"] / 1e6 <= before
+        assert record["renewed_at"] is not None
+        assert record["renewed_at"] >= record["granted_at"]
+        assert record["transitions"] == 1
+        assert record["waiters"] == 0
+        kinds = [e["event"] for e in record["history"]]
+        assert kinds == ["busy", "granted"]
+        assert record["history"][1]["task_id"] == a.id
+        assert record["history"][0]["node"] == contender.identity().node
+        shown = cli("show", "res:rec")
+        assert shown.returncode == 0, shown.stderr
+        assert "transitions:  1" in shown.stdout
+        assert "busy" in shown.stdout
+
+        fleet = cli.json("history", "-n", "10")
+        assert [e["event"] for e in fleet][:2] == ["busy", "granted"]
+        mine = cli.json("history", "--node", w.hostname)
+        assert [e["event"] for e in mine] == ["granted"]
+        assert cli.json("history", "--resource", "res:other") == []
+        table = cli("history", "--resource", "res:rec")
+        assert table.returncode == 0, table.stderr
+        assert table.stdout.splitlines()[0].split()[:3] == ["AT", "AGO", "EVENT"]
+
+        ok = cli("health", "--node", w.hostname)
+        assert ok.returncode == 0, ok.stderr
+        assert f"node {w.hostname} is alive" in ok.stdout
+
+        frame = cli("top", "--once")
+        assert frame.returncode == 0, frame.stderr
+        assert "res:rec" in frame.stdout
+        assert "1 lease(s) held" in frame.stdout
+        assert "busy/s" in frame.stdout
+    finally:
+        if w.alive():
+            kill_whole_worker(w)
+
+
+def test_health_without_a_node_and_with_a_stale_one(
+    start_worker: Any, worker_env: dict[str, str], cli: Cli
+) -> None:
+    ok = cli("health")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith("ok: redis at ")
+    unknown = cli("health", "--node", "nobody@nowhere")
+    assert "no registered owner" in assert_one_line_error(unknown, 2)
+    down = cli("health", env={"CELERY_LEASES_REDIS_URL": "redis://:hunter2@127.0.0.1:1/0"})
+    line = assert_one_line_error(down, 1)
+    assert "127.0.0.1:1" in line
+    assert "hunter2" not in line
+
+
+def test_a_stale_node_is_reported_with_its_age(
+    start_worker: Any, worker_app: Any, send: Any, ledger: Any, cli: Cli
+) -> None:
+    doomed = {**LIVE, "CELERY_LEASES_TTL": "2"}
+    w = start_worker("prefork", 1, env=doomed)
+    send(worker_app.sleeper, "stale", 120)
+    ledger.wait_event("started:stale")
+    kill_whole_worker(w)
+    short = {"CELERY_LEASES_TTL": "2"}
+    wait_until(
+        lambda: cli("health", "--node", w.hostname, env=short).returncode == 2,
+        timeout=30,
+        what="the killed node's liveness runs out",
+    )
+    line = assert_one_line_error(cli("health", "--node", w.hostname, env=short), 2)
+    assert "liveness ran out" in line
+    assert "ago" in line
