@@ -31,7 +31,7 @@ from ._keys import split_owner
 from ._lease import Want
 from ._store import safe_url
 from ._text import printable
-from .config import DEFAULT_REDIS_URL
+from .config import DEFAULT_REDIS_URL, timing_warnings
 from .exceptions import LeaseBackendError, LeaseError
 
 if TYPE_CHECKING:
@@ -247,6 +247,8 @@ class LeaseBootstep(bootsteps.StartStopStep):
 
         # a leases_* key changed since the settings' first use is refused here, at start
         checked_settings(ext, full=True)
+        for warning in timing_warnings(ext.settings):  # impossible ones were refused
+            logger.warning("leases: %s", warning)
         _note_redis_url(ext)
         ident = ext.identity()
         report = _startup_cleanup(ext, ident.node, ident.incarnation)
