@@ -92,6 +92,9 @@ FLAT_TOLERANCE: Final = 0.1  # heartbeat calls/s within +-10% of the 1-lease cas
 
 # the contenders' keys, in table order
 HOLD: Final = "hold"
+HOLD_HISTORY: Final = "hold-history"
+#: the history setting of the "history on" row (entries kept per slot group)
+BENCH_HISTORY: Final = 10_000
 FLOOR: Final = "floor"
 REDIS_PY: Final = "redis-py"
 PRL: Final = "prl"
@@ -102,6 +105,7 @@ LABELS: Final = {
     BARE: "two bare round trips (the floor's, on one connection)",
     REDIS_PY: "redis-py Lock",
     PRL: "python-redis-lock",
+    HOLD_HISTORY: f"celery_leases hold(), history on ({BENCH_HISTORY:,} kept)",
 }
 # the asyncio contenders of (a)
 AHOLD: Final = "ahold"
@@ -159,9 +163,9 @@ def progress(message: str) -> None:
     print(f"bench: {message}", file=sys.stderr, flush=True)
 
 
-def make_leases(url: str, prefix: str) -> Leases:
+def make_leases(url: str, prefix: str, **settings: Any) -> Leases:
     app = Celery("bench", broker=url, set_as_current=False)
-    return Leases(app, redis_url=url, key_prefix=prefix)
+    return Leases(app, redis_url=url, key_prefix=prefix, **settings)
 
 
 # --- (a) uncontended cycles ---------------------------------------------------------------------
@@ -173,7 +177,9 @@ class CycleContender:
     top_level: tuple[str, ...]
 
 
-def cycle_contenders(url: str, leases: Leases, run_id: str) -> list[CycleContender]:
+def cycle_contenders(
+    url: str, leases: Leases, run_id: str, history_leases: Leases | None = None
+) -> list[CycleContender]:
     def name(key: str) -> str:
         return f"bench:{run_id}:a:{key}"
 
@@ -181,6 +187,13 @@ def cycle_contenders(url: str, leases: Leases, run_id: str) -> list[CycleContend
 
     def hold_cycle() -> None:
         with leases.hold(hold_name, ttl=30.0):
+            pass
+
+    history_name = name(HOLD_HISTORY)
+    with_history = history_leases or leases
+
+    def hold_history_cycle() -> None:
+        with with_history.hold(history_name, ttl=30.0):
             pass
 
     floor_client = redis.Redis.from_url(url)
@@ -236,6 +249,11 @@ def cycle_contenders(url: str, leases: Leases, run_id: str) -> list[CycleContend
         CycleContender(BARE, bare_cycle, ("set", "evalsha")),
         CycleContender(REDIS_PY, rpy_cycle, ("set", "evalsha")),
         CycleContender(PRL, prl_cycle, ("set", "evalsha")),
+        *(
+            [CycleContender(HOLD_HISTORY, hold_history_cycle, ("evalsha",))]
+            if history_leases is not None
+            else []
+        ),
     ]
 
 
@@ -293,16 +311,25 @@ def bench_cycles(
 
 def cycle_rows(cfg: Config, res: dict[str, dict[str, Any]], private: bool) -> list[Row]:
     """The sync rows of (a): hold() against the redis-py floor (and two bare round trips)."""
-    bare = f"{res[HOLD]['median'] / res[BARE]['median']:.2f}x two bare round trips"
+    extra = {HOLD: f"{res[HOLD]['median'] / res[BARE]['median']:.2f}x two bare round trips"}
+    keys: tuple[str, ...] = (HOLD, FLOOR, BARE, REDIS_PY, PRL)
+    if HOLD_HISTORY in res:
+        keys += (HOLD_HISTORY,)
+        h, plain = res[HOLD_HISTORY], res[HOLD]
+        extra[HOLD_HISTORY] = f"{h['median'] / plain['median']:.2f}x hold() without history" + (
+            f", server +{h['server_us_per_cycle'] - plain['server_us_per_cycle']:.1f} us"
+            if private
+            else ""
+        )
     return _rows_against(
         cfg,
         res,
         private,
-        (HOLD, FLOOR, BARE, REDIS_PY, PRL),
+        keys,
         LABELS,
         floor="floor",
         target=CYCLE_RATIO_TARGET,
-        extra={HOLD: bare},
+        extra=extra,
     )
 
 
@@ -1015,7 +1042,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         machine = machine_info(admin)
         rows: list[Row] = []
         raw: dict[str, Any] = {}
-        contenders = cycle_contenders(url, leases, run_id)
+        history_leases = make_leases(url, f"{prefix}-h", history=BENCH_HISTORY)
+        contenders = cycle_contenders(url, leases, run_id, history_leases)
         try:
             if "a" in args.only:
                 raw["a"] = bench_cycles(cfg, contenders, admin)

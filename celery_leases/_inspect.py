@@ -34,6 +34,8 @@ __all__ = (
     "holder_task",
     "holders",
     "lease_record",
+    "mark_node_alive",
+    "node_alive",
     "nodes",
     "owned",
     "owners",
@@ -364,10 +366,11 @@ def history(
     """The last ``count`` events, newest first: of ``resource`` (its own stream), or of the
     whole fleet (every slot group's stream, merged by time); only ``node``'s with ``node``.
 
-    Empty when the ``history`` setting is 0 (nothing was written). See :func:`parse_event`
+    Empty, and nothing read, when the ``history`` setting is 0 (nothing was written; a
+    reader must run with the writers' setting). See :func:`parse_event`
     for the fields of an event.
     """
-    if count <= 0:
+    if count <= 0 or not engine.history:
         return []
     if resource is not None:
         key = engine.resource_keys(resource).history
@@ -416,13 +419,16 @@ def lease_record(engine: LeaseEngine, resource: str) -> Steps[dict[str, Any]]:
         Command(("PTTL", rk.exclusive)),
         Command(("ZRANGE", rk.shared, 0, -1, "WITHSCORES")),
         Command(("ZRANGE", rk.ticket_expiry, 0, -1, "WITHSCORES")),
-        Command(("HGETALL", rk.record)),
-        Command(("XREVRANGE", rk.history, "+", "-", "COUNT", RESOURCE_HISTORY)),
     ]
+    if engine.history:  # read only where written (a user's ACL may allow no more)
+        calls += [
+            Command(("HGETALL", rk.record)),
+            Command(("XREVRANGE", rk.history, "+", "-", "COUNT", RESOURCE_HISTORY)),
+        ]
     replies, now_ms = yield from with_now(engine, "read a lease record", calls, rk.exclusive)
-    value, pttl, shared, tickets, record, events = replies
-    record = _fields(record)
-    past = _events(events)
+    value, pttl, shared, tickets, *kept = replies
+    record = _fields(kept[0]) if kept else {}
+    past = _events(kept[1]) if kept else []
     grant_ttls = {e["token"]: e["ttl"] for e in past if e["event"] == "granted" and "ttl" in e}
     last_ttl = int(record["ttl"]) / 1000 if "ttl" in record else None
     now = now_ms / 1000
@@ -520,3 +526,17 @@ def recent_events(
     events = [e for reply in replies for e in _events(reply)]
     events.sort(key=lambda e: _id_key(e["id"]))
     return events, now / 1000
+
+
+def mark_node_alive(engine: LeaseEngine, node: str, incarnation: str) -> Steps[None]:
+    """Mark ``node`` alive for the ``ttl`` setting (one SET; idempotent)."""
+    key = engine.keys.node_alive(node)
+    command = Command(("SET", key, incarnation, "PX", engine.ms(engine.settings.ttl)))
+    yield from engine.send("mark the node alive", [command])
+
+
+def node_alive(engine: LeaseEngine, node: str) -> Steps[float | None]:
+    """Seconds left on ``node``'s mark of life (:func:`mark_node_alive`); None: no mark."""
+    read = Command(("PTTL", engine.keys.node_alive(node)))
+    (ms,) = yield from engine.send("read a node's mark", [read])
+    return None if int(ms) < 0 else int(ms) / 1000

@@ -156,6 +156,11 @@ class Keyspace:
         """SET of escaped node names that have owners (lets tools list nodes without SCAN)."""
         return f"{self.tag(0)}:nodes"
 
+    def node_alive(self, node: str) -> str:
+        """STRING: the incarnation of the live worker ``node``, set by its main process at
+        every reaper pass with a PX of the ttl setting (``celery leases health --node``)."""
+        return f"{self.tag(0)}:alive:{escape(node)}"
+
     @property
     def audit(self) -> str:
         """LIST of JSON records of operators' releases (``celery leases release``), newest first."""

@@ -458,6 +458,14 @@ class LeaseStore:
         """The last events, newest first (see :func:`_inspect.history`)."""
         return self.run(_inspect.history(self.engine, resource=resource, node=node, count=count))
 
+    def mark_node_alive(self, node: str, incarnation: str) -> None:
+        """Mark ``node`` alive for the ttl (see :func:`_inspect.mark_node_alive`)."""
+        self.run(_inspect.mark_node_alive(self.engine, node, incarnation))
+
+    def node_alive(self, node: str) -> float | None:
+        """Seconds left on ``node``'s mark of life; None: none (see :func:`_inspect.node_alive`)."""
+        return self.run(_inspect.node_alive(self.engine, node))
+
     def recent_events(self, seconds: float) -> tuple[list[dict[str, Any]], float]:
         """The fleet's events of the last ``seconds`` (see :func:`_inspect.recent_events`)."""
         return self.run(_inspect.recent_events(self.engine, seconds))

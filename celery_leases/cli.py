@@ -552,7 +552,7 @@ def show(ctx: click.Context, resource: str, as_json: bool) -> None:
     click.echo(f"waiters:      {record['waiters']}")
     if record["history"]:
         click.echo("")
-        click.echo(_events_table(record["history"][:20], now))
+        click.echo(_events_table(record["history"][:10], now))
 
 
 def _when(at: float | None, now: float, prefix: str = "") -> str:
@@ -646,8 +646,9 @@ def health(ctx: click.Context, node: str | None) -> None:
     """Exit 0 when Redis answers (and, with --node, NODE's liveness is fresh).
 
     For Kubernetes probes; needs no worker. Exit 1: Redis does not answer (the URL is shown
-    without its password). Exit 2: NODE has no owner whose liveness is still running (how
-    long ago the last one ran out, or that none is registered).
+    without its password). Exit 2: NODE's worker has not marked itself alive within the ttl
+    (its main process does every ttl / 3) and none of its processes renews a liveness on
+    time (when one last did, or that none is registered).
     """
     _non_empty("--node", node)
     store = _ext(ctx).store
@@ -660,21 +661,35 @@ def health(ctx: click.Context, node: str | None) -> None:
     if node is None:
         click.echo(f"ok: redis at {url} answers")
         return
+    renewals = Renewals.of(store.settings)
+    marked = store.node_alive(node)
+    if marked is not None:
+        ago = renewed_ago(marked, renewals)
+        when = "" if ago is None else f", marked {_seconds(ago)} ago"
+        click.echo(f"ok: redis at {url} answers; node {node} is alive (its worker{when})")
+        return
     owners = store.node_owners(node)
     liveness = store.read_liveness(owners)
     known = [left for left in liveness.values() if left is not None]
-    fresh = [left for left in known if left > 0]
+    fresh = [left for left in known if liveness_state(left, renewals) == "alive"]
     if fresh:
-        renewals = Renewals.of(store.settings)
         ago = renewed_ago(max(fresh), renewals)
         when = "" if ago is None else f", renewed {_seconds(ago)} ago"
         click.echo(
             f"ok: redis at {url} answers; node {node} is alive ({len(fresh)} of "
-            f"{len(owners)} owner(s) live{when})"
+            f"{len(owners)} owner(s) renewing{when})"
         )
         return
-    if known:
-        why = f"its liveness ran out {_seconds(-max(known))} ago"
+    latest = max(known, default=None)
+    if latest is not None and latest > 0:
+        ago = renewed_ago(latest, renewals)
+        last = "" if ago is None else f"renewed {_seconds(ago)} ago, "
+        why = (
+            f"{last}renewals are due every {_seconds(renewals.every)}; its liveness runs "
+            f"out in {_seconds(latest)} (a killed, stalled or idle node)"
+        )
+    elif latest is not None:
+        why = f"its liveness ran out {_seconds(-latest)} ago"
     else:
         why = "it has no registered owner (never started, idle since its last cleanup, or gone)"
     click.echo(f"unhealthy: node {node} is stale: {why}", err=True)

@@ -292,7 +292,20 @@ class LeaseBootstep(bootsteps.StartStopStep):
         def dead(pid: int) -> bool:
             return pid != self.pid and not _pid_alive(pid)
 
+        self.mark_alive()
         return self._clean_own("reaper", "reaper (dead pool process)", dead, spare_newer=True)
+
+    def mark_alive(self) -> None:
+        """Refresh this node's mark of life (``celery leases health --node``), every reaper
+        pass: a node whose processes hold no lease renews no liveness, yet it is alive."""
+        ext = self.ext
+        if ext is None:
+            return
+        try:
+            ident = ext.identity()
+            ext.store.mark_node_alive(ident.node, ident.incarnation)
+        except LeaseError as exc:
+            logger.debug("leases: could not mark the node alive: %s", exc)
 
     def _clean_own(
         self,

@@ -87,6 +87,32 @@ def test_show_history_health_and_top_describe_a_workers_lease(
             kill_whole_worker(w)
 
 
+def test_an_idle_worker_is_healthy_by_its_mark(start_worker: Any, cli: Cli) -> None:
+    # it holds nothing, so no process renews a liveness: the reaper's mark tells it lives
+    w = start_worker("prefork", 1, env={**LIVE, "CELERY_LEASES_TTL": "3"})
+    try:
+        short = {"CELERY_LEASES_TTL": "3"}
+        ok = wait_until(
+            lambda: (r := cli("health", "--node", w.hostname, env=short)).returncode == 0 and r,
+            timeout=30,
+            what="the worker's first reaper pass marks it alive",
+        )
+        assert "(its worker, marked" in ok.stdout
+        kill_whole_worker(w)
+        line = wait_until(
+            lambda: (
+                (r := cli("health", "--node", w.hostname, env=short)).returncode == 2
+                and assert_one_line_error(r, 2)
+            ),
+            timeout=30,
+            what="the killed worker's mark runs out",
+        )
+        assert "is stale" in line
+    finally:
+        if w.alive():
+            kill_whole_worker(w)
+
+
 def test_health_without_a_node_and_with_a_stale_one(
     start_worker: Any, worker_env: dict[str, str], cli: Cli
 ) -> None:
@@ -110,11 +136,15 @@ def test_a_stale_node_is_reported_with_its_age(
     ledger.wait_event("started:stale")
     kill_whole_worker(w)
     short = {"CELERY_LEASES_TTL": "2"}
-    wait_until(
-        lambda: cli("health", "--node", w.hostname, env=short).returncode == 2,
-        timeout=30,
-        what="the killed node's liveness runs out",
-    )
-    line = assert_one_line_error(cli("health", "--node", w.hostname, env=short), 2)
+
+    def stale_line() -> str | None:
+        result = cli("health", "--node", w.hostname, env=short)
+        if result.returncode == 0:  # its worker's mark has not run out yet
+            return None
+        # first "late" (renewals missed, liveness running), then run out
+        line = assert_one_line_error(result, 2)
+        return line if "ran out" in line else None
+
+    line = wait_until(stale_line, timeout=30, what="the killed node's liveness runs out")
     assert "liveness ran out" in line
     assert "ago" in line
