@@ -5,6 +5,9 @@ The commands run against the ``-A`` app's settings (its ``Leases(app)``, or one 
 
     celery -A proj leases ls [--owner NODE] [--resource PATTERN] [--json]
     celery -A proj leases show RESOURCE [--json]
+    celery -A proj leases history [--resource R] [--node N] [-n K] [--json]
+    celery -A proj leases top [--interval S] [-n ROWS] [--once]
+    celery -A proj leases health [--node NODE]
     celery -A proj leases release RESOURCE [--force] [--yes]
     celery -A proj leases owners [--json]
     celery -A proj leases reconcile [--json]
@@ -30,7 +33,19 @@ The commands run against the ``-A`` app's settings (its ``Leases(app)``, or one 
   ``queued``, no owner or node (null), and its task's id.
   ``--owner`` leaves queued claims out (no process holds them).
 - ``show RESOURCE``: the holders of one resource, read from its own keys, with each owner's
-  liveness and the task id from that owner's registry entry.
+  liveness and the task id from that owner's registry entry, then its record: since when it
+  is held (from the token), its last renewal, its changes of hands, its waiters and its last
+  events (the last three need the ``history`` setting). ``--json`` prints the record as one
+  object (``holders``, ``granted_at``, ``renewed_at``, ``transitions``, ``waiters``,
+  ``history``).
+- ``history``: the last events (``granted``, ``busy``, ``released``, ``expired``, ``freed``,
+  ``forced``, ``lost``), fleet-wide or of one ``--resource`` or ``--node``; needs the
+  ``history`` setting.
+- ``top``: a live view of held leases, their waiters and busy attempts per second;
+  ``--once`` prints one frame.
+- ``health``: exit 0 when Redis answers and, with ``--node``, that node is alive (its worker
+  marks itself so at every reaper pass, or one of its processes renews on time); 1 when Redis
+  does not answer, 2 when the node is stale. For Kubernetes probes.
 - ``release RESOURCE``: frees the resource's leases whose owner is dead (its liveness ran out,
   or it is no longer registered). If any holder is alive it changes nothing and exits 1, naming
   the live owner, unless ``--force``; ``--force`` asks before freeing a live owner's lease
@@ -52,9 +67,9 @@ The commands run against the ``-A`` app's settings (its ``Leases(app)``, or one 
 take ``CELERY_LEASES_RELEASE_FORCE``), nor is any other option of these commands.
 
 Exit status: 0 done; 1 refused, nothing held, aborted, or a reconcile that could not clean
-every owner; 2 bad usage; 69 Redis could not be reached or failed; 75 another process is
-reconciling (try again); 78 invalid settings. Errors are one line on stderr, URLs without
-their password.
+every owner (``health``: Redis does not answer); 2 bad usage (``health``: the node is
+stale); 69 Redis could not be reached or failed; 75 another process is reconciling (try
+again); 78 invalid settings. Errors are one line on stderr, URLs without their password.
 
 .. versionadded:: 0.1
 """
