@@ -471,7 +471,7 @@ def timing_warnings(settings: LeaseSettings) -> list[str]:
     A renewal that hangs is cut at its lease's deadline (its budget is the time left, at
     most ``socket_timeout``); if one attempt of ``socket_timeout`` plus the pause before a
     retry does not fit in the renewal's slack, one stalled connection loses the lease.
-    A worker logs these at start-up.
+    A worker logs these at start-up (INFO).
     """
     t = timing(settings)
     out: list[str] = []

@@ -72,7 +72,8 @@ lease counts as lost.
   numbers: `ttl 2 s with lost_margin 0.25 leaves 1.5 s after each renewal; renewed every
   0.5 s, a renewal has 1 s before its lease counts as lost: min_replicas_timeout (1 s) must
   be below 1 s, or the ttl above 2 s`.
-- **Warned** (a worker logs a WARNING at start-up; the settings work): a `socket_timeout`
+- **Told** (a worker logs it at start-up, at INFO, as `leases: timing: ...`; the settings
+  work and are safe): a `socket_timeout`
   that leaves no room for a second renewal attempt in the slack (one attempt, then the
   pause of at most 1 s before the next). A renewal is cut at its lease's deadline whatever
   the timeout, so nothing overlaps, but one stalled connection then loses the lease. The
