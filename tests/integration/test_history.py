@@ -198,3 +198,15 @@ def test_the_stream_is_capped(make_leases, leases_redis):
     key = leases.store.keys.history(0)
     assert leases_redis.xlen(key) < 300  # MAXLEN ~ trims whole nodes (about 100 entries)
     assert leases_redis.pttl(leases.store.keys.resource_history("cap")) > 0
+
+
+@pytest.mark.asyncio
+async def test_the_asyncio_store_reads_the_same_record_and_history(make_leases):
+    leases = make_leases(history=100)
+    async with leases.ahold("aio:1", ttl=5) as lease:
+        record = await leases.astore.lease_record("aio:1")
+        assert [h["token"] for h in record["holders"]] == [lease.token]
+        assert record["transitions"] == 1
+    events = await leases.astore.history(resource="aio:1")
+    assert _kinds(events) == ["released", "granted"]
+    assert await leases.astore.history(count=1) == events[:1]
