@@ -22,6 +22,10 @@ plain against leased, with the lease's script calls and their time marked.
 (single, cluster), and the acquire latency p50 with a p99 whisker (all tasks, those granted at
 once, those that retried), on a log scale.
 
+``bench-memory.svg`` comes from ``memory.json``: the bytes Redis keeps per distinct resource
+after its release, per contender, at the largest number of resources measured, with what 10
+million distinct resources a day would keep.
+
 ``bench-cleanup.svg`` comes from ``cleanup.json``: the time of the start-up cleanup,
 ``cleanup_owner``, ``reconcile`` and the SCAN baseline against the leases held and against the
 keyspace size, and their server time against the keyspace size; log-log.
@@ -51,6 +55,7 @@ SVG_PATH: Final = IMG_DIR / "benchmarks.svg"
 TASKS_SVG: Final = "bench-tasks.svg"
 FLEET_SVG: Final = "bench-fleet.svg"
 CLEANUP_SVG: Final = "bench-cleanup.svg"
+MEMORY_SVG: Final = "bench-memory.svg"
 
 WIDTH: Final = 900
 MARGIN: Final = 24
@@ -77,6 +82,8 @@ SERIES_STYLE: Final = {
 CONTENDERS_A: Final = (
     ("hold", "celery_leases hold()"),
     ("floor", "raw floor (SET NX PX + CAD)"),
+    ("bare", "two bare round trips"),
+    ("hold-calls", "hold()'s calls, sent bare"),
     ("redis-py", "redis-py Lock"),
     ("prl", "python-redis-lock"),
     ("ahold", "celery_leases ahold()"),
@@ -1009,12 +1016,75 @@ def write_plot(results: Path = RESULTS_DIR, out: Path = SVG_PATH) -> Path:
     return _write(render(results), out)
 
 
+def panel_memory(data: dict[str, Any]) -> Canvas | None:
+    """Bytes left per distinct resource after its release, one bar per contender."""
+    results: dict[str, dict[str, dict[str, Any]]] = data.get("results") or {}
+    labels: dict[str, str] = data.get("labels") or {}
+    counts = [str(n) for n in data.get("counts") or []]
+    if not results or not counts:
+        return None
+    top = counts[-1]
+    rows = [(k, labels.get(k, k), pts[top]) for k, pts in results.items() if top in pts]
+    c = Canvas()
+    y = c.title(
+        "Redis memory left per distinct resource after its release",
+        f"used_memory after {int(top):,} distinct resources were taken and released, per "
+        "resource; lower is better",
+    )
+    x0, x1 = MARGIN + LABEL_W + 60, WIDTH - MARGIN - VALUE_W
+    most = max(r[2]["bytes_per_resource"] for r in rows) or 1.0
+    ticks = nice_ticks(most)
+    scale = (x1 - x0) / ticks[-1]
+    bar_h, gap = 24, 14
+    plot_top = y + 8
+    plot_bottom = plot_top + len(rows) * (bar_h + gap) - gap + 8
+    for t in ticks:
+        x = x0 + t * scale
+        c.line(x, plot_top - 4, x, plot_bottom, GRID)
+        c.text(x, plot_bottom + 16, f"{fmt_tick(t)} B", size=11, anchor="middle", fill=MUTED)
+    for i, (key, label, point) in enumerate(rows):
+        gy = plot_top + 4 + i * (bar_h + gap)
+        ours = key.startswith("hold")
+        c.text(
+            x0 - 10,
+            gy + bar_h / 2 + 5,
+            label,
+            size=12,
+            anchor="end",
+            weight="bold" if ours else "normal",
+        )
+        per = float(point["bytes_per_resource"])
+        c.rect(x0, gy, max(per * scale, 1.5), bar_h, OURS if ours else OTHER)
+        day = per * 10_000_000
+        shown = f"{day / 1e9:.2f} GB" if day >= 1e8 else f"{day / 1e6:.1f} MB"
+        note = f"{per:,.0f} B; 10 M a day: {shown}" if key != "prl" else f"{per:,.0f} B (kept 1 s)"
+        c.text(x1 + 16, gy + bar_h / 2 + 5, note, 12)
+    c.height = plot_bottom + 30
+    return c
+
+
+def render_memory(results: Path = RESULTS_DIR) -> str | None:
+    """The SVG of ``memory.json`` in ``results``, or None when there is none."""
+    data = _read(results / "memory.json")
+    panel = panel_memory(data)
+    if panel is None:
+        return None
+    machine = data.get("machine") or {}
+    head = _heading("celery_leases: memory left behind", machine, str(machine.get("date", "")))
+    return _assemble("celery_leases memory benchmark", [head, panel])
+
+
 def write_plots(results: Path = RESULTS_DIR, out_dir: Path = IMG_DIR) -> list[Path]:
     """Write every plot whose results exist in ``results`` into ``out_dir``; returns them."""
     written = []
     if (results / "engine.json").exists():
         written.append(write_plot(results, out_dir / SVG_PATH.name))
-    drawings = ((TASKS_SVG, render_tasks), (FLEET_SVG, render_fleet), (CLEANUP_SVG, render_cleanup))
+    drawings = (
+        (TASKS_SVG, render_tasks),
+        (FLEET_SVG, render_fleet),
+        (CLEANUP_SVG, render_cleanup),
+        (MEMORY_SVG, render_memory),
+    )
     for name, draw in drawings:
         svg = draw(results)
         if svg is not None:

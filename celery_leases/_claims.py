@@ -17,7 +17,7 @@ driver (``LeaseStore.run``). A lost reply's recovery is decided with ``_lostrepl
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 
@@ -36,7 +36,7 @@ from ._inspect import OPS_BATCH, registry_task
 from ._keys import UNIQUE_PREFIX, escape, holder_parts, holder_value, unescape
 from ._lease import Held, Want
 from ._lostreply import BOOK, own_beat_win, requeue_recovered, resend_if_lost
-from ._protocol import Command, Failure, Script, Send, Steps
+from ._protocol import Call, Command, Failure, Script, Send, Steps
 from ._registry import QUEUED_OWNER, entry_text
 from ._scripts import (
     AcquireReply,
@@ -52,9 +52,11 @@ if TYPE_CHECKING:
     from ._identity import Identity
 
 __all__ = (
+    "BeatRun",
     "ClaimHolder",
     "Claimed",
     "beat_claim",
+    "beat_runs",
     "claim_waiting_time",
     "queued_claims",
     "unique_claim",
@@ -115,6 +117,42 @@ class ClaimHolder:
 
 
 # --- beat ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BeatRun:
+    """The last claimed run of one beat entry, as its claim key records it."""
+
+    entry: str
+    kind: str  # "cron" (run = due time in ms) or "every" (run = Redis-time bucket)
+    run: int
+    replica: str  # the replica that won (sent) it
+    expires_in: float  # seconds the claim is still remembered
+
+
+def beat_runs(engine: LeaseEngine, entries: Sequence[str]) -> Steps[list[BeatRun]]:
+    """The last claimed run of each of ``entries`` (beat entry names) that has one.
+
+    The entries come from the caller (the app's ``beat_schedule``): claims are found by
+    name, never by a keyspace scan. One round trip.
+    """
+    wanted = [(entry, kind) for entry in entries for kind in ("cron", "every")]
+    calls: list[Call] = []
+    for entry, kind in wanted:
+        key = engine.keys.beat_claim(entry, kind)
+        calls += (Command(("GET", key)), Command(("PTTL", key)))
+    if not calls:
+        return []
+    replies = yield from engine.send("read beat claims", calls)
+    out: list[BeatRun] = []
+    for i, (entry, kind) in enumerate(wanted):
+        value, pttl = replies[2 * i], replies[2 * i + 1]
+        if value is None:
+            continue
+        run, _, replica = str(value).partition(" ")
+        if run.lstrip("-").isdigit():
+            out.append(BeatRun(entry, kind, int(run), replica, max(int(pttl), 0) / 1000))
+    return out
+
+
 def beat_claim(
     engine: LeaseEngine,
     entry: str,

@@ -119,6 +119,8 @@ class LeaseEngine:
         self.waiter_prefix = self.keys.waiter_channel_prefix
         self._rkeys: dict[str, ResourceKeys] = {}
         self._regkeys: dict[tuple[str, int], str] = {}
+        self._homekeys: dict[str, tuple[str, str, str]] = {}
+        self._lifekeys = [self.keys.lifetime(g) for g in range(settings.slot_groups)]
 
     def forked(self) -> None:
         """A new process: what the parent sent says nothing of this one's owner."""
@@ -153,6 +155,21 @@ class LeaseEngine:
                 self._regkeys.clear()
             key = self._regkeys[(owner, group)] = self.keys.registry(owner, group)
         return key
+
+    def lifetime_key(self, group: int) -> str:
+        """The lifetime record of slot group ``group`` (see :meth:`LeaseKeys.lifetime`)."""
+        return self._lifekeys[group]
+
+    def home_keys(self, node: str) -> tuple[str, str, str]:
+        """The owners index, ``node``'s owner set and the node set: the home call's keys
+        after the lifetime record and the registry (cached: escaping is the costly part)."""
+        keys = self._homekeys.get(node)
+        if keys is None:
+            if len(self._homekeys) >= _KEY_CACHE_SIZE:
+                self._homekeys.clear()
+            k = self.keys
+            keys = self._homekeys[node] = (k.owners, k.node(node), k.nodes)
+        return keys
 
     # --- rules ----------------------------------------------------------------------------
     @staticmethod

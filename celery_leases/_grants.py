@@ -493,11 +493,11 @@ def acquire_call(
     owner = ident.owner
     now = time.monotonic()
     registry_s = engine.registry_expiry(owner, group, ttl, now) if wants else 0.0
-    keys = [engine.keys.lifetime(group), engine.registry_key(owner, group)]
+    keys = [engine.lifetime_key(group), engine.registry_key(owner, group)]
     args: list[Any] = [owner, engine.ms(ttl), engine.grace_ms]
     home = home and group == 0
     if home:
-        keys += [engine.keys.owners, engine.keys.node(ident.node), engine.keys.nodes]
+        keys += engine.home_keys(ident.node)
         args += ["1", engine.liveness, ident.node_key_part]
     else:
         args += ["0", "0", ""]

@@ -24,7 +24,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from . import _claims, _cleanup, _connect, _grants, _inspect, _lifetime, _scripts
-from ._claims import Claimed, ClaimHolder, claim_waiting_time
+from ._claims import BeatRun, Claimed, ClaimHolder, claim_waiting_time
 from ._cleanup import CleanupReport
 from ._engine import LeaseEngine, ResourceKeys
 from ._grants import Busy, busy_error, waiting_time
@@ -530,6 +530,10 @@ class LeaseStore:
                 self.engine, entry, due_ms=due_ms, bucket=bucket, replica=replica, keep=keep
             )
         )
+
+    def beat_runs(self, entries: Sequence[str]) -> list[BeatRun]:
+        """The last claimed run of each beat entry that has one (see `_claims.beat_runs`)."""
+        return self.run(_claims.beat_runs(self.engine, entries))
 
     # --- unique claims (see _claims) ----------------------------------------------------------
     def unique_claim(self, key: str, task_id: str, ttl: float) -> Claimed | ClaimHolder:

@@ -430,6 +430,23 @@ def _holder_rows(store: LeaseStore, resource: str) -> list[_Row]:
     return rows
 
 
+def _ls_rows(
+    app: Celery, store: LeaseStore, *, owner: str | None = None, pattern: str | None = None
+) -> list[_Row]:
+    """The rows of ``ls``: held leases and queued unique claims, by resource, named."""
+    census = _census(store, owner=owner, pattern=pattern)
+    rows = sorted(census.held + census.queued, key=lambda r: (r.resource, r.token, r.owner))
+    return _named(app, rows)
+
+
+def ls_json(
+    app: Celery, store: LeaseStore, *, owner: str | None = None, pattern: str | None = None
+) -> list[dict[str, object]]:
+    """What ``ls --json`` prints (the web view's ``GET /api/leases`` serves the same)."""
+    renewals = Renewals.of(store.settings)
+    return [row.as_json(renewals) for row in _ls_rows(app, store, owner=owner, pattern=pattern)]
+
+
 def _named(app: Celery, rows: list[_Row]) -> list[_Row]:
     """``rows`` with the names of their tasks, as the workers still running them tell.
 
@@ -510,9 +527,7 @@ def ls(ctx: click.Context, owner: str | None, pattern: str | None, as_json: bool
     _non_empty("--resource", pattern)
     store = _ext(ctx).store
     renewals = Renewals.of(store.settings)
-    census = _census(store, owner=owner, pattern=pattern)
-    rows = sorted(census.held + census.queued, key=lambda r: (r.resource, r.token, r.owner))
-    rows = _named(_app(ctx), rows)
+    rows = _ls_rows(_app(ctx), store, owner=owner, pattern=pattern)
     if as_json:
         _echo_json([row.as_json(renewals) for row in rows])
     elif not rows:
@@ -793,6 +808,63 @@ def _top_frame(store: LeaseStore, limit: int, window: float) -> Table:
     return table_
 
 
+def _release_rows(
+    store: LeaseStore, resource: str, rows: Sequence[_Row], *, by: str
+) -> list[tuple[_Row, bool]]:
+    """Free each of ``rows`` (holders of ``resource``), log and audit it: ``(row, freed)``.
+
+    The one forced release: ``release`` calls it once the operator agreed, and so does the
+    web view's ``POST /api/leases/release``.
+    """
+    out: list[tuple[_Row, bool]] = []
+    for row in rows:
+        freed = store.force_release(
+            resource, row.holder, event="forced" if row.alive else "freed", by=by
+        )
+        if row.alive:
+            logger.warning(
+                "leases: forced release of %s held by live owner %s (task %s), by %s",
+                resource,
+                row.owner,
+                row.task_id,
+                by,
+            )
+        else:
+            logger.info("leases: released %s of dead owner %s, by %s", resource, row.owner, by)
+        store.audit(
+            {
+                "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "by": by,
+                "resource": resource,
+                "mode": _MODES[row.mode],
+                "owner": row.owner,
+                "token": row.token,
+                "task_id": row.task_id,
+                "forced": row.alive,
+                "released": freed,
+            }
+        )
+        out.append((row, freed))
+    return out
+
+
+def force_release_json(store: LeaseStore, resource: str, *, by: str) -> list[dict[str, object]]:
+    """Free every lease on ``resource``, live holders too, as ``release --force --yes`` does.
+
+    Returns one object per holder (its ``ls --json`` fields, ``released`` telling whether it
+    was still held); an empty list when nothing held ``resource``.
+    """
+    try:
+        rows = _holder_rows(store, resource)
+    except _Failure:  # nothing holds it
+        return []
+    renewals = Renewals.of(store.settings)
+    return [
+        {**row.as_json(renewals), "released": freed}
+        for row, freed in _release_rows(store, resource, rows, by=by)
+    ]
+
+
 @leases.command("release", cls=_Command)
 @click.argument("resource")
 @click.option(
@@ -836,34 +908,7 @@ def release(ctx: click.Context, resource: str, force: bool, yes: bool) -> None:
                 "renewal. Release it anyway?",
                 abort=True,
             )
-    by = _operator()
-    for row in rows:
-        freed = store.force_release(
-            resource, row.holder, event="forced" if row.alive else "freed", by=by
-        )
-        if row.alive:
-            logger.warning(
-                "leases: forced release of %s held by live owner %s (task %s), by %s",
-                resource,
-                row.owner,
-                row.task_id,
-                by,
-            )
-        else:
-            logger.info("leases: released %s of dead owner %s, by %s", resource, row.owner, by)
-        store.audit(
-            {
-                "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "by": by,
-                "resource": resource,
-                "mode": _MODES[row.mode],
-                "owner": row.owner,
-                "token": row.token,
-                "task_id": row.task_id,
-                "forced": row.alive,
-                "released": freed,
-            }
-        )
+    for row, freed in _release_rows(store, resource, rows, by=_operator()):
         state = "live" if row.alive else "dead"
         shown, task = printable(resource), printable(row.task_id or "-")
         if freed and row.queued:
@@ -886,29 +931,10 @@ def owners(ctx: click.Context, as_json: bool) -> None:
     store = _ext(ctx).store
     renewals = Renewals.of(store.settings)
     census = _census(store)
-    counts: dict[str, int] = {}
-    for row in census.held:
-        counts[row.owner] = counts.get(row.owner, 0) + 1
+    counts = _counts(census)
     listed = sorted(census.liveness, key=lambda o: (node_of_owner(o), o))
     if as_json:
-        out = []
-        for owner in listed:
-            _, incarnation, pid = split_owner(owner)
-            liveness = census.liveness[owner]
-            out.append(
-                {
-                    "node": node_of_owner(owner),
-                    "owner": owner,
-                    "incarnation": incarnation,
-                    "pid": int(pid) if pid.isdigit() else pid,
-                    "liveness": _round(liveness),
-                    "alive": liveness is not None and liveness > 0,
-                    "status": liveness_state(liveness, renewals),
-                    "renewed_ago": _round(renewed_ago(liveness, renewals)),
-                    "leases": counts.get(owner, 0),
-                }
-            )
-        _echo_json(out)
+        _echo_json(_owners_json(census, renewals))
     elif not listed:
         click.echo("no owners registered")
     else:
@@ -922,6 +948,40 @@ def owners(ctx: click.Context, as_json: bool) -> None:
             for owner in listed
         )
         click.echo(_table(("NODE", "OWNER", "LIVENESS", "LEASES"), rows))
+
+
+def _counts(census: _Census) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for row in census.held:
+        counts[row.owner] = counts.get(row.owner, 0) + 1
+    return counts
+
+
+def _owners_json(census: _Census, renewals: Renewals) -> list[dict[str, object]]:
+    counts = _counts(census)
+    out: list[dict[str, object]] = []
+    for owner in sorted(census.liveness, key=lambda o: (node_of_owner(o), o)):
+        _, incarnation, pid = split_owner(owner)
+        liveness = census.liveness[owner]
+        out.append(
+            {
+                "node": node_of_owner(owner),
+                "owner": owner,
+                "incarnation": incarnation,
+                "pid": int(pid) if pid.isdigit() else pid,
+                "liveness": _round(liveness),
+                "alive": liveness is not None and liveness > 0,
+                "status": liveness_state(liveness, renewals),
+                "renewed_ago": _round(renewed_ago(liveness, renewals)),
+                "leases": counts.get(owner, 0),
+            }
+        )
+    return out
+
+
+def owners_json(store: LeaseStore) -> list[dict[str, object]]:
+    """What ``owners --json`` prints (the web view's ``GET /api/owners`` serves the same)."""
+    return _owners_json(_census(store), Renewals.of(store.settings))
 
 
 @leases.command("reconcile", cls=_Command)
@@ -1069,3 +1129,105 @@ def _cell(value: object) -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     return str(value)
+
+
+class _WebData:
+    """What ``celery leases web`` shows and does: the functions of the commands above."""
+
+    def __init__(self, app: Celery, store: LeaseStore) -> None:
+        self.app, self.store = app, store
+
+    def leases(self, *, owner: str | None, pattern: str | None) -> list[dict[str, object]]:
+        return ls_json(self.app, self.store, owner=owner, pattern=pattern)
+
+    def owners(self) -> list[dict[str, object]]:
+        return owners_json(self.store)
+
+    def release(self, resource: str, *, via: str) -> list[dict[str, object]]:
+        return force_release_json(self.store, resource, by=f"{_operator()} ({via})")
+
+
+@leases.command("web", cls=_Command)
+@click.option(
+    "--bind",
+    default="127.0.0.1:8765",
+    show_default=True,
+    metavar="HOST:PORT",
+    allow_from_autoenv=False,
+    help="Where to listen; a loopback address unless --public.",
+)
+@click.option(
+    "--public",
+    is_flag=True,
+    allow_from_autoenv=False,
+    help="Allow a --bind address that is not loopback (anyone who reaches it sees the leases).",
+)
+@click.option(
+    "--allow-release",
+    is_flag=True,
+    allow_from_autoenv=False,
+    help="Offer the forced release (POST /api/leases/release); needs --token or --token-file.",
+)
+@click.option(
+    "--token",
+    metavar="TOKEN",
+    allow_from_autoenv=False,
+    help="The bearer token a release needs (visible in ps: prefer --token-file).",
+)
+@click.option(
+    "--token-file",
+    type=click.File("r"),
+    allow_from_autoenv=False,
+    help="Read the bearer token from this file (its first line).",
+)
+@click.pass_context
+def web(
+    ctx: click.Context,
+    bind: str,
+    public: bool,
+    allow_release: bool,
+    token: str | None,
+    token_file: Any,
+) -> None:
+    """Serve a live web view of the leases (needs the extra `web`).
+
+    Read-only unless --allow-release; see celery_leases.web for its pages and endpoints.
+    """
+    try:
+        from . import web as view
+    except ImportError as exc:
+        msg = f"the web view needs the extra 'web' (pip install 'celery-leases[web]'): {exc}"
+        raise _Failure(msg) from None
+    if token_file is not None:
+        if token is not None:
+            raise click.UsageError("give --token or --token-file, not both")
+        token = token_file.readline().strip()
+    if token is not None and not token.strip():
+        raise click.UsageError("the token must not be empty")
+    if allow_release and token is None:
+        raise click.UsageError("--allow-release needs --token or --token-file")
+    try:
+        where = view.check_bind(bind, public=public)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    app = _app(ctx)
+    ext = _ext(ctx)
+    ext.store.ping()  # a Redis that does not answer is an error at start-up, not on the page
+    entries = sorted(str(name) for name in (app.conf.beat_schedule or {}))
+    asgi = view.create_app(
+        ext.store,
+        _WebData(app, ext.store),
+        bind=where,
+        token=token,
+        allow_release=allow_release,
+        beat_entries=entries,
+    )
+    if not where.loopback:
+        logger.warning(
+            "leases: the web view listens on %s, not a loopback address: anyone who reaches "
+            "it sees every lease",
+            bind,
+        )
+    mode = "forced release enabled (bearer token)" if allow_release else "read-only"
+    click.echo(f"celery leases web: {where.url}/ ({mode})", err=True)
+    view.serve(asgi, where)

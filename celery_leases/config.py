@@ -777,6 +777,10 @@ class AppSettings:
         self._lock = threading.Lock()
         self._conf: Any = None  # app.conf at first use (kept: an id could be reused)
         self._changes: dict[str, Any] = {}
+        # a copy of every key set on the conf directly when _changes was taken: while the
+        # conf's changes still equal it (one comparison in C, values by identity first), no
+        # leases_* key can have changed
+        self._all_changes: object = None
 
     @property
     def fixed(self) -> bool:
@@ -801,7 +805,7 @@ class AppSettings:
                     self._value = value
                 self._found = found
                 self._conf = _loaded_conf(self._app)
-                self._changes = _changes_of(self._conf)
+                self._note_changes()
                 self._fixed = True
         return self._value
 
@@ -817,14 +821,32 @@ class AppSettings:
         """
         settings = self.current()
         conf: Any = self._app.conf  # a new config_from_object makes a new (pending) one
-        if not full and conf is self._conf and _changes_of(conf) == self._changes:
+        if not full and conf is self._conf and self._unchanged(conf):
             return settings
         found = _conf_with_origins(self._app)
         if found != self._found:
             raise LeaseConfigError(self._changed_message(found))
         self._conf = _loaded_conf(self._app)
-        self._changes = _changes_of(self._conf)
+        self._note_changes()
         return settings
+
+    def _note_changes(self) -> None:
+        self._changes = _changes_of(self._conf)
+        changes = self._conf.__dict__.get("changes")
+        self._all_changes = dict(changes) if isinstance(changes, dict) else None
+
+    def _unchanged(self, conf: Any) -> bool:
+        """True if no ``leases_*`` key was set on ``conf`` since :meth:`_note_changes`."""
+        changes = conf.__dict__.get("changes")
+        try:
+            if isinstance(changes, dict) and changes == self._all_changes:
+                return True
+        except Exception:  # a value whose == raises (an array, say): compare ours alone
+            pass
+        if _changes_of(conf) != self._changes:
+            return False
+        self._all_changes = dict(changes) if isinstance(changes, dict) else None
+        return True
 
     def _changed_message(self, found: Mapping[str, tuple[Any, str]]) -> str:
         names = sorted(

@@ -16,8 +16,11 @@ a receiver is logged and never stops celery_leases.
 - ``lease_acquired``: ``resource``, ``token``, ``owner``, ``ttl``, ``shared``, ``task_id``,
   ``elapsed`` (seconds the acquire took, waiting included; the same value for every lease of
   one all-or-nothing acquire)
-- ``lease_busy``: ``resource``, ``retry_after``, ``task_id``
-- ``lease_released``: ``resource``, ``token``, ``owner``, ``held_for``, ``task_id``
+- ``lease_busy``: ``resource``, ``retry_after``, ``task_id``, ``elapsed`` (seconds the
+  acquire took before it gave up, waiting included)
+- ``lease_released``: ``resource``, ``token``, ``owner``, ``held_for``, ``task_id``,
+  ``elapsed`` (seconds the release took, its round trip to Redis included; the same value
+  for every lease of one release)
 - ``lease_lost``: ``resource``, ``token``, ``owner``, ``held_for``, ``task_id``
 
 - ``unique_duplicate``: sent by a producer (``sender`` = the task name) that did not send a

@@ -176,3 +176,23 @@ def test_tasks_bench_tiny(tmp_path: Path) -> None:
     assert any("plain vs leased" in t for t in heads)
     assert any("Redis commands per task" in t for t in heads)
     assert any("server time per task" in t for t in heads)
+
+
+def test_memory_bench_tiny(tmp_path: Path) -> None:
+    docs = tmp_path / "benchmarks.md"
+    out = run_bench(
+        "memory", "--counts", "20", "200", "--out-dir", str(tmp_path), "--docs", str(docs)
+    )
+    data: dict[str, Any] = json.loads((tmp_path / "memory.json").read_text())
+    res = data["results"]
+    assert sorted(res) == sorted(["hold", "hold0", "redis-py", "prl"])
+    # exact counts, whatever the timing: the counter key per resource with the default, none
+    # without it (nor with redis-py's Lock), once every lease is released
+    assert res["hold"]["200"]["keys_per_resource"] == 1.0
+    assert res["hold"]["200"]["bytes_per_resource"] > 0
+    assert res["hold0"]["200"]["keys_per_resource"] == 0.0
+    assert res["redis-py"]["200"]["keys_per_resource"] == 0.0
+    assert "bytes/resource at 200" in out
+    assert "## Memory left behind" in docs.read_text()
+    titles = svg_titles(tmp_path / "bench-memory.svg")
+    assert any("memory left per distinct resource" in t for t in titles)

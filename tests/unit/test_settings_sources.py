@@ -161,6 +161,32 @@ def test_setting_changed_after_first_use_is_refused_not_half_applied() -> None:
         raise AssertionError("not reached")
 
 
+class _NoEquality:
+    """A config value whose ``==`` raises (as a numpy array's truth value does)."""
+
+    def __eq__(self, other: object) -> bool:
+        raise ValueError("ambiguous")
+
+    __hash__ = object.__hash__
+
+
+def test_the_cheap_check_still_sees_a_leases_key_after_other_keys_changed() -> None:
+    """The every-acquire check compares all of app.conf's writes at once; a write to another
+    key (even one whose value cannot be compared) must not hide a later leases_* change."""
+    app = Celery("cheap-check", set_as_current=False)
+    leases = Leases(app, redis_url="redis://127.0.0.1:1/0")
+    _ = leases.settings
+    app.conf.worker_prefetch_multiplier = 3  # not ours: accepted
+    leases._check_settings()
+    app.conf.custom_value = _NoEquality()
+    leases._check_settings()
+    app.conf.custom_value = _NoEquality()  # another object: its == is asked, and raises
+    leases._check_settings()
+    app.conf.leases_lost_margin = 0.2
+    with pytest.raises(LeaseConfigError, match=r"leases_lost_margin"):
+        leases._check_settings()
+
+
 def test_config_object_changed_after_first_use_is_refused_at_worker_start() -> None:
     """A change inside the config object itself is seen by the full check (worker, beat)."""
 

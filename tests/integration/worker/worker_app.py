@@ -57,6 +57,13 @@ if os.environ.get("LEASES_TEST_METRICS"):
 #: a per-process client for the ledger (never the store under test)
 ledger = PerProcessClient(LEDGER_URL)
 
+if os.environ.get("LEASES_TEST_OTEL"):
+    # OpenTelemetry spans, each written to the ledger as it ends (tests/integration/worker/
+    # test_otel_worker.py); installed in the main process, so every pool child inherits it
+    from tests.support.otel_ledger import install_ledger_spans
+
+    install_ledger_spans(lambda: ledger(), f"{{{PREFIX}:ledger}}:spans")
+
 
 def ledger_key(*parts: object) -> str:
     return f"{{{PREFIX}:ledger}}:" + ":".join(str(p) for p in parts)

@@ -1,0 +1,184 @@
+"""The web view's ASGI app served by uvicorn in a thread of this process, on a real Redis.
+
+The view is given the CLI's own data functions (``cli._WebData``), as ``celery leases web``
+does; the subprocess, a real worker and the browser are in tests/integration/worker/test_web.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("starlette", reason="the web extra")
+
+import httpx
+import uvicorn
+from celery import Celery
+
+from celery_leases import LeaseLost, Leases, Shared
+from celery_leases.cli import _WebData
+from celery_leases.web import Bind, create_app
+from tests.support.polling import wait_until
+
+TOKEN = "t0ken"
+
+
+@pytest.fixture
+def ext(make_leases: Any) -> Leases:
+    app = Celery("web-view", set_as_current=False, broker="memory://")
+    app.conf.beat_schedule = {
+        "nightly": {"task": "t", "schedule": 60.0},
+        "hourly": {"task": "t", "schedule": 3600.0},
+    }
+    return make_leases(app=app)
+
+
+def client_of(ext: Leases, **kwargs: Any) -> Iterator[httpx.Client]:
+    """The view of ``ext`` served on a free loopback port, and an HTTP client to it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    asgi = create_app(
+        ext.store,
+        _WebData(ext.app, ext.store),
+        bind=Bind("127.0.0.1", port),
+        beat_entries=sorted(ext.app.conf.beat_schedule),
+        **kwargs,
+    )
+    server = uvicorn.Server(uvicorn.Config(asgi, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, name="web-view", daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, 20, "uvicorn to start")
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            yield client
+    finally:
+        server.should_exit = True
+        thread.join(20)
+
+
+@pytest.fixture
+def view(ext: Leases) -> Iterator[httpx.Client]:
+    yield from client_of(ext, allow_release=True, token=TOKEN)
+
+
+def test_beat_claims_are_read_by_entry_name(ext: Leases, view: httpx.Client) -> None:
+    assert view.get("/api/beat").json() == {"entries": ["hourly", "nightly"], "claims": []}
+    won, run, _, winner = ext.store.beat_claim(
+        "nightly", due_ms=None, bucket=60.0, replica="beat-a", keep=120.0
+    )
+    assert won
+    assert winner == "beat-a"
+    body = view.get("/api/beat").json()
+    (claim,) = body["claims"]
+    assert (claim["entry"], claim["kind"], claim["run"], claim["replica"]) == (
+        "nightly",
+        "every",
+        run,
+        "beat-a",
+    )
+    assert 0 < claim["expires_in"] <= 120
+
+
+def test_shared_holders_are_listed_and_all_released(ext: Leases, view: httpx.Client) -> None:
+    # the holders learn of it as they leave their blocks
+    with pytest.raises(LeaseLost), ext.hold([Shared("pool:1")]), ext.hold([Shared("pool:1")]):  # noqa: PT012
+        listed = view.get("/api/leases").json()
+        assert [(x["resource"], x["mode"]) for x in listed] == [("pool:1", "shared")] * 2
+        done = view.post(
+            "/api/leases/release",
+            content=json.dumps({"resource": "pool:1"}),
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+        assert done.status_code == 200, done.text
+        assert [x["released"] for x in done.json()["released"]] == [True, True]
+        assert ext.store.holders("pool:1") == []
+        assert view.get("/api/leases").json() == []
+    (first, second) = ext.store.audit_log(2)
+    assert first["forced"]
+    assert second["forced"]
+    assert "(web view, client 127.0.0.1)" in first["by"]
+
+
+def test_only_the_own_host_names_are_answered(view: httpx.Client) -> None:
+    assert view.get("/api/leases", headers={"Host": "localhost:1"}).status_code == 200
+    assert view.get("/healthz", headers={"Host": "rebound.example:80"}).status_code == 400
+    got = view.post(
+        "/api/leases/release",
+        content='{"resource": "r"}',
+        headers={"Host": "rebound.example", "Authorization": f"Bearer {TOKEN}"},
+    )
+    assert got.status_code == 400
+
+
+def test_a_malformed_body_is_refused(view: httpx.Client) -> None:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for body in ("not json", "[]", '{"resource": 5}', '{"resource": "  "}'):
+        assert view.post("/api/leases/release", content=body, headers=auth).status_code == 400
+
+
+def test_history_and_a_lease_record_are_served(view: httpx.Client) -> None:
+    # the view's Leases runs without the history setting: nothing recorded, nothing read
+    got = view.get("/api/history")
+    assert got.status_code == 200
+    assert got.json() == []
+    record = view.get("/api/lease", params={"resource": "r"})
+    assert record.status_code == 200
+    assert (record.json()["resource"], record.json()["holders"]) == ("r", [])
+    assert record.json()["transitions"] is None
+    assert view.get("/api/lease").status_code == 400
+    config = view.get("/api/config").json()
+    assert config["release"] is True
+    assert config["history"] is True
+
+
+def test_healthz_answers_503_when_redis_is_gone(make_leases: Any, make_redis_server: Any) -> None:
+    server = make_redis_server()
+    ext = make_leases(redis_url=server.url)
+    for view in client_of(ext):
+        assert view.get("/healthz").status_code == 200
+        server.stop()
+        got = view.get("/healthz")
+        assert got.status_code == 503
+        assert got.json()["ok"] is False
+        assert view.get("/api/leases").status_code == 503
+
+
+def test_release_without_a_token_is_refused_at_creation(ext: Leases) -> None:
+    with pytest.raises(ValueError, match="needs --token"):
+        create_app(ext.store, _WebData(ext.app, ext.store), bind=Bind("::1", 1), allow_release=True)
+
+
+@pytest.mark.parametrize("missing", ["starlette", "uvicorn"])
+def test_without_the_extra_the_command_names_it(leases_redis_url: str, missing: str) -> None:
+    code = (
+        "import sys\n"
+        f"sys.modules[{missing!r}] = None  # as if the extra were not installed\n"
+        "sys.argv = ['celery', '-A', 'tests.integration.worker.worker_app', 'leases', 'web']\n"
+        "from celery.__main__ import main\n"
+        "main()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_LEASES_")}
+    env.update({"LEASES_TEST_BROKER": leases_redis_url, "LEASES_TEST_BACKEND": leases_redis_url})
+    env["CELERY_LEASES_REDIS_URL"] = leases_redis_url
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert out.returncode == 1, out.stderr
+    assert "needs the extra 'web'" in out.stderr
+    assert "pip install 'celery-leases[web]'" in out.stderr
+    assert "Traceback" not in out.stderr
