@@ -148,3 +148,24 @@ def test_a_stale_node_is_reported_with_its_age(
     line = wait_until(stale_line, timeout=30, what="the killed node's liveness runs out")
     assert "liveness ran out" in line
     assert "ago" in line
+
+
+def test_without_the_history_the_commands_say_so(cli: Cli, make_leases: Any) -> None:
+    off = {"CELERY_LEASES_HISTORY": "0"}
+    holder = make_leases(ttl=60)
+    with holder.hold("quiet:1"):
+        record = cli.json("show", "quiet:1", env=off)
+        assert record["transitions"] is None
+        assert record["renewed_at"] is None
+        assert record["history"] == []
+        assert record["granted_at"] == record["holders"][0]["token"] / 1e6
+        shown = cli("show", "quiet:1", env=off)
+        assert "transitions:  unknown (history off)" in shown.stdout
+        frame = cli("top", "--once", env=off)
+        assert frame.returncode == 0, frame.stderr
+        assert "busy/s n/a (history off)" in frame.stdout
+        assert "quiet:1" in frame.stdout
+    assert cli.json("history", env=off) == []
+    told = cli("history", env=off)
+    assert told.returncode == 0, told.stderr
+    assert "the history setting is 0" in told.stdout
