@@ -95,6 +95,9 @@ FLAT_TOLERANCE: Final = 0.1  # heartbeat calls/s within +-10% of the 1-lease cas
 
 # the contenders' keys, in table order
 HOLD: Final = "hold"
+HOLD_HISTORY: Final = "hold-history"
+#: the history setting of the "history on" row (entries kept per slot group)
+BENCH_HISTORY: Final = 10_000
 FLOOR: Final = "floor"
 REDIS_PY: Final = "redis-py"
 PRL: Final = "prl"
@@ -107,6 +110,7 @@ LABELS: Final = {
     CALLS: "hold()'s two script calls, sent bare (no library code)",
     REDIS_PY: "redis-py Lock",
     PRL: "python-redis-lock",
+    HOLD_HISTORY: f"celery_leases hold(), history on ({BENCH_HISTORY:,} kept)",
 }
 # the asyncio contenders of (a)
 AHOLD: Final = "ahold"
@@ -164,9 +168,9 @@ def progress(message: str) -> None:
     print(f"bench: {message}", file=sys.stderr, flush=True)
 
 
-def make_leases(url: str, prefix: str) -> Leases:
+def make_leases(url: str, prefix: str, **settings: Any) -> Leases:
     app = Celery("bench", broker=url, set_as_current=False)
-    return Leases(app, redis_url=url, key_prefix=prefix)
+    return Leases(app, redis_url=url, key_prefix=prefix, **settings)
 
 
 # --- (a) uncontended cycles ---------------------------------------------------------------------
@@ -178,7 +182,9 @@ class CycleContender:
     top_level: tuple[str, ...]
 
 
-def cycle_contenders(url: str, leases: Leases, run_id: str) -> list[CycleContender]:
+def cycle_contenders(
+    url: str, leases: Leases, run_id: str, history_leases: Leases | None = None
+) -> list[CycleContender]:
     def name(key: str) -> str:
         return f"bench:{run_id}:a:{key}"
 
@@ -186,6 +192,13 @@ def cycle_contenders(url: str, leases: Leases, run_id: str) -> list[CycleContend
 
     def hold_cycle() -> None:
         with leases.hold(hold_name, ttl=30.0):
+            pass
+
+    history_name = name(HOLD_HISTORY)
+    with_history = history_leases or leases
+
+    def hold_history_cycle() -> None:
+        with with_history.hold(history_name, ttl=30.0):
             pass
 
     floor_client = redis.Redis.from_url(url)
@@ -244,6 +257,11 @@ def cycle_contenders(url: str, leases: Leases, run_id: str) -> list[CycleContend
         CycleContender(CALLS, calls_cycle, ("evalsha",)),
         CycleContender(REDIS_PY, rpy_cycle, ("set", "evalsha")),
         CycleContender(PRL, prl_cycle, ("set", "evalsha")),
+        *(
+            [CycleContender(HOLD_HISTORY, hold_history_cycle, ("evalsha",))]
+            if history_leases is not None
+            else []
+        ),
     ]
 
 
@@ -336,17 +354,25 @@ def cycle_rows(cfg: Config, res: dict[str, dict[str, Any]], private: bool) -> li
     bare = f"{res[HOLD]['median'] / res[BARE]['median']:.2f}x two bare round trips"
     calls = res[HOLD]["median"] / res[CALLS]["median"]
     lib = 1e6 / res[HOLD]["median"] - 1e6 / res[CALLS]["median"]
+    extra = {HOLD: f"{bare}; {calls:.2f}x its own calls sent bare ({lib:.0f} us of library code)"}
+    keys: tuple[str, ...] = (HOLD, FLOOR, BARE, CALLS, REDIS_PY, PRL)
+    if HOLD_HISTORY in res:
+        keys += (HOLD_HISTORY,)
+        h, plain = res[HOLD_HISTORY], res[HOLD]
+        extra[HOLD_HISTORY] = f"{h['median'] / plain['median']:.2f}x hold() without history" + (
+            f", server +{h['server_us_per_cycle'] - plain['server_us_per_cycle']:.1f} us"
+            if private
+            else ""
+        )
     return _rows_against(
         cfg,
         res,
         private,
-        (HOLD, FLOOR, BARE, CALLS, REDIS_PY, PRL),
+        keys,
         LABELS,
         floor="floor",
         target=CYCLE_RATIO_TARGET,
-        extra={
-            HOLD: f"{bare}; {calls:.2f}x its own calls sent bare ({lib:.0f} us of library code)"
-        },
+        extra=extra,
     )
 
 
@@ -1059,7 +1085,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         machine = machine_info(admin)
         rows: list[Row] = []
         raw: dict[str, Any] = {}
-        contenders = cycle_contenders(url, leases, run_id)
+        history_leases = make_leases(url, f"{prefix}-h", history=BENCH_HISTORY)
+        contenders = cycle_contenders(url, leases, run_id, history_leases)
         try:
             if "a" in args.only:
                 raw["a"] = bench_cycles(cfg, contenders, admin)

@@ -797,6 +797,17 @@ class AsyncLeaseStore:
         """:meth:`LeaseStore.holder_task` for asyncio: the busy path only, never raises."""
         return await self.run(_inspect.holder_task(self.store.engine, resource))
 
+    async def lease_record(self, resource: str) -> dict[str, Any]:
+        """:meth:`LeaseStore.lease_record` for asyncio."""
+        return await self.run(_inspect.lease_record(self.store.engine, resource))
+
+    async def history(
+        self, *, resource: str | None = None, node: str | None = None, count: int = 50
+    ) -> list[dict[str, Any]]:
+        """:meth:`LeaseStore.history` for asyncio."""
+        engine = self.store.engine
+        return await self.run(_inspect.history(engine, resource=resource, node=node, count=count))
+
     # --- once receipts --------------------------------------------------------------------
     async def get_receipt(self, name: str) -> str | None:
         """The stored receipt (JSON text) of ``once(name)``, or None."""

@@ -77,8 +77,11 @@ def cleanup_owner(
     dead: bool = False,
     granted_before_us: int | None = None,
     clock_offsets_us: Sequence[int] | None = None,
+    by: str = "cleanup",
 ) -> Steps[CleanupReport]:
     """Release every lease ``owner`` still holds, in O(leases it held).
+
+    ``by`` names who frees them in the history (``cleanup``, ``reaper``, ``reconcile``).
 
     Reads the owner's registry in each slot group (one SMEMBERS each), releases what is
     listed (one script call each), then forgets the owner unless its liveness was
@@ -113,7 +116,9 @@ def cleanup_owner(
         # in batches, so that a dead owner of thousands of leases never blocks Redis long
         for start in range(0, len(entries), _RELEASE_BATCH):
             batch = entries[start : start + _RELEASE_BATCH]
-            freed = yield from _grants.release_entries(engine, owner, group, batch)
+            freed = yield from _grants.release_entries(
+                engine, owner, group, batch, event="freed", by=by
+            )
             for entry, was_held in zip(batch, freed, strict=True):
                 if was_held:
                     report.released.append((owner, entry.resource))
@@ -139,6 +144,7 @@ def cleanup_owner_isolated(
     dead: bool,
     granted_before_us: int | None = None,
     clock_offsets_us: Sequence[int] | None = None,
+    by: str = "cleanup",
 ) -> Steps[CleanupReport]:
     """:func:`cleanup_owner`, with a failure reported in the result instead of raised."""
     try:
@@ -149,6 +155,7 @@ def cleanup_owner_isolated(
                 dead=dead,
                 granted_before_us=granted_before_us,
                 clock_offsets_us=clock_offsets_us,
+                by=by,
             )
         )
     except LeaseBackendError as exc:
@@ -213,6 +220,7 @@ def reconcile(engine: LeaseEngine, limit: int = 1000) -> Steps[CleanupReport]:
                     dead=False,
                     granted_before_us=expired_ms * 1000,
                     clock_offsets_us=offsets,
+                    by="reconcile",
                 )
             )
         )

@@ -24,10 +24,14 @@ from .exceptions import LeaseBackendError
 if TYPE_CHECKING:
     from ._store import LeaseStore
 
-__all__ = ("OFF", "LeaseEngine", "ResourceKeys", "grace_arg", "kept_grace")
+__all__ = ("OFF", "RESOURCE_HISTORY", "LeaseEngine", "ResourceKeys", "grace_arg", "kept_grace")
 
 #: resources whose key names are cached per engine
 _KEY_CACHE_SIZE: Final = 4096
+
+
+#: events a resource's own history stream keeps, at most (the ``history`` setting caps it too)
+RESOURCE_HISTORY: Final = 100
 
 
 #: the scripts' grace argument when neither case is checked: the record is not even read
@@ -66,6 +70,8 @@ class ResourceKeys:
     group: int
     waiters: str
     ticket_expiry: str
+    history: str
+    record: str
 
 
 class LeaseEngine:
@@ -100,6 +106,14 @@ class LeaseEngine:
                 settings.min_replicas,
                 self.ms(settings.min_replicas_timeout),
             )
+        #: the history arguments the scripts take last: entries kept per slot group, per
+        #: resource, and how long (ms) a resource's history outlives its last event
+        self.history = settings.history
+        self.history_args: tuple[int, int, int] = (
+            settings.history,
+            min(settings.history, RESOURCE_HISTORY),
+            self.ms(settings.history_keep),
+        )
         self.cluster = False
         self.store: LeaseStore
         self.waiter_prefix = self.keys.waiter_channel_prefix
@@ -119,8 +133,8 @@ class LeaseEngine:
         if keys is None:
             if len(self._rkeys) >= _KEY_CACHE_SIZE:
                 self._rkeys.clear()
-            x, s, n, c, q, qe, group = self.keys.per_resource(resource)
-            keys = self._rkeys[resource] = ResourceKeys(x, s, n, c, group, q, qe)
+            x, s, n, c, q, qe, h, rec, group = self.keys.per_resource(resource)
+            keys = self._rkeys[resource] = ResourceKeys(x, s, n, c, group, q, qe, h, rec)
         return keys
 
     def registry_key(self, owner: str, group: int) -> str:

@@ -49,6 +49,7 @@ __all__ = (
     "delete_receipt",
     "get_receipt",
     "leave_queues",
+    "record_lost",
     "release",
     "release_entries",
     "renew",
@@ -513,6 +514,12 @@ def acquire_call(
         rk = engine.resource_keys(w.resource)
         keys += (rk.exclusive, rk.shared, rk.counter, rk.waiters, rk.ticket_expiry)
         args += (w.mode, w.limit, w.resource)
+    args += engine.history_args
+    if engine.history and wants:
+        keys.append(engine.keys.history(group))
+        for w in wants:
+            rk = engine.resource_keys(w.resource)
+            keys += (rk.history, rk.record)
     return AcquireCall(keys, args, group, wants, owner, ttl, home, task_id, now, registry_s)
 
 
@@ -641,7 +648,33 @@ def renew(engine: LeaseEngine, held: Sequence[Held], owner: str, timeout: float)
         raise engine.backend_error("renew", failure) from failure.cause
     except ReplicaShortfall as exc:
         raise engine.backend_error("renew", exc) from exc
-    return renew_outcome(engine, plan, replies, owner)
+    lost = renew_outcome(engine, plan, replies, owner)
+    if lost and engine.history:
+        yield from record_lost(engine, [held[i] for i in sorted(lost)])
+    return lost
+
+
+def record_lost(engine: LeaseEngine, lost: Sequence[Held]) -> Steps[None]:
+    """Write a ``lost`` event for each of ``lost`` (a renewal found them gone) to the history.
+
+    The rare path, so written here rather than in renew.lua; a failure is only logged (the
+    lease is lost either way, and its holder is told).
+    """
+    hist, rhist, keep = engine.history_args
+    calls: list[Command] = []
+    for h in lost:
+        text = entry_text(h.mode, h.token, h.task_id, h.resource)
+        fields = ("e", "lost", "x", text, "o", h.owner)
+        key = engine.resource_keys(h.resource).history
+        calls += [
+            Command(("XADD", engine.keys.history(h.group), "MAXLEN", "~", hist, "*", *fields)),
+            Command(("XADD", key, "MAXLEN", "~", rhist, "*", *fields)),
+            Command(("PEXPIRE", key, keep)),
+        ]
+    try:
+        yield Send(calls, once=True)
+    except Failure as failure:
+        logger.warning("leases: could not record %d lost lease(s): %s", len(lost), failure.cause)
 
 
 def renew_calls(engine: LeaseEngine, held: Sequence[Held], owner: str) -> RenewPlan:
@@ -728,8 +761,13 @@ def release_entries(
     group: int,
     entries: Sequence[Entry],
     counted: Sequence[bool] | None = None,
+    event: str = "released",
+    by: str = "",
 ) -> Steps[list[bool]]:
     """release.lua for ``entries`` of ``owner`` in ``group``; True for each that was held.
+
+    ``event`` and ``by``: what the history records for a lease freed now (``released`` by
+    its holder; ``freed`` by a cleanup, the reaper or a reconcile; ``forced`` by an operator).
 
     ``counted``: whether each still counted as held (None: not known, as in a cleanup).
     Either way the entries' tokens are then dropped from the book (:func:`released`). If the
@@ -737,7 +775,9 @@ def release_entries(
     goes on in its own task, and its tokens stay counted as live leases until it is done.
     """
     call = Script(
-        "release", release_keys(engine, owner, group, entries), release_args(engine, owner, entries)
+        "release",
+        release_keys(engine, owner, group, entries),
+        release_args(engine, owner, entries, event, by),
     )
     lost = False
     try:
@@ -768,14 +808,24 @@ def release_keys(
     for e in entries:
         rk = engine.resource_keys(e.resource)
         keys += (rk.exclusive if e.mode == "x" else rk.shared, rk.waiters, rk.ticket_expiry)
+    if engine.history and entries:
+        keys.append(engine.keys.history(group))
+        keys += [engine.resource_keys(e.resource).history for e in entries]
     return keys
 
 
-def release_args(engine: LeaseEngine, owner: str, entries: Sequence[Entry]) -> list[Any]:
-    """The arguments of one release.lua call."""
+def release_args(
+    engine: LeaseEngine,
+    owner: str,
+    entries: Sequence[Entry],
+    event: str = "released",
+    by: str = "",
+) -> list[Any]:
+    """The arguments of one release.lua call (``event``, ``by``: for the history)."""
     args: list[Any] = [owner, engine.waiter_prefix, trusted_receivers(engine)]
     for e in entries:
         args += (e.mode, e.token, e.text, engine.resource_keys(e.resource).channel)
+    args += (*engine.history_args, event, by)
     return args
 
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from . import _grants
-from ._engine import LeaseEngine
-from ._keys import holder_parts, holder_value, node_of_owner, unescape
+from ._engine import RESOURCE_HISTORY, LeaseEngine
+from ._keys import holder_parts, holder_value, node_of_owner, pid_of_owner, unescape
 from ._protocol import Call, Command, Script, Steps, clock_ms, pairs
-from ._registry import Entry, parse_entry, split_holder, task_in_registry
+from ._registry import QUEUED_OWNER, Entry, parse_entry, split_holder, task_in_registry
 from .exceptions import LeaseBackendError
 
 __all__ = (
@@ -30,14 +30,21 @@ __all__ = (
     "check_entries",
     "entries",
     "force_release",
+    "history",
     "holder_task",
     "holders",
+    "lease_record",
+    "mark_node_alive",
+    "node_alive",
     "nodes",
     "owned",
     "owners",
+    "parse_event",
     "read_liveness",
+    "recent_events",
     "read_registries",
     "registry_task",
+    "waiter_counts",
     "with_now",
 )
 
@@ -214,12 +221,20 @@ def holder_task(engine: LeaseEngine, resource: str) -> Steps[str | None]:
         return None
 
 
-def force_release(engine: LeaseEngine, resource: str, holder: Holder) -> Steps[bool]:
+def force_release(
+    engine: LeaseEngine,
+    resource: str,
+    holder: Holder,
+    *,
+    event: str = "forced",
+    by: str = "operator",
+) -> Steps[bool]:
     """Release ``holder``'s lease on ``resource``, whoever holds it; True if it was held.
 
     Only that grant goes: the key must still name the holder's token and owner, so a lease
     granted to someone else in between is never touched. The registry entry goes too, and
     waiters are woken. A live holder learns of it at its next renewal (``LeaseLost``).
+    ``event``/``by``: what the history records (``forced``, or ``freed`` for a dead owner's).
     """
     task_id = next(
         (
@@ -231,7 +246,10 @@ def force_release(engine: LeaseEngine, resource: str, holder: Holder) -> Steps[b
     )
     entry = Entry(holder.mode, holder.token, task_id, resource)
     group = engine.resource_keys(resource).group
-    return (yield from _grants.release_entries(engine, holder.owner, group, [entry]))[0]
+    freed = yield from _grants.release_entries(
+        engine, holder.owner, group, [entry], event=event, by=by
+    )
+    return freed[0]
 
 
 # --- owners and nodes ---------------------------------------------------------------------
@@ -286,3 +304,239 @@ def audit_log(engine: LeaseEngine, n: int) -> Steps[list[dict[str, Any]]]:
             record = None
         out.append(record if isinstance(record, dict) else {"raw": str(text)})
     return out
+
+
+# --- the lease record and the history -----------------------------------------------------
+_MODE_WORDS: Final = {"x": "exclusive", "s": "shared"}
+
+
+def _fields(flat: Any) -> dict[str, str]:
+    """A stream entry's ``[field, value, ...]`` (or a mapping) as a dict of texts."""
+    if isinstance(flat, Mapping):
+        return {str(k): str(v) for k, v in flat.items()}
+    items = [str(x) for x in flat or ()]
+    return dict(zip(items[::2], items[1::2], strict=True))
+
+
+def _id_key(event_id: str) -> tuple[int, int]:
+    ms, _, seq = event_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def parse_event(event_id: object, flat: Any) -> dict[str, Any]:
+    """One history stream entry (as acquire.lua, release.lua or a renewal wrote it) as a dict.
+
+    ``event``, ``resource``, ``mode``, ``at`` (the Redis clock, epoch seconds, from the
+    entry's id), ``owner``, ``node``, ``pid``, ``task_id``, ``token`` (None for ``busy``),
+    and, where written, ``by`` (who freed it), ``ttl`` (a grant's, in seconds) and ``wait``
+    (seconds a busy attempt was told to wait).
+    """
+    ident = str(event_id)
+    f = _fields(flat)
+    entry = parse_entry(f.get("x", ""))
+    owner = f.get("o") or None
+    out: dict[str, Any] = {
+        "id": ident,
+        "event": f.get("e", "?"),
+        "resource": None if entry is None else entry.resource,
+        "mode": None if entry is None else _MODE_WORDS.get(entry.mode),
+        "at": _id_key(ident)[0] / 1000,
+        "owner": owner,
+        "node": None if owner is None else node_of_owner(owner),
+        "pid": None if owner is None else pid_of_owner(owner),
+        "task_id": None if entry is None else entry.task_id,
+        "token": None if entry is None or not entry.token else entry.token,
+    }
+    if f.get("by"):
+        out["by"] = f["by"]
+    if "ttl" in f:
+        out["ttl"] = int(f["ttl"]) / 1000
+    if "w" in f:
+        out["wait"] = int(f["w"]) / 1000
+    return out
+
+
+def _events(reply: Any) -> list[dict[str, Any]]:
+    return [parse_event(event_id, flat) for event_id, flat in reply or ()]
+
+
+def history(
+    engine: LeaseEngine, *, resource: str | None = None, node: str | None = None, count: int = 50
+) -> Steps[list[dict[str, Any]]]:
+    """The last ``count`` events, newest first: of ``resource`` (its own stream), or of the
+    whole fleet (every slot group's stream, merged by time); only ``node``'s with ``node``.
+
+    Empty, and nothing read, when the ``history`` setting is 0 (nothing was written; a
+    reader must run with the writers' setting). See :func:`parse_event`
+    for the fields of an event.
+    """
+    if count <= 0 or not engine.history:
+        return []
+    if resource is not None:
+        key = engine.resource_keys(resource).history
+        size = count if node is None else RESOURCE_HISTORY
+        read = Command(("XREVRANGE", key, "+", "-", "COUNT", size))
+        (reply,) = yield from engine.send("read a resource's history", [read])
+        found = [e for e in _events(reply) if node is None or e["node"] == node]
+        return found[:count]
+    streams = [engine.keys.history(g) for g in range(engine.settings.slot_groups)]
+    merged: list[dict[str, Any]] = []
+    ends = dict.fromkeys(streams, "+")
+    left = {key: count for key in streams}
+    while ends:
+        size = count if node is None else max(count, OPS_BATCH)
+        calls = [Command(("XREVRANGE", key, end, "-", "COUNT", size)) for key, end in ends.items()]
+        replies = yield from engine.send("read the history", calls)
+        for key, reply in zip(list(ends), replies, strict=True):
+            events = _events(reply)
+            kept = [e for e in events if node is None or e["node"] == node][: left[key]]
+            merged += kept
+            left[key] -= len(kept)
+            if node is None or len(events) < size or left[key] <= 0:
+                del ends[key]  # read enough of this group, or all it keeps
+            else:
+                ends[key] = "(" + events[-1]["id"]
+    merged.sort(key=lambda e: _id_key(e["id"]), reverse=True)
+    return merged[:count]
+
+
+def lease_record(engine: LeaseEngine, resource: str) -> Steps[dict[str, Any]]:
+    """What is known of ``resource`` now: its holders, since when, its waiters, its history.
+
+    ``granted_at`` (epoch seconds) is derived from the fencing token: a token is at least
+    the Redis clock in microseconds at its grant, so the grant was made at or before
+    ``token / 1e6`` (and, in practice, within a microsecond of it). ``renewed_at`` needs the
+    lease's ttl, which only the history records (a grant's event, or the resource's record
+    of its last grant): ``now - (ttl - ttl left)``. ``transitions`` (grants of the resource
+    since its record was made) and ``history`` need the ``history`` setting too; without it
+    they are None and []. ``waiters``: the live tickets of its waiter queue. For a resource
+    held shared, ``granted_at`` is the oldest holder's and ``renewed_at`` the latest
+    renewal's.
+    """
+    rk = engine.resource_keys(resource)
+    calls = [
+        Command(("GET", rk.exclusive)),
+        Command(("PTTL", rk.exclusive)),
+        Command(("ZRANGE", rk.shared, 0, -1, "WITHSCORES")),
+        Command(("ZRANGE", rk.ticket_expiry, 0, -1, "WITHSCORES")),
+    ]
+    if engine.history:  # read only where written (a user's ACL may allow no more)
+        calls += [
+            Command(("HGETALL", rk.record)),
+            Command(("XREVRANGE", rk.history, "+", "-", "COUNT", RESOURCE_HISTORY)),
+        ]
+    replies, now_ms = yield from with_now(engine, "read a lease record", calls, rk.exclusive)
+    value, pttl, shared, tickets, *kept = replies
+    record = _fields(kept[0]) if kept else {}
+    past = _events(kept[1]) if kept else []
+    grant_ttls = {e["token"]: e["ttl"] for e in past if e["event"] == "granted" and "ttl" in e}
+    last_ttl = int(record["ttl"]) / 1000 if "ttl" in record else None
+    now = now_ms / 1000
+    # (mode, token, owner or None, queued task id, seconds left)
+    found: list[tuple[str, int, str | None, str | None, float]] = []
+    if value is not None:
+        holder = split_holder(value)
+        left = max(int(pttl), 0) / 1000
+        if isinstance(holder, tuple):
+            found.append(("x", holder[1], holder[0], None, left))
+        elif str(value).partition(" ")[2].startswith(QUEUED_OWNER):  # a unique claim, queued
+            text = holder_parts(value)[0]
+            found.append(("q", int(text) if text.isdigit() else 0, None, holder, left))
+    for member, score in pairs(shared):
+        if score > now_ms:
+            text, who = holder_parts(member)
+            if text.isdigit():
+                found.append(("s", int(text), who, None, (score - now_ms) / 1000))
+    tasks: dict[tuple[str, int], str | None] = {}
+    group = rk.group
+    owners = sorted({owner for _, _, owner, _, _ in found if owner is not None})
+    if owners:
+        reads = [Command(("SMEMBERS", engine.registry_key(o, group))) for o in owners]
+        registries = yield from engine.send("read owner registries", reads)
+        for owner, members in zip(owners, registries, strict=True):
+            for mode, token, o, _, _ in found:
+                if o == owner:
+                    tasks[(owner, token)] = task_in_registry(members or (), resource, token, mode)
+    holders: list[dict[str, Any]] = []
+    for mode, token, holder_owner, queued_task, left in found:
+        ttl = grant_ttls.get(token, last_ttl)
+        renewed = None if ttl is None or left > ttl else round(now - (ttl - left), 3)
+        if renewed is not None and token:
+            # ms clocks against the µs token: a renewal is never before its grant
+            renewed = max(renewed, token / 1e6)
+        holders.append(
+            {
+                "owner": holder_owner,
+                "node": None if holder_owner is None else node_of_owner(holder_owner),
+                "pid": None if holder_owner is None else pid_of_owner(holder_owner),
+                "mode": "queued" if mode == "q" else _MODE_WORDS[mode],
+                "token": token,
+                "task_id": queued_task
+                if holder_owner is None
+                else tasks.get((holder_owner, token)),
+                "task_name": None,
+                "ttl_left": round(left, 3),
+                "granted_at": token / 1e6 if token else None,
+                "renewed_at": renewed,
+            }
+        )
+    modes = {h["mode"] for h in holders}
+    granted = [h["granted_at"] for h in holders if h["granted_at"] is not None]
+    renewed_all = [h["renewed_at"] for h in holders if h["renewed_at"] is not None]
+    return {
+        "resource": resource,
+        "mode": modes.pop() if len(modes) == 1 else None,
+        "holders": holders,
+        "granted_at": min(granted) if granted else None,
+        "renewed_at": max(renewed_all) if renewed_all else None,
+        "transitions": int(record["transitions"]) if "transitions" in record else None,
+        "waiters": sum(1 for _, score in pairs(tickets) if score > now_ms),
+        "now": now,
+        "history": past,
+    }
+
+
+def waiter_counts(engine: LeaseEngine, resources: Sequence[str]) -> Steps[list[int]]:
+    """The live tickets in the waiter queue of each of ``resources`` (one round trip per
+    :data:`OPS_BATCH`)."""
+    out: list[int] = []
+    for start in range(0, len(resources), OPS_BATCH):
+        chunk = resources[start : start + OPS_BATCH]
+        calls: list[Call] = [
+            Command(("ZRANGE", engine.resource_keys(r).ticket_expiry, 0, -1, "WITHSCORES"))
+            for r in chunk
+        ]
+        key = engine.keys.owners
+        replies, now_ms = yield from with_now(engine, "read waiter queues", calls, key)
+        out += [sum(1 for _, score in pairs(reply) if score > now_ms) for reply in replies]
+    return out
+
+
+def recent_events(
+    engine: LeaseEngine, seconds: float, limit: int = 10_000
+) -> Steps[tuple[list[dict[str, Any]], float]]:
+    """The fleet's events of the last ``seconds`` (at most ``limit`` per slot group), oldest
+    first, and the Redis clock (epoch seconds) they were read at."""
+    key = engine.keys.history(0)
+    _, now = yield from with_now(engine, "read the clock", [], key)
+    since = f"{max(now - int(seconds * 1000), 0)}-0"
+    streams = [engine.keys.history(g) for g in range(engine.settings.slot_groups)]
+    calls = [Command(("XRANGE", k, since, "+", "COUNT", limit)) for k in streams]
+    replies = yield from engine.send("read the history", calls)
+    events = [e for reply in replies for e in _events(reply)]
+    events.sort(key=lambda e: _id_key(e["id"]))
+    return events, now / 1000
+
+
+def mark_node_alive(engine: LeaseEngine, node: str, incarnation: str) -> Steps[None]:
+    """Mark ``node`` alive for the ``ttl`` setting (one SET; idempotent)."""
+    key = engine.keys.node_alive(node)
+    command = Command(("SET", key, incarnation, "PX", engine.ms(engine.settings.ttl)))
+    yield from engine.send("mark the node alive", [command])
+
+
+def node_alive(engine: LeaseEngine, node: str) -> Steps[float | None]:
+    """Seconds left on ``node``'s mark of life (:func:`mark_node_alive`); None: no mark."""
+    read = Command(("PTTL", engine.keys.node_alive(node)))
+    (ms,) = yield from engine.send("read a node's mark", [read])
+    return None if int(ms) < 0 else int(ms) / 1000

@@ -99,9 +99,10 @@ class Keyspace:
         """ZSET: the same tickets as :meth:`waiters`, scored by when they run out (Redis ms)."""
         return f"{self.tag(self.group_of(resource))}:qe:{escape(resource)}"
 
-    def per_resource(self, resource: str) -> tuple[str, str, str, str, str, str, int]:
-        """``(exclusive, shared, counter, channel, waiters, ticket_expiry, group)`` of
-        ``resource``: the names of the methods above, escaping the name once for all six."""
+    def per_resource(self, resource: str) -> tuple[str, str, str, str, str, str, str, str, int]:
+        """``(exclusive, shared, counter, channel, waiters, ticket_expiry, resource_history,
+        record, group)`` of ``resource``: the names of the methods of those names, escaping
+        the name once for all eight."""
         group = self.group_of(resource)
         base = f"{self.tag(group)}:"
         name = escape(resource)
@@ -112,6 +113,8 @@ class Keyspace:
             f"{base}c:{name}",
             f"{base}q:{name}",
             f"{base}qe:{name}",
+            f"{base}h:{name}",
+            f"{base}rec:{name}",
             group,
         )
 
@@ -123,6 +126,15 @@ class Keyspace:
     def waiter_channel(self, ticket: str) -> str:
         """Pub/Sub channel on which the waiter holding ``ticket`` is woken (its turn came)."""
         return self.waiter_channel_prefix + ticket
+
+    def resource_history(self, resource: str) -> str:
+        """STREAM: the last events of ``resource`` (the ``history`` setting; see _inspect)."""
+        return f"{self.tag(self.group_of(resource))}:h:{escape(resource)}"
+
+    def record(self, resource: str) -> str:
+        """HASH ``transitions``, ``ttl`` (ms, of the last grant): what the history setting
+        keeps of ``resource`` besides its events."""
+        return f"{self.tag(self.group_of(resource))}:rec:{escape(resource)}"
 
     def resource_keys(self, resource: str) -> tuple[str, str, str]:
         """``(exclusive, shared, counter)`` keys of ``resource``."""
@@ -146,6 +158,11 @@ class Keyspace:
         lua/_lifetime.lua)."""
         return f"{self.tag(group)}:life"
 
+    def history(self, group: int) -> str:
+        """STREAM: the last events of every resource of ``group`` (the ``history`` setting);
+        a fleet-wide read merges the groups' streams."""
+        return f"{self.tag(group)}:h"
+
     # --- home group ---------------------------------------------------------------------
     @property
     def owners(self) -> str:
@@ -160,6 +177,11 @@ class Keyspace:
     def nodes(self) -> str:
         """SET of escaped node names that have owners (lets tools list nodes without SCAN)."""
         return f"{self.tag(0)}:nodes"
+
+    def node_alive(self, node: str) -> str:
+        """STRING: the incarnation of the live worker ``node``, set by its main process at
+        every reaper pass with a PX of the ttl setting (``celery leases health --node``)."""
+        return f"{self.tag(0)}:alive:{escape(node)}"
 
     @property
     def audit(self) -> str:

@@ -45,12 +45,15 @@ def split_holder(value: object) -> tuple[str, int] | str | None:
     return owner, int(token)
 
 
-def task_in_registry(members: Iterable[object], resource: str, token: int) -> str | None:
-    """The task id that a registry's ``members`` record for the exclusive ``resource``/``token``."""
+def task_in_registry(
+    members: Iterable[object], resource: str, token: int, mode: str = "x"
+) -> str | None:
+    """The task id that a registry's ``members`` record for ``resource``/``token`` (held
+    exclusive, or shared with ``mode="s"``)."""
     for member in members:
         entry = parse_entry(str(member))
         if entry is not None and (entry.mode, entry.token, entry.resource) == (
-            "x",
+            mode,
             token,
             resource,
         ):

@@ -370,6 +370,7 @@ class LeaseStore:
         dead: bool = False,
         granted_before_us: int | None = None,
         clock_offsets_us: Sequence[int] | None = None,
+        by: str = "cleanup",
     ) -> CleanupReport:
         """Release every lease ``owner`` still holds (see :func:`_cleanup.cleanup_owner`)."""
         return self.run(
@@ -379,6 +380,7 @@ class LeaseStore:
                 dead=dead,
                 granted_before_us=granted_before_us,
                 clock_offsets_us=clock_offsets_us,
+                by=by,
             )
         )
 
@@ -410,6 +412,7 @@ class LeaseStore:
         dead: bool,
         granted_before_us: int | None = None,
         clock_offsets_us: Sequence[int] | None = None,
+        by: str = "cleanup",
     ) -> CleanupReport:
         """:meth:`cleanup_owner`, with a failure reported in the result instead of raised."""
         return self.run(
@@ -419,6 +422,7 @@ class LeaseStore:
                 dead=dead,
                 granted_before_us=granted_before_us,
                 clock_offsets_us=clock_offsets_us,
+                by=by,
             )
         )
 
@@ -435,12 +439,40 @@ class LeaseStore:
         """Seconds left on each owner's liveness (negative: it ran out; None: not registered)."""
         return self.run(_inspect.read_liveness(self.engine, owners))
 
-    def force_release(self, resource: str, holder: Holder) -> bool:
+    def force_release(
+        self, resource: str, holder: Holder, *, event: str = "forced", by: str = "operator"
+    ) -> bool:
         """Release ``holder``'s lease on ``resource``, whoever holds it; True if it was held.
 
         See :func:`_inspect.force_release`: a lease granted to someone else is never touched.
         """
-        return self.run(_inspect.force_release(self.engine, resource, holder))
+        return self.run(_inspect.force_release(self.engine, resource, holder, event=event, by=by))
+
+    def lease_record(self, resource: str) -> dict[str, Any]:
+        """What is known of ``resource`` now (see :func:`_inspect.lease_record`)."""
+        return self.run(_inspect.lease_record(self.engine, resource))
+
+    def history(
+        self, *, resource: str | None = None, node: str | None = None, count: int = 50
+    ) -> list[dict[str, Any]]:
+        """The last events, newest first (see :func:`_inspect.history`)."""
+        return self.run(_inspect.history(self.engine, resource=resource, node=node, count=count))
+
+    def mark_node_alive(self, node: str, incarnation: str) -> None:
+        """Mark ``node`` alive for the ttl (see :func:`_inspect.mark_node_alive`)."""
+        self.run(_inspect.mark_node_alive(self.engine, node, incarnation))
+
+    def node_alive(self, node: str) -> float | None:
+        """Seconds left on ``node``'s mark of life; None: none (see :func:`_inspect.node_alive`)."""
+        return self.run(_inspect.node_alive(self.engine, node))
+
+    def recent_events(self, seconds: float) -> tuple[list[dict[str, Any]], float]:
+        """The fleet's events of the last ``seconds`` (see :func:`_inspect.recent_events`)."""
+        return self.run(_inspect.recent_events(self.engine, seconds))
+
+    def waiter_counts(self, resources: Sequence[str]) -> list[int]:
+        """The live waiters of each of ``resources`` (see :func:`_inspect.waiter_counts`)."""
+        return self.run(_inspect.waiter_counts(self.engine, resources))
 
     def audit(self, record: Mapping[str, object]) -> None:
         """Append ``record`` (JSON-serialisable) to the audit list; the newest are kept."""

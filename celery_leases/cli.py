@@ -5,6 +5,9 @@ The commands run against the ``-A`` app's settings (its ``Leases(app)``, or one 
 
     celery -A proj leases ls [--owner NODE] [--resource PATTERN] [--json]
     celery -A proj leases show RESOURCE [--json]
+    celery -A proj leases history [--resource R] [--node N] [-n K] [--json]
+    celery -A proj leases top [--interval S] [-n ROWS] [--once]
+    celery -A proj leases health [--node NODE]
     celery -A proj leases release RESOURCE [--force] [--yes]
     celery -A proj leases owners [--json]
     celery -A proj leases reconcile [--json]
@@ -30,7 +33,19 @@ The commands run against the ``-A`` app's settings (its ``Leases(app)``, or one 
   ``queued``, no owner or node (null), and its task's id.
   ``--owner`` leaves queued claims out (no process holds them).
 - ``show RESOURCE``: the holders of one resource, read from its own keys, with each owner's
-  liveness and the task id from that owner's registry entry.
+  liveness and the task id from that owner's registry entry, then its record: since when it
+  is held (from the token), its last renewal, its changes of hands, its waiters and its last
+  events (the last three need the ``history`` setting). ``--json`` prints the record as one
+  object (``holders``, ``granted_at``, ``renewed_at``, ``transitions``, ``waiters``,
+  ``history``).
+- ``history``: the last events (``granted``, ``busy``, ``released``, ``expired``, ``freed``,
+  ``forced``, ``lost``), fleet-wide or of one ``--resource`` or ``--node``; needs the
+  ``history`` setting.
+- ``top``: a live view of held leases, their waiters and busy attempts per second;
+  ``--once`` prints one frame.
+- ``health``: exit 0 when Redis answers and, with ``--node``, that node is alive (its worker
+  marks itself so at every reaper pass, or one of its processes renews on time); 1 when Redis
+  does not answer, 2 when the node is stale. For Kubernetes probes.
 - ``release RESOURCE``: frees the resource's leases whose owner is dead (its liveness ran out,
   or it is no longer registered). If any holder is alive it changes nothing and exits 1, naming
   the live owner, unless ``--force``; ``--force`` asks before freeing a live owner's lease
@@ -52,9 +67,9 @@ The commands run against the ``-A`` app's settings (its ``Leases(app)``, or one 
 take ``CELERY_LEASES_RELEASE_FORCE``), nor is any other option of these commands.
 
 Exit status: 0 done; 1 refused, nothing held, aborted, or a reconcile that could not clean
-every owner; 2 bad usage; 69 Redis could not be reached or failed; 75 another process is
-reconciling (try again); 78 invalid settings. Errors are one line on stderr, URLs without
-their password.
+every owner (``health``: Redis does not answer); 2 bad usage (``health``: the node is
+stale); 69 Redis could not be reached or failed; 75 another process is reconciling (try
+again); 78 invalid settings. Errors are one line on stderr, URLs without their password.
 
 .. versionadded:: 0.1
 """
@@ -66,6 +81,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
@@ -76,6 +92,10 @@ import click
 from celery._state import get_current_app
 from celery.bin.base import CeleryCommand, CLIContext
 from celery.utils.log import get_logger
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
 
 from ._identity import default_node, set_node
 from ._inspect import AUDIT_KEEP, Holder
@@ -84,6 +104,7 @@ from ._registry import QUEUED_OWNER, Entry
 from ._render import printable, table
 from ._store import LeaseStore
 from .app import Leases, find_leases
+from .config import safe_url
 from .exceptions import LeaseBackendError, LeaseConfigError, LeaseError
 from .worker import RECONCILE_RESOURCE, run_reconcile
 
@@ -520,18 +541,271 @@ def ls(ctx: click.Context, owner: str | None, pattern: str | None, as_json: bool
 @_json_option
 @click.pass_context
 def show(ctx: click.Context, resource: str, as_json: bool) -> None:
-    """Show who holds RESOURCE.
+    """Show who holds RESOURCE, since when, who waits for it and what happened to it.
 
-    Each holder with its owner's liveness and the id of the task that holds it.
+    Each holder with its owner's liveness and the id of the task that holds it; the grant
+    and last renewal times, the changes of hands and the last events need the history
+    setting.
     """
     _non_empty("RESOURCE", resource)
     store = _ext(ctx).store
     renewals = Renewals.of(store.settings)
-    rows = _named(_app(ctx), _holder_rows(store, resource))
+    record = store.lease_record(resource)
+    if not record["holders"] and not record["history"] and not record["waiters"]:
+        raise _Failure(f"no lease is held on {resource!r}")
+    rows = _named(_app(ctx), _holder_rows(store, resource)) if record["holders"] else []
+    by_grant = {(row.owner, row.token): row for row in rows}
+    for holder in record["holders"]:
+        row = by_grant.get((holder["owner"] or "", holder["token"]))
+        if row is None and holder["owner"] is None:  # a queued claim
+            row = next((r for r in rows if r.queued and r.token == holder["token"]), None)
+        if row is not None:
+            shown = row.as_json(renewals)
+            holder.update(
+                {k: shown[k] for k in ("task_name", "alive", "liveness", "status", "expires_in")}
+            )
+            holder["owner_renewed_ago"] = shown["renewed_ago"]
+            holder["task_id"] = holder["task_id"] or row.task_id
     if as_json:
-        _echo_json([row.as_json(renewals) for row in rows])
-    else:
+        _echo_json(record)
+        return
+    if rows:
         click.echo(_table(_ROW_HEADERS, (row.cells(renewals) for row in rows)))
+    else:
+        click.echo(f"{printable(resource)}: not held")
+    now = record["now"]
+    click.echo("")
+    click.echo(f"granted:      {_when(record['granted_at'], now, 'at or before ')}")
+    click.echo(f"renewed:      {_when(record['renewed_at'], now)}")
+    transitions = record["transitions"]
+    click.echo(f"transitions:  {'unknown (history off)' if transitions is None else transitions}")
+    click.echo(f"waiters:      {record['waiters']}")
+    if record["history"]:
+        click.echo("")
+        click.echo(_events_table(record["history"][:10], now))
+
+
+def _when(at: float | None, now: float, prefix: str = "") -> str:
+    """An epoch time as UTC and its age, or ``-``."""
+    if at is None:
+        return "-"
+    stamp = datetime.fromtimestamp(at, timezone.utc).isoformat(timespec="milliseconds")
+    return f"{prefix}{stamp} ({_seconds(max(now - at, 0.0))} ago)"
+
+
+_EVENT_HEADERS: Final = ("AT", "AGO", "EVENT", "RESOURCE", "NODE", "TOKEN", "TASK_ID", "BY")
+
+
+def _events_table(events: Sequence[dict[str, Any]], now: float) -> str:
+    rows = (
+        [
+            datetime.fromtimestamp(e["at"], timezone.utc).strftime("%H:%M:%S.%f")[:-3],
+            _seconds(max(now - e["at"], 0.0)),
+            e["event"],
+            e["resource"] or "-",
+            e["node"] or "-",
+            e["token"] or "-",
+            e["task_id"] or "-",
+            e.get("by") or "-",
+        ]
+        for e in events
+    )
+    return _table(_EVENT_HEADERS, rows)
+
+
+@leases.command("history", cls=_Command)
+@click.option(
+    "--resource",
+    metavar="RESOURCE",
+    allow_from_autoenv=False,
+    help="Only this resource's events (its own stream).",
+)
+@click.option(
+    "--node",
+    metavar="NODE",
+    allow_from_autoenv=False,
+    help="Only events of owners on this node (a worker hostname).",
+)
+@click.option(
+    "-n",
+    "count",
+    type=click.IntRange(1, 100_000),
+    default=20,
+    show_default=True,
+    allow_from_autoenv=False,
+    help="How many of the newest events to show.",
+)
+@_json_option
+@click.pass_context
+def history(
+    ctx: click.Context, resource: str | None, node: str | None, count: int, as_json: bool
+) -> None:
+    """Show the last events: granted, released, expired, freed, lost, forced, busy.
+
+    Newest first, fleet-wide (every slot group's stream) or of one resource. Written only
+    with the history setting (0, the default, writes nothing).
+    """
+    _non_empty("--resource", resource)
+    _non_empty("--node", node)
+    store = _ext(ctx).store
+    events = store.history(resource=resource, node=node, count=count)
+    if as_json:
+        _echo_json(events)
+    elif events:
+        click.echo(_events_table(events, store.redis_time()))
+    elif not store.settings.history:
+        click.echo("no history: the history setting is 0 (off); see docs/operations.md")
+    else:
+        click.echo("no events recorded")
+
+
+#: exit statuses of ``health`` (Kubernetes probes read only zero or not)
+HEALTH_NO_REDIS: Final = 1
+HEALTH_NODE_STALE: Final = 2
+
+
+@leases.command("health", cls=_Command)
+@click.option(
+    "--node",
+    metavar="NODE",
+    allow_from_autoenv=False,
+    help="Also require this node's liveness to be fresh (a worker hostname).",
+)
+@click.pass_context
+def health(ctx: click.Context, node: str | None) -> None:
+    """Exit 0 when Redis answers (and, with --node, NODE's liveness is fresh).
+
+    For Kubernetes probes; needs no worker. Exit 1: Redis does not answer (the URL is shown
+    without its password). Exit 2: NODE's worker has not marked itself alive within the ttl
+    (its main process does every ttl / 3) and none of its processes renews a liveness on
+    time (when one last did, or that none is registered).
+    """
+    _non_empty("--node", node)
+    store = _ext(ctx).store
+    try:
+        store.ping()
+    except LeaseBackendError as exc:
+        click.echo(f"unhealthy: {exc}", err=True)
+        ctx.exit(HEALTH_NO_REDIS)
+    url = safe_url(store.settings.url)
+    if node is None:
+        click.echo(f"ok: redis at {url} answers")
+        return
+    renewals = Renewals.of(store.settings)
+    marked = store.node_alive(node)
+    if marked is not None:
+        ago = renewed_ago(marked, renewals)
+        when = "" if ago is None else f", marked {_seconds(ago)} ago"
+        click.echo(f"ok: redis at {url} answers; node {node} is alive (its worker{when})")
+        return
+    owners = store.node_owners(node)
+    liveness = store.read_liveness(owners)
+    known = [left for left in liveness.values() if left is not None]
+    fresh = [left for left in known if liveness_state(left, renewals) == "alive"]
+    if fresh:
+        ago = renewed_ago(max(fresh), renewals)
+        when = "" if ago is None else f", renewed {_seconds(ago)} ago"
+        click.echo(
+            f"ok: redis at {url} answers; node {node} is alive ({len(fresh)} of "
+            f"{len(owners)} owner(s) renewing{when})"
+        )
+        return
+    latest = max(known, default=None)
+    if latest is not None and latest > 0:
+        ago = renewed_ago(latest, renewals)
+        last = "" if ago is None else f"renewed {_seconds(ago)} ago, "
+        why = (
+            f"{last}renewals are due every {_seconds(renewals.every)}; its liveness runs "
+            f"out in {_seconds(latest)} (a killed, stalled or idle node)"
+        )
+    elif latest is not None:
+        why = f"its liveness ran out {_seconds(-latest)} ago"
+    else:
+        why = "it has no registered owner (never started, idle since its last cleanup, or gone)"
+    click.echo(f"unhealthy: node {node} is stale: {why}", err=True)
+    ctx.exit(HEALTH_NODE_STALE)
+
+
+@leases.command("top", cls=_Command)
+@click.option(
+    "--interval",
+    type=click.FloatRange(0.2, 3600),
+    default=2.0,
+    show_default=True,
+    allow_from_autoenv=False,
+    help="Seconds between frames.",
+)
+@click.option(
+    "-n",
+    "limit",
+    type=click.IntRange(1, 10_000),
+    default=30,
+    show_default=True,
+    allow_from_autoenv=False,
+    help="Rows shown (the leases with the most waiters first).",
+)
+@click.option(
+    "--once",
+    is_flag=True,
+    allow_from_autoenv=False,
+    help="Print one frame and exit (no live view; for scripts and tests).",
+)
+@click.pass_context
+def top(ctx: click.Context, interval: float, limit: int, once: bool) -> None:
+    """A live view of held leases, their waiters and busy attempts per second.
+
+    Drawn with rich (a dependency already: every table of these commands uses it).
+    busy/s counts the busy events of the history over the last 10 s (history setting).
+    """
+    store = _ext(ctx).store
+    window = max(interval, 10.0)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)  # a pipe or a file: lines as wide as a wide terminal
+    if once:
+        console.print(_top_frame(store, limit, window))
+        return
+    with Live(_top_frame(store, limit, window), console=console, auto_refresh=False) as live:
+        try:
+            while True:
+                time.sleep(interval)
+                live.update(_top_frame(store, limit, window), refresh=True)
+        except KeyboardInterrupt:
+            pass
+
+
+def _top_frame(store: LeaseStore, limit: int, window: float) -> Table:
+    """One frame of ``top``: a rich Table of the held leases with the most waiters."""
+    renewals = Renewals.of(store.settings)
+    census = _census(store)
+    rows = census.held + census.queued
+    waiters = store.waiter_counts([r.resource for r in rows]) if rows else []
+    events, _ = store.recent_events(window) if store.settings.history else ([], 0.0)
+    busy = sum(1 for e in events if e["event"] == "busy")
+    alive = sum(1 for v in census.liveness.values() if v is not None and v > 0)
+    rate = f"{busy / window:.1f}" if store.settings.history else "n/a (history off)"
+    title = (
+        f"{len(rows)} lease(s) held, {sum(waiters)} waiting, owners {alive} alive / "
+        f"{len(census.liveness) - alive} dead, busy/s {rate} (last {window:.0f} s)"
+    )
+    table_ = Table(title=title, title_justify="left")
+    for header in ("RESOURCE", "MODE", "NODE", "TASK_ID", "EXPIRES_IN", "LIVENESS", "WAITERS"):
+        table_.add_column(header, no_wrap=header != "RESOURCE", min_width=len(header))
+    ranked = sorted(zip(rows, waiters, strict=True), key=lambda rw: (-rw[1], rw[0].resource))
+    for row, waiting in ranked[:limit]:
+        cells = [
+            printable(row.resource),
+            "queued" if row.queued else _MODES[row.mode],
+            printable(row.node),
+            printable(row.task_id or "-"),
+            f"{row.expires_in:.1f}s",
+            "queued" if row.queued else _liveness_text(row.liveness, renewals),
+            str(waiting),
+        ]
+        table_.add_row(*(Text(cell) for cell in cells))  # Text: no markup in user data
+    if len(ranked) > limit:
+        table_.caption = f"{len(ranked) - limit} more not shown (-n)"
+    return table_
 
 
 def _release_rows(
@@ -544,7 +818,9 @@ def _release_rows(
     """
     out: list[tuple[_Row, bool]] = []
     for row in rows:
-        freed = store.force_release(resource, row.holder)
+        freed = store.force_release(
+            resource, row.holder, event="forced" if row.alive else "freed", by=by
+        )
         if row.alive:
             logger.warning(
                 "leases: forced release of %s held by live owner %s (task %s), by %s",

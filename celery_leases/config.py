@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple
 from urllib.parse import parse_qsl, quote, urlsplit
 
 from pydantic import Field, ValidationError, field_serializer, field_validator, model_validator
@@ -49,8 +49,12 @@ __all__ = (
     "OnBusy",
     "OnDuplicate",
     "OnLost",
+    "Timing",
     "get_settings",
     "resolve_settings",
+    "timing",
+    "timing_problem",
+    "timing_warnings",
 )
 
 ENV_PREFIX: Final = "CELERY_LEASES_"
@@ -263,6 +267,27 @@ class LeaseSettings(BaseSettings):
             "earlier grant of the resource. See 'How tokens are made' in hold-and-once.md."
         ),
     )
+    history: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "Events kept per slot group in a capped Redis stream (XADD MAXLEN ~): granted, "
+            "released, expired, freed (by cleanup, reaper or reconcile), lost, forced and busy, "
+            "each with its task and node; each resource also keeps its last min(history, 100) "
+            "events, its transitions and its last ttl. 0 (the default) writes nothing. Read by "
+            "`celery leases history` and `show`. See 'History' in operations.md for its cost."
+        ),
+    )
+    history_keep: float = Field(
+        86400.0,
+        gt=0.0,
+        le=365 * 86400.0,
+        description=(
+            "With history: seconds a resource's own events and record live after its last "
+            "event (the slot groups' streams are capped by count only)."
+        ),
+    )
     receipt_ttl: float | None = Field(
         None,
         gt=0.0,
@@ -386,6 +411,9 @@ class LeaseSettings(BaseSettings):
                 f"retry_delay ({self.retry_delay}s)"
             )
             raise ValueError(msg)
+        problem = timing_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     @field_serializer("redis_url")
@@ -417,6 +445,89 @@ class LeaseSettings(BaseSettings):
     def margin_fraction(self) -> float:
         """1 - lost_margin: the part of a TTL a lease may go unconfirmed."""
         return 1.0 - self.lost_margin
+
+
+#: seconds the heartbeat waits before it tries a failed renewal again (at most)
+RENEW_RETRY_AFTER: Final = 1.0
+
+
+class Timing(NamedTuple):
+    """The heartbeat's timing under some settings, as Kubernetes' leader election names it.
+
+    ``horizon``: seconds after a confirmed renewal that a lease counts as held (the lease
+    duration less the margin: ``ttl * (1 - lost_margin)``); ``every``: the renewal interval
+    (``horizon / 3``); ``slack``: the time a renewal sent on time has before its lease
+    counts as lost (the renew deadline, ``horizon - every``).
+    """
+
+    horizon: float
+    every: float
+    slack: float
+
+
+def timing(settings: LeaseSettings) -> Timing:
+    """The :class:`Timing` of leases of the ``ttl`` setting (a shorter lease ttl is faster)."""
+    horizon = settings.ttl * settings.margin_fraction
+    return Timing(horizon, horizon / 3, horizon - horizon / 3)
+
+
+def _lead(settings: LeaseSettings, t: Timing) -> str:
+    return (
+        f"ttl {settings.ttl:g} s with lost_margin {settings.lost_margin:g} leaves "
+        f"{t.horizon:.3g} s after each renewal; renewed every {t.every:.3g} s, a renewal has "
+        f"{t.slack:.3g} s before its lease counts as lost"
+    )
+
+
+def timing_problem(settings: LeaseSettings) -> str | None:
+    """Why the timing settings cannot work together, with the numbers; None if they can.
+
+    Refused: ``min_replicas`` with a ``min_replicas_timeout`` that a renewal cannot wait
+    for (every renewal waits for the replicas: one that must wait that long could never be
+    confirmed before its lease counts as lost).
+    """
+    t = timing(settings)
+    if settings.min_replicas and settings.min_replicas_timeout >= t.slack:
+        return (
+            f"{_lead(settings, t)}: min_replicas_timeout ({settings.min_replicas_timeout:g} s) "
+            f"must be below {t.slack:.3g} s, or the ttl above "
+            f"{settings.min_replicas_timeout * 3 / 2 / settings.margin_fraction:.3g} s"
+        )
+    return None
+
+
+def timing_warnings(settings: LeaseSettings) -> list[str]:
+    """Timing settings that work, but are risky: a grace shorter than the ttl, or a
+    renewal with no room for a second try.
+
+    A renewal that hangs is cut at its lease's deadline (its budget is the time left, at
+    most ``socket_timeout``); if one attempt of ``socket_timeout`` plus the pause before a
+    retry does not fit in the renewal's slack, one stalled connection loses the lease.
+    A worker logs these at start-up (INFO).
+    """
+    t = timing(settings)
+    out: list[str] = []
+    for name in ("restart_grace", "restore_grace"):
+        grace = getattr(settings, name)
+        if grace and grace < settings.ttl:
+            out.append(
+                f"{name} ({grace:g} s) is below the ttl ({settings.ttl:g} s): a holder counts "
+                "its lease held up to ttl after its last renewal, so a grant made when the "
+                "grace ends may overlap a holder that has not learnt of the restart yet"
+            )
+    room = t.slack - min(t.every, RENEW_RETRY_AFTER)
+    if settings.socket_timeout >= room:
+        # the horizon that fits one attempt and the pause before the next in the slack
+        sock = settings.socket_timeout
+        needed = 3 * sock if sock <= RENEW_RETRY_AFTER else 1.5 * (sock + RENEW_RETRY_AFTER)
+        ttl_needed = needed / settings.margin_fraction
+        out.append(
+            f"{_lead(settings, t)}: with socket_timeout {settings.socket_timeout:g} s a "
+            f"renewal that hangs is not tried again before its lease counts as lost; "
+            f"socket_timeout < {max(room, 0):.3g} s (or a ttl of {ttl_needed:.3g} s or more) "
+            "leaves room for a second try"
+        )
+    return out
 
 
 @contextmanager

@@ -33,7 +33,7 @@ from ._keys import split_owner
 from ._lease import Want
 from ._store import safe_url
 from ._text import printable
-from .config import DEFAULT_REDIS_URL
+from .config import DEFAULT_REDIS_URL, timing_warnings
 from .exceptions import LeaseBackendError, LeaseError
 
 if TYPE_CHECKING:
@@ -249,6 +249,10 @@ class LeaseBootstep(bootsteps.StartStopStep):
 
         # a leases_* key changed since the settings' first use is refused here, at start
         checked_settings(ext, full=True)
+        # impossible timings were refused; risky ones are told once, at INFO: a short ttl
+        # with the default socket_timeout is what tests and trials run, and it is safe
+        for note in timing_warnings(ext.settings):
+            logger.info("leases: timing: %s", note)
         _note_redis_url(ext)
         ident = ext.identity()
         report = _startup_cleanup(ext, ident.node, ident.incarnation)
@@ -292,7 +296,20 @@ class LeaseBootstep(bootsteps.StartStopStep):
         def dead(pid: int) -> bool:
             return pid != self.pid and not _pid_alive(pid)
 
+        self.mark_alive()
         return self._clean_own("reaper", "reaper (dead pool process)", dead, spare_newer=True)
+
+    def mark_alive(self) -> None:
+        """Refresh this node's mark of life (``celery leases health --node``), every reaper
+        pass: a node whose processes hold no lease renews no liveness, yet it is alive."""
+        ext = self.ext
+        if ext is None:
+            return
+        try:
+            ident = ext.identity()
+            ext.store.mark_node_alive(ident.node, ident.incarnation)
+        except LeaseError as exc:
+            logger.debug("leases: could not mark the node alive: %s", exc)
 
     def _clean_own(
         self,
@@ -331,7 +348,11 @@ class LeaseBootstep(bootsteps.StartStopStep):
                 if incarnation == ident.incarnation and pid.isdigit() and select(int(pid)):
                     report.merge(
                         ext.store.cleanup_owner_isolated(
-                            owner, dead=True, granted_before_us=before_us, clock_offsets_us=offsets
+                            owner,
+                            dead=True,
+                            granted_before_us=before_us,
+                            clock_offsets_us=offsets,
+                            by=kind,
                         )
                     )
         _log_report(kind, what, report, self._task_names(report))

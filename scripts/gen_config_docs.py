@@ -58,6 +58,31 @@ at `Leases(app)` and at the first use, not after. To change a setting, restart t
 One app has one `Leases(app)`: a second one raises `LeaseConfigError`; import the first one
 (it is also `app.leases`).
 
+## Timing checks
+
+As Kubernetes' leader election checks its lease duration, renew deadline and retry period
+against each other, the settings check the heartbeat's timing. A lease counts as held for
+`ttl * (1 - lost_margin)` after each confirmed renewal (the horizon), is renewed every third
+of that, and so a renewal sent on time has two thirds of the horizon (its slack) before the
+lease counts as lost.
+
+- **Refused** (`LeaseConfigError` at `Leases(app)`): `min_replicas` above 0 with a
+  `min_replicas_timeout` at or above the slack. Every renewal then waits for the replicas,
+  and one that must wait that long can never be confirmed in time. The message gives the
+  numbers: `ttl 2 s with lost_margin 0.25 leaves 1.5 s after each renewal; renewed every
+  0.5 s, a renewal has 1 s before its lease counts as lost: min_replicas_timeout (1 s) must
+  be below 1 s, or the ttl above 2 s`.
+- **Told** (a worker logs it at start-up, at INFO, as `leases: timing: ...`; the settings
+  work and are safe): a `socket_timeout`
+  that leaves no room for a second renewal attempt in the slack (one attempt, then the
+  pause of at most 1 s before the next). A renewal is cut at its lease's deadline whatever
+  the timeout, so nothing overlaps, but one stalled connection then loses the lease. The
+  message names the `socket_timeout` or the ttl that fits: `ttl 3 s with lost_margin 0.1
+  leaves 2.7 s after each renewal; renewed every 0.9 s, a renewal has 1.8 s ...:
+  socket_timeout < 0.9 s (or a ttl of 10 s or more) leaves room for a second try`. Also
+  warned: a `restart_grace` or `restore_grace` above 0 but below the `ttl`, since a holder
+  counts its lease held up to `ttl` after its last renewal.
+
 Per task, `LeasedTask` takes `lease_ttl`, `on_busy`, `on_lost`, `busy_timeout` and
 `wait_timeout` as task options (also on a plain `@app.task` of an app with `Leases(app)`, see
 [Tasks](tasks.md)); the settings below are their app-wide defaults.

@@ -23,6 +23,11 @@
 -- ARGV[12] "1" when PUBLISH counts receivers exactly (not on a cluster)
 -- ARGV[13] ticket slack in milliseconds: a queued ticket lives the wait it is told plus this
 -- then per resource i: mode ("x" or "s"), limit (0 = none), resource name (for the registry)
+-- then, last: events kept in the group's history stream (the history setting; 0: no history,
+--             and none of the history keys is given), events kept in a resource's own
+--             stream, milliseconds a resource's stream and record outlive their last event
+-- with history, KEYS end with: the group's history stream, then per resource i its own
+--             history stream and its record (a hash: transitions, ttl of the last grant)
 -- returns {1, token_1, ..., token_n}  granted
 --         {0, i, wait_ms}             resource i (1-based) is busy; its blocking holder runs out
 --                                     in wait_ms unless renewed
@@ -53,7 +58,16 @@ end
 
 local h = home and 5 or 2
 local a = 13
-local n = (#KEYS - h) / 5
+local n = (#ARGV - a - 3) / 3
+local hist, rhist, hkeep = ARGV[#ARGV - 2], ARGV[#ARGV - 1], ARGV[#ARGV]
+local hk = h + 5 * n  -- the history keys start after hk
+-- one event "<field> <value> ..." in the group's stream and in resource i's (0-based) own
+local function event(i, kind, entry, ...)
+  redis.call('XADD', KEYS[hk + 1], 'MAXLEN', '~', hist, '*', 'e', kind, 'x', entry, ...)
+  local rkey = KEYS[hk + 2 * i + 2]
+  redis.call('XADD', rkey, 'MAXLEN', '~', rhist, '*', 'e', kind, 'x', entry, ...)
+  redis.call('PEXPIRE', rkey, hkeep)
+end
 local memory = ARGV[7]
 local sharing = {}  -- i -> true: resource i has live shared holders (read with memory "0")
 local ticket, wprefix, trust = ARGV[10], ARGV[11], ARGV[12] == '1'
@@ -65,6 +79,10 @@ end
 
 -- busy on resource i (0-based) for wait ms: queue the ticket there, and only there
 local function busy(i, wait)
+  if hist ~= '0' then
+    local m, r = ARGV[a + 3 * i + 1], ARGV[a + 3 * i + 3]
+    event(i, 'busy', m .. ' 0 ' .. ARGV[9] .. ' ' .. r, 'o', owner, 'w', wait)
+  end
   if ticket ~= '' then
     for j = 0, n - 1 do
       if j ~= i then
@@ -139,7 +157,15 @@ for i = 0, n - 1 do
     end
   end
   -- the registry entry: "<mode> <token> <task> <resource>" (the resource last: it may hold spaces)
-  redis.call('SADD', KEYS[2], mode .. ' ' .. text .. ' ' .. ARGV[9] .. ' ' .. resource)
+  local entry = mode .. ' ' .. text .. ' ' .. ARGV[9] .. ' ' .. resource
+  redis.call('SADD', KEYS[2], entry)
+  if hist ~= '0' then
+    event(i, 'granted', entry, 'o', owner, 'ttl', ttl)
+    local rec = KEYS[hk + 2 * i + 3]
+    redis.call('HINCRBY', rec, 'transitions', 1)
+    redis.call('HSET', rec, 'ttl', ttl)
+    redis.call('PEXPIRE', rec, hkeep)
+  end
   tokens[#tokens + 1] = token
   if ticket ~= '' then
     local wkey, ekey = KEYS[h + 5 * i + 4], KEYS[h + 5 * i + 5]

@@ -126,14 +126,19 @@ def test_a_malformed_body_is_refused(view: httpx.Client) -> None:
         assert view.post("/api/leases/release", content=body, headers=auth).status_code == 400
 
 
-def test_history_and_records_say_when_this_version_has_none(view: httpx.Client) -> None:
+def test_history_and_a_lease_record_are_served(view: httpx.Client) -> None:
+    # the view's Leases runs without the history setting: nothing recorded, nothing read
     got = view.get("/api/history")
-    assert got.status_code == 404
-    assert got.json()["error"] == "history not available in this version"
-    assert view.get("/api/lease", params={"resource": "r"}).status_code == 404
+    assert got.status_code == 200
+    assert got.json() == []
+    record = view.get("/api/lease", params={"resource": "r"})
+    assert record.status_code == 200
+    assert (record.json()["resource"], record.json()["holders"]) == ("r", [])
+    assert record.json()["transitions"] is None
+    assert view.get("/api/lease").status_code == 400
     config = view.get("/api/config").json()
     assert config["release"] is True
-    assert config["history"] is False
+    assert config["history"] is True
 
 
 def test_healthz_answers_503_when_redis_is_gone(make_leases: Any, make_redis_server: Any) -> None:

@@ -9,7 +9,12 @@ from celery import Celery
 from pydantic import ValidationError
 
 from celery_leases import Leases, LeaseSettings
-from celery_leases.config import DEFAULT_REDIS_URL, get_settings, resolve_settings
+from celery_leases.config import (
+    DEFAULT_REDIS_URL,
+    get_settings,
+    resolve_settings,
+    timing_warnings,
+)
 from celery_leases.exceptions import LeaseConfigError
 
 
@@ -223,3 +228,32 @@ def test_leases_raises_config_error_and_get_settings_returns_its_settings():
         assert (leases.settings.ttl, leases.settings.key_prefix) == (9.0, "kw-prefix")
     finally:
         leases.store.close()
+
+
+def test_a_renewal_that_cannot_wait_for_its_replicas_is_refused_with_the_numbers():
+    with pytest.raises(LeaseConfigError) as info:
+        resolve_settings(None, ttl=2.0, lost_margin=0.25, min_replicas=1, min_replicas_timeout=1.0)
+    text = str(info.value)
+    assert "ttl 2 s with lost_margin 0.25 leaves 1.5 s" in text
+    assert "renewed every 0.5 s, a renewal has 1 s" in text
+    assert "min_replicas_timeout (1 s) must be below 1 s" in text
+    # the same timeout without min_replicas waits for nothing: accepted
+    assert resolve_settings(None, ttl=2.0, lost_margin=0.25, min_replicas_timeout=1.0)
+    assert resolve_settings(None, ttl=2.0, min_replicas=1, min_replicas_timeout=0.5)
+
+
+def test_risky_timings_are_warnings_with_the_numbers():
+    assert timing_warnings(resolve_settings(None)) == []
+    (hangs,) = timing_warnings(resolve_settings(None, ttl=2.0, lost_margin=0.4, socket_timeout=0.5))
+    assert "ttl 2 s with lost_margin 0.4 leaves 1.2 s" in hangs
+    assert "socket_timeout < 0.4 s (or a ttl of 2.5 s or more)" in hangs
+    # what the warning proposes is quiet
+    assert (
+        timing_warnings(resolve_settings(None, ttl=2.6, lost_margin=0.4, socket_timeout=0.5)) == []
+    )
+    assert (
+        timing_warnings(resolve_settings(None, ttl=2.0, lost_margin=0.4, socket_timeout=0.39)) == []
+    )
+    (grace,) = timing_warnings(resolve_settings(None, restart_grace=3.0))
+    assert grace.startswith("restart_grace (3 s) is below the ttl (30 s)")
+    assert timing_warnings(resolve_settings(None, restart_grace=30.0, restore_grace=0.0)) == []

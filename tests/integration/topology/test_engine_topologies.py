@@ -87,6 +87,20 @@ def test_many_slot_groups_are_all_or_nothing(topology: Topology, make: Callable[
         assert [h.resource for h in held] == names
 
 
+def test_the_history_spans_the_slot_groups(topology: Topology, make: Callable[..., Leases]):
+    # each script writes its own slot group's streams; a fleet-wide read merges them
+    leases = make(history=1000)
+    names = resources_in_distinct_groups(leases, 6)
+    with leases.hold(names, ttl=10):
+        record = leases.store.lease_record(names[-1])
+        assert record["transitions"] == 1
+        assert [e["event"] for e in record["history"]] == ["granted"]
+    events = leases.store.history(count=100)
+    assert sorted(e["resource"] for e in events if e["event"] == "released") == sorted(names)
+    assert len(events) == 2 * len(names)
+    assert leases.store.history(resource=names[0])[0]["event"] == "released"
+
+
 def test_crossing_requests_never_deadlock(make: Callable[..., Leases]) -> None:
     leases = make()
     names = resources_in_distinct_groups(leases, 4)

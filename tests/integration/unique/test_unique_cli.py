@@ -79,7 +79,7 @@ def test_ls_show_stats_and_release_of_claims(
 
     show = celery_leases(worker_env, "show", "celery_leases:unique:job:q", "--json")
     assert show.returncode == 0, show.stderr
-    (shown,) = json.loads(show.stdout)
+    (shown,) = json.loads(show.stdout)["holders"]
     assert (shown["mode"], shown["task_id"]) == ("queued", queued.id)
 
     stats = celery_leases(worker_env, "stats", "--json")

@@ -125,7 +125,7 @@ def test_ls_show_owners_and_stats_describe_a_live_worker(
         assert a.id in row_a
         assert "alive" in row_a
 
-        (shown,) = cli.json("show", "res:a")
+        (shown,) = cli.json("show", "res:a")["holders"]
         assert (shown["owner"], shown["token"], shown["task_id"]) == (
             la["owner"],
             la["token"],
@@ -271,7 +271,7 @@ def test_shared_holders_are_listed_and_a_forced_release_reaches_them(
             ("shared", b.token, owner),
         ]
         assert all(x["alive"] and x["task_id"] is None for x in listed)
-        assert len(cli.json("show", "s:1")) == 2
+        assert len(cli.json("show", "s:1")["holders"]) == 2
         assert cli.json("stats")["leases"] == {"held": 2, "exclusive": 0, "shared": 2}
         assert cli("release", "s:1").returncode == 1
         forced = cli("release", "s:1", "--force", "--yes")

@@ -183,7 +183,7 @@ def test_ls_and_show_name_the_task_next_to_its_id_as_its_live_worker_tells(
         assert (listed["task_id"], listed["task_name"]) == (task.id, worker_app.sleeper.name)
         (row,) = [r for r in leases_cli(env, "ls").stdout.splitlines() if r.startswith("res:")]
         assert row.endswith(f"{task.id}  {worker_app.sleeper.name}")
-        (shown,) = json.loads(leases_cli(env, "show", "res:named", "--json").stdout)
+        (shown,) = json.loads(leases_cli(env, "show", "res:named", "--json").stdout)["holders"]
         assert shown["task_name"] == worker_app.sleeper.name
         kill_whole_worker(w)
         # a dead worker names nothing: the id is all the registry has

@@ -109,7 +109,7 @@ def test_a_worker_the_cli_beat_and_once_need_exactly_the_documented_acl_over_tls
             # worker's reconcile lease may show up too: it runs every second)
             listed = [x for x in cli.json("ls", env=env) if x["resource"] == "held:1"]
             assert [x["token"] for x in listed] == [lease.token]
-            assert cli.json("show", "held:1", env=env)[0]["token"] == lease.token
+            assert cli.json("show", "held:1", env=env)["holders"][0]["token"] == lease.token
             assert any(o["leases"] for o in cli.json("owners", env=env))
             assert cli.json("stats", env=env)["leases"]["held"] >= 1
             report = wait_until(lambda: _reconcile(cli, env), 30, "a reconcile of our own")
