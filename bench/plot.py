@@ -81,6 +81,7 @@ SERIES_STYLE: Final = {
 
 CONTENDERS_A: Final = (
     ("hold", "celery_leases hold()"),
+    ("hold-history", "hold(), history on"),
     ("floor", "raw floor (SET NX PX + CAD)"),
     ("bare", "two bare round trips"),
     ("hold-calls", "hold()'s calls, sent bare"),
