@@ -157,6 +157,31 @@ class Canvas:
         return 42 + 17 * len(subs)
 
 
+#: the height of a bar of a one-bar-per-row panel, and the gap between rows
+BAR_H: Final = 24
+BAR_GAP: Final = 14
+
+
+def bar_axis(
+    c: Canvas, y: float, x0: float, x1: float, top: float, rows: int, unit: str = ""
+) -> tuple[float, float, float]:
+    """The value axis of a one-bar-per-row panel from ``x0`` to ``x1`` under ``y``: its grid
+    lines and tick labels (``unit`` after each), for values up to ``top``.
+
+    Returns ``(scale, plot_top, plot_bottom)``: pixels per unit of value, and where the rows
+    begin and end (``rows`` bars of :data:`BAR_H` with :data:`BAR_GAP` between them).
+    """
+    ticks = nice_ticks(top)
+    scale = (x1 - x0) / ticks[-1]
+    plot_top = y + 8
+    plot_bottom = plot_top + rows * (BAR_H + BAR_GAP) - BAR_GAP + 8
+    for t in ticks:
+        x = x0 + t * scale
+        c.line(x, plot_top - 4, x, plot_bottom, GRID)
+        c.text(x, plot_bottom + 16, f"{fmt_tick(t)}{unit}", size=11, anchor="middle", fill=MUTED)
+    return scale, plot_top, plot_bottom
+
+
 def nice_ticks(top: float, count: int = 5) -> list[float]:
     """Round tick values from 0 to at least ``top``."""
     raw = top / count
@@ -221,15 +246,8 @@ def panel_cycles(a: dict[str, Any]) -> Canvas | None:
     y = c.title("(a) Acquire + release cycles per second (higher is better)", *subs)
     x0, x1 = MARGIN + LABEL_W, WIDTH - MARGIN - VALUE_W
     top = max(max(d.get("rates") or [d["median"]]) for _, _, d in items)
-    ticks = nice_ticks(top)
-    scale = (x1 - x0) / ticks[-1]
-    bar_h, gap = 24, 14
-    plot_top = y + 8
-    plot_bottom = plot_top + len(items) * (bar_h + gap) - gap + 8
-    for t in ticks:
-        x = x0 + t * scale
-        c.line(x, plot_top - 4, x, plot_bottom, GRID)
-        c.text(x, plot_bottom + 16, fmt_tick(t), size=11, anchor="middle", fill=MUTED)
+    bar_h, gap = BAR_H, BAR_GAP
+    scale, plot_top, plot_bottom = bar_axis(c, y, x0, x1, top, len(items))
     for i, (key, label, d) in enumerate(items):
         by = plot_top + 4 + i * (bar_h + gap)
         is_floor = key == "floor" or key in ASYNC_FLOORS
@@ -1036,15 +1054,8 @@ def panel_memory(data: dict[str, Any]) -> Canvas | None:
     )
     x0, x1 = MARGIN + LABEL_W + 60, WIDTH - MARGIN - VALUE_W
     most = max(r[2]["bytes_per_resource"] for r in rows) or 1.0
-    ticks = nice_ticks(most)
-    scale = (x1 - x0) / ticks[-1]
-    bar_h, gap = 24, 14
-    plot_top = y + 8
-    plot_bottom = plot_top + len(rows) * (bar_h + gap) - gap + 8
-    for t in ticks:
-        x = x0 + t * scale
-        c.line(x, plot_top - 4, x, plot_bottom, GRID)
-        c.text(x, plot_bottom + 16, f"{fmt_tick(t)} B", size=11, anchor="middle", fill=MUTED)
+    bar_h, gap = BAR_H, BAR_GAP
+    scale, plot_top, plot_bottom = bar_axis(c, y, x0, x1, most, len(rows), " B")
     for i, (key, label, point) in enumerate(rows):
         gy = plot_top + 4 + i * (bar_h + gap)
         ours = key.startswith("hold")
