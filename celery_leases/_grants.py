@@ -698,7 +698,7 @@ def renew_calls(engine: LeaseEngine, held: Sequence[Held], owner: str) -> RenewP
         args: list[Any] = [owner, engine.ms(registry[group])]
         if group == 0:
             node = escaped_node_of_owner(owner)
-            keys += [engine.keys.owners, engine.keys.node(unescape(node)), engine.keys.nodes]
+            keys += engine.home_keys(unescape(node))
             args += ["1", engine.liveness, node]
         else:
             args += ["0", 0, ""]
