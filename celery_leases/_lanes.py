@@ -18,6 +18,8 @@ new client, closed when its thread ends, and all of them by :meth:`Lanes.close`.
 from __future__ import annotations
 
 import os
+import select
+import socket
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -81,14 +83,20 @@ def _packed(words: Sequence[Any], encoding: str, errors: str) -> list[bytes] | N
 
 
 class _Lane:
-    """One thread's connection, for one client in one process."""
+    """One thread's connection, for one client in one process.
 
-    __slots__ = ("__weakref__", "client", "conn", "pid")
+    ``poller``: a poll object on the connection's socket, made once per socket, so the
+    check before each call (:func:`_ready`) is one system call with nothing allocated.
+    """
+
+    __slots__ = ("__weakref__", "client", "conn", "fd", "pid", "poller")
 
     def __init__(self, client: Any, conn: Any, pid: int) -> None:
         self.client = client
         self.conn = conn
         self.pid = pid
+        self.fd = -1
+        self.poller: Any = None
 
     def __del__(self) -> None:
         # the thread ended (its locals go) or the lane was replaced: close the socket
@@ -97,8 +105,24 @@ class _Lane:
                 self.conn.disconnect()
 
 
-def _ready(conn: Any) -> None:
-    """Make ``conn`` ready to send, as the pool makes its connections.
+def _quiet(lane: _Lane, sock: Any) -> bool:
+    """True if ``sock`` (``lane``'s connected socket) has nothing to read: the usual case,
+    told by one ``poll`` on a plain socket. A TLS socket (it may hold decrypted bytes
+    above the kernel's) and any socket that polls readable are left to redis-py's own
+    check, which tells a stray reply from a close."""
+    if type(sock) is not socket.socket:
+        return False
+    fd = sock.fileno()
+    if lane.fd != fd or lane.poller is None:
+        lane.poller = select.poll()
+        lane.poller.register(fd, select.POLLIN)
+        lane.fd = fd
+    reader = getattr(lane.conn._parser, "_reader", None)
+    return not lane.poller.poll(0) and reader is not None and not reader.has_data()
+
+
+def _ready(lane: _Lane) -> None:
+    """Make ``lane``'s connection ready to send, as the pool makes its connections.
 
     connect() through the connection: a Sentinel connection asks the sentinels for the
     master there (send_packed_command would connect to the connection's default address
@@ -107,7 +131,11 @@ def _ready(conn: Any) -> None:
     anew before the call goes out, so a call that allows a single attempt does not spend it
     on a dead connection (a lost reply and its read-back).
     """
-    if conn._sock is not None:
+    conn = lane.conn
+    sock = conn._sock
+    if sock is not None:
+        if _quiet(lane, sock):
+            return
         try:
             if not conn.can_read():
                 return
@@ -131,12 +159,13 @@ class Lanes:
         ``once``: a single attempt (no resend after a connection error). Raises redis-py's
         errors, as ``client.execute_command`` would.
         """
-        conn = self._conn(client)
+        lane = self._lane(client)
+        conn = lane.conn
         packed = pack(conn, words_of(call))
         resends = 0 if once else 1
         while True:
             try:
-                _ready(conn)
+                _ready(lane)
                 conn.send_packed_command(packed, check_health=False)
                 return conn.read_response()
             except NoScriptError:
@@ -158,16 +187,16 @@ class Lanes:
                 conn.disconnect()
                 raise
 
-    def _conn(self, client: Any) -> Any:
+    def _lane(self, client: Any) -> _Lane:
         lane: _Lane | None = getattr(self._local, "lane", None)
         if lane is not None and lane.client is client and lane.pid == os.getpid():
-            return lane.conn
+            return lane
         pool = client.connection_pool
         conn = pool.connection_class(**pool.connection_kwargs)
         lane = self._local.lane = _Lane(client, conn, os.getpid())
         with self._lock:
             self._all.add(lane)
-        return conn
+        return lane
 
     def close(self) -> None:
         """Close every lane of this process (each thread makes a new one on its next call)."""

@@ -202,6 +202,11 @@ class LeaseStore:
 
     def _execute(self, op: Op) -> Any:
         if type(op) is Send:
+            calls = op.calls
+            if len(calls) == 1 and not self.cluster and not op.transaction:
+                call = calls[0]
+                if type(call) is Script:  # a grant, a release: on this thread's lane (_lanes)
+                    return [self._lanes.send(self.client, call, op.once)]
             if op.once:
                 with one_attempt():
                     return self._send_op(op)
@@ -225,9 +230,7 @@ class LeaseStore:
             if type(call) is Command:
                 return [client.execute_command(*call.words)]
             assert isinstance(call, Script)
-            if not self.cluster:  # a grant, a release: on this thread's lane (_lanes)
-                return [self._lanes.send(client, call, op.once)]
-            words = words_of(call)
+            words = words_of(call)  # on a cluster: routed by the client (off it, see _execute)
             try:
                 return [client.execute_command(*words)]
             except NoScriptError:
@@ -304,7 +307,7 @@ class LeaseStore:
             LeaseBackendError: Redis failed.
         """
         start = time.monotonic()
-        outcome = self.try_acquire(wants, ident, ttl, task_id)
+        outcome = self.run(_grants.try_acquire(self.engine, wants, ident, ttl, task_id))
         if not isinstance(outcome, Busy):
             return outcome
         if wait is not None and wait <= 0:
