@@ -135,6 +135,11 @@ def try_acquire(
     set. With a ``ticket`` (a waiter's), a busy attempt queues it where it is blocked, and
     only there (see :func:`follow_ticket`); a grant takes it out of every queue.
     """
+    if ticket is None and len(wants) == 1:
+        group = engine.resource_keys(wants[0].resource).group
+        if group == 0:  # the common case: one call, the home call inside it when due
+            home = not engine.liveness_covers(ident.owner, ttl)
+            return (yield from acquire_group(engine, 0, wants, ident, ttl, home, task_id))
     outcome = yield from _try_acquire(engine, wants, ident, ttl, task_id, ticket)
     if ticket is not None:
         yield from follow_ticket(engine, wants, ticket, outcome)
@@ -336,13 +341,17 @@ def acquire_group(
     for attempt in (1, 2):
         call = acquire_call(engine, group, wants, ident, ttl, home, task_id, ticket)
         BOOK.begin(call.owner, book)
-        lost = False
+        lost: bool | None = False  # None: the call's end was booked with its grant
         try:
             try:
                 if engine.wait_replicas:
                     reply = yield from _grant_replicated(engine, call)
                 else:  # the hot path: one request, no generator in between
                     (reply,) = yield Send([Script("acquire", call.keys, call.args)])
+                if int(reply[0]) == AcquireReply.GRANTED:
+                    # the tokens are booked and the call ends in one step (see granted())
+                    lost = None
+                    return granted(engine, call, reply, book)
                 return acquire_outcome(engine, call, reply)
             except ReplicaShortfall as exc:  # the grant was given back already
                 raise engine.backend_error("acquire", exc) from exc
@@ -359,7 +368,8 @@ def acquire_group(
                 if attempt == 2:
                     raise engine.backend_error("acquire", failure) from failure.cause
         finally:
-            BOOK.end(call.owner, book, recovered=lost)
+            if lost is not None:
+                BOOK.end(call.owner, book, recovered=lost)
     raise AssertionError("unreachable")
 
 
@@ -527,36 +537,39 @@ def acquire_outcome(
     engine: LeaseEngine, call: AcquireCall, reply: Sequence[Any]
 ) -> list[Held] | Busy:
     """What acquire.lua's ``reply`` to ``call`` means; records a home call and registry."""
-    wants, owner, now = call.wants, call.owner, call.now
     code = int(reply[0])
     if code == AcquireReply.GRACE:
-        first = wants[0].resource if wants else "(owner registration)"
+        first = call.wants[0].resource if call.wants else "(owner registration)"
         return Busy(first, int(reply[1]) / 1000)
     if code == AcquireReply.BUSY:
-        return Busy(wants[int(reply[1]) - 1].resource, int(reply[2]) / 1000)
+        return Busy(call.wants[int(reply[1]) - 1].resource, int(reply[2]) / 1000)
+    # before the call counts as ended: a recovery must never take these for orphans
+    return granted(engine, call, reply, None)
+
+
+def granted(
+    engine: LeaseEngine, call: AcquireCall, reply: Sequence[Any], book: Sequence[str] | None
+) -> list[Held]:
+    """The leases of a granting ``reply`` to ``call``; records the home call and registry.
+
+    Their tokens go into the :data:`BOOK` as live leases; with ``book`` (the call's keys in
+    it), in the same step as the call's end (:meth:`GrantBook.granted`).
+    """
+    owner, now, ttl, task_id = call.owner, call.now, call.ttl, call.task_id
     if call.home:
         engine.registered[owner] = now
     if call.registry_s:
         engine.registry_until[(owner, call.group)] = now + call.registry_s
-    horizon = engine.horizon(call.ttl)
-    # before the call counts as ended: a recovery must never take these for orphans
-    for w, token in zip(wants, reply[1:], strict=True):
-        BOOK.hold(owner, engine.resource_keys(w.resource).exclusive, int(token))
-    return [
-        Held(
-            store=engine.store,
-            owner=owner,
-            resource=w.resource,
-            mode=w.mode,
-            token=int(token),
-            ttl=call.ttl,
-            acquired_at=now,
-            confirmed_at=now,
-            horizon=horizon,
-            task_id=call.task_id,
-        )
-        for w, token in zip(wants, reply[1:], strict=True)
+    horizon = engine.horizon(ttl)
+    store = engine.store
+    tokens = [int(token) for token in reply[1:]]
+    out = [
+        Held(store, owner, w.resource, w.mode, token, ttl, now, now, horizon, task_id=task_id)
+        for w, token in zip(call.wants, tokens, strict=True)
     ]
+    keys = book if book is not None else book_keys(engine, call.wants)
+    BOOK.granted(owner, keys, tokens, ended=book is not None)
+    return out
 
 
 def settle_lost_grant(
@@ -738,9 +751,8 @@ def release(engine: LeaseEngine, held: Sequence[Held], now: float) -> Steps[list
     if len(held) == 1:  # the hot path
         h = held[0]
         entry = Entry(h.mode, h.token, h.task_id, h.resource)
-        return (
-            yield from release_entries(engine, h.owner, h.group, [entry], [counted_held(h, now)])
-        )
+        counted = [counted_held(h, now)]
+        return (yield from release_entries(engine, h.owner, h.group, [entry], counted))
     out: dict[int, bool] = {}
     groups: dict[tuple[str, int], list[int]] = {}
     for i, h in enumerate(held):

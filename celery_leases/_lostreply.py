@@ -89,7 +89,7 @@ def resend_if_lost(calls: Sequence[Call]) -> Steps[tuple[list[Any], bool]]:
 
 
 # --- what this process holds ----------------------------------------------------------------
-@dataclass
+@dataclass(slots=True)
 class _Slot:
     inflight: int = 0  # grant calls sent whose outcome this process has not recorded yet
     recovering: int = 0  # of those, the ones whose reply was lost
@@ -153,6 +153,21 @@ class GrantBook:
                 if recovered:
                     slot.recovering -= 1
                 self._drop_if_empty(owner, key, slot)
+
+    def granted(
+        self, owner: str, keys: Sequence[str], tokens: Sequence[int], *, ended: bool
+    ) -> None:
+        """The call on ``keys`` granted ``tokens`` (one per key), returned to its caller:
+        :meth:`hold` for each, and (``ended``) :meth:`end`, in one step."""
+        with self._lock:
+            slots = self._slots
+            for key, token in zip(keys, tokens, strict=True):
+                slot = slots.get((owner, key))
+                if slot is None:
+                    slot = slots[(owner, key)] = _Slot()
+                slot.tokens.add(token)
+                if ended:
+                    slot.inflight -= 1
 
     def lost(self, owner: str, keys: Sequence[str]) -> None:
         """The call's reply was lost: it is being recovered (still in flight)."""

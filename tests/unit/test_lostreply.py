@@ -93,6 +93,21 @@ def test_the_book_waits_for_calls_in_flight_and_sees_calls_that_began_since():
     assert book.held("o", "k") == set()
 
 
+def test_a_grant_booked_with_its_end_is_held_and_no_longer_in_flight():
+    # GrantBook.granted(..., ended=True) is hold() for each token and end() in one step
+    book = GrantBook()
+    book.begin("o", ["k", "j"])
+    assert book.quiet("o", ["k"]) is None  # in flight
+    book.granted("o", ["k", "j"], [7, 8], ended=True)
+    assert book.quiet("o", ["k", "j"]) is not None
+    assert book.held("o", "k") == {7} and book.held("o", "j") == {8}
+    book.begin("o", ["k"])
+    book.granted("o", ["k"], [9], ended=False)  # booked, the call still in flight
+    assert book.quiet("o", ["k"]) is None
+    book.end("o", ["k"])
+    assert book.held("o", "k") == {7, 9}
+
+
 def test_every_script_has_a_policy_for_a_lost_reply():
     named = " ".join(POLICIES)
     assert [name for name in _scripts.ALL if name not in named] == []
