@@ -117,6 +117,9 @@ class LeaseEngine:
         self.cluster = False
         self.store: LeaseStore
         self.waiter_prefix = self.keys.waiter_channel_prefix
+        # the settings are fixed: two of them read at every grant, kept as plain numbers
+        self._ttl = settings.ttl
+        self._margin = settings.margin_fraction
         self._rkeys: dict[str, ResourceKeys] = {}
         self._regkeys: dict[tuple[str, int], str] = {}
         self._homekeys: dict[str, tuple[str, str, str]] = {}
@@ -180,7 +183,7 @@ class LeaseEngine:
         reconcile may then free its leases: so a lease counts as held for the shorter of the
         two, less the safety margin.
         """
-        return min(ttl, self.settings.ttl) * self.settings.margin_fraction
+        return min(ttl, self._ttl) * self._margin
 
     def liveness_covers(self, owner: str, ttl: float) -> bool:
         """True if ``owner``'s liveness surely outlasts a lease of ``ttl`` granted now.
@@ -204,8 +207,7 @@ class LeaseEngine:
         """
         registered = self.registered.get(owner)
         return registered is not None and (
-            time.monotonic() + self.horizon(ttl)
-            < registered + self.settings.ttl * self.settings.margin_fraction
+            time.monotonic() + self.horizon(ttl) < registered + self._ttl * self._margin
         )
 
     def registry_expiry(self, owner: str, group: int, ttl: float, now: float) -> float:

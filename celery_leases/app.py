@@ -25,7 +25,7 @@ from contextlib import (
     AbstractAsyncContextManager,
     AbstractContextManager,
 )
-from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Final, TypeVar, cast, overload
 
 from celery.utils.log import get_logger
 
@@ -238,13 +238,16 @@ class Leases:
         on_lost: Callable[[Held], None] | None = None,
     ) -> list[Lease]:
         """Acquire ``wants`` all or nothing and start renewing them; see :meth:`hold`."""
-        self._check_settings()
+        settings = self._check_settings()
         ttl = self._ttl(ttl)
         _check_wait(wait)
-        ident = self.identity()
+        ident = current_identity(settings.node)
+        store = self._store
+        if store.settings is not settings:
+            store = self.store
         started = time.monotonic()
         try:
-            granted = self.store.acquire(wants, ident, ttl, wait, task_id)
+            granted = store.acquire(wants, ident, ttl, wait, task_id)
         except LeaseBusy as busy:
             _busy(busy, task_id, time.monotonic() - started)
             raise
@@ -532,8 +535,22 @@ def _resource_list(what: str, resource: object) -> list[Resource]:
     return list(resource)
 
 
+#: the Want of each plain name a hold() was given (a Want is immutable; the checks of
+#: want_of pass or fail by the name alone), so a name is checked once, not at every hold
+_NAMED: dict[str, Want] = {}
+_NAMED_SIZE: Final = 4096
+
+
 def _wants(what: str, resources: Sequence[object]) -> list[Want]:
     """The Wants of a user's resources; errors name the argument (``hold(resource[1])``)."""
+    if len(resources) == 1 and type(resource := resources[0]) is str:
+        want = _NAMED.get(resource)
+        if want is None:
+            want = want_of(resource, f"{what}(resource)")
+            if len(_NAMED) >= _NAMED_SIZE:
+                _NAMED.clear()
+            _NAMED[resource] = want
+        return [want]
     return [
         want_of(r, f"{what}(resource)" if len(resources) == 1 else f"{what}(resource[{i}])")  # type: ignore[arg-type]
         for i, r in enumerate(resources)

@@ -84,6 +84,15 @@ def test_names_in_the_library_namespace_are_refused(leases: Leases, resource: An
         enter(leases.hold(resource))
 
 
+def test_a_refused_name_is_refused_at_every_hold(leases: Leases) -> None:
+    # hold() keeps the Want of each plain name it accepted; a refusal is never kept
+    for _ in range(3):
+        with pytest.raises(LeaseConfigError, match="celery_leases' own namespace"):
+            enter(leases.hold("celery_leases:once:again"))
+        with pytest.raises(LeaseConfigError, match="non-empty"):
+            enter(leases.hold(""))
+
+
 def test_task_template_rendering_to_an_empty_name_is_refused() -> None:
     app = Celery("empty-render", set_as_current=False)
 
