@@ -74,6 +74,7 @@ class Heartbeat:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._running = False  # a thread was started and has not ended (under self.lock)
         self.next_renew = 0.0
         # clock time at which the thread looks again (None: it is looking now, or about to,
         # so add() must wake it)
@@ -94,11 +95,13 @@ class Heartbeat:
             due = held.confirmed_at + held.horizon / 3
             # with nothing held, an old next_renew is meaningless
             self.next_renew = due if idle else min(self.next_renew, due)
-            if self._autostart and (self._thread is None or not self._thread.is_alive()):
+            # _running, not Thread.is_alive(): that takes the thread's state lock, at every add
+            if self._autostart and not self._running:
                 self._stopping.clear()
                 self._thread = threading.Thread(
                     target=self._run, name="celery-leases-heartbeat", daemon=True
                 )
+                self._running = True
                 self._thread.start()
             wake = self._planned is None or self.next_renew < self._planned
         if wake:
@@ -124,6 +127,13 @@ class Heartbeat:
 
     # --- loop ------------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            with self.lock:  # the next add() starts a thread again
+                self._running = False
+
+    def _loop(self) -> None:
         while not self._stopping.is_set():
             try:
                 delay = self.tick()

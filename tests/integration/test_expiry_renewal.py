@@ -8,9 +8,11 @@ import pytest
 
 from celery_leases import Leases, Shared
 from celery_leases._grants import Busy
+from celery_leases._heartbeat import heartbeat
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
 from celery_leases._store import LeaseStore
+from tests.support.polling import wait_until
 
 
 def ident(name: str) -> Identity:
@@ -78,3 +80,17 @@ def test_expires_in_counts_down_between_renewals(leases: Leases):
         time.sleep(0.05)
         second = lease.expires_in
     assert 0 < second < first <= 30
+
+
+def test_a_stopped_heartbeat_starts_again_at_the_next_lease(leases: Leases) -> None:
+    # add() starts a thread again once the last one ended (it tracks that itself rather
+    # than asking Thread.is_alive() at every add)
+    beat = heartbeat()
+    with leases.hold("beat:before", ttl=3.0):
+        pass
+    beat.stop(10)
+    assert beat._thread is not None and not beat._thread.is_alive()
+    before = beat.renewals
+    with leases.hold("beat:after", ttl=3.0) as lease:
+        wait_until(lambda: beat.renewals > before, 15, "a renewal by a new heartbeat thread")
+        assert not lease.lost
