@@ -136,20 +136,20 @@ local tokens = {1}
 for i = 0, n - 1 do
   local xkey, skey, ckey = KEYS[h + 5 * i + 1], KEYS[h + 5 * i + 2], KEYS[h + 5 * i + 3]
   local mode, resource = ARGV[a + 3 * i + 1], ARGV[a + 3 * i + 3]
-  local token = next_token(ckey, now_us, memory)
+  local token, text = next_token(ckey, now_us, memory)
   if memory == '0' and sharing[i] then
     -- shared holders granted beside each other need no release in between: stay above theirs
     for _, member in ipairs(redis.call('ZRANGE', skey, 0, -1)) do
       local held = tonumber(string.match(member, '^%d+') or '0')
       if held >= token then
-        token = held + 1
+        token, text = held + 1, nil
       end
     end
   end
-  local text = num(token)
+  text = text or num(token)
   local holder = text .. ' ' .. owner
   if mode == 'x' then
-    redis.call('SET', xkey, holder, 'PX', ttl)
+    redis.call('SET', xkey, holder, 'PX', ARGV[2])  -- the ttl as sent: a number costs more
   else
     redis.call('ZADD', skey, num(now + ttl), holder)
     if redis.call('PTTL', skey) < ttl then
