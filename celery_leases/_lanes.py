@@ -9,7 +9,9 @@ directly, with the client's semantics kept: the connection's own connect step (t
 check of ``_lifetime`` runs on every new connection), its socket timeouts, one resend after
 a connection error only when the call allows it (``Send.once`` is False), NOSCRIPT loading
 the script and sending again (the script did not run), and a connection that failed in the
-middle of a call dropped, so no later call can read a stale reply.
+middle of a call dropped, so no later call can read a stale reply. On a plain socket read
+by redis-py's hiredis parser, a lane writes and reads the socket itself (:func:`_direct`),
+with redis-py's errors; elsewhere (TLS, the pure-Python parser) through redis-py's methods.
 
 Not on a cluster (the client routes by slot there). A lane is made anew after a fork or a
 new client, closed when its thread ends, and all of them by :meth:`Lanes.close`.
@@ -41,6 +43,13 @@ try:
     from hiredis import pack_command as _hiredis_pack
 except ImportError:  # pragma: no cover - hiredis is optional
     _hiredis_pack = None
+_HiredisParser: Any
+try:  # what a direct call (_direct) reads with: redis-py's hiredis parser, as it sets it up
+    from hiredis import PushNotification as _Push
+    from redis._parsers.hiredis import NOT_ENOUGH_DATA as _MORE
+    from redis._parsers.hiredis import _HiredisParser
+except ImportError:  # pragma: no cover - hiredis is optional; another redis-py: its own path
+    _HiredisParser = None
 _UTF8: Final = frozenset({"utf-8", "utf8", "UTF-8"})
 
 
@@ -80,6 +89,64 @@ def _packed(words: Sequence[Any], encoding: str, errors: str) -> list[bytes] | N
             return None
         out.append(b"$%d\r\n%s\r\n" % (len(data), data))
     return [b"".join(out)]
+
+
+def _call(conn: Any, packed: list[bytes]) -> Any:
+    """Send ``packed`` on ``conn`` (connected) and read its reply, as redis-py would.
+
+    On a plain socket read by redis-py's hiredis parser, directly (:func:`_direct`):
+    redis-py's ``send_packed_command`` and ``read_response`` spend more instructions than
+    the socket calls and the parsing themselves (measured with callgrind: 45.6k against
+    18.5k for two small commands). Anything else (TLS, the pure-Python parser, health
+    checks) goes through redis-py's methods.
+    """
+    sock = conn._sock
+    parser = conn._parser
+    if (
+        type(parser) is _HiredisParser
+        and type(sock) is socket.socket
+        and not conn.health_check_interval
+        and getattr(parser, "_reader", None) is not None
+    ):
+        return _direct(conn, sock, parser, packed)
+    conn.send_packed_command(packed, check_health=False)
+    return conn.read_response()
+
+
+def _direct(conn: Any, sock: socket.socket, parser: Any, packed: list[bytes]) -> Any:
+    """:func:`_call` on the socket: its errors are redis-py's, and the connection is closed
+    after any failure mid-call (a later call must never read this call's reply)."""
+    reader = parser._reader
+    buf = parser._buffer
+    try:
+        sock.sendall(packed[0] if len(packed) == 1 else b"".join(packed))
+        while True:
+            reply = reader.gets()
+            if reply is _MORE:
+                read = sock.recv_into(buf)
+                if not read:
+                    raise RedisConnectionError("Connection closed by server.")
+                reader.feed(buf, 0, read)
+            elif type(reply) is _Push:  # RESP3: a push (maintenance, say), then the reply
+                parser.handle_push_response(reply)
+            else:
+                break
+    except TimeoutError:  # the socket's: redis-py's TimeoutError, as its own read says
+        conn.disconnect()
+        raise RedisTimeoutError(f"Timeout reading from {_where(conn)}") from None
+    except OSError as exc:
+        conn.disconnect()
+        raise RedisConnectionError(f"Error while reading from {_where(conn)}: {exc.args}") from None
+    except BaseException:
+        conn.disconnect()
+        raise
+    if isinstance(reply, (ResponseError, RedisConnectionError)):
+        raise reply  # an error reply (NOSCRIPT is a ResponseError), or LOADING and the like
+    return reply
+
+
+def _where(conn: Any) -> str:
+    return f"{getattr(conn, 'host', '?')}:{getattr(conn, 'port', '?')}"
 
 
 class _Lane:
@@ -166,8 +233,7 @@ class Lanes:
         while True:
             try:
                 _ready(lane)
-                conn.send_packed_command(packed, check_health=False)
-                return conn.read_response()
+                return _call(conn, packed)
             except NoScriptError:
                 # Redis restarted or SCRIPT FLUSH ran: the script did not run
                 conn.send_command("SCRIPT", "LOAD", SOURCE[call.name], check_health=False)

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import redis
 
 from celery_leases import Leases
@@ -100,3 +101,29 @@ def test_a_connection_the_server_closed_is_made_anew_before_a_call(
         stats = admin.info("commandstats")
     assert "cmdstat_smembers" not in stats  # no read-back of a lost grant
     assert stats["cmdstat_evalsha"]["calls"] >= 2
+
+
+def test_a_lane_reads_its_replies_itself_and_stays_in_step_after_an_error_reply(
+    make_leases: Callable[..., Leases], monkeypatch: Any
+) -> None:
+    # on a plain socket with hiredis, a lane call reads the socket itself (_lanes._direct),
+    # not through redis-py's read_response: an error reply is raised as redis-py raises it,
+    # and the connection stays usable (the reply was read whole)
+    from redis.connection import AbstractConnection
+    from redis.exceptions import ResponseError
+
+    from celery_leases._protocol import Script
+
+    leases = make_leases()
+    store = leases.store
+    with leases.hold("direct:warm"):
+        pass
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a lane call went through redis-py's read_response")
+
+    monkeypatch.setattr(AbstractConnection, "read_response", refused)
+    with pytest.raises(ResponseError):
+        store._lanes.send(store.client, Script("acquire", [], []), True)  # no keys: a Lua error
+    with leases.hold("direct:after") as lease:
+        assert lease.token > 0
