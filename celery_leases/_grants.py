@@ -135,12 +135,12 @@ def try_acquire(
     set. With a ``ticket`` (a waiter's), a busy attempt queues it where it is blocked, and
     only there (see :func:`follow_ticket`); a grant takes it out of every queue.
     """
-    if ticket is None and len(wants) == 1:
-        group = engine.resource_keys(wants[0].resource).group
-        if group == 0:  # the common case: one call, the home call inside it when due
-            home = not engine.liveness_covers(ident.owner, ttl)
-            return (yield from acquire_group(engine, 0, wants, ident, ttl, home, task_id))
-    outcome = yield from _try_acquire(engine, wants, ident, ttl, task_id, ticket)
+    if len(wants) == 1 and engine.resource_keys(wants[0].resource).group == 0:
+        # the common case: one call, the home call inside it when due
+        home = not engine.liveness_covers(ident.owner, ttl)
+        outcome = yield from acquire_group(engine, 0, wants, ident, ttl, home, task_id, ticket)
+    else:
+        outcome = yield from _try_acquire(engine, wants, ident, ttl, task_id, ticket)
     if ticket is not None:
         yield from follow_ticket(engine, wants, ticket, outcome)
     return outcome
