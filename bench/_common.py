@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import redis
 import redis.connection
 
+from celery_leases import _lanes
 from celery_leases._redis_server import RedisServer
 from tests.support.servers import ensure_server_binary
 
@@ -123,7 +124,8 @@ class WriteCounter:
     """Counts client round trips: socket writes made by redis-py, per thread.
 
     While active it wraps ``send_packed_command`` of redis-py's connection class, the one call
-    every command (single, pipelined or scripted) goes through to reach the socket. No client
+    every command (single, pipelined or scripted) goes through to reach the socket, and
+    ``celery_leases._lanes._direct``, the lanes' own write and read of one call. No client
     here pipelines, so each write is one command and one round trip; a pipeline counts once.
     Only threads that did a write appear; the heartbeat thread counts apart from the caller's.
     """
@@ -133,25 +135,36 @@ class WriteCounter:
         self._names: dict[int, str] = {}
         self._lock = threading.Lock()
         self._original: Any = None
+        self._direct: Any = None
         self._owner: type = _send_owner()
 
     def __enter__(self) -> WriteCounter:
         original = self._owner.__dict__["send_packed_command"]
+        direct = self._direct = _lanes._direct
         counts, names, lock = self._counts, self._names, self._lock
 
-        def send_packed_command(conn: Any, *args: Any, **kwargs: Any) -> Any:
+        def count() -> None:
             thread = threading.current_thread()
             with lock:
                 counts[thread.ident or 0] += 1
                 names[thread.ident or 0] = thread.name
+
+        def send_packed_command(conn: Any, *args: Any, **kwargs: Any) -> Any:
+            count()
             return original(conn, *args, **kwargs)
+
+        def direct_call(conn: Any, sock: Any, parser: Any, packed: list[bytes]) -> Any:
+            count()
+            return direct(conn, sock, parser, packed)
 
         self._original = original
         self._owner.send_packed_command = send_packed_command  # type: ignore[attr-defined]
+        _lanes._direct = direct_call
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._owner.send_packed_command = self._original  # type: ignore[attr-defined]
+        _lanes._direct = self._direct
 
     def of_thread(self, ident: int | None = None) -> int:
         """Writes made so far by the thread ``ident`` (default: the calling thread)."""

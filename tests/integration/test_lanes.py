@@ -127,3 +127,17 @@ def test_a_lane_reads_its_replies_itself_and_stays_in_step_after_an_error_reply(
         store._lanes.send(store.client, Script("acquire", [], []), True)  # no keys: a Lua error
     with leases.hold("direct:after") as lease:
         assert lease.token > 0
+
+
+def test_the_benchmarks_count_a_lanes_writes(make_leases: Callable[..., Leases]) -> None:
+    # bench/_common.py::WriteCounter counts the round trips the engine benchmark reports;
+    # a lane writes its calls itself (not through redis-py's send_packed_command)
+    from bench._common import WriteCounter
+
+    leases = make_leases()
+    with leases.hold("counted:warm"):
+        pass
+    with WriteCounter() as writes:
+        with leases.hold("counted"):
+            pass
+        assert writes.of_thread() == 2  # the grant and the release
