@@ -350,8 +350,9 @@ def acquire_group(
                     (reply,) = yield Send([Script("acquire", call.keys, call.args)])
                 if int(reply[0]) == AcquireReply.GRANTED:
                     # the tokens are booked and the call ends in one step (see granted())
+                    leases = granted(engine, call, reply, book)
                     lost = None
-                    return granted(engine, call, reply, book)
+                    return leases
                 return acquire_outcome(engine, call, reply)
             except ReplicaShortfall as exc:  # the grant was given back already
                 raise engine.backend_error("acquire", exc) from exc

@@ -211,3 +211,17 @@ def test_leaving_the_queues_that_fails_is_only_logged(grouped: LeaseStore):
     assert scripts(made) == ["leave"]
     assert made[0].once is False  # type: ignore[union-attr]  # idempotent: may be resent
     assert ticket.queued == set()
+
+
+def test_a_grant_whose_reply_cannot_be_read_leaves_no_call_in_flight():
+    # the grant book ends a granting call together with its tokens (GrantBook.granted); a
+    # reply that fails before that must still end the call, or a later recovery on the
+    # resource would wait for it until GrantsInFlight
+    engine = _engine()
+    engine.store = None  # type: ignore[assignment]  # the Held records are never used here
+    key = engine.resource_keys("r").exclusive
+    steps = _grants.acquire_group(engine, 0, [Want("r")], WORKER, 30.0, True)
+    with pytest.raises(ValueError, match="shorter"):  # "granted" without its token
+        drive(steps, replies([[AcquireReply.GRANTED]]))
+    assert BOOK.quiet(WORKER.owner, [key]) is not None
+    assert BOOK.held(WORKER.owner, key) == set()
