@@ -89,7 +89,8 @@ def test_a_stopped_heartbeat_starts_again_at_the_next_lease(leases: Leases) -> N
     with leases.hold("beat:before", ttl=3.0):
         pass
     beat.stop(10)
-    assert beat._thread is not None and not beat._thread.is_alive()
+    assert beat._thread is not None
+    assert not beat._thread.is_alive()
     before = beat.renewals
     with leases.hold("beat:after", ttl=3.0) as lease:
         wait_until(lambda: beat.renewals > before, 15, "a renewal by a new heartbeat thread")

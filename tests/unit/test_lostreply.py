@@ -100,7 +100,8 @@ def test_a_grant_booked_with_its_end_is_held_and_no_longer_in_flight():
     assert book.quiet("o", ["k"]) is None  # in flight
     book.granted("o", ["k", "j"], [7, 8], ended=True)
     assert book.quiet("o", ["k", "j"]) is not None
-    assert book.held("o", "k") == {7} and book.held("o", "j") == {8}
+    assert book.held("o", "k") == {7}
+    assert book.held("o", "j") == {8}
     book.begin("o", ["k"])
     book.granted("o", ["k"], [9], ended=False)  # booked, the call still in flight
     assert book.quiet("o", ["k"]) is None
