@@ -175,13 +175,16 @@ class _Lane:
 def _quiet(lane: _Lane, sock: Any) -> bool:
     """True if ``sock`` (``lane``'s connected socket) has nothing to read: the usual case,
     told by one ``poll`` on a plain socket. A TLS socket (it may hold decrypted bytes
-    above the kernel's) and any socket that polls readable are left to redis-py's own
-    check, which tells a stray reply from a close."""
-    if type(sock) is not socket.socket:
+    above the kernel's), any socket that polls readable, and a process without
+    ``select.poll`` (eventlet) are left to redis-py's own check, which tells a stray reply
+    from a close."""
+    # looked up at each call: eventlet's monkey patching takes select.poll away
+    poll = getattr(select, "poll", None)
+    if type(sock) is not socket.socket or poll is None:
         return False
     fd = sock.fileno()
     if lane.fd != fd or lane.poller is None:
-        lane.poller = select.poll()
+        lane.poller = poll()
         lane.poller.register(fd, select.POLLIN)
         lane.fd = fd
     reader = getattr(lane.conn._parser, "_reader", None)
