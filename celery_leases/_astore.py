@@ -28,7 +28,7 @@ from ._connect import aclose_client, parse_target
 from ._connect import make_async_client as make_deployment_client
 from ._grants import Busy, busy_error, waiting_time
 from ._identity import Identity
-from ._lanes import pack
+from ._lanes import pack, where
 from ._lease import Held, Want
 from ._once import (
     AsyncOnceRetry,
@@ -356,11 +356,7 @@ class _Lane:
                 return await conn.read_response()
         except TimeoutError:  # asyncio's, on 3.11 and later
             await conn.disconnect(nowait=True)  # the reply may still come: never read it
-            raise RedisTimeoutError(f"Timeout reading from {self._host(conn)}") from None
-
-    @staticmethod
-    def _host(conn: Any) -> str:
-        return f"{getattr(conn, 'host', '?')}:{getattr(conn, 'port', '?')}"
+            raise RedisTimeoutError(f"Timeout reading from {where(conn)}") from None
 
     async def aclose(self) -> None:
         with contextlib.suppress(RedisError, OSError):

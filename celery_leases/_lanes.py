@@ -36,7 +36,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ._protocol import Script, words_of
 from ._scripts import SOURCE
 
-__all__ = ("Lanes", "pack")
+__all__ = ("Lanes", "pack", "where")
 
 _hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
 try:
@@ -133,10 +133,10 @@ def _direct(conn: Any, sock: socket.socket, parser: Any, packed: list[bytes]) ->
                 break
     except TimeoutError:  # the socket's: redis-py's TimeoutError, as its own read says
         conn.disconnect()
-        raise RedisTimeoutError(f"Timeout reading from {_where(conn)}") from None
+        raise RedisTimeoutError(f"Timeout reading from {where(conn)}") from None
     except OSError as exc:
         conn.disconnect()
-        raise RedisConnectionError(f"Error while reading from {_where(conn)}: {exc.args}") from None
+        raise RedisConnectionError(f"Error while reading from {where(conn)}: {exc.args}") from None
     except BaseException:
         conn.disconnect()
         raise
@@ -145,7 +145,8 @@ def _direct(conn: Any, sock: socket.socket, parser: Any, packed: list[bytes]) ->
     return reply
 
 
-def _where(conn: Any) -> str:
+def where(conn: Any) -> str:
+    """``host:port`` of ``conn`` (sync or asyncio), for the errors the lanes raise."""
     return f"{getattr(conn, 'host', '?')}:{getattr(conn, 'port', '?')}"
 
 
