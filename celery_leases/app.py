@@ -105,7 +105,10 @@ class Leases:
     @property
     def store(self) -> LeaseStore:
         """The Redis store, on the settings in force (see :attr:`settings`)."""
-        settings = self.settings
+        return self._store_for(self.settings)
+
+    def _store_for(self, settings: LeaseSettings) -> LeaseStore:
+        """The store of ``settings`` (the settings in force, read by the caller)."""
         store = self._store
         if store.settings is not settings:
             # first use found settings made after Leases(app): nothing used the old store
@@ -242,9 +245,7 @@ class Leases:
         ttl = self._ttl(ttl)
         _check_wait(wait)
         ident = current_identity(settings.node)
-        store = self._store
-        if store.settings is not settings:
-            store = self.store
+        store = self._store_for(settings)
         started = time.monotonic()
         try:
             granted = store.acquire(wants, ident, ttl, wait, task_id)
