@@ -179,11 +179,7 @@ class GrantBook:
 
     def hold(self, owner: str, key: str, token: int) -> None:
         """``token`` was returned to a caller: it is a live lease of this process."""
-        with self._lock:
-            slot = self._slots.get((owner, key))
-            if slot is None:
-                slot = self._slots[(owner, key)] = _Slot()
-            slot.tokens.add(token)
+        self.granted(owner, [key], [token], ended=False)
 
     def drop(self, owner: str, key: str, token: int) -> None:
         """The lease of ``token`` is being released (or was never kept)."""
