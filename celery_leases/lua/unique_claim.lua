@@ -16,9 +16,7 @@
 --         {0, holder, pttl}   held by another: holder "<token> <owner>" (owner "%queued/<task>"
 --                             while queued), pttl ms until it runs out unless renewed (-1: never)
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local now, now_us, now_text = clock_of(redis.call('TIME'))
 local function num(x) return string.format('%.0f', x) end
 local mine = '%queued/' .. ARGV[1]
 local ttl = tonumber(ARGV[2])
@@ -51,7 +49,7 @@ if current then
 end
 
 -- a fencing token as acquire.lua makes them: above every earlier one, at least the clock in us
-local token = next_token(KEYS[2], now_us, ARGV[3])
-redis.call('SET', KEYS[1], num(token) .. ' ' .. mine, 'PX', ttl)
+local token, text = next_token(KEYS[2], now_us, now_text, ARGV[3])
+redis.call('SET', KEYS[1], (text or num(token)) .. ' ' .. mine, 'PX', ttl)
 index(now + ttl)
 return {1, token}

@@ -20,9 +20,7 @@
 --                             queued), pttl ms until it runs out unless renewed (-1: never)
 --         {-1, wait_ms}       restart grace: Redis restarted or failed over (see above)
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local now, now_us, now_text = clock_of(redis.call('TIME'))
 local owner, grace = ARGV[1], tonumber(ARGV[3])
 local function num(x) return string.format('%.0f', x) end
 
@@ -41,7 +39,7 @@ if current then
   end
 end
 
-local token = next_token(KEYS[4], now_us, ARGV[4])
+local token = next_token(KEYS[4], now_us, now_text, ARGV[4])
 if ARGV[4] == '0' then
   -- the queued claim's token, "<token> %queued/<task>": no counter holds it
   local queued = current and tonumber(string.match(current, '^%d+') or '0') or 0

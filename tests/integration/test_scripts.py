@@ -64,6 +64,16 @@ def test_script_load_of_every_file(leases_store: LeaseStore, leases_redis: redis
     assert leases_redis.script_exists(*shas.values()) == [True] * len(shas)
 
 
+def test_a_grant_token_text_is_the_clock_in_microseconds(leases_redis: redis.Redis):
+    """_tokens.lua puts the text of a token together from TIME's two strings (no format): the
+    microseconds are padded to six digits, or a token would read a thousand times too small."""
+    probe = shipped_lua_files()["_tokens"] + "\nreturn {clock_of({ARGV[1], ARGV[2]})}"
+    for usec in ("0", "7", "4372", "99999", "100000", "999999"):
+        ms, us, text = leases_redis.eval(probe, 0, "1796186147", usec)
+        assert text == str(1796186147 * 1_000_000 + int(usec))
+        assert (ms, us) == (1796186147_000 + int(usec) // 1000, int(text))
+
+
 def _store_on(url: str, prefix: str) -> LeaseStore:
     return LeaseStore(resolve_settings(None, redis_url=url, key_prefix=prefix))
 
