@@ -5,6 +5,12 @@ by a release at once (no polling), and by the blocking holder's expiry at the la
 keep their connections: opening one costs redis-py's handshake (several round trips), which
 a waiter would otherwise pay on every wait. (The asyncio driver has one subscriber per
 event loop, ``_astore._Subscriber``.)
+
+A waiter that got its grant hands its connection to a returner thread, which sends the
+UNSUBSCRIBE and puts the connection back among the idle ones: the waiter's caller runs on at
+once. On this VM that write and redis-py's pub/sub path around it cost about 0.3 ms, a sixth
+of a handoff (docs/benchmarks.md, part (b)). It is not skipped: left subscribed, an idle
+connection would receive every later release of those resources.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Final
 
@@ -34,6 +41,9 @@ class Subscribers:
         self._lock = threading.Lock()
         self._idle: list[redis.client.PubSub] = []
         self._pid = os.getpid()
+        # the thread that sends the UNSUBSCRIBE of waiters that are done (None: not started
+        # in this process; a forked child starts its own)
+        self._returner: _Returner | None = None
 
     def wait(self, channels: list[str], attempt: Callable[[], float | None]) -> None:
         """Subscribe to ``channels``, then call ``attempt`` until it returns None.
@@ -52,17 +62,30 @@ class Subscribers:
             healthy = True
         finally:
             if healthy:
-                self._give_back(pubsub, channels)
+                self._give_back_later(pubsub, channels)
             else:
                 pubsub.close()
 
     def close(self) -> None:
-        """Close this process's idle subscriber connections."""
+        """Close this process's idle subscriber connections, once its returner thread has
+        given back what it was handed."""
+        with self._lock:
+            returner, self._returner = self._returner, None
+        if returner is not None and returner.pid == os.getpid():
+            returner.stop(self._confirm_timeout)
         with self._lock:
             idle, self._idle = self._idle, []
         if self._pid == os.getpid():
             for pubsub in idle:
                 pubsub.close()
+
+    def _give_back_later(self, pubsub: redis.client.PubSub, channels: list[str]) -> None:
+        """Hand ``pubsub`` to the returner thread (started on first use in this process)."""
+        with self._lock:
+            returner = self._returner
+            if returner is None or returner.pid != os.getpid():
+                returner = self._returner = _Returner(self._give_back)
+        returner.put((pubsub, channels))
 
     def _take(self) -> redis.client.PubSub:
         """An idle subscriber connection of this process, or a new one.
@@ -105,3 +128,46 @@ class Subscribers:
             message = pubsub.get_message(timeout=left)
             if message is not None and message.get("type") == "subscribe":
                 waiting.discard(str(message.get("channel")))
+
+
+class _Returner:
+    """A thread that gives back the connections of waiters that are done (see the module
+    docstring), in the order they were handed to it, until stopped.
+
+    Made of threading's lock and condition, which eventlet and gevent turn green, so a
+    green worker's returner waits without blocking the hub.
+    """
+
+    def __init__(self, give_back: Callable[[redis.client.PubSub, list[str]], None]) -> None:
+        self.pid = os.getpid()
+        self._give_back = give_back
+        self._ready = threading.Condition()
+        self._items: deque[tuple[redis.client.PubSub, list[str]] | None] = deque()
+        self._thread = threading.Thread(
+            target=self._run, name="celery-leases-unsubscriber", daemon=True
+        )
+        self._thread.start()
+
+    def put(self, item: tuple[redis.client.PubSub, list[str]] | None) -> None:
+        with self._ready:
+            self._items.append(item)
+            self._ready.notify()
+
+    def stop(self, timeout: float) -> None:
+        """Give back what was handed so far, then end (waits up to ``timeout`` seconds)."""
+        self.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._items:
+                    self._ready.wait()
+                item = self._items.popleft()
+            if item is None:
+                return
+            pubsub, channels = item
+            try:
+                self._give_back(pubsub, channels)
+            except Exception:  # one connection's trouble must not stop the others' return
+                pubsub.close()

@@ -113,6 +113,59 @@ def test_a_waiter_is_woken_by_the_release(leases: Leases, leases_redis):
     assert waiter.granted_at - released_at < remaining / 2
 
 
+def test_a_woken_waiter_runs_on_before_its_unsubscribe_is_sent(
+    leases: Leases, leases_redis, monkeypatch
+):
+    """The UNSUBSCRIBE of a waiter that got its grant is sent by the returner thread: held
+    back here, the waiter still returns with its lease, and the connection is unsubscribed
+    once the returner runs (not left to receive every later release of the resource)."""
+    gate = threading.Event()
+    unsubscribe = redis.client.PubSub.unsubscribe
+
+    def held_back(pubsub: redis.client.PubSub, *channels: str) -> Any:
+        assert threading.current_thread().name == "celery-leases-unsubscriber"
+        gate.wait(30)
+        return unsubscribe(pubsub, *channels)
+
+    monkeypatch.setattr(redis.client.PubSub, "unsubscribe", held_back)
+    holder = Identity("holder", "inc", 1)
+    held = leases.store.try_acquire([Want("r")], holder, 10.0)
+    assert isinstance(held, list)
+    waiter = Waiter(leases, "r", wait=20.0)
+    waiter.start()
+    try:
+        poll(lambda: subscribers(leases_redis, leases, "r"), 10, "the waiter to subscribe")
+        assert leases.store.release(held) == [True]
+        waiter.finish(15)
+        assert waiter.error is None
+        assert waiter.got == ["r"]
+        assert subscribers(leases_redis, leases, "r") == 1  # its UNSUBSCRIBE is held back
+    finally:
+        gate.set()
+    poll(lambda: subscribers(leases_redis, leases, "r") == 0, 10, "the returner's unsubscribe")
+
+
+def test_closing_a_store_ends_its_unsubscriber_thread(make_leases, leases_redis):
+    leases = make_leases()
+    holder = Identity("holder", "inc", 1)
+    held = leases.store.try_acquire([Want("r")], holder, 10.0)
+    assert isinstance(held, list)
+    waiter = Waiter(leases, "r", wait=20.0)
+    waiter.start()
+    poll(lambda: subscribers(leases_redis, leases, "r"), 10, "the waiter to subscribe")
+    assert leases.store.release(held) == [True]
+    waiter.finish(15)
+    assert waiter.error is None
+
+    returner = leases.store._subscribers._returner
+    assert returner is not None
+    thread = returner._thread
+    assert thread.name == "celery-leases-unsubscriber"
+    leases.store.close()
+    poll(lambda: not thread.is_alive(), 10, "the unsubscriber thread to end")
+    assert subscribers(leases_redis, leases, "r") == 0
+
+
 def test_a_waiter_gets_the_lease_of_a_killed_holder_after_its_ttl(leases: Leases, leases_redis):
     ttl = 1.0
     child = textwrap.dedent(
