@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -195,3 +196,23 @@ def test_memory_bench_tiny(tmp_path: Path) -> None:
     assert "## Memory left behind" in docs.read_text()
     titles = svg_titles(tmp_path / "bench-memory.svg")
     assert any("memory left per distinct resource" in t for t in titles)
+
+
+def test_server_cost_bench_tiny(tmp_path: Path) -> None:
+    if shutil.which("valgrind") is None:
+        pytest.skip("no valgrind: the server cost benchmark runs redis-server under callgrind")
+    docs = tmp_path / "benchmarks.md"
+    out = run_bench(
+        "server_cost", "--cycles", "40", "--out-dir", str(tmp_path), "--docs", str(docs)
+    )
+    data: dict[str, Any] = json.loads((tmp_path / "server_cost.json").read_text())
+    per_cycle = data["instructions_per_cycle"]
+    assert sorted(per_cycle) == sorted(
+        ["floor", "shipped", "calls", "no_grace", "no_counter", "no_registry", "no_home",
+         "no_queue", "no_publish"]
+    )  # fmt: skip
+    # at this size only the large differences are sure (the Lua GC steps every 50 scripts):
+    # the calls alone cost more than the floor's whole cycle, the scripts' work more again
+    assert per_cycle["floor"] < per_cycle["calls"] < per_cycle["shipped"]
+    assert "hold(): acquire.lua + release.lua" in out
+    assert "## Server work of a hold() cycle" in docs.read_text()
