@@ -1,7 +1,7 @@
 """Server cost benchmark: where the Redis server's work in one hold() cycle goes, part by part.
 
-    python -m bench.server_cost              # about 2 min on 2 cores; needs valgrind
-    python -m bench.server_cost --quick      # about 1 min
+    python -m bench.server_cost              # about 80 s on 2 cores; needs valgrind
+    python -m bench.server_cost --quick      # about 70 s
     python -m bench.server_cost --help
 
 It is a measurement, not a test: it prints what it measured and exits 0 (1 without valgrind).
@@ -30,7 +30,6 @@ import contextlib
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -47,21 +46,19 @@ from celery_leases import _grants, _scripts
 from celery_leases._engine import LeaseEngine
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
+from celery_leases._redis_server import free_port
 from celery_leases._registry import Entry
 from celery_leases.config import resolve_settings
 from tests.support.servers import ensure_server_binary
 
 from ._common import Row, render_markdown, render_text, replace_section, write_json, write_text
+from .engine import COMPARE_AND_DELETE
 
 __all__ = ("main",)
 
 HEADING: Final = "## Server work of a hold() cycle"
 RESULTS: Final = Path(__file__).parent / "results"
 DOCS: Final = Path(__file__).parents[1] / "docs" / "benchmarks.md"
-FLOOR_RELEASE: Final = (
-    "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) "
-    "else return 0 end"
-)
 
 
 @dataclass(frozen=True)
@@ -86,7 +83,7 @@ def contenders() -> list[Contender]:
     queue_check = "redis.call('EXISTS', xkey, skey, wkey)"
     wake = "if wake_head(wkey, ekey, clock, wprefix, trust, nil, token) == 0 then"
     return [
-        Contender("floor", "raw floor (SET NX PX + CAD script)", "", FLOOR_RELEASE),
+        Contender("floor", "raw floor (SET NX PX + CAD script)", "", COMPARE_AND_DELETE),
         Contender("shipped", "hold(): acquire.lua + release.lua", a, r),
         Contender("calls", "the two calls, bodies that only return", "return {1, 1}", "return {1}"),
         Contender("no_grace", "without the restart check (GET)", a, r, grace=False),
@@ -120,12 +117,6 @@ def contenders() -> list[Contender]:
             without(r, "redis.call('PUBLISH', channel, token)", ""),
         ),
     ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cycles_runner(contender: Contender, prefix: str) -> Callable[[redis.Redis, int], None]:
