@@ -45,7 +45,7 @@ local function lifetime_wait(key, now, kept_ms, empty_ms, check, known)
   local identity = known.identity
   local until_ms
   if not record then
-    until_ms = now + empty_ms
+    until_ms = now + tonumber(empty_ms)  -- a number, or its text as a script got it
   else
     local old_until, old_identity = string.match(record, '^(%d+) (%S+)$')
     old_until = tonumber(old_until) or 0

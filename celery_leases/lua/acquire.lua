@@ -49,7 +49,7 @@ local home = ARGV[4] == '1'
 local function num(x) return string.format('%.0f', x) end
 
 if ARGV[3] ~= '-1' then
-  local wait = lifetime_wait(KEYS[1], now, 0, tonumber(ARGV[3]), false, nil)
+  local wait = lifetime_wait(KEYS[1], now, 0, ARGV[3], false, nil)
   if wait > 0 then
     return {-1, wait}
   end

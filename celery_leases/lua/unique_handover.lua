@@ -45,9 +45,10 @@ if ARGV[4] == '0' then
   local queued = current and tonumber(string.match(current, '^%d+') or '0') or 0
   token = math.max(token, queued + 1)
 end
-redis.call('SET', KEYS[3], num(token) .. ' ' .. owner, 'PX', ARGV[2])
+local text = num(token)
+redis.call('SET', KEYS[3], text .. ' ' .. owner, 'PX', ARGV[2])
 -- the registry entry, as acquire.lua writes it: "x <token> <task> <resource>"
-redis.call('SADD', KEYS[2], 'x ' .. num(token) .. ' ' .. ARGV[6] .. ' ' .. ARGV[7])
+redis.call('SADD', KEYS[2], 'x ' .. text .. ' ' .. ARGV[6] .. ' ' .. ARGV[7])
 if ARGV[5] ~= '0' then
   redis.call('PEXPIRE', KEYS[2], ARGV[5])
 end
