@@ -281,7 +281,7 @@ class _Subscriber:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
         with contextlib.suppress(RedisError, OSError):
-            await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+            await self._pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
 
 
 @dataclass

@@ -94,7 +94,7 @@ def parse_target(url: str) -> RedisTarget:
 
 def _redis_py_options(url: str) -> dict[str, Any]:
     try:
-        return dict(parse_url(url))  # type: ignore[no-untyped-call]
+        return dict(parse_url(url))  # type: ignore[no-untyped-call, unused-ignore]
     except ValueError as exc:
         if "Port" in str(exc):  # urllib's message quotes the port, which may be a password piece
             msg = "its port is not a number (percent-encode / ? # @ in a password)"

@@ -97,14 +97,14 @@ class Subscribers:
         with self._lock:
             if self._pid == os.getpid() and self._idle:
                 return self._idle.pop()
-        pubsub: redis.client.PubSub = client.pubsub()  # type: ignore[no-untyped-call]
+        pubsub: redis.client.PubSub = client.pubsub()  # type: ignore[no-untyped-call, unused-ignore]
         return pubsub
 
     def _give_back(self, pubsub: redis.client.PubSub, channels: list[str]) -> None:
         # UNSUBSCRIBE is sent, not waited for: its confirmations (and any late message) are
         # skipped by the next waiter's _await_subscribed
         try:
-            pubsub.unsubscribe(*channels)  # type: ignore[no-untyped-call]
+            pubsub.unsubscribe(*channels)  # type: ignore[no-untyped-call, unused-ignore]
         except RedisError:
             pubsub.close()
             return

@@ -614,7 +614,7 @@ def _url_problem(url: str) -> str | None:
     try:
         target = parse_target(url)
         if target.kind == "single":
-            kwargs: dict[str, Any] = parse_url(url)  # type: ignore[no-untyped-call]
+            kwargs: dict[str, Any] = parse_url(url)  # type: ignore[no-untyped-call, unused-ignore]
         else:  # the options of the master's or the nodes' connections
             kwargs = _with_connection_class(target.options)
     except ValueError:

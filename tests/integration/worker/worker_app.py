@@ -199,10 +199,11 @@ def logged(rid: str, seconds: float = 5.0) -> str:
     leases=["multi:{a}", Shared("shared:{b}"), Shared("limited:{c}", limit=2)],
 )
 def multi(a: str, b: str, c: str = "x", seconds: float = 0.0) -> dict[str, Any]:
+    if seconds:
+        time.sleep(seconds)
     return {
         "pid": os.getpid(),
         "leases": [[lease.resource, lease.token, lease.shared] for lease in current_leases()],
-        "slept": seconds and time.sleep(seconds),
     }
 
 
@@ -260,7 +261,7 @@ def _trace_reconcile(pause: float) -> None:
         return outcome
 
     store.reconcile = reconcile  # type: ignore[method-assign]
-    store.try_acquire = try_acquire  # type: ignore[method-assign]
+    store.try_acquire = try_acquire  # type: ignore[method-assign, assignment, unused-ignore]
 
 
 if os.environ.get("LEASES_TEST_TRACE_RECONCILE"):
