@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 from contextlib import suppress
 from typing import Any, Final
 
-from redis.connection import HiredisRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -55,19 +54,16 @@ _UTF8: Final = frozenset({"utf-8", "utf8", "UTF-8"})
 
 def pack(conn: Any, words: Sequence[Any]) -> list[bytes]:
     """``words`` packed for ``conn`` (a sync or an asyncio connection, the lanes of both
-    drivers): by hiredis if there (our words are str and int, which it packs as redis-py
-    does, utf-8), else by :func:`_packed`, else by redis-py."""
+    drivers), as redis-py packs them: by hiredis if there, else by :func:`_packed`, when the
+    connection's encoding is strict utf-8 (our words are str and int, which both pack as
+    redis-py does); any other encoding by redis-py itself (whose hiredis packer took no
+    encoding before redis-py 8.2 and takes it since: only redis-py knows)."""
     encoder = conn.encoder
-    utf8 = encoder.encoding in _UTF8 and encoder.encoding_errors == "strict"
-    # a sync connection with hiredis packs by hiredis (utf-8) whatever its encoding
-    if _hiredis_pack is not None and (utf8 or _packs_by_hiredis(conn)):
+    if encoder.encoding not in _UTF8 or encoder.encoding_errors != "strict":
+        return conn.pack_command(*words)  # type: ignore[no-any-return]
+    if _hiredis_pack is not None:
         return [_hiredis_pack(tuple(words))]
-    return _packed(words, encoder.encoding, encoder.encoding_errors) or conn.pack_command(*words)
-
-
-def _packs_by_hiredis(conn: Any) -> bool:
-    """True if redis-py itself packs ``conn``'s commands with hiredis."""
-    return isinstance(getattr(conn, "_command_packer", None), HiredisRespSerializer)
+    return _packed(words, "utf-8", "strict") or conn.pack_command(*words)
 
 
 def _packed(words: Sequence[Any], encoding: str, errors: str) -> list[bytes] | None:
