@@ -278,7 +278,7 @@ def _handover_attempt(
             return ClaimHolder(key, "grace", None, 0, None, home.wait)
     # the grant's record (its time, its registry expiry) as the acquire path makes it
     grant = acquire_call(engine, group, [want], ident, ttl, False, task_id)
-    now, registry_s = grant.now, grant.registry_s
+    now = grant.now
     keys = [
         engine.keys.lifetime(group),
         engine.registry_key(owner, group),
@@ -291,7 +291,7 @@ def _handover_attempt(
         engine.ms(ttl),
         engine.grace_ms,
         engine.token_memory_ms,
-        engine.ms(registry_s) if registry_s else 0,
+        grant.registry_arg,
         escape(task_id),
         resource,
     ]

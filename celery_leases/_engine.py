@@ -210,17 +210,21 @@ class LeaseEngine:
             time.monotonic() + self.horizon(ttl) < registered + self._ttl * self._margin
         )
 
-    def registry_expiry(self, owner: str, group: int, ttl: float, now: float) -> float:
-        """Seconds to (re)set the registry's expiry to, or 0 when it surely lives long enough.
+    def registry_expiry(self, owner: str, group: int, ttl: float, now: float) -> tuple[int, float]:
+        """A grant's registry expiry argument (lua/_registry.lua), and the seconds it sets.
 
         A registry must outlive every lease it records (2 x the longest TTL), so a cleanup can
         always find them; it is set to 4 x TTL, and not touched again while at least 2 x TTL is
-        left, which keeps the call off the hot path.
+        left, which keeps the call off the hot path. Then the argument is that time left,
+        negative: set only if the grant makes the registry anew (the release of the owner's
+        last lease in the group emptied it, and Redis deleted it with its expiry), which
+        makes the belief true again. Returns ``(argument in ms, seconds set or 0.0)``.
         """
         left = self.registry_until.get((owner, group), 0.0) - now
         if left >= 2 * ttl:
-            return 0.0
-        return max(4 * ttl, left)
+            return -self.ms(left), 0.0
+        seconds = max(4 * ttl, left)
+        return self.ms(seconds), seconds
 
     def check_replicated(self, acked: Any, what: str) -> None:
         """Raise ReplicaShortfall when WAIT's ``acked`` is below min_replicas."""

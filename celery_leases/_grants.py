@@ -83,6 +83,7 @@ class AcquireCall(NamedTuple):
     task_id: str | None
     now: float  # monotonic time the call was made
     registry_s: float  # registry expiry the call sets (0: none)
+    registry_arg: int  # its argument (engine.registry_expiry)
 
 
 class RenewPlan(NamedTuple):
@@ -503,7 +504,7 @@ def acquire_call(
     """The keys and arguments of one acquire.lua call (with a waiter's ``ticket``, or none)."""
     owner = ident.owner
     now = time.monotonic()
-    registry_s = engine.registry_expiry(owner, group, ttl, now) if wants else 0.0
+    registry_arg, registry_s = engine.registry_expiry(owner, group, ttl, now) if wants else (0, 0.0)
     keys = [engine.lifetime_key(group), engine.registry_key(owner, group)]
     args: list[Any] = [owner, engine.ms(ttl), engine.grace_ms]
     home = home and group == 0
@@ -514,7 +515,7 @@ def acquire_call(
         args += ["0", "0", ""]
     args += [
         engine.token_memory_ms,
-        engine.ms(registry_s) if registry_s else 0,
+        registry_arg,
         escape(task_id) if task_id else "-",
         ticket.id if ticket is not None else "",
         engine.waiter_prefix,
@@ -531,7 +532,9 @@ def acquire_call(
         for w in wants:
             rk = engine.resource_keys(w.resource)
             keys += (rk.history, rk.record)
-    return AcquireCall(keys, args, group, wants, owner, ttl, home, task_id, now, registry_s)
+    return AcquireCall(
+        keys, args, group, wants, owner, ttl, home, task_id, now, registry_s, registry_arg
+    )
 
 
 def acquire_outcome(

@@ -138,15 +138,14 @@ def _with_lifetime(name: str, *more: str) -> str:
 
 def _with(name: str, *parts: str) -> str:
     """The script ``name`` with the shared code of ``parts`` (``_lifetime``, ``_waiters``,
-    ``_tokens``)
-    put in after its header comment, in that order."""
+    ``_tokens``, ``_registry``) put in after its header comment, in that order."""
     lines = _read(name).splitlines(keepends=True)
     code = next(i for i, line in enumerate(lines) if line.strip() and not line.startswith("--"))
     shared = "".join(_read(part) for part in parts)
     return "".join(lines[:code]) + shared + "".join(lines[code:])
 
 
-ACQUIRE: Final = _with_lifetime("acquire", "_waiters", "_tokens")
+ACQUIRE: Final = _with_lifetime("acquire", "_waiters", "_tokens", "_registry")
 RENEW: Final = _read("renew")
 RELEASE: Final = _with("release", "_waiters")
 LEAVE: Final = _with("leave", "_waiters")
@@ -155,7 +154,7 @@ FORGET_OWNER: Final = _read("forget_owner")
 COMMIT_RECEIPT: Final = _read("commit_receipt")
 BEAT_CLAIM: Final = _read("beat_claim")
 UNIQUE_CLAIM: Final = _with("unique_claim", "_tokens")
-UNIQUE_HANDOVER: Final = _with_lifetime("unique_handover", "_tokens")
+UNIQUE_HANDOVER: Final = _with_lifetime("unique_handover", "_tokens", "_registry")
 LIFETIME_CHECK: Final = _with_lifetime("lifetime_check")
 UNIQUE_REQUEUE: Final = _read("unique_requeue")
 UNIQUE_UNCLAIM: Final = _read("unique_unclaim")

@@ -16,7 +16,8 @@
 -- ARGV[7] token counter memory in milliseconds (the token_memory setting); "0": no counter
 --         is written (one left by a caller with a memory is still read), and a shared grant
 --         stays above the tokens of the live shared holders instead
--- ARGV[8] registry expiry to set in milliseconds (0: the caller knows it is long enough)
+-- ARGV[8] registry expiry in milliseconds: "<ms>" set, "-<ms>" set if this call made the
+--         registry, "0" none (see _registry.lua)
 -- ARGV[9] the holding task's id, escaped, or "-" (recorded in the registry for operators)
 -- ARGV[10] the waiter's ticket, or "" (no ticket: one try, or an attempt before it waits)
 -- ARGV[11] waiter channel prefix (a ticket's channel is the prefix and the ticket)
@@ -178,9 +179,7 @@ for i = 0, n - 1 do
 end
 
 -- the registry outlives every lease it records, so a cleanup always finds them
-if ARGV[8] ~= '0' then
-  redis.call('PEXPIRE', KEYS[2], ARGV[8])
-end
+keep_registry(KEYS[2], ARGV[8], n)
 if home then
   -- GT: a liveness only grows; a caller with a shorter one never cuts another's short.
   -- ZADD answers 1 only for an owner new to the index (its first grant, or one a reconcile

@@ -13,7 +13,8 @@
 --         restart_grace setting; -1: the record is not even read): see _lifetime.lua
 -- ARGV[4] token counter memory in milliseconds ("0": none is written, one left is still read,
 --         and the token stays above the queued claim's)
--- ARGV[5] registry expiry to set in milliseconds (0: the caller knows it is long enough)
+-- ARGV[5] registry expiry in milliseconds: "<ms>" set, "-<ms>" set if this call made the
+--         registry, "0" none (see _registry.lua)
 -- ARGV[6] task id, escaped   ARGV[7] claim resource name
 -- returns {1, token}          taken: it was queued for this task, or free
 --         {0, holder, pttl}   held by another: "<token> <owner>" ("%queued/<task>" while
@@ -49,8 +50,6 @@ local text = num(token)
 redis.call('SET', KEYS[3], text .. ' ' .. owner, 'PX', ARGV[2])
 -- the registry entry, as acquire.lua writes it: "x <token> <task> <resource>"
 redis.call('SADD', KEYS[2], 'x ' .. text .. ' ' .. ARGV[6] .. ' ' .. ARGV[7])
-if ARGV[5] ~= '0' then
-  redis.call('PEXPIRE', KEYS[2], ARGV[5])
-end
+keep_registry(KEYS[2], ARGV[5], 1)
 redis.call('ZREM', KEYS[5], ARGV[7])
 return {1, token}

@@ -69,3 +69,26 @@ def test_a_grant_outside_the_home_group_is_given_back_when_the_home_call_is_refu
     assert busy.value.resource == "(owner registration)"
     assert store.holders(name) == []
     assert store.entries(leases.identity().owner) == []
+
+
+def test_a_registry_made_anew_by_a_grant_gets_an_expiry(leases: Leases, leases_redis):
+    # t0 a grant sets the registry's expiry; t1 its release takes the last entry, so Redis
+    # deletes the set; t2 the next grant makes it anew while the process still counts on the
+    # expiry of t0: without one, a crash would leave the registry for good
+    registry = leases.store.keys.registry(leases.identity().owner, 0)
+    with leases.hold("first"):
+        first = leases_redis.pttl(registry)
+    assert first > 0
+    assert not leases_redis.exists(registry)
+    with leases.hold("second"):
+        again = leases_redis.pttl(registry)
+    assert again > 0, f"the registry made anew has no expiry (PTTL {again})"
+
+
+def test_a_registry_that_lives_on_keeps_its_expiry(leases: Leases, leases_redis):
+    # the expiry is set once while enough of it is left: later grants leave it alone
+    registry = leases.store.keys.registry(leases.identity().owner, 0)
+    with leases.hold("kept"):
+        leases_redis.pexpire(registry, 10**9)
+        with leases.hold("beside"):
+            assert leases_redis.pttl(registry) > 10**9 - 60_000

@@ -31,9 +31,9 @@ def test_every_lua_file_is_a_script_constant():
     assert set(scripts) == set(_scripts.ALL)
     # the fragments each script has put in after its header, in that order
     fragments = {
-        "acquire": ["_lifetime", "_waiters", "_tokens"],
+        "acquire": ["_lifetime", "_waiters", "_tokens", "_registry"],
         "unique_claim": ["_tokens"],
-        "unique_handover": ["_lifetime", "_tokens"],
+        "unique_handover": ["_lifetime", "_tokens", "_registry"],
         "lifetime_check": ["_lifetime"],
         "release": ["_waiters"],
         "leave": ["_waiters"],
