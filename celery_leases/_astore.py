@@ -340,7 +340,7 @@ class _Lane:
     async def call(self, words: Sequence[Any]) -> Any:
         """Send one command down the lane and read its reply (the caller set ``busy``)."""
         conn = self.conn
-        if conn.is_connected and await conn.can_read():
+        if conn.is_connected and await self._stale(conn):
             # closed by the server (its EOF was seen), or a reply nobody read: start afresh
             await conn.disconnect()
         if not conn.is_connected:
@@ -357,6 +357,15 @@ class _Lane:
         except TimeoutError:  # asyncio's, on 3.11 and later
             await conn.disconnect(nowait=True)  # the reply may still come: never read it
             raise RedisTimeoutError(f"Timeout reading from {where(conn)}") from None
+
+    @staticmethod
+    async def _stale(conn: Any) -> bool:
+        """True if ``conn`` has something to read before a call: a reply nobody read, or
+        the server's EOF (which redis-py 8.2 and later raise as a ConnectionError)."""
+        try:
+            return bool(await conn.can_read())
+        except (RedisConnectionError, OSError):
+            return True
 
     async def aclose(self) -> None:
         with contextlib.suppress(RedisError, OSError):
