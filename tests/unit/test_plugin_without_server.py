@@ -31,7 +31,13 @@ def test_session_server(leases_redis_url):
 def _run(tmp_path: Path, *, ci: bool) -> subprocess.CompletedProcess[str]:
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_users.py").write_text(TESTS)
-    env = {k: v for k, v in os.environ.items() if k not in ("CI", "CELERY_LEASES_TEST_REDIS_URL")}
+    # the inner run is a user's plain one: not CI, no Redis, none of this run's pytest
+    # settings (PYTEST_ADDOPTS, an xdist worker's PYTEST_XDIST_*)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("CI", "CELERY_LEASES_TEST_REDIS_URL") and not k.startswith("PYTEST_")
+    }
     if ci:
         env["CI"] = "1"
     return subprocess.run(
