@@ -2,7 +2,10 @@
 
 The database is the sqlite file ``LEASES_BEAT_DJANGO_DB``, shared by the replicas of a test
 (migrated once before they start, in WAL mode; a busy writer makes the others wait up to
-``timeout`` seconds instead of failing with "database is locked").
+``timeout`` seconds instead of failing with "database is locked"). Transactions begin
+IMMEDIATE: a deferred one (django-celery-beat's ``update_or_create`` of an entry at start-up
+reads, then writes) fails at once with "database is locked" when another replica wrote in
+between, without waiting: a replica then ran without the entry (seen under load).
 """
 
 from __future__ import annotations
@@ -18,6 +21,6 @@ DATABASES = {
     "default": {
         "ENGINE": "django.db.backends.sqlite3",
         "NAME": os.environ.get("LEASES_BEAT_DJANGO_DB", ":memory:"),
-        "OPTIONS": {"timeout": 20},
+        "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"},
     }
 }
