@@ -265,3 +265,57 @@ def test_a_waiting_list_holds_none_of_its_members(leases: Leases, leases_redis):
     waiter.finish(10)
     assert waiter.error is None
     assert waiter.got == ["a", "b", "c"]
+
+
+def test_a_woken_waiter_skips_redis_pys_message_parsing(leases: Leases, leases_redis, monkeypatch):
+    """On a plain socket read with hiredis, the wait reads its wake-up past redis-py's
+    get_message (see _lanes.skip_replies), and still wakes on the release."""
+    kinds: list[str] = []  # of the messages redis-py's get_message returned
+    get_message = redis.client.PubSub.get_message
+
+    def counted(pubsub: redis.client.PubSub, *args: Any, **kwargs: Any) -> Any:
+        message = get_message(pubsub, *args, **kwargs)
+        if message is not None:
+            kinds.append(message["type"])
+        return message
+
+    monkeypatch.setattr(redis.client.PubSub, "get_message", counted)
+    holder = Identity("holder", "inc", 1)
+    held = leases.store.try_acquire([Want("r")], holder, 30.0)
+    assert isinstance(held, list)
+    waiter = Waiter(leases, "r", wait=20.0)
+    waiter.start()
+    poll(lambda: subscribers(leases_redis, leases, "r"), 10, "the waiter to subscribe")
+    released_at = time.monotonic()
+    assert leases.store.release(held) == [True]
+    waiter.finish(15)
+    assert waiter.error is None
+    assert waiter.granted_at is not None
+    assert waiter.granted_at - released_at < 10  # woken, not the holder's expiry (30 s)
+    assert "subscribe" in kinds  # the SUBSCRIBE's confirmations: read by redis-py
+    assert "message" not in kinds  # the wake-up: not
+
+
+def test_a_killed_subscriber_connection_strands_no_waiter(make_leases, make_redis_server):
+    """The waiter's pub/sub connection is killed while it waits: redis-py's path connects
+    and subscribes again, and the release still wakes it, long before the holder's expiry."""
+    server = make_redis_server()
+    leases = make_leases(redis_url=server.url)
+    admin = redis.Redis.from_url(server.url, decode_responses=True)
+    try:
+        holder = Identity("holder", "inc", 1)
+        held = leases.store.try_acquire([Want("r")], holder, 60.0)
+        assert isinstance(held, list)
+        waiter = Waiter(leases, "r", wait=40.0)
+        waiter.start()
+        poll(lambda: subscribers(admin, leases, "r") == 1, 10, "the waiter to subscribe")
+        assert admin.client_kill_filter(_type="pubsub") == 1
+        poll(lambda: subscribers(admin, leases, "r") == 1, 20, "the waiter to subscribe again")
+        released_at = time.monotonic()
+        assert leases.store.release(held) == [True]
+        waiter.finish(30)
+    finally:
+        admin.close()
+    assert waiter.error is None
+    assert waiter.granted_at is not None
+    assert waiter.granted_at - released_at < 20  # woken, not the holder's expiry (60 s)
