@@ -19,7 +19,7 @@ from . import _grants
 from ._engine import LeaseEngine
 from ._keys import escaped_node_of_owner, node_of_owner, split_owner
 from ._protocol import Command, Script, Steps, clock_us, pairs
-from ._registry import Entry, parse_entry
+from ._registry import KEEPER, Entry, parse_entry
 from .exceptions import LeaseBackendError
 
 __all__ = (
@@ -99,18 +99,26 @@ def cleanup_owner(
     report = CleanupReport(owners=[owner])
     spared = False
     for group in range(engine.settings.slot_groups):
-        read = Command(("SMEMBERS", keys.registry(owner, group)))
-        (members,) = yield from engine.send("read an owner registry", [read])
+        registry = keys.registry(owner, group)
+        (members,) = yield from engine.send(
+            "read an owner registry", [Command(("SMEMBERS", registry))]
+        )
         before = granted_before_us
         if before is not None and clock_offsets_us is not None:
             before += clock_offsets_us[group]
         entries: list[Entry] = []
-        for member in sorted(str(m) for m in members or ()):
+        names = sorted(str(m) for m in members or ())
+        left = 0  # members that stay: unreadable entries, and leases granted after `before`
+        for member in names:
+            if member == KEEPER:
+                continue
             parsed = parse_entry(member)
             if parsed is None:
                 report.kept.append((owner, member))
+                left += 1
             elif before is not None and parsed.token >= before:
                 spared = True
+                left += 1
             else:
                 entries.append(parsed)
         # in batches, so that a dead owner of thousands of leases never blocks Redis long
@@ -125,6 +133,12 @@ def cleanup_owner(
                     report.freed.append((owner, entry))
                 else:
                     report.expired += 1
+        if not left and KEEPER in names:
+            # nothing left but the registry's keeper (see lua/_registry.lua): let the set go
+            # (a grant of the owner in between keeps its entry, and makes the set anew with
+            # its expiry if this took the last member)
+            drop = Command(("SREM", registry, KEEPER))
+            yield from engine.send("drop an emptied registry", [drop])
     if not report.kept and not spared:
         node = node_of_owner(owner)
         forget = Script(

@@ -2,9 +2,10 @@
 
 An owner's registry (one set per slot group) lists what it holds, one entry per lease:
 ``"<mode> <token> <task id or -> <resource>"`` (acquire.lua writes it, release.lua and the
-cleanups remove it). An exclusive lease key's value is ``"<token> <owner id>"``, or, for a
-queued unique claim, ``"<token> %queued/<escaped task id>"``. This module reads and writes
-those texts, and nothing else does. No I/O.
+cleanups remove it), and the member ``"~"`` (:data:`KEEPER`), which keeps the set and its
+expiry while the owner holds nothing (see lua/_registry.lua). An exclusive lease key's value
+is ``"<token> <owner id>"``, or, for a queued unique claim, ``"<token> %queued/<escaped task
+id>"``. This module reads and writes those texts, and nothing else does. No I/O.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from ._lease import Held
 
 __all__ = (
+    "KEEPER",
     "QUEUED_OWNER",
     "Entry",
     "counted_held",
@@ -26,6 +28,11 @@ __all__ = (
     "split_holder",
     "task_in_registry",
 )
+
+#: the member of every registry that is no entry: it keeps the set, and its expiry, through
+#: the releases of all the owner's leases (lua/_registry.lua); a cleanup that emptied the
+#: registry removes it
+KEEPER: Final = "~"
 
 #: the owner part of a queued claim's value: "%queued/<escaped task id>". No owner id starts
 #: so: an owner id starts with an escaped node name, where "%" is always followed by hex.

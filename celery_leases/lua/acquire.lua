@@ -17,7 +17,7 @@
 --         is written (one left by a caller with a memory is still read), and a shared grant
 --         stays above the tokens of the live shared holders instead
 -- ARGV[8] registry expiry in milliseconds: "<ms>" set, "-<ms>" set if this call made the
---         registry, "0" none (see _registry.lua)
+--         registry, "0" none (see _registry.lua, which also says what its member "~" is)
 -- ARGV[9] the holding task's id, escaped, or "-" (recorded in the registry for operators)
 -- ARGV[10] the waiter's ticket, or "" (no ticket: one try, or an attempt before it waits)
 -- ARGV[11] waiter channel prefix (a ticket's channel is the prefix and the ticket)
@@ -133,6 +133,7 @@ end
 
 -- second pass: grant them all
 local tokens = {1}
+local entries = {}
 for i = 0, n - 1 do
   local xkey, skey, ckey = KEYS[h + 5 * i + 1], KEYS[h + 5 * i + 2], KEYS[h + 5 * i + 3]
   local mode, resource = ARGV[a + 3 * i + 1], ARGV[a + 3 * i + 3]
@@ -159,7 +160,7 @@ for i = 0, n - 1 do
   end
   -- the registry entry: "<mode> <token> <task> <resource>" (the resource last: it may hold spaces)
   local entry = mode .. ' ' .. text .. ' ' .. ARGV[9] .. ' ' .. resource
-  redis.call('SADD', KEYS[2], entry)
+  entries[#entries + 1] = entry
   if hist ~= '0' then
     event(i, 'granted', entry, 'o', owner, 'ttl', ARGV[2])
     local rec = KEYS[hk + 2 * i + 3]
@@ -179,7 +180,7 @@ for i = 0, n - 1 do
 end
 
 -- the registry outlives every lease it records, so a cleanup always finds them
-keep_registry(KEYS[2], ARGV[8], n)
+record_grants(KEYS[2], entries, ARGV[8])
 if home then
   -- GT: a liveness only grows; a caller with a shorter one never cuts another's short.
   -- ZADD answers 1 only for an owner new to the index (its first grant, or one a reconcile

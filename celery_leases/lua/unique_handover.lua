@@ -49,7 +49,6 @@ end
 local text = num(token)
 redis.call('SET', KEYS[3], text .. ' ' .. owner, 'PX', ARGV[2])
 -- the registry entry, as acquire.lua writes it: "x <token> <task> <resource>"
-redis.call('SADD', KEYS[2], 'x ' .. text .. ' ' .. ARGV[6] .. ' ' .. ARGV[7])
-keep_registry(KEYS[2], ARGV[5], 1)
+record_grants(KEYS[2], {'x ' .. text .. ' ' .. ARGV[6] .. ' ' .. ARGV[7]}, ARGV[5])
 redis.call('ZREM', KEYS[5], ARGV[7])
 return {1, token}

@@ -24,6 +24,7 @@ import redis
 from celery_leases import LeaseBusy, LeaseConfigError, LeaseLost, Leases, Shared
 from celery_leases._aheartbeat import loop_heartbeat
 from celery_leases._lease import Want
+from celery_leases._registry import KEEPER
 from tests.support.lifetimes import mark_up
 
 pytestmark = pytest.mark.asyncio
@@ -64,9 +65,10 @@ async def aleases(make_aleases: MakeLeases) -> Leases:
 
 
 def registry(client: redis.Redis, leases: Leases) -> set[str]:
-    """The entries of the calling process's owner registry (slot group 0)."""
+    """The entries of the calling process's owner registry (slot group 0), without its
+    keeper ("~", no entry: see lua/_registry.lua)."""
     key = leases.store.keys.registry(leases.identity().owner, 0)
-    return {str(m) for m in client.smembers(key)}
+    return {str(m) for m in client.smembers(key)} - {KEEPER}
 
 
 def subscribers(client: redis.Redis, leases: Leases, resource: str) -> int:

@@ -35,7 +35,8 @@ def test_unreadable_entries_are_kept_and_reported(leases: Leases, leases_redis):
 
     assert report.released == [(owner, "r")]
     assert sorted(entry for _, entry in report.kept) == ["garbage entry", "x notanumber - r2"]
-    assert leases_redis.smembers(registry) == {"garbage entry", "x notanumber - r2"}
+    # with what it keeps, the registry keeps its keeper "~" too (see lua/_registry.lua)
+    assert leases_redis.smembers(registry) == {"garbage entry", "x notanumber - r2", "~"}
     # kept entries keep the owner registered, so a later pass can look again
     assert owner in store.node_owners(leases.identity().node)
     assert store.holders("r") == []
@@ -71,15 +72,28 @@ def test_a_grant_outside_the_home_group_is_given_back_when_the_home_call_is_refu
     assert store.entries(leases.identity().owner) == []
 
 
-def test_a_registry_made_anew_by_a_grant_gets_an_expiry(leases: Leases, leases_redis):
-    # t0 a grant sets the registry's expiry; t1 its release takes the last entry, so Redis
-    # deletes the set; t2 the next grant makes it anew while the process still counts on the
-    # expiry of t0: without one, a crash would leave the registry for good
+def test_a_registry_outlives_the_release_of_its_last_entry(leases: Leases, leases_redis):
+    # t0 a grant sets the registry's expiry; t1 its release takes the last entry. Without its
+    # keeper "~" the set went then, with its expiry, and t2 the next grant made it anew without
+    # one while the process still counted on the expiry of t0: a crash then left it for good
     registry = leases.store.keys.registry(leases.identity().owner, 0)
     with leases.hold("first"):
         first = leases_redis.pttl(registry)
     assert first > 0
-    assert not leases_redis.exists(registry)
+    assert leases_redis.smembers(registry) == {"~"}
+    assert 0 < leases_redis.pttl(registry) <= first
+    with leases.hold("second"):
+        again = leases_redis.pttl(registry)
+    assert 0 < again <= first
+
+
+def test_a_registry_made_anew_by_a_grant_gets_an_expiry(leases: Leases, leases_redis):
+    # the registry went while the process counts on its expiry (a cleanup that took every
+    # member, an operator): the next grant's SADD finds no keeper, and sets the expiry
+    registry = leases.store.keys.registry(leases.identity().owner, 0)
+    with leases.hold("first"):
+        pass
+    leases_redis.delete(registry)
     with leases.hold("second"):
         again = leases_redis.pttl(registry)
     assert again > 0, f"the registry made anew has no expiry (PTTL {again})"
@@ -92,3 +106,15 @@ def test_a_registry_that_lives_on_keeps_its_expiry(leases: Leases, leases_redis)
         leases_redis.pexpire(registry, 10**9)
         with leases.hold("beside"):
             assert leases_redis.pttl(registry) > 10**9 - 60_000
+
+
+def test_the_cleanup_of_a_dead_owner_removes_its_registry(make_leases, leases_redis):
+    leases = make_leases()
+    owner = leases.identity().owner
+    registry = leases.store.keys.registry(owner, 0)
+    (lease,) = leases.acquire([Want("r")])
+    report = leases.store.cleanup_owner(owner, dead=True)
+    assert report.released == [(owner, "r")]
+    assert report.kept == []  # the keeper "~" is no entry
+    assert not leases_redis.exists(registry)
+    leases.release([lease])  # freed by the cleanup already: nothing left to do

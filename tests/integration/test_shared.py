@@ -129,8 +129,8 @@ def test_all_or_nothing_across_slot_groups(make_leases, leases_redis):
             assert store.holders(name) == []
             xkey, skey, _ = resource_keys(store, name)
             assert leases_redis.exists(xkey, skey) == 0, name
-    for group in groups:
-        assert leases_redis.smembers(store.keys.registry(owner, group)) == set()
+    for group in groups:  # no entry left (its keeper "~" may stay: see lua/_registry.lua)
+        assert leases_redis.smembers(store.keys.registry(owner, group)) <= {"~"}
     store.release(blocker)
 
 

@@ -91,9 +91,11 @@ def test_exclusive_grant(
         assert 0 < leases_redis.pttl(exclusive) <= TTL_MS
         assert leases_redis.get(f"{{{p}:{g}}}:n:{ESCAPED}") == str(token)
 
-        # registry entry "<mode> <token> <escaped task id> <resource>": the resource unescaped
+        # registry entry "<mode> <token> <escaped task id> <resource>": the resource unescaped;
+        # and "~", which keeps the set and its expiry while the owner holds nothing
         registry = f"{{{p}:{g}}}:reg:{owner}"
-        assert leases_redis.smembers(registry) == {f"x {token} task%201/a {RESOURCE}"}
+        assert leases_redis.smembers(registry) == {f"x {token} task%201/a {RESOURCE}", "~"}
+        assert leases_redis.pttl(registry) > 2 * TTL_MS
 
         # the owners index, scored by the Redis time (ms) the owner's liveness runs out
         score = leases_redis.zscore(f"{{{p}:0}}:owners", owner)
@@ -110,7 +112,8 @@ def test_exclusive_grant(
     finally:
         ext.release([lease])
     assert leases_redis.exists(exclusive) == 0
-    assert leases_redis.smembers(registry) == set()
+    assert leases_redis.smembers(registry) == {"~"}
+    assert leases_redis.pttl(registry) > 2 * TTL_MS
 
 
 def test_shared_grant(
@@ -127,7 +130,7 @@ def test_shared_grant(
         assert token // 1000 + TTL_MS - 1 <= members[0][1] <= now_ms + TTL_MS
         assert leases_redis.get(f"{{{p}:{g}}}:n:{ESCAPED}") == str(token)
         registry = f"{{{p}:{g}}}:reg:{owner}"
-        assert leases_redis.smembers(registry) == {f"s {token} - {RESOURCE}"}
+        assert leases_redis.smembers(registry) == {f"s {token} - {RESOURCE}", "~"}
         assert leases_redis.exists(f"{{{p}:{g}}}:x:{ESCAPED}") == 0
 
 
