@@ -55,6 +55,19 @@ class Waiter(threading.Thread):
         assert not self.is_alive(), "the waiter never returned"
 
 
+def waiting_on_a_holder(
+    leases: Leases, client: redis.Redis, ttl: float, wait: float
+) -> tuple[list[Any], Waiter]:
+    """Another owner's lease on "r" with a fixed expiry of ``ttl`` (not renewed), and a
+    ``Waiter`` thread for it, subscribed to its release."""
+    held = leases.store.try_acquire([Want("r")], Identity("holder", "inc", 1), ttl)
+    assert isinstance(held, list)
+    waiter = Waiter(leases, "r", wait=wait)
+    waiter.start()
+    poll(lambda: subscribers(client, leases, "r") == 1, 10, "the waiter to subscribe")
+    return held, waiter
+
+
 def test_wait_zero_is_busy_at_once(leases: Leases, leases_redis):
     ttl = 30.0
     with leases.hold("r", ttl=ttl):
@@ -95,12 +108,7 @@ def test_wait_n_raises_after_about_n(leases: Leases):
 
 def test_a_waiter_is_woken_by_the_release(leases: Leases, leases_redis):
     ttl = 4.0
-    holder = Identity("holder", "inc", 1)
-    held = leases.store.try_acquire([Want("r")], holder, ttl)  # not renewed: a fixed expiry
-    assert isinstance(held, list)
-    waiter = Waiter(leases, "r", wait=3 * ttl)
-    waiter.start()
-    poll(lambda: subscribers(leases_redis, leases, "r"), ttl, "the waiter to subscribe")
+    held, waiter = waiting_on_a_holder(leases, leases_redis, ttl, wait=3 * ttl)
 
     remaining = leases_redis.pttl(leases.store.keys.exclusive("r")) / 1000
     released_at = time.monotonic()
@@ -128,13 +136,8 @@ def test_a_woken_waiter_runs_on_before_its_unsubscribe_is_sent(
         return unsubscribe(pubsub, *channels)
 
     monkeypatch.setattr(redis.client.PubSub, "unsubscribe", held_back)
-    holder = Identity("holder", "inc", 1)
-    held = leases.store.try_acquire([Want("r")], holder, 10.0)
-    assert isinstance(held, list)
-    waiter = Waiter(leases, "r", wait=20.0)
-    waiter.start()
     try:
-        poll(lambda: subscribers(leases_redis, leases, "r"), 10, "the waiter to subscribe")
+        held, waiter = waiting_on_a_holder(leases, leases_redis, 10.0, wait=20.0)
         assert leases.store.release(held) == [True]
         waiter.finish(15)
         assert waiter.error is None
@@ -280,12 +283,7 @@ def test_a_woken_waiter_skips_redis_pys_message_parsing(leases: Leases, leases_r
         return message
 
     monkeypatch.setattr(redis.client.PubSub, "get_message", counted)
-    holder = Identity("holder", "inc", 1)
-    held = leases.store.try_acquire([Want("r")], holder, 30.0)
-    assert isinstance(held, list)
-    waiter = Waiter(leases, "r", wait=20.0)
-    waiter.start()
-    poll(lambda: subscribers(leases_redis, leases, "r"), 10, "the waiter to subscribe")
+    held, waiter = waiting_on_a_holder(leases, leases_redis, 30.0, wait=20.0)
     released_at = time.monotonic()
     assert leases.store.release(held) == [True]
     waiter.finish(15)
@@ -303,12 +301,7 @@ def test_a_killed_subscriber_connection_strands_no_waiter(make_leases, make_redi
     leases = make_leases(redis_url=server.url)
     admin = redis.Redis.from_url(server.url, decode_responses=True)
     try:
-        holder = Identity("holder", "inc", 1)
-        held = leases.store.try_acquire([Want("r")], holder, 60.0)
-        assert isinstance(held, list)
-        waiter = Waiter(leases, "r", wait=40.0)
-        waiter.start()
-        poll(lambda: subscribers(admin, leases, "r") == 1, 10, "the waiter to subscribe")
+        held, waiter = waiting_on_a_holder(leases, admin, 60.0, wait=40.0)
         assert admin.client_kill_filter(_type="pubsub") == 1
         poll(lambda: subscribers(admin, leases, "r") == 1, 20, "the waiter to subscribe again")
         released_at = time.monotonic()
