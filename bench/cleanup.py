@@ -32,6 +32,7 @@ and client round trips. The table goes to stdout, ``bench/results/cleanup.{md,js
 from __future__ import annotations
 
 import argparse
+import math
 import secrets
 import sys
 import textwrap
@@ -44,6 +45,7 @@ from typing import Any, Final
 
 import redis
 
+from celery_leases._cleanup import _RELEASE_BATCH
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
 from celery_leases._redis_server import RedisServer
@@ -400,20 +402,29 @@ def targets(cfg: Config, leases_axis: dict[int, Any], keys_axis: dict[int, Any])
         )
         out.append("same commands at every keyspace size (flat in the keyspace): " + verdict(flat))
     if len(leases_axis) >= 2:
-        # O(leases held): commands = a * N + b, on the line through the two largest N (exact
-        # with one slot group; a group holding none of the leases skips its release call, so
-        # with more groups a point may lie up to slot_groups - 1 commands below that line)
+        # O(leases held): commands = a * N + b, on the line through the two largest N, once
+        # the release calls' own count is taken out: one script call per batch of
+        # _RELEASE_BATCH leases, a step every _RELEASE_BATCH (exact with one slot group; a
+        # group holding none of the leases skips its release call, so with more groups a
+        # point may lie up to slot_groups - 1 commands below that line)
         ns = sorted(leases_axis)
         slack = cfg.slot_groups - 1 + 0.5
+
+        def commands(n: int, c: str) -> float:
+            return float(leases_axis[n][c]["commands"]) - math.ceil(n / _RELEASE_BATCH)
+
         linear = True
         for c in ours:
             n0, n1 = ns[-2], ns[-1]
-            c0, c1 = leases_axis[n0][c]["commands"], leases_axis[n1][c]["commands"]
+            c0, c1 = commands(n0, c), commands(n1, c)
             slope = (c1 - c0) / (n1 - n0)
             for n in ns:
-                off = leases_axis[n][c]["commands"] - (c1 - slope * (n1 - n))
+                off = commands(n, c) - (c1 - slope * (n1 - n))
                 linear &= -slack < off < 0.5
-        out.append("commands grow linearly with the leases held (a * N + b): " + verdict(linear))
+        out.append(
+            "commands grow linearly with the leases held (a * N + b, and one release call per "
+            f"{_RELEASE_BATCH} leases): {verdict(linear)}"
+        )
     return out
 
 
