@@ -63,11 +63,12 @@ def pack(conn: Any, words: Sequence[Any]) -> list[bytes]:
         return conn.pack_command(*words)  # type: ignore[no-any-return]
     if _hiredis_pack is not None:
         return [_hiredis_pack(tuple(words))]
-    return _packed(words, "utf-8", "strict") or conn.pack_command(*words)
+    return _packed(words) or conn.pack_command(*words)
 
 
-def _packed(words: Sequence[Any], encoding: str, errors: str) -> list[bytes] | None:
-    """``words`` as redis-py packs them (RESP), for str, int and float words; else None.
+def _packed(words: Sequence[Any]) -> list[bytes] | None:
+    """``words`` as redis-py packs them (RESP) for a strict utf-8 connection, for str, int and
+    float words; else None.
 
     The same bytes as ``Connection.pack_command`` (whose encoder also writes an int or a
     float as its ``repr``) at a third of its cost on a script call of twenty words.
@@ -76,7 +77,7 @@ def _packed(words: Sequence[Any], encoding: str, errors: str) -> list[bytes] | N
     for word in words:
         kind = type(word)
         if kind is str:
-            data = word.encode(encoding, errors)
+            data = word.encode()
         elif kind is int or kind is float:  # not bool: redis-py refuses it
             data = repr(word).encode()
         elif kind is bytes:

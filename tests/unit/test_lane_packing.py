@@ -20,7 +20,7 @@ WORDS: list[tuple[Any, ...]] = [
 @pytest.mark.parametrize("words", WORDS)
 def test_the_lane_packs_as_redis_py(words: tuple[Any, ...]) -> None:
     conn = Connection(decode_responses=True)
-    packed = _packed(words, "utf-8", "strict")
+    packed = _packed(words)
     assert packed is not None
     assert b"".join(packed) == b"".join(conn.pack_command(*words))
 
@@ -40,4 +40,4 @@ def test_the_lane_packs_for_its_connection_as_redis_py(
 @pytest.mark.parametrize("odd", [True, None, bytearray(b"x"), memoryview(b"x"), object()])
 def test_other_words_are_left_to_redis_py(odd: object) -> None:
     # redis-py refuses a bool or None, and takes bytearray or memoryview: its own rules
-    assert _packed(("EVALSHA", "f160", 1, "k", odd), "utf-8", "strict") is None
+    assert _packed(("EVALSHA", "f160", 1, "k", odd)) is None
