@@ -81,7 +81,7 @@ def without(source: str, part: str, replacement: str) -> str:
 def contenders() -> list[Contender]:
     a, r = _scripts.ACQUIRE, _scripts.RELEASE
     queue_check = "redis.call('EXISTS', xkey, skey, wkey)"
-    wake = "if wake_head(wkey, ekey, clock, wprefix, trust, nil, token) == 0 then"
+    handoff = "passed = hand_off(i, key, wkey, ekey, hkey, ckey, entry)"
     return [
         Contender("floor", "raw floor (SET NX PX + CAD script)", "", COMPARE_AND_DELETE),
         Contender("shipped", "hold(): acquire.lua + release.lua", a, r),
@@ -108,7 +108,7 @@ def contenders() -> list[Contender]:
             "no_queue",
             "without the waiter queue (its EXISTS key, ZRANGE)",
             without(a, queue_check, "redis.call('EXISTS', xkey, skey)"),
-            without(r, wake, "if true then"),
+            without(r, handoff, "passed = 0"),
         ),
         Contender(
             "no_publish",

@@ -28,7 +28,7 @@ from ._connect import aclose_client, parse_target
 from ._connect import make_async_client as make_deployment_client
 from ._grants import Busy, busy_error, waiting_time
 from ._identity import Identity
-from ._lanes import pack, where
+from ._lanes import handoff, pack, where
 from ._lease import Held, Want
 from ._once import (
     AsyncOnceRetry,
@@ -131,6 +131,9 @@ class _Subscriber:
         self._subscribed: set[str] = set()  # SUBSCRIBE sent, and no UNSUBSCRIBE since
         self._pending: dict[str, int] = {}  # SUBSCRIBE commands not yet confirmed
         self._ready: dict[str, asyncio.Event] = {}  # set once a subscription is in force
+        #: waiter channel -> the token of a lease handed over on it (lua/release.lua), until
+        #: its waiter takes it or leaves
+        self.handed: dict[str, str] = {}
         self._reader: asyncio.Task[None] | None = None
         self._apply_due = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -175,6 +178,7 @@ class _Subscriber:
             waiters.discard(event)
             if not waiters:
                 del self._waiters[channel]
+                self.handed.pop(channel, None)
                 emptied = True
         if emptied and not self._apply_due and self.broken is None:
             self._apply_due = True
@@ -235,6 +239,9 @@ class _Subscriber:
                     continue
                 kind, channel = message.get("type"), str(message.get("channel"))
                 if kind == "message":
+                    token = handoff(kind, channel, message.get("data"), channel)
+                    if token is not None:
+                        self.handed[channel] = token
                     for event in self._waiters.get(channel, ()):
                         event.set()
                 elif kind == "subscribe":
@@ -614,10 +621,13 @@ class AsyncLeaseStore:
             raise busy_error(outcome, await self.holder_task(outcome.resource))
         deadline = math.inf if wait is None else start + wait
         state = self._state()
-        ticket = _grants.Ticket()
+        ticket = _grants.new_ticket(self.store.engine, wants, ident.owner, ttl, task_id)
         done = False
         try:
-            granted = await self._wait(state, wants, ident, ttl, task_id, start, deadline, ticket)
+            with _grants.ordering(self.store.engine, wants, ticket):
+                granted = await self._wait(
+                    state, wants, ident, ttl, task_id, start, deadline, ticket
+                )
             done = True
             return granted
         except LeaseBusy:
@@ -640,10 +650,12 @@ class AsyncLeaseStore:
         deadline: float,
         ticket: _grants.Ticket,
     ) -> list[Held]:
-        """Subscribe, then try again on each wake-up (or expiry) until granted or ``deadline``."""
+        """Subscribe, then try again on each wake-up (or expiry) until granted or ``deadline``,
+        or until a release hands the lease over (lua/release.lua)."""
         keys = self.store.resource_keys
         channels = sorted({keys(w.resource).channel for w in wants})
-        channels.append(self.store.keys.waiter_channel(ticket.id))
+        mine = self.store.keys.waiter_channel(ticket.id)
+        channels.append(mine)
         loop = asyncio.get_running_loop()
         event = asyncio.Event()
         subscriber = await self._subscribe(state, channels, event)
@@ -663,6 +675,10 @@ class AsyncLeaseStore:
                     await event.wait()
                 finally:
                     timer.cancel()
+                token = subscriber.handed.pop(mine, None)
+                if token is not None and ticket.accepts(token):
+                    engine = self.store.engine
+                    return _grants.handed(engine, wants, ident.owner, ttl, task_id, ticket, token)
                 if subscriber.broken is not None:
                     subscriber.remove(channels, event)
                     subscriber = await self._subscribe(state, channels, event)

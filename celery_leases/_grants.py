@@ -9,9 +9,11 @@ the give-back of a partial grant over several slot groups are written here only.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
@@ -31,7 +33,7 @@ from ._protocol import (
     clock_ms,
     pairs,
 )
-from ._registry import Entry, counted_held, entry_text, parse_entry
+from ._registry import Entry, counted_held, held_entry, parse_entry
 from ._scripts import AcquireReply, CommitReceiptReply, ReleaseReply
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError
 
@@ -45,6 +47,7 @@ __all__ = (
     "RenewPlan",
     "Ticket",
     "acquire_group",
+    "handed",
     "commit_receipt",
     "delete_receipt",
     "get_receipt",
@@ -68,6 +71,7 @@ class Busy:
 
     resource: str
     wait: float  # seconds until the blocking holder runs out unless renewed
+    refresh: float = math.inf  # seconds until the waiter's order goes stale (none: inf)
 
 
 class AcquireCall(NamedTuple):
@@ -84,6 +88,8 @@ class AcquireCall(NamedTuple):
     now: float  # monotonic time the call was made
     registry_s: float  # registry expiry the call sets (0: none)
     registry_arg: int  # its argument (engine.registry_expiry)
+    ticket: Ticket | None  # a waiter's
+    order_s: float  # a busy call leaves an order for a handoff valid this long (0: none)
 
 
 class RenewPlan(NamedTuple):
@@ -103,16 +109,59 @@ EXPIRY_SLACK: Final = 0.002
 TICKET_SLACK_MS: Final = 3000
 
 
+def _ticket_id() -> str:
+    # decimal: a handed lease's registry entry names it where a token stands
+    return str(10**14 + secrets.randbelow(9 * 10**14))
+
+
 @dataclass
 class Ticket:
     """One wait's place in the waiter queues (see lua/_waiters.lua), made once per wait.
 
     ``queued``: the resources whose queue it may be in now (the one an attempt was last
     blocked on: an attempt queues it only there, and leaves the others of its slot group).
+    ``ordered_at``: for a wait that leaves orders (:func:`orders`), the monotonic time no
+    later than the release that hands it the lease: the send of the last attempt that left
+    an order (that attempt's order, or a later one, is the one handed on; an attempt whose
+    reply was lost counts from the first order sent).
     """
 
-    id: str = field(default_factory=lambda: secrets.token_hex(6))
+    owner: str
+    task_id: str | None = None
+    #: the wait leaves orders (see :func:`orders`, asked of all it waits for)
+    handoff: bool = False
+    id: str = field(default_factory=_ticket_id)
     queued: set[str] = field(default_factory=set)
+    ordered_at: float | None = None
+    #: the ticket as the scripts get it: its id, and with a handoff the order too
+    text: str = ""
+    #: False once a lost reply's recovery ran in this wait: it may have given back a lease
+    #: handed to it, so a handoff message is only a wake-up (the attempt that follows reads
+    #: the handoff back, if the lease is still held: lua/acquire.lua)
+    trusted: bool = True
+
+    def __post_init__(self) -> None:
+        self.text = self.text or self.id
+
+    def accepts(self, token: str) -> bool:
+        """True if a handoff message (of ``token``) ends the wait (see :attr:`trusted`)."""
+        return self.trusted
+
+
+def new_ticket(
+    engine: LeaseEngine, wants: Sequence[Want], owner: str, ttl: float, task_id: str | None
+) -> Ticket:
+    """The ticket of a new wait for ``wants``; with its order when a release may hand it
+    the lease (:func:`orders`)."""
+    ticket = Ticket(owner, task_id, orders(engine, wants))
+    if ticket.handoff:
+        ticket.text = ticket_text(ticket.id, engine.ms(ttl), task_id, owner)
+    return ticket
+
+
+def ticket_text(ticket_id: object, ttl_ms: int, task_id: str | None, owner: str) -> str:
+    """A ticket with its order, ``"<id> <ttl ms> <task> <owner>"`` (lua/_waiters.lua)."""
+    return f"{ticket_id} {ttl_ms} {escape(task_id) if task_id else '-'} {owner}"
 
 
 class GrantsInFlight(Exception):
@@ -225,7 +274,7 @@ def waiting_time(outcome: list[Held] | Busy, now: float, deadline: float) -> flo
     """
     if not isinstance(outcome, Busy) or now >= deadline:
         return None
-    return min(deadline - now, outcome.wait + EXPIRY_SLACK)
+    return min(deadline - now, outcome.wait + EXPIRY_SLACK, outcome.refresh)
 
 
 def busy_error(outcome: Busy, holder_task: str | None, waited: float = 0.0) -> LeaseBusy:
@@ -399,8 +448,16 @@ def book_keys(engine: LeaseEngine, wants: Sequence[Want]) -> list[str]:
 def _recover_grant_logged(
     engine: LeaseEngine, call: AcquireCall, lost: Failure
 ) -> Steps[list[int] | None]:
-    """:func:`recover_grant` for ``call``; a recovery that fails is logged, and raised."""
+    """:func:`recover_grant` for ``call``; a recovery that fails is logged, and raised.
+
+    The call of a wait that leaves orders: the wait does not count as in flight while it
+    recovers its own call (see :func:`ordering`), and takes no handoff on trust after.
+    """
     wants = [(w.resource, w.mode) for w in call.wants]
+    own = book_keys(engine, call.wants) if call.order_s and call.ticket is not None else []
+    if call.ticket is not None and own:
+        call.ticket.trusted = False
+        BOOK.end(call.owner, own)
     try:
         return (
             yield from recover_grant(
@@ -413,6 +470,9 @@ def _recover_grant_logged(
             raise
         cause = failed.cause if isinstance(failed, Failure) else failed
         raise engine.backend_error("acquire", cause) from cause
+    finally:
+        if own:
+            BOOK.begin(call.owner, own)
 
 
 def adopt_until(engine: LeaseEngine, call: AcquireCall) -> float:
@@ -505,6 +565,14 @@ def acquire_call(
     owner = ident.owner
     now = time.monotonic()
     registry_arg, registry_s = engine.registry_expiry(owner, group, ttl, now) if wants else (0, 0.0)
+    order_s = 0.0
+    if ticket is not None and ticket.handoff:
+        # valid for half the lease's horizon: a handed lease counts from this call's send
+        # (ordered_at), so it comes with half its horizon left at least; and within the
+        # owner's liveness, which this call refreshes (home) or which covers that horizon
+        order_s = engine.horizon(ttl) / 2
+        if ticket.ordered_at is None:
+            ticket.ordered_at = now
     keys = [engine.lifetime_key(group), engine.registry_key(owner, group)]
     args: list[Any] = [owner, engine.ms(ttl), engine.grace_ms]
     home = home and group == 0
@@ -517,14 +585,15 @@ def acquire_call(
         engine.token_memory_ms,
         registry_arg,
         escape(task_id) if task_id else "-",
-        ticket.id if ticket is not None else "",
+        ticket.text if ticket is not None else "",
         engine.waiter_prefix,
         trusted_receivers(engine),
         TICKET_SLACK_MS,
+        engine.ms(order_s) if order_s else 0,
     ]
     for w in wants:
         rk = engine.resource_keys(w.resource)
-        keys += (rk.exclusive, rk.shared, rk.counter, rk.waiters, rk.ticket_expiry)
+        keys += (rk.exclusive, rk.shared, rk.counter, rk.waiters, rk.ticket_expiry, rk.handed)
         args += (w.mode, w.limit, w.resource)
     args += engine.history_args
     if engine.history and wants:
@@ -533,7 +602,28 @@ def acquire_call(
             rk = engine.resource_keys(w.resource)
             keys += (rk.history, rk.record)
     return AcquireCall(
-        keys, args, group, wants, owner, ttl, home, task_id, now, registry_s, registry_arg
+        keys,
+        args,
+        group,
+        wants,
+        owner,
+        ttl,
+        home,
+        task_id,
+        now,
+        registry_s,
+        registry_arg,
+        ticket,
+        order_s,
+    )
+
+
+def orders(engine: LeaseEngine, wants: Sequence[Want]) -> bool:
+    """True if a wait for ``wants`` leaves orders, so a release can hand it the lease
+    directly (lua/release.lua): one exclusive lease, where PUBLISH counts receivers exactly
+    (not on a cluster) and no WAIT must confirm a grant (min_replicas)."""
+    return (
+        len(wants) == 1 and wants[0].mode == "x" and not engine.cluster and not engine.wait_replicas
     )
 
 
@@ -546,9 +636,77 @@ def acquire_outcome(
         first = call.wants[0].resource if call.wants else "(owner registration)"
         return Busy(first, int(reply[1]) / 1000)
     if code == AcquireReply.BUSY:
-        return Busy(call.wants[int(reply[1]) - 1].resource, int(reply[2]) / 1000)
+        busy = Busy(call.wants[int(reply[1]) - 1].resource, int(reply[2]) / 1000)
+        if call.order_s and call.ticket is not None:
+            # the order is left, the handoff's registry entry recorded, the liveness
+            # refreshed (home), as a grant would have
+            call.ticket.ordered_at = call.now
+            busy.refresh = call.order_s
+            _booked(engine, call)
+        return busy
+    if code == AcquireReply.HANDED and call.ticket is not None:
+        return handed(engine, call.wants, call.owner, call.ttl, call.task_id, call.ticket, reply[1])
     # before the call counts as ended: a recovery must never take these for orphans
     return granted(engine, call, reply, None)
+
+
+def handed(
+    engine: LeaseEngine,
+    wants: Sequence[Want],
+    owner: str,
+    ttl: float,
+    task_id: str | None,
+    ticket: Ticket,
+    token: Any,
+) -> list[Held]:
+    """The lease a release handed to ``ticket``'s wait for ``wants`` (one exclusive lease;
+    see lua/release.lua), counted from ``ticket.ordered_at``, no later than its grant."""
+    since = ticket.ordered_at
+    if since is None:  # never: a handoff needs an order, sent after ordered_at was set
+        raise AssertionError("a lease was handed to a wait that left no order")
+    w = wants[0]
+    token = int(token)
+    held = Held(
+        engine.store,
+        owner,
+        w.resource,
+        "x",
+        token,
+        ttl,
+        since,
+        since,
+        engine.horizon(ttl),
+        task_id=task_id,
+        ticket=int(ticket.id),
+    )
+    BOOK.hold(owner, engine.resource_keys(w.resource).exclusive, token)
+    ticket.queued = set()
+    return [held]
+
+
+@contextmanager
+def ordering(engine: LeaseEngine, wants: Sequence[Want], ticket: Ticket) -> Iterator[None]:
+    """A wait for ``wants`` that leaves orders counts as a grant call in flight (see
+    :class:`~celery_leases._lostreply.GrantBook`) from its first attempt to its end: a lease
+    handed to it is this owner's grant before the waiter hears of it, and a lost reply's
+    recovery in another thread of the process must not take it for an orphan."""
+    if not ticket.handoff:
+        yield
+        return
+    book = book_keys(engine, wants)
+    BOOK.begin(ticket.owner, book)
+    try:
+        yield
+    finally:
+        BOOK.end(ticket.owner, book)
+
+
+def _booked(engine: LeaseEngine, call: AcquireCall) -> None:
+    """Record what ``call`` refreshed: the owner's liveness (home), its registry's expiry."""
+    if call.home:
+        engine.registered[call.owner] = call.now
+    if call.registry_s:
+        engine.registry_until[(call.owner, call.group)] = call.now + call.registry_s
 
 
 def granted(
@@ -560,10 +718,7 @@ def granted(
     it), in the same step as the call's end (:meth:`GrantBook.granted`).
     """
     owner, now, ttl, task_id = call.owner, call.now, call.ttl, call.task_id
-    if call.home:
-        engine.registered[owner] = now
-    if call.registry_s:
-        engine.registry_until[(owner, call.group)] = now + call.registry_s
+    _booked(engine, call)
     horizon = engine.horizon(ttl)
     store = engine.store
     tokens = [int(token) for token in reply[1:]]
@@ -680,7 +835,7 @@ def record_lost(engine: LeaseEngine, lost: Sequence[Held]) -> Steps[None]:
     hist, rhist, keep = engine.history_args
     calls: list[Command] = []
     for h in lost:
-        text = entry_text(h.mode, h.token, h.task_id, h.resource)
+        text = Entry(h.mode, h.token, h.task_id, h.resource).text  # as granted, with its token
         fields = ("e", "lost", "x", text, "o", h.owner)
         key = engine.resource_keys(h.resource).history
         calls += [
@@ -723,8 +878,7 @@ def renew_calls(engine: LeaseEngine, held: Sequence[Held], owner: str) -> RenewP
             h = held[i]
             rk = engine.resource_keys(h.resource)
             keys.append(rk.exclusive if h.mode == "x" else rk.shared)
-            text = entry_text(h.mode, h.token, h.task_id, h.resource)
-            args += [h.mode, h.token, engine.ms(h.ttl), text]
+            args += [h.mode, h.token, engine.ms(h.ttl), held_entry(h).text]
         calls.append((idx, keys, args))
     return RenewPlan(calls, sent, registry)
 
@@ -754,7 +908,7 @@ def release(engine: LeaseEngine, held: Sequence[Held], now: float) -> Steps[list
     """
     if len(held) == 1:  # the hot path
         h = held[0]
-        entry = Entry(h.mode, h.token, h.task_id, h.resource)
+        entry = release_entry(engine, h)
         counted = [counted_held(h, now)]
         return (yield from release_entries(engine, h.owner, h.group, [entry], counted))
     out: dict[int, bool] = {}
@@ -762,13 +916,21 @@ def release(engine: LeaseEngine, held: Sequence[Held], now: float) -> Steps[list
     for i, h in enumerate(held):
         groups.setdefault((h.owner, h.group), []).append(i)
     for (owner, group), idx in groups.items():
-        entries = [
-            Entry(held[i].mode, held[i].token, held[i].task_id, held[i].resource) for i in idx
-        ]
+        entries = [release_entry(engine, held[i]) for i in idx]
         counted = [counted_held(held[i], now) for i in idx]
         freed = yield from release_entries(engine, owner, group, entries, counted)
         out.update(zip(idx, freed, strict=True))
     return [out[i] for i in range(len(held))]
+
+
+def release_entry(engine: LeaseEngine, held: Held) -> Entry:
+    """The registry entry of ``held``, to release it; for a lease handed to it, with the
+    ticket it was handed to (release.lua takes it out of the handed ZSET)."""
+    entry = held_entry(held)
+    if held.ticket:
+        text = ticket_text(held.ticket, engine.ms(held.ttl), held.task_id, held.owner)
+        entry = entry._replace(handed="x" + text)
+    return entry
 
 
 def release_entries(
@@ -818,15 +980,19 @@ def release_entries(
 def release_keys(
     engine: LeaseEngine, owner: str, group: int, entries: Sequence[Entry]
 ) -> list[str]:
-    """The keys of one release.lua call: the registry, then each lease key and its waiter
-    queue (with the tickets' expiry)."""
-    keys = [engine.registry_key(owner, group)]
+    """The keys of one release.lua call: the registry and the group's lifetime record, then
+    each lease key, its waiter queue (with the tickets' expiry and orders) and its token
+    counter (for a handoff)."""
+    keys = [engine.registry_key(owner, group), engine.lifetime_key(group)]
     for e in entries:
         rk = engine.resource_keys(e.resource)
-        keys += (rk.exclusive if e.mode == "x" else rk.shared, rk.waiters, rk.ticket_expiry)
+        key = rk.exclusive if e.mode == "x" else rk.shared
+        keys += (key, rk.waiters, rk.ticket_expiry, rk.handed, rk.counter)
     if engine.history and entries:
         keys.append(engine.keys.history(group))
-        keys += [engine.resource_keys(e.resource).history for e in entries]
+        for e in entries:
+            rk = engine.resource_keys(e.resource)
+            keys += (rk.history, rk.record)
     return keys
 
 
@@ -838,9 +1004,16 @@ def release_args(
     by: str = "",
 ) -> list[Any]:
     """The arguments of one release.lua call (``event``, ``by``: for the history)."""
-    args: list[Any] = [owner, engine.waiter_prefix, trusted_receivers(engine)]
+    args: list[Any] = [
+        owner,
+        engine.waiter_prefix,
+        trusted_receivers(engine),
+        engine.grace_ms,
+        engine.token_memory_ms,
+        TICKET_SLACK_MS,
+    ]
     for e in entries:
-        args += (e.mode, e.token, e.text, engine.resource_keys(e.resource).channel)
+        args += (e.mode, e.token, e.text, engine.resource_keys(e.resource).channel, e.handed)
     args += (*engine.history_args, event, by)
     return args
 
@@ -863,6 +1036,9 @@ def leave_queues(engine: LeaseEngine, wants: Sequence[Want], ticket: Ticket) -> 
     """Take ``ticket`` out of the waiter queues of ``wants``, waking the next waiter where
     it was the head. Idempotent; one leave.lua call per slot group, in one round trip.
 
+    Its orders go too, with the registry entries recorded for a handoff; a lease that a
+    release handed to it meanwhile (lua/release.lua) is released again, as its wait is over.
+
     A failure is only logged: the ticket runs out on its own (see TICKET_SLACK_MS), and
     until then the waiters behind it are woken by their own timers.
     """
@@ -870,25 +1046,40 @@ def leave_queues(engine: LeaseEngine, wants: Sequence[Want], ticket: Ticket) -> 
     for w in wants:
         by_group.setdefault(engine.resource_keys(w.resource).group, []).append(w)
     calls = []
-    for _, group_wants in sorted(by_group.items()):
+    entries: list[list[Entry]] = []
+    for group, group_wants in sorted(by_group.items()):
         keys: list[str] = []
-        args: list[Any] = [ticket.id, engine.waiter_prefix, trusted_receivers(engine)]
+        args: list[Any] = [ticket.text, engine.waiter_prefix, trusted_receivers(engine)]
+        entries.append([])
         for w in group_wants:
             rk = engine.resource_keys(w.resource)
-            keys += (rk.waiters, rk.ticket_expiry)
-            args.append(w.mode)
+            keys += (rk.waiters, rk.ticket_expiry, rk.handed)
+            entry = Entry("x", 0, ticket.task_id, w.resource, int(ticket.id))
+            entries[-1].append(entry)
+            ordered = ticket.ordered_at is not None and w.mode == "x"
+            args += (w.mode, entry.text if ordered else "")
+        keys.append(engine.registry_key(ticket.owner, group))
         calls.append(Script("leave", keys, args))
     ticket.queued -= {w.resource for w in wants}
     if not calls:
         return
     try:
-        yield Send(calls, once=False)  # idempotent: the client may send it again
-    except Failure as failure:
+        replies = yield Send(calls, once=False)  # idempotent: the client may send it again
+        for group, group_entries, reply in zip(sorted(by_group), entries, replies, strict=True):
+            handed_over = [
+                e._replace(token=int(token))
+                for e, token in zip(group_entries, reply, strict=True)
+                if int(token)
+            ]
+            if handed_over:
+                yield from release_entries(engine, ticket.owner, group, handed_over)
+    except (Failure, LeaseBackendError) as failure:
         logger.warning(
             "leases: a waiter could not leave the queue of %s (%s); its ticket runs out "
-            "on its own (the wait it was last told, plus %d ms)",
+            "on its own (the wait it was last told, plus %d ms), and a lease handed to it "
+            "meanwhile by its TTL",
             ", ".join(repr(w.resource) for w in wants),
-            failure.cause,
+            failure.cause if isinstance(failure, Failure) else failure,
             TICKET_SLACK_MS,
         )
 

@@ -99,10 +99,17 @@ class Keyspace:
         """ZSET: the same tickets as :meth:`waiters`, scored by when they run out (Redis ms)."""
         return f"{self.tag(self.group_of(resource))}:qe:{escape(resource)}"
 
-    def per_resource(self, resource: str) -> tuple[str, str, str, str, str, str, str, str, int]:
-        """``(exclusive, shared, counter, channel, waiters, ticket_expiry, resource_history,
-        record, group)`` of ``resource``: the names of the methods of those names, escaping
-        the name once for all eight."""
+    def handed(self, resource: str) -> str:
+        """ZSET: the tickets of waiters a release handed ``resource`` to, scored by the token,
+        kept while their expiry in :meth:`ticket_expiry` lasts (see lua/_waiters.lua)."""
+        return f"{self.tag(self.group_of(resource))}:qh:{escape(resource)}"
+
+    def per_resource(
+        self, resource: str
+    ) -> tuple[str, str, str, str, str, str, str, str, str, int]:
+        """``(exclusive, shared, counter, channel, waiters, ticket_expiry, handed,
+        resource_history, record, group)`` of ``resource``: the names of the methods of those
+        names, escaping the name once for all nine."""
         group = self.group_of(resource)
         base = f"{self.tag(group)}:"
         name = escape(resource)
@@ -113,6 +120,7 @@ class Keyspace:
             f"{base}c:{name}",
             f"{base}q:{name}",
             f"{base}qe:{name}",
+            f"{base}qh:{name}",
             f"{base}h:{name}",
             f"{base}rec:{name}",
             group,

@@ -35,7 +35,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ._protocol import Script, words_of
 from ._scripts import SOURCE
 
-__all__ = ("Lanes", "direct_parser", "pack", "skip_replies", "where")
+__all__ = ("Lanes", "direct_parser", "handoff", "pack", "skip_replies", "where")
 
 _hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
 try:
@@ -118,26 +118,29 @@ def direct_parser(conn: Any) -> Any:
     return None
 
 
-def skip_replies(conn: Any, parser: Any, timeout: float) -> None:
+def skip_replies(conn: Any, parser: Any, timeout: float, channel: str | None = None) -> str | None:
     """Wait up to ``timeout`` seconds for anything to read on ``conn`` (whose
-    :func:`direct_parser` is ``parser``), and read and drop every whole reply there is.
+    :func:`direct_parser` is ``parser``), and read and drop every whole reply there is, up
+    to a handoff on ``channel``: then the handed token (as text) is returned, and the replies
+    after it are left to read.
 
-    For a waiter's subscriber connection, where each message only says "try again": this
-    skips redis-py's ``get_message`` (its readiness checks, parsing into a dict, handlers),
-    about 37 µs a message on the benchmark VM. Raises redis-py's ConnectionError when the
-    server closed the connection.
+    For a waiter's subscriber connection, where each message but a handoff (see
+    :func:`handoff`) only says "try again": this skips redis-py's ``get_message`` (its
+    readiness checks, parsing into a dict, handlers), about 37 µs a message on the benchmark
+    VM. Raises redis-py's ConnectionError when the server closed the connection.
     """
     reader = parser._reader
-    if reader.gets() is _MORE:  # nothing whole read yet: wait on the socket
+    reply = reader.gets()
+    if reply is _MORE:  # nothing whole read yet: wait on the socket
         if timeout <= 0:
-            return
+            return None
         sock, buf = conn._sock, parser._buffer
         try:
             sock.settimeout(timeout)
             read = sock.recv_into(buf)
         except TimeoutError as exc:
             if exc.errno is None:  # the wait's own timeout: nothing came
-                return
+                return None
             raise RedisConnectionError(f"Error while reading from {where(conn)}: {exc}") from None
         except OSError as exc:
             raise RedisConnectionError(f"Error while reading from {where(conn)}: {exc}") from None
@@ -147,8 +150,33 @@ def skip_replies(conn: Any, parser: Any, timeout: float) -> None:
         if not read:
             raise RedisConnectionError("Connection closed by server.")
         reader.feed(buf, 0, read)
-    while reader.gets() is not _MORE:
-        pass
+        reply = reader.gets()
+    while reply is not _MORE:
+        if channel is not None and isinstance(reply, list) and len(reply) == 3:
+            token = handoff(reply[0], reply[1], reply[2], channel)
+            if token is not None:
+                return token
+        reply = reader.gets()
+    return None
+
+
+def handoff(kind: object, channel: object, payload: object, mine: str) -> str | None:
+    """The token of a lease handed over (lua/release.lua) if a pub/sub message of ``kind``
+    on ``channel`` with ``payload`` is one for the waiter listening on ``mine``; else None.
+
+    Every other message a waiter hears only says "try again" (a token, or "0").
+    """
+    if kind not in (b"message", "message"):
+        return None
+    if isinstance(channel, bytes):
+        channel = channel.decode("utf-8", "replace")
+    if channel != mine:
+        return None
+    if isinstance(payload, bytes):
+        payload = payload.decode("ascii", "replace")
+    if isinstance(payload, str) and payload[:1] == "h" and payload[1:].isdigit():
+        return payload[1:]
+    return None
 
 
 def _direct(conn: Any, sock: socket.socket, parser: Any, packed: list[bytes]) -> Any:

@@ -2,10 +2,14 @@
 
 An owner's registry (one set per slot group) lists what it holds, one entry per lease:
 ``"<mode> <token> <task id or -> <resource>"`` (acquire.lua writes it, release.lua and the
-cleanups remove it), and the member ``"~"`` (:data:`KEEPER`), which keeps the set and its
-expiry while the owner holds nothing (see lua/_registry.lua). An exclusive lease key's value
-is ``"<token> <owner id>"``, or, for a queued unique claim, ``"<token> %queued/<escaped task
-id>"``. This module reads and writes those texts, and nothing else does. No I/O.
+cleanups remove it); for an exclusive lease a release hands over directly,
+``"h <ticket> <task id or -> <resource>"``, which the waiter writes when it leaves its order
+(lua/_waiters.lua) and which stands for whatever exclusive lease of the resource the owner
+holds (its token is not known in advance); and the member ``"~"`` (:data:`KEEPER`), which
+keeps the set and its expiry while the owner holds nothing (see lua/_registry.lua). An
+exclusive lease key's value is ``"<token> <owner id>"``, or, for a queued unique claim,
+``"<token> %queued/<escaped task id>"``. This module reads and writes those texts, and
+nothing else does. No I/O.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ __all__ = (
     "Entry",
     "counted_held",
     "entry_text",
+    "held_entry",
     "parse_entry",
     "split_holder",
     "task_in_registry",
@@ -56,30 +61,47 @@ def task_in_registry(
     members: Iterable[object], resource: str, token: int, mode: str = "x"
 ) -> str | None:
     """The task id that a registry's ``members`` record for ``resource``/``token`` (held
-    exclusive, or shared with ``mode="s"``)."""
+    exclusive, or shared with ``mode="s"``); an exclusive lease handed over directly is
+    recorded without its token (``"h ..."``): its entry counts when no other does."""
+    handed = None
     for member in members:
         entry = parse_entry(str(member))
-        if entry is not None and (entry.mode, entry.token, entry.resource) == (
-            mode,
-            token,
-            resource,
-        ):
+        if entry is None or (entry.mode, entry.resource) != (mode, resource):
+            continue
+        if entry.token == token:
             return entry.task_id
-    return None
+        if entry.ticket:
+            handed = entry.task_id
+    return handed
 
 
 class Entry(NamedTuple):
-    """One owner-registry entry: what a lease holder recorded at the grant."""
+    """One owner-registry entry: what a lease holder recorded at the grant.
+
+    ``ticket``: not 0 for a handed lease's entry (``"h <ticket> ..."``), whose ``token`` is
+    0 when read from a registry (release.lua then releases the owner's lease of the resource,
+    whatever its token), and the lease's token when its holder releases it.
+    """
 
     mode: str
     token: int
     task_id: str | None
     resource: str
+    ticket: int = 0
+    #: a lease handed to its holder, released by it: the ticket it was handed to, as queued
+    handed: str = ""
 
     @property
     def text(self) -> str:
         """The entry as stored in the registry set."""
+        if self.ticket:
+            return entry_text("h", self.ticket, self.task_id, self.resource)
         return entry_text(self.mode, self.token, self.task_id, self.resource)
+
+
+def held_entry(held: Held) -> Entry:
+    """The registry entry of ``held``."""
+    return Entry(held.mode, held.token, held.task_id, held.resource, held.ticket)
 
 
 def counted_held(held: Held, now: float) -> bool:
@@ -97,6 +119,9 @@ def parse_entry(member: str) -> Entry | None:
     mode, _, rest = member.partition(" ")
     token, _, rest = rest.partition(" ")
     task, _, resource = rest.partition(" ")
-    if mode not in ("x", "s") or not token.isdigit() or not task or not resource:
+    if mode not in ("x", "s", "h") or not token.isdigit() or not task or not resource:
         return None
-    return Entry(mode, int(token), None if task == "-" else unescape(task), resource)
+    task_id = None if task == "-" else unescape(task)
+    if mode == "h":
+        return Entry("x", 0, task_id, resource, int(token))
+    return Entry(mode, int(token), task_id, resource)

@@ -52,6 +52,7 @@ class AcquireReply(IntEnum):
     GRACE = -1  #: restart grace: wait_ms follows
     BUSY = 0  #: the 1-based index of the first busy want and the ms until it may free follow
     GRANTED = 1  #: one token per want follows
+    HANDED = 2  #: a release handed the lease to the call's ticket: its token follows
 
 
 class UniqueClaimReply(IntEnum):
@@ -147,7 +148,7 @@ def _with(name: str, *parts: str) -> str:
 
 ACQUIRE: Final = _with_lifetime("acquire", "_waiters", "_tokens", "_registry")
 RENEW: Final = _read("renew")
-RELEASE: Final = _with("release", "_waiters")
+RELEASE: Final = _with_lifetime("release", "_waiters", "_tokens")
 LEAVE: Final = _with("leave", "_waiters")
 EXPIRED_OWNERS: Final = _read("expired_owners")
 FORGET_OWNER: Final = _read("forget_owner")

@@ -314,7 +314,8 @@ class LeaseStore:
             raise busy_error(outcome, self.holder_task(outcome.resource))
         deadline = math.inf if wait is None else start + wait
         # a place in the waiter queues: woken alone, on its own channel, when its turn comes
-        ticket = _grants.Ticket()
+        # (and handed the lease there, when it is one exclusive lease: see lua/release.lua)
+        ticket = _grants.new_ticket(self.engine, wants, ident.owner, ttl, task_id)
 
         def attempt() -> float | None:
             nonlocal outcome
@@ -322,11 +323,16 @@ class LeaseStore:
             return waiting_time(outcome, time.monotonic(), deadline)
 
         channels = sorted({self.resource_keys(w.resource).channel for w in wants})
-        channels.append(self.keys.waiter_channel(ticket.id))
+        mine = self.keys.waiter_channel(ticket.id)
+        channels.append(mine)
         done = False
         try:
-            with self._backend("wait for a release"):
-                self._subscribers.wait(channels, attempt)
+            with self._backend("wait for a release"), _grants.ordering(self.engine, wants, ticket):
+                token = self._subscribers.wait(channels, attempt, mine, ticket.accepts)
+                if token is not None:
+                    outcome = _grants.handed(
+                        self.engine, wants, ident.owner, ttl, task_id, ticket, token
+                    )
             done = True
         finally:
             if not done:  # failed or interrupted: it may be queued anywhere it waited

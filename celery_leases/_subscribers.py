@@ -31,7 +31,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ._lanes import direct_parser, skip_replies
+from ._lanes import direct_parser, handoff, skip_replies
 
 __all__ = ("Subscribers",)
 
@@ -52,12 +52,21 @@ class Subscribers:
         # in this process; a forked child starts its own)
         self._returner: _Returner | None = None
 
-    def wait(self, channels: list[str], attempt: Callable[[], float | None]) -> None:
+    def wait(
+        self,
+        channels: list[str],
+        attempt: Callable[[], float | None],
+        handed_on: str | None = None,
+        accept: Callable[[str], bool] = lambda token: True,
+    ) -> str | None:
         """Subscribe to ``channels``, then call ``attempt`` until it returns None.
 
         Any other return is how many seconds to wait for a message before the next attempt
         (a release, or the blocking holder's expiry at the latest; a message of an earlier
-        wait on this connection costs one extra attempt). Raises redis errors.
+        wait on this connection costs one extra attempt). A lease handed over on
+        ``handed_on`` (one of ``channels``: see :func:`~celery_leases._lanes.handoff`) ends
+        the wait if ``accept`` takes its token, which is returned (else None; a token not
+        taken is a wake-up). Raises redis errors.
         """
         pubsub = self._take()
         healthy = False
@@ -66,21 +75,32 @@ class Subscribers:
             self._await_subscribed(pubsub, channels)
             conn = pubsub.connection
             parser = direct_parser(conn)
-            while (pause := attempt()) is not None:
-                # every message says "try again": read past redis-py's pub/sub machinery
-                # where the socket allows it. The confirmations of this wait's SUBSCRIBE
-                # were read by _await_subscribed, and those of the UNSUBSCRIBE of an earlier
-                # wait on this connection came before them, so only messages are left.
+            token = None
+            while token is None and (pause := attempt()) is not None:
+                # every message but a handoff says "try again": read past redis-py's pub/sub
+                # machinery where the socket allows it. The confirmations of this wait's
+                # SUBSCRIBE were read by _await_subscribed, and those of the UNSUBSCRIBE of
+                # an earlier wait on this connection came before them, so only messages
+                # are left.
                 if parser is not None:
                     try:
-                        skip_replies(conn, parser, pause)
+                        token = skip_replies(conn, parser, pause, handed_on)
+                        if token is not None and not accept(token):
+                            token = None
                         continue
                     except RedisConnectionError:
                         # killed, or the server restarted: redis-py's path from here on,
                         # which connects again and subscribes again
                         parser = None
-                pubsub.get_message(timeout=pause)
+                message = pubsub.get_message(timeout=pause)
+                if message is not None and handed_on is not None:
+                    token = handoff(
+                        message.get("type"), message.get("channel"), message.get("data"), handed_on
+                    )
+                    if token is not None and not accept(token):
+                        token = None
             healthy = True
+            return token
         finally:
             if healthy:
                 self._give_back_later(pubsub, channels)

@@ -3,11 +3,39 @@
 -- the resource's slot group: the queue (scored by the Redis clock in microseconds when it
 -- first queued: first come, first served) and the tickets' expiry (Redis ms), so the ticket of
 -- a waiter that died is pruned instead of holding its place forever.
+--
+-- A waiter that wants one exclusive lease carries its order in its ticket, "<id> <ttl ms>
+-- <task> <owner>" (a plain ticket is "<id>"), so that a release can grant it the lease
+-- directly (release.lua). A handoff takes the ticket out of the queue and puts it in the
+-- resource's handed ZSET, scored by the token handed, for as long as the ticket's expiry
+-- lasts: an attempt of that ticket still under way learns of the handoff there (acquire.lua),
+-- and so does its leave (leave.lua). Only ZSET commands: the documented ACL stays as it was.
+
+-- take member out of the queue (and out of the handed ZSET hkey, when given)
+local function dequeue(wkey, ekey, member, hkey)
+  redis.call('ZREM', wkey, member)
+  redis.call('ZREM', ekey, member)
+  if hkey then
+    redis.call('ZREM', hkey, member)
+  end
+end
+
+-- drop the tickets of ekey that ran out by now (handed ones too), up to 64 at a time
+local function prune(wkey, ekey, now, hkey)
+  local expired = redis.call('ZRANGEBYSCORE', ekey, '-inf', now, 'LIMIT', 0, 64)
+  if #expired > 0 then
+    redis.call('ZREM', wkey, unpack(expired))
+    redis.call('ZREM', ekey, unpack(expired))
+    if hkey then
+      redis.call('ZREM', hkey, unpack(expired))
+    end
+  end
+end
 
 -- the live head of the queue and its expiry, or nil. Two calls when the head is live; a head
 -- that ran out is dropped, with every other ticket that ran out (up to 64 at a time). now: the
 -- Redis clock in ms, or a function that reads it (called only if there is a head).
-local function queue_head(wkey, ekey, now)
+local function queue_head(wkey, ekey, now, hkey)
   for _ = 1, 8 do
     local head = redis.call('ZRANGE', wkey, 0, 0)[1]
     if not head then
@@ -21,35 +49,33 @@ local function queue_head(wkey, ekey, now)
     if expiry > now then
       return head, expiry
     end
-    redis.call('ZREM', wkey, head)
-    redis.call('ZREM', ekey, head)
-    local expired = redis.call('ZRANGEBYSCORE', ekey, '-inf', now, 'LIMIT', 0, 64)
-    if #expired > 0 then
-      redis.call('ZREM', wkey, unpack(expired))
-      redis.call('ZREM', ekey, unpack(expired))
-    end
+    dequeue(wkey, ekey, head, hkey)
+    prune(wkey, ekey, now, hkey)
   end
   return nil
 end
 
--- wake the queue's live head on its own channel (prefix .. ticket); 0 when the queue is
--- empty. only: wake the head only if its mode is this one. trust: PUBLISH's count of
--- receivers is exact (not on a cluster), so a head nobody listens for is gone: it is dropped
--- and the next one woken.
-local function wake_head(wkey, ekey, now, prefix, trust, only, payload)
+-- the channel of the waiter of ticket member (mode, then the ticket's id)
+local function channel_of(prefix, member)
+  return prefix .. string.match(member, '^.(%S+)')
+end
+
+-- wake the queue's live head on its own channel; 0 when the queue is empty. only: wake the
+-- head only if its mode is this one. trust: PUBLISH's count of receivers is exact (not on a
+-- cluster), so a head nobody listens for is gone: it is dropped and the next one woken.
+local function wake_head(wkey, ekey, now, prefix, trust, only, payload, hkey)
   for _ = 1, 8 do
-    local head = queue_head(wkey, ekey, now)
+    local head = queue_head(wkey, ekey, now, hkey)
     if not head then
       return 0
     end
     if only and string.sub(head, 1, 1) ~= only then
       return 1
     end
-    if redis.call('PUBLISH', prefix .. string.sub(head, 2), payload) > 0 or not trust then
+    if redis.call('PUBLISH', channel_of(prefix, head), payload) > 0 or not trust then
       return 1
     end
-    redis.call('ZREM', wkey, head)
-    redis.call('ZREM', ekey, head)
+    dequeue(wkey, ekey, head, hkey)
   end
   return 1
 end
@@ -62,9 +88,4 @@ local function enqueue(wkey, ekey, member, now, now_us, life)
     redis.call('PEXPIRE', wkey, life)
     redis.call('PEXPIRE', ekey, life)
   end
-end
-
-local function dequeue(wkey, ekey, member)
-  redis.call('ZREM', wkey, member)
-  redis.call('ZREM', ekey, member)
 end

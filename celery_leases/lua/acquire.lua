@@ -7,7 +7,8 @@
 --
 -- KEYS[1] lifetime record of the group      KEYS[2] owner registry in the group
 -- when ARGV[4] == "1" (home group): KEYS[3] owners index  KEYS[4] node's owner set  KEYS[5] node set
--- then per resource i: exclusive key, shared key, token counter key, waiter queue, ticket expiry
+-- then per resource i: exclusive key, shared key, token counter key, waiter queue, ticket
+--             expiry, handed tickets (see _waiters.lua)
 -- ARGV[1] owner id   ARGV[2] ttl in milliseconds
 -- ARGV[3] grace in milliseconds after Redis is found without the lifetime record (the
 --         restart_grace setting; -1: the record is not even read): see _lifetime.lua
@@ -19,10 +20,18 @@
 -- ARGV[8] registry expiry in milliseconds: "<ms>" set, "-<ms>" set if this call made the
 --         registry, "0" none (see _registry.lua, which also says what its member "~" is)
 -- ARGV[9] the holding task's id, escaped, or "-" (recorded in the registry for operators)
--- ARGV[10] the waiter's ticket, or "" (no ticket: one try, or an attempt before it waits)
--- ARGV[11] waiter channel prefix (a ticket's channel is the prefix and the ticket)
+-- ARGV[10] the waiter's ticket, or "" (no ticket: one try, or an attempt before it waits);
+--          with an order, "<id> <ttl ms> <task> <owner>" (see _waiters.lua)
+-- ARGV[11] waiter channel prefix (a ticket's channel is the prefix and the ticket's id)
 -- ARGV[12] "1" when PUBLISH counts receivers exactly (not on a cluster)
 -- ARGV[13] ticket slack in milliseconds: a queued ticket lives the wait it is told plus this
+-- ARGV[14] order life in milliseconds, or "0": none. Given only for one exclusive resource with
+--          a ticket that carries an order (not on a cluster). A busy call then queues the
+--          ticket for that long at most (plus the slack), for release.lua to hand the lease
+--          over directly while it is valid; records the handed lease's registry entry in
+--          advance, "h <id> <task> <resource>" (whatever exclusive lease of the resource the
+--          owner holds: see _registry.py); and refreshes the owner's liveness (home keys
+--          given) as a grant does
 -- then per resource i: mode ("x" or "s"), limit (0 = none), resource name (for the registry)
 -- then, last: events kept in the group's history stream (the history setting; 0: no history,
 --             and none of the history keys is given), events kept in a resource's own
@@ -33,6 +42,7 @@
 --         {0, i, wait_ms}             resource i (1-based) is busy; its blocking holder runs out
 --                                     in wait_ms unless renewed
 --         {-1, wait_ms}               restart grace: Redis restarted or failed over (see above)
+--         {2, token}                  a release handed the lease to this ticket (ARGV[14])
 --
 -- The waiter queue (see _waiters.lua): a resource free for the mode asked is still busy while
 -- the live head of its queue is another waiter (first come, first served; a call without a
@@ -57,10 +67,10 @@ if ARGV[3] ~= '-1' then
 end
 
 local h = home and 5 or 2
-local a = 13
+local a = 14
 local n = (#ARGV - a - 3) / 3
 local hist, rhist, hkeep = ARGV[#ARGV - 2], ARGV[#ARGV - 1], ARGV[#ARGV]
-local hk = h + 5 * n  -- the history keys start after hk
+local hk = h + 6 * n  -- the history keys start after hk
 -- one event "<field> <value> ..." in the group's stream and in resource i's (0-based) own
 local function event(i, kind, entry, ...)
   redis.call('XADD', KEYS[hk + 1], 'MAXLEN', '~', hist, '*', 'e', kind, 'x', entry, ...)
@@ -70,10 +80,41 @@ local function event(i, kind, entry, ...)
 end
 local memory = ARGV[7]
 local sharing = {}  -- i -> true: resource i has live shared holders (read with memory "0")
-local ticket, wprefix, trust = ARGV[10], ARGV[11], ARGV[12] == '1'
+local ticket, wprefix, trust, ordering = ARGV[10], ARGV[11], ARGV[12] == '1', ARGV[14] ~= '0'
 
 local function ticket_of(i)
   return ARGV[a + 3 * i + 1] .. ticket
+end
+
+-- the home call: register the owner, refresh its liveness.
+-- GT: a liveness only grows; a caller with a shorter one never cuts another's short.
+-- ZADD answers 1 only for an owner new to the index (its first grant, or one a reconcile
+-- forgot): forget_owner.lua drops an owner from the index and its node's set together, so
+-- an owner found in the index is registered under its node already
+local function register()
+  if home and redis.call('ZADD', KEYS[3], 'GT', num(now + tonumber(ARGV[5])), owner) == 1 then
+    redis.call('SADD', KEYS[4], owner)
+    redis.call('SADD', KEYS[5], ARGV[6])
+  end
+end
+
+-- the registry entry of a lease handed to this ticket (see ARGV[14])
+local function handed_entry()
+  return 'h ' .. string.match(ticket, '^%S+') .. ' ' .. ARGV[9] .. ' ' .. ARGV[a + 3]
+end
+
+if ordering then
+  -- handed to this ticket by a release while this call was under way: that is the grant,
+  -- if still held (a lost reply's recovery may have given it back)
+  local hkey, member = KEYS[h + 6], ticket_of(0)
+  local token = redis.call('ZSCORE', hkey, member)
+  if token then
+    dequeue(KEYS[h + 4], KEYS[h + 5], member, hkey)
+    token = string.format('%.0f', tonumber(token))
+    if redis.call('GET', KEYS[h + 1]) == token .. ' ' .. owner then
+      return {2, token}
+    end
+  end
 end
 
 -- busy on resource i (0-based) for wait ms: queue the ticket there, and only there
@@ -85,11 +126,18 @@ local function busy(i, wait)
   if ticket ~= '' then
     for j = 0, n - 1 do
       if j ~= i then
-        dequeue(KEYS[h + 5 * j + 4], KEYS[h + 5 * j + 5], ticket_of(j))
+        dequeue(KEYS[h + 6 * j + 4], KEYS[h + 6 * j + 5], ticket_of(j), KEYS[h + 6 * j + 6])
       end
     end
-    local slack = tonumber(ARGV[13])
-    enqueue(KEYS[h + 5 * i + 4], KEYS[h + 5 * i + 5], ticket_of(i), now, now_us, wait + slack)
+    local life = wait
+    if ordering then
+      -- an order is valid until the ticket's expiry less the slack (release.lua)
+      life = math.min(life, tonumber(ARGV[14]))
+      record_grants(KEYS[2], {handed_entry()}, ARGV[8])
+      register()
+    end
+    life = life + tonumber(ARGV[13])
+    enqueue(KEYS[h + 6 * i + 4], KEYS[h + 6 * i + 5], ticket_of(i), now, now_us, life)
   end
   return {0, i + 1, wait}
 end
@@ -97,8 +145,8 @@ end
 -- first pass: every resource must be free for the mode asked; nothing is written but the
 -- removal of shared holders that already ran out
 for i = 0, n - 1 do
-  local xkey, skey = KEYS[h + 5 * i + 1], KEYS[h + 5 * i + 2]
-  local wkey, ekey = KEYS[h + 5 * i + 4], KEYS[h + 5 * i + 5]
+  local xkey, skey = KEYS[h + 6 * i + 1], KEYS[h + 6 * i + 2]
+  local wkey, ekey, hkey = KEYS[h + 6 * i + 4], KEYS[h + 6 * i + 5], KEYS[h + 6 * i + 6]
   -- the common case, a free resource without waiters, costs one call
   local found = redis.call('EXISTS', xkey, skey, wkey)
   if found > 0 then
@@ -123,7 +171,7 @@ for i = 0, n - 1 do
     end
     if queued then
       -- free for the mode asked, but first come, first served
-      local head, expiry = queue_head(wkey, ekey, now)
+      local head, expiry = queue_head(wkey, ekey, now, hkey)
       if head and (ticket == '' or head ~= ticket_of(i)) then
         return busy(i, math.max(expiry - now, 1))
       end
@@ -135,7 +183,7 @@ end
 local tokens = {1}
 local entries = {}
 for i = 0, n - 1 do
-  local xkey, skey, ckey = KEYS[h + 5 * i + 1], KEYS[h + 5 * i + 2], KEYS[h + 5 * i + 3]
+  local xkey, skey, ckey = KEYS[h + 6 * i + 1], KEYS[h + 6 * i + 2], KEYS[h + 6 * i + 3]
   local mode, resource = ARGV[a + 3 * i + 1], ARGV[a + 3 * i + 3]
   local token, text = next_token(ckey, now_us, now_text, memory)
   if memory == '0' and sharing[i] then
@@ -170,25 +218,19 @@ for i = 0, n - 1 do
   end
   tokens[#tokens + 1] = token
   if ticket ~= '' then
-    local wkey, ekey = KEYS[h + 5 * i + 4], KEYS[h + 5 * i + 5]
-    dequeue(wkey, ekey, ticket_of(i))
+    local wkey, ekey, hkey = KEYS[h + 6 * i + 4], KEYS[h + 6 * i + 5], KEYS[h + 6 * i + 6]
+    dequeue(wkey, ekey, ticket_of(i), hkey)
+    if ordering then
+      redis.call('SREM', KEYS[2], handed_entry())  -- granted here: no handoff is to come
+    end
     if mode == 's' then
       -- the next waiter may share it too: wake it (it is refused if the limit is reached)
-      wake_head(wkey, ekey, now, wprefix, trust, 's', num(token))
+      wake_head(wkey, ekey, now, wprefix, trust, 's', num(token), hkey)
     end
   end
 end
 
 -- the registry outlives every lease it records, so a cleanup always finds them
 record_grants(KEYS[2], entries, ARGV[8])
-if home then
-  -- GT: a liveness only grows; a caller with a shorter one never cuts another's short.
-  -- ZADD answers 1 only for an owner new to the index (its first grant, or one a reconcile
-  -- forgot): forget_owner.lua drops an owner from the index and its node's set together, so
-  -- an owner found in the index is registered under its node already
-  if redis.call('ZADD', KEYS[3], 'GT', num(now + tonumber(ARGV[5])), owner) == 1 then
-    redis.call('SADD', KEYS[4], owner)
-    redis.call('SADD', KEYS[5], ARGV[6])
-  end
-end
+register()
 return tokens

@@ -1,57 +1,133 @@
--- release.lua: give back leases of one owner in one slot group, and wake their waiters: the
--- live head of a lease's waiter queue on its own channel (one waiter per release; see
--- _waiters.lua), or, with nobody queued, whoever listens on the release channel.
+-- release.lua: give back leases of one owner in one slot group, and pass each on: an exclusive
+-- lease to the live head of its waiter queue directly when that waiter left an order (a
+-- handoff, see below), else a wake-up for the live head of the queue on its own channel (one
+-- waiter per release; see _waiters.lua), or, with nobody queued, for whoever listens on the
+-- release channel.
 -- Only the holder can release: the key must still name our token. A second release of the
 -- same lease is a no-op. The registry entry goes either way, so a cleanup pass can use this
 -- script for leases that already ran out.
 --
--- KEYS[1] owner registry in the group
--- then per lease i: its exclusive or shared key, its waiter queue, its ticket expiry
+-- KEYS[1] owner registry in the group   KEYS[2] lifetime record of the group
+-- then per lease i: its exclusive or shared key, its waiter queue, its ticket expiry, its
+--             handed tickets, its token counter
 -- ARGV[1] owner id   ARGV[2] waiter channel prefix   ARGV[3] "1" when PUBLISH counts receivers
--- exactly (not on a cluster)
--- then per lease i: mode ("x" or "s"), token, registry entry, release channel
+-- exactly (not on a cluster)   ARGV[4] restart grace in ms, as acquire.lua's ARGV[3]
+-- ARGV[5] token counter memory in ms, as acquire.lua's ARGV[7]
+-- ARGV[6] ticket slack in ms, as acquire.lua's ARGV[13]
+-- then per lease i: mode ("x" or "s"), token ("0": whatever exclusive lease of the resource
+--             the owner holds, as a handed lease's registry entry says), registry entry,
+--             release channel, and for a lease handed to its holder, the ticket it was
+--             handed to ("" else: see _waiters.lua)
 -- then, last: events kept in the group's history stream (the history setting; 0: no history,
 --             and none of the history keys is given), events kept in a resource's own
 --             stream, milliseconds a resource's stream outlives its last event, the event of
 --             a lease released now ("released", "freed" or "forced"), and who frees ("" for
 --             the holder itself; cleanup, reaper, reconcile, an operator)
 -- with history, KEYS end with: the group's history stream, then per lease i its resource's
---             own history stream
+--             own history stream and record
 -- returns per lease i: 1 = released now, 0 = was no longer held by us
 --
 -- History: a lease released now is written as the given event; one whose registry entry was
 -- still there but which was no longer held (it ran out first) as "expired". A second run of
--- the same release (its entry is gone) writes nothing.
+-- the same release (its entry is gone) writes nothing. A handoff is written as a grant.
+--
+-- The handoff. An exclusive lease released now goes to the live head of its queue when that
+-- head is an exclusive waiter with an order (_waiters.lua) that is still valid (its expiry,
+-- less the slack, is to come), Redis is out of its restart grace (as acquire.lua checks) and
+-- PUBLISH counts receivers exactly: a new token (as acquire.lua makes it), the lease key set
+-- for the waiter's owner with the order's ttl, the ticket moved from the queue to the handed
+-- ZSET, and "h<token>" published on the waiter's channel. A waiter that nobody listens for
+-- any more gets nothing: it is dropped and the next head tried. The waiter recorded the
+-- lease's registry entry and refreshed its liveness when it queued with the order, so the
+-- lease is found by every cleanup as if granted then.
 
-local now -- the Redis clock in ms, read only when needed (an exclusive release with nobody
--- queued needs none)
+local now, now_us, now_text -- the Redis clock, read only when needed (an exclusive release
+-- with nobody queued needs none)
 local function clock()
   if not now then
-    local t = redis.call('TIME')
-    now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    now, now_us, now_text = clock_of(redis.call('TIME'))
   end
   return now
 end
 local owner, wprefix, trust = ARGV[1], ARGV[2], ARGV[3] == '1'
-local n = (#ARGV - 8) / 4
+local a = 6
+local n = (#ARGV - a - 5) / 5
 local hist, rhist, hkeep = ARGV[#ARGV - 4], ARGV[#ARGV - 3], ARGV[#ARGV - 2]
 local kind, by = ARGV[#ARGV - 1], ARGV[#ARGV]
-local hk = 1 + 3 * n  -- the history keys start after hk
+local hk = 2 + 5 * n  -- the history keys start after hk
+local function event(i, e, entry, who, ...)
+  redis.call('XADD', KEYS[hk + 1], 'MAXLEN', '~', hist, '*', 'e', e, 'x', entry, 'o', who, ...)
+  local rkey = KEYS[hk + 2 * i + 2]
+  redis.call('XADD', rkey, 'MAXLEN', '~', rhist, '*', 'e', e, 'x', entry, 'o', who, ...)
+  redis.call('PEXPIRE', rkey, hkeep)
+end
+
+-- hand the exclusive lease of key (just released) to the live head of its queue: 1 if done,
+-- 0 if nobody is queued, -1 if the head is to be woken instead
+local function hand_off(i, key, wkey, ekey, hkey, ckey, entry)
+  for _ = 1, 8 do
+    local head, expiry = queue_head(wkey, ekey, clock, hkey)
+    if not head then
+      return 0
+    elseif not trust then
+      return -1
+    end
+    local id, ttl, task, to = string.match(head, '^x(%S+) (%d+) (%S+) (.+)$')
+    if not id or expiry - tonumber(ARGV[6]) <= now then
+      return -1  -- no order, or a stale one: the waiter is woken and asks itself
+    end
+    if ARGV[4] ~= '-1' and lifetime_wait(KEYS[2], now, 0, ARGV[4], false, nil) > 0 then
+      return -1
+    end
+    local token, text = next_token(ckey, now_us, now_text, ARGV[5])
+    text = text or string.format('%.0f', token)
+    if redis.call('PUBLISH', wprefix .. id, 'h' .. text) > 0 then
+      redis.call('SET', key, text .. ' ' .. to, 'PX', ttl)
+      redis.call('ZREM', wkey, head)  -- its expiry stays, and says how long it is kept here
+      redis.call('ZADD', hkey, text, head)
+      if redis.call('PTTL', hkey) < expiry - now then
+        redis.call('PEXPIRE', hkey, expiry - now)
+      end
+      prune(wkey, ekey, now, hkey)  -- handed tickets whose holders never came back for them
+      if hist ~= '0' then
+        local resource = string.match(entry, '^%S+ %S+ %S+ (.*)$')
+        event(i, 'granted', 'x ' .. text .. ' ' .. task .. ' ' .. resource, to, 'ttl', ttl)
+        local rec = KEYS[hk + 2 * i + 3]
+        redis.call('HINCRBY', rec, 'transitions', 1)
+        redis.call('HSET', rec, 'ttl', ttl)
+        redis.call('PEXPIRE', rec, hkeep)
+      end
+      return 1
+    end
+    dequeue(wkey, ekey, head, hkey)  -- gone: nobody listens for it
+  end
+  return -1
+end
+
 local out = {}
 for i = 0, n - 1 do
-  local key, wkey, ekey = KEYS[3 * i + 2], KEYS[3 * i + 3], KEYS[3 * i + 4]
-  local mode, token = ARGV[4 * i + 4], ARGV[4 * i + 5]
-  local entry, channel = ARGV[4 * i + 6], ARGV[4 * i + 7]
-  local holder = token .. ' ' .. owner
+  local key, wkey, ekey = KEYS[5 * i + 3], KEYS[5 * i + 4], KEYS[5 * i + 5]
+  local hkey, ckey = KEYS[5 * i + 6], KEYS[5 * i + 7]
+  local mode, token = ARGV[a + 5 * i + 1], ARGV[a + 5 * i + 2]
+  local entry, channel, handed = ARGV[a + 5 * i + 3], ARGV[a + 5 * i + 4], ARGV[a + 5 * i + 5]
   local freed = 0
   if mode == 'x' then
-    if redis.call('GET', key) == holder then
+    local value = redis.call('GET', key)
+    if token == '0' and value then
+      -- a handed lease's entry: the owner's lease, whatever its token
+      local held, by_owner = string.match(value, '^(%d+) (.+)$')
+      if by_owner == owner then
+        token = held
+      end
+    end
+    if value == token .. ' ' .. owner then
       redis.call('DEL', key)
       freed = 1
     end
   else
     -- a shared member outlives its score until an acquire sweeps it out: one whose score
     -- passed had run out, and is not released now (though it goes)
+    local holder = token .. ' ' .. owner
     local score = redis.call('ZSCORE', key, holder)
     if score then
       redis.call('ZREM', key, holder)
@@ -61,17 +137,26 @@ for i = 0, n - 1 do
     end
   end
   local listed = redis.call('SREM', KEYS[1], entry)
+  if handed ~= '' then
+    -- a lease handed to its holder: its ticket goes from the handed ZSET (see _waiters.lua)
+    redis.call('ZREM', ekey, handed)
+    redis.call('ZREM', hkey, handed)
+  end
   if hist ~= '0' and (freed == 1 or listed == 1) then
-    local e = freed == 1 and kind or 'expired'
-    redis.call('XADD', KEYS[hk + 1], 'MAXLEN', '~', hist, '*', 'e', e, 'x', entry, 'o', owner,
-      'by', by)
-    local rkey = KEYS[hk + i + 2]
-    redis.call('XADD', rkey, 'MAXLEN', '~', rhist, '*', 'e', e, 'x', entry, 'o', owner, 'by', by)
-    redis.call('PEXPIRE', rkey, hkeep)
+    local shown = entry
+    if string.byte(entry) == 104 then  -- a handed lease's entry "h <ticket> <task> <resource>"
+      shown = 'x ' .. token .. ' ' .. string.match(entry, '^h %S+ (.*)$')
+    end
+    event(i, freed == 1 and kind or 'expired', shown, owner, 'by', by)
   end
   if freed == 1 then
+    local passed = -1
+    if mode == 'x' then
+      passed = hand_off(i, key, wkey, ekey, hkey, ckey, entry)
+    end
     -- nobody queued (the common case: one call), or nobody left to wake: the release channel
-    if wake_head(wkey, ekey, clock, wprefix, trust, nil, token) == 0 then
+    if passed == 0 or (passed == -1 and wake_head(wkey, ekey, clock, wprefix, trust, nil, token,
+        hkey) == 0) then
       redis.call('PUBLISH', channel, token)
     end
   end

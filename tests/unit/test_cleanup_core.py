@@ -68,14 +68,15 @@ def test_a_cleanup_releases_its_entries_in_batches():
         if scripts([op]) == ["cmd:SMEMBERS"]:
             return [members]
         if isinstance(call, Script) and call.name == "release":
-            return [[ReleaseReply.RELEASED] * ((len(call.keys) - 1) // 3)]
+            return [[ReleaseReply.RELEASED] * ((len(call.keys) - 2) // 5)]
         return [1]
 
     report, made = drive(_cleanup.cleanup_owner(engine, OWNER), answer)
     calls = [c for op in made if isinstance(op, Send) for c in op.calls]
     sizes = [
-        (len(c.keys) - 1) // 3 for c in calls if isinstance(c, Script) and c.name == "release"
-    ]  # the registry, then per lease its key, its waiter queue and its tickets' expiry
+        (len(c.keys) - 2) // 5 for c in calls if isinstance(c, Script) and c.name == "release"
+    ]  # the registry and lifetime record, then per lease its key, its waiter queue, its
+    # tickets' expiry, its orders and its token counter
     assert sizes == [_cleanup._RELEASE_BATCH, 3]
     assert len(report.released) == n
     assert scripts(made)[-1] == "forget_owner"

@@ -162,10 +162,13 @@ def test_a_ticket_goes_with_the_attempt_and_is_followed_to_where_it_is_blocked(
     grouped: LeaseStore,
 ):
     (name,) = _in_groups(grouped, 2)
-    ticket = _grants.Ticket()
+    ticket = _grants.Ticket(WORKER.owner, handoff=True)
     steps = _grants.try_acquire(grouped.engine, [Want(name)], WORKER, 10.0, ticket=ticket)
     outcome, made = drive(steps, replies([[AcquireReply.BUSY, 1, 500]]))
-    assert outcome == Busy(name, 0.5)
+    # one exclusive lease: the attempt left an order for a handoff, which it refreshes in time
+    horizon = grouped.engine.horizon(10.0)
+    assert outcome == Busy(name, 0.5, refresh=horizon / 2)
+    assert ticket.ordered_at is not None
     call = made[0].calls[0]  # type: ignore[union-attr]
     assert isinstance(call, Script)
     assert ticket.id in call.args
@@ -179,9 +182,10 @@ def test_a_request_blocked_in_an_earlier_group_leaves_the_queue_of_a_later_one(
 ):
     first, second = _in_groups(grouped, 1, 3)
     wants = [Want(first), Want(second)]
-    ticket = _grants.Ticket(queued={second})  # an earlier attempt was blocked by `second`
+    # an earlier attempt was blocked by `second`
+    ticket = _grants.Ticket(WORKER.owner, queued={second})
     steps = _grants.try_acquire(grouped.engine, wants, WORKER, 10.0, ticket=ticket)
-    outcome, made = drive(steps, replies([[AcquireReply.BUSY, 1, 500]], [[1]]))
+    outcome, made = drive(steps, replies([[AcquireReply.BUSY, 1, 500]], [[0]]))
     assert outcome == Busy(first, 0.5)
     assert scripts(made) == ["acquire", "leave"]
     leave = made[1].calls[0]  # type: ignore[union-attr]
@@ -193,7 +197,7 @@ def test_a_request_blocked_in_an_earlier_group_leaves_the_queue_of_a_later_one(
 
 def test_a_grant_takes_the_ticket_out_of_every_queue(grouped: LeaseStore):
     (name,) = _in_groups(grouped, 2)
-    ticket = _grants.Ticket(queued={name})
+    ticket = _grants.Ticket(WORKER.owner, queued={name})
     steps = _grants.try_acquire(grouped.engine, [Want(name)], WORKER, 10.0, ticket=ticket)
     held, made = drive(steps, replies([[AcquireReply.GRANTED, 9]]))
     assert isinstance(held, list)
@@ -204,7 +208,7 @@ def test_a_grant_takes_the_ticket_out_of_every_queue(grouped: LeaseStore):
 
 def test_leaving_the_queues_that_fails_is_only_logged(grouped: LeaseStore):
     (name,) = _in_groups(grouped, 2)
-    ticket = _grants.Ticket(queued={name})
+    ticket = _grants.Ticket(WORKER.owner, queued={name})
     steps = _grants.leave_queues(grouped.engine, [Want(name)], ticket)
     outcome, made = drive(steps, replies(refused()))
     assert outcome is None

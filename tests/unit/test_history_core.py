@@ -49,7 +49,8 @@ def test_a_release_names_its_event_and_who_frees_last():
     assert args[:-5] == _grants.release_args(_engine(), "o/1/2", entries)[:-5]
     assert args[-5:] == [500, 100, 86_400_000, "freed", "reaper"]
     keys = _grants.release_keys(on, "o/1/2", 0, entries)
-    assert keys[-2:] == [on.keys.history(0), on.resource_keys("a").history]
+    rk = on.resource_keys("a")
+    assert keys[-3:] == [on.keys.history(0), rk.history, rk.record]
     assert on.keys.history(0) not in _grants.release_keys(_engine(), "o/1/2", 0, entries)
 
 

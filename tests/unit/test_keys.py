@@ -244,6 +244,7 @@ def test_per_resource_names_are_those_of_the_single_methods(resource: str, group
         keys.channel(resource),
         keys.waiters(resource),
         keys.ticket_expiry(resource),
+        keys.handed(resource),
         keys.resource_history(resource),
         keys.record(resource),
         keys.group_of(resource),

@@ -120,6 +120,9 @@ KEYS: list[tuple[str, int, str, tuple[Any, ...] | None, object]] = [
     ("leases", 16, "waiters", ("job:42",), "{leases:10}:q:job:42"),
     ("leases", 16, "ticket_expiry", ("job:42",), "{leases:10}:qe:job:42"),
     ("leases", 16, "waiter_channel", ("0a1b2c3d4e5f",), "{leases:0}:cw:0a1b2c3d4e5f"),
+    # the handoff (issue 14): the tickets a release handed the resource to, in its group
+    ("leases", 1, "handed", ("a{b}:c d",), "{leases:0}:qh:a%7Bb%7D:c%20d"),
+    ("leases", 16, "handed", ("job:42",), "{leases:10}:qh:job:42"),
     # prefix 'leases', 16 slot groups
     ("leases", 16, "group_of", ("job:42",), 10),
     ("leases", 16, "exclusive", ("job:42",), "{leases:10}:x:job:42"),
