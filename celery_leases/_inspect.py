@@ -150,14 +150,16 @@ def registry_task(engine: LeaseEngine, owner: str, resource: str, token: int) ->
 # --- leases -------------------------------------------------------------------------------
 def check_entries(
     engine: LeaseEngine, items: Sequence[tuple[str, Entry]]
-) -> Steps[list[float | None]]:
-    """For each ``(owner, entry)``: the seconds left on that lease, or None if it is gone.
+) -> Steps[list[tuple[float, int] | None]]:
+    """For each ``(owner, entry)``: the seconds left on that lease and its token, or None if
+    it is gone.
 
     A lease is there while its key still names the entry's token and owner (the test
-    renew.lua makes); None means it ran out, was released or was taken over since, and
-    the registry entry is stale.
+    renew.lua makes; a handed lease's entry names no token: the owner's lease of the
+    resource, whatever its token); None means it ran out, was released or was taken over
+    since, and the registry entry is stale.
     """
-    out: list[float | None] = []
+    out: list[tuple[float, int] | None] = []
     for start in range(0, len(items), OPS_BATCH):
         chunk = items[start : start + OPS_BATCH]
         calls: list[Call] = []
@@ -172,12 +174,16 @@ def check_entries(
         for owner, entry in chunk:
             if entry.mode == "x":
                 value, pttl = replies.pop(), replies.pop()
-                held = value is not None and str(value) == holder_value(entry.token, owner)
-                out.append(max(int(pttl), 0) / 1000 if held else None)
+                parsed = split_holder(value)
+                held = isinstance(parsed, tuple) and parsed[0] == owner
+                if held and isinstance(parsed, tuple) and entry.token in (0, parsed[1]):
+                    out.append((max(int(pttl), 0) / 1000, parsed[1]))
+                else:
+                    out.append(None)
             else:
                 score = replies.pop()
                 held = score is not None and float(score) > now_ms
-                out.append((float(score) - now_ms) / 1000 if held else None)
+                out.append(((float(score) - now_ms) / 1000, entry.token) if held else None)
     return out
 
 

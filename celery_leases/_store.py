@@ -440,8 +440,9 @@ class LeaseStore:
         """The registry entries of each of ``owners`` (see :func:`_inspect.read_registries`)."""
         return self.run(_inspect.read_registries(self.engine, owners))
 
-    def check_entries(self, items: Sequence[tuple[str, Entry]]) -> list[float | None]:
-        """For each ``(owner, entry)``: the seconds left on that lease, or None if it is gone."""
+    def check_entries(self, items: Sequence[tuple[str, Entry]]) -> list[tuple[float, int] | None]:
+        """For each ``(owner, entry)``: the seconds left on that lease and its token, or None
+        if it is gone (see :func:`_inspect.check_entries`)."""
         return self.run(_inspect.check_entries(self.engine, items))
 
     def read_liveness(self, owners: Sequence[str]) -> dict[str, float | None]:

@@ -384,11 +384,12 @@ def _census(store: LeaseStore, *, owner: str | None = None, pattern: str | None 
     ]
     held: list[_Row] = []
     stale: dict[str, int] = {}
-    for (o, e), expires_in in zip(items, store.check_entries(items), strict=True):
-        if expires_in is None:
+    for (o, e), found in zip(items, store.check_entries(items), strict=True):
+        if found is None:
             stale[o] = stale.get(o, 0) + 1
         else:
-            held.append(_Row(e.resource, e.mode, e.token, o, e.task_id, expires_in, liveness[o]))
+            expires_in, token = found
+            held.append(_Row(e.resource, e.mode, token, o, e.task_id, expires_in, liveness[o]))
     held.sort(key=lambda r: (r.resource, r.token, r.owner))
     queued: list[_Row] = []
     if owner is None:
