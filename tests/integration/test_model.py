@@ -29,6 +29,12 @@ never the verdict. After every step it checks:
 - a refusal (busy) only when some holder may still hold the resource, outside a restart grace;
 - ``once`` runs its function only while no receipt exists, under the once-lease.
 
+Waiters "park": a wait for one exclusive lease queues its ticket with its order (the store's
+own wait, between two of its attempts), its channel listened to, so a later release may hand
+it the lease (lua/release.lua). Until the waiter listens (a rule), the model counts the
+resource as maybe held by it; a handoff it hears, or the grant a later attempt of the wait is
+told, is checked and recorded as any grant, counted from the attempt that queued the order.
+
 The default run is bounded (25 examples of 30 steps, about 30 s on a busy 2-core machine). Set
 ``CELERY_LEASES_MODEL_EXAMPLES`` for a longer search, e.g.::
 
@@ -53,11 +59,14 @@ import pytest
 from celery import Celery
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from redis import Redis
+from redis.client import PubSub
 
-from celery_leases import LeaseBusy, Leases
+from celery_leases import LeaseBusy, Leases, _grants
 from celery_leases._claims import Claimed, ClaimHolder
 from celery_leases._identity import Identity
 from celery_leases._inspect import Holder
+from celery_leases._lanes import handoff
 from celery_leases._lease import Held, Want
 from celery_leases._redis_server import RedisServer
 from celery_leases._store import LeaseStore
@@ -185,6 +194,17 @@ class Grant:
 
 
 @dataclass(eq=False)
+class Parked:
+    """A wait for one exclusive lease between two of its attempts, its channel listened to."""
+
+    owner: Owner
+    resource: str
+    ttl: float
+    ticket: _grants.Ticket
+    pubsub: PubSub
+
+
+@dataclass(eq=False)
 class Owner:
     """One simulated lease-holding process."""
 
@@ -246,6 +266,8 @@ class LeaseModel(RuleBasedStateMachine):
         self.grace_done: set[int] = set()  # groups with a grant since the last restart
         self.receipts: dict[str, int | None] = dict.fromkeys(ONCE_NAMES)
         self.once_runs = 0
+        self.parked: list[Parked] = []
+        self.redis = Redis.from_url(type(self).server.url, decode_responses=True)
         _trace.clear()
         self._warm_up()
 
@@ -298,6 +320,9 @@ class LeaseModel(RuleBasedStateMachine):
         self.grace_done = set(range(SLOT_GROUPS))
 
     def teardown(self) -> None:
+        for waiter in self.parked:
+            waiter.pubsub.close()
+        self.redis.close()
         self.store.close()
         self.leases.store.close()
 
@@ -343,6 +368,8 @@ class LeaseModel(RuleBasedStateMachine):
 
     def surely_free(self, want: Want, at: float) -> bool:
         """True if no grant the model knows may hold ``want.resource`` against ``want.mode``."""
+        if any(p.resource == want.resource for p in self.parked):
+            return False  # queued ahead (first come, first served), or handed the lease
         maybe = [g for g in self.grants.get(want.resource, []) if g.maybe_held(at)]
         if any(conflicts(g.mode, want.mode) for g in maybe):
             return False
@@ -488,7 +515,25 @@ class LeaseModel(RuleBasedStateMachine):
     @traced
     def release(self, node: int, slot: int, every: bool) -> None:
         owner = self.owner_at(node, slot)
-        todo = list(owner.grants) if every else owner.grants[:1]
+        self._release(list(owner.grants) if every else owner.grants[:1])
+
+    @rule(pick=st.integers(0, 1000))
+    @traced
+    def release_before_a_waiter(self, pick: int) -> None:
+        """The exclusive holder of what a parked waiter waits for releases it (a handoff, if
+        the waiter's order is still valid)."""
+        if not self.parked:
+            return
+        waiter = self.parked[pick % len(self.parked)]  # a draw from a list that timing shapes
+        todo = [
+            g
+            for o in self.owners.values()
+            for g in o.grants
+            if g.resource == waiter.resource and g.mode == "x" and g.held is not None
+        ]
+        self._release(todo[:1])
+
+    def _release(self, todo: list[Grant]) -> None:
         if not todo:
             return
         freed = self.store.release([g.held for g in todo if g.held is not None])
@@ -501,6 +546,193 @@ class LeaseModel(RuleBasedStateMachine):
                 violated(f"release found {g.resource} of {g.owner} gone while surely held")
             g.gone = True
             self.drop(g)
+
+    # --- parked waiters and the handoff ----------------------------------------------------
+    @rule(
+        node=st.integers(0, len(NODES) - 1),
+        slot=st.integers(0, SLOTS - 1),
+        index=st.integers(0, SLOT_GROUPS * RESOURCES_PER_GROUP - 1),
+        ttl=st.sampled_from(TTLS),
+        behind=st.booleans(),
+        pick=st.integers(0, 1000),
+    )
+    @traced
+    def start_waiting(
+        self, node: int, slot: int, index: int, ttl: float, behind: bool, pick: int
+    ) -> None:
+        """A process starts waiting for one exclusive lease: its first attempt with a ticket
+        (``behind``: for one another process holds now, if any)."""
+        owner = self.owner_at(node, slot)
+        resource = self.resources[index]
+        now = time.monotonic()
+        held = sorted({g.resource for gs in self.grants.values() for g in gs if g.surely_held(now)})
+        if behind and held:
+            resource = held[pick % len(held)]
+        self._park(owner, resource, ttl)
+
+    def _park(self, owner: Owner, resource: str, ttl: float) -> Parked | None:
+        """``owner`` starts a wait for ``resource``: parked, or None (granted, or waiting)."""
+        if any(p.owner is owner and p.resource == resource for p in self.parked):
+            return None
+        ticket = _grants.new_ticket(
+            self.store.engine, [Want(resource)], owner.ident.owner, ttl, None
+        )
+        pubsub = self.redis.pubsub()
+        pubsub.subscribe(self.store.keys.waiter_channel(ticket.id))
+        deadline = time.monotonic() + 5.0
+        while pubsub.get_message(timeout=0.1) is None:
+            assert time.monotonic() < deadline, "no SUBSCRIBE confirmation"
+        waiter = Parked(owner, resource, ttl, ticket, pubsub)
+        if self._attempt(waiter):
+            return None
+        self.parked.append(waiter)
+        event("waiter: parked" if ticket.ordered_at is not None else "waiter: no order")
+        return waiter
+
+    @rule(
+        node=st.integers(0, len(NODES) - 1),
+        slot=st.integers(0, SLOTS - 1),
+        index=st.integers(0, SLOT_GROUPS * RESOURCES_PER_GROUP - 1),
+        ttl=st.sampled_from(TTLS),
+        then=st.sampled_from(("listen", "attempt", "give up", "nothing")),
+    )
+    @traced
+    def hand_over(self, node: int, slot: int, index: int, ttl: float, then: str) -> None:
+        """A holder, a waiter parked behind it, the holder's release (a handoff, while the
+        order is valid), then the waiter listens, tries again, gives up, or is left parked."""
+        resource = self.resources[index]
+        holder = self.owner_at((node + 1) % len(NODES), slot)
+        self._acquire(holder, [Want(resource)], TTLS[0], 0.0)
+        held = [
+            g
+            for o in self.owners.values()
+            for g in o.grants
+            if g.resource == resource and g.mode == "x" and g.held is not None and not g.gone
+        ]
+        if not held:
+            return
+        waiter = self._park(self.owner_at(node, slot), resource, ttl)
+        if waiter is None:
+            return
+        self._release(held[:1])
+        if then == "listen":
+            if self._listen(waiter):
+                self.parked.remove(waiter)
+        elif then == "attempt":
+            if self._attempt(waiter):
+                self.parked.remove(waiter)
+        elif then == "give up":
+            self._give_up(waiter)
+
+    def _attempt(self, waiter: Parked) -> bool:
+        """One attempt of ``waiter``'s wait; True if it is over (granted or handed)."""
+        engine = self.store.engine
+        wants = [Want(waiter.resource)]
+        sent = time.monotonic()
+        outcome = self.store.run(
+            _grants.try_acquire(engine, wants, waiter.owner.ident, waiter.ttl, ticket=waiter.ticket)
+        )
+        if not isinstance(outcome, list):
+            return False
+        (held,) = outcome
+        event("waiter: told it was handed the lease" if held.ticket else "waiter: granted")
+        # a handed lease counts from the attempt that queued the order (confirmed_at)
+        self._granted(waiter, held, min(sent, held.confirmed_at))
+        return True
+
+    def _granted(self, waiter: Parked, held: Held, sent: float) -> None:
+        reply = time.monotonic()
+        grant = Grant.reported(
+            held.resource,
+            "x",
+            held.token,
+            waiter.owner.ident.owner,
+            waiter.ttl,
+            sent,
+            reply,
+            held=held,
+        )
+        grant.confirmed = held.confirmed_at
+        self.on_grant(grant, reply)
+        waiter.owner.grants.append(grant)
+        waiter.pubsub.close()
+
+    def _listen(self, waiter: Parked) -> bool:
+        """Read ``waiter``'s channel; True if a release handed it the lease."""
+        channel = self.store.keys.waiter_channel(waiter.ticket.id)
+        while (message := waiter.pubsub.get_message(timeout=0.0)) is not None:
+            token = handoff(message["type"], message["channel"], message["data"], channel)
+            if token is not None:
+                engine, ident = self.store.engine, waiter.owner.ident
+                (held,) = _grants.handed(
+                    engine,
+                    [Want(waiter.resource)],
+                    ident.owner,
+                    waiter.ttl,
+                    None,
+                    waiter.ticket,
+                    token,
+                )
+                event("waiter: handed the lease")
+                assert waiter.ticket.ordered_at is not None
+                self._granted(waiter, held, waiter.ticket.ordered_at)
+                return True
+        return False
+
+    @rule(pick=st.integers(0, 1000))
+    @traced
+    def waiter_listens(self, pick: int) -> None:
+        if not self.parked:
+            return
+        waiter = self.parked[pick % len(self.parked)]  # a draw from a list that timing shapes
+        if self._listen(waiter):
+            self.parked.remove(waiter)
+
+    @rule(pick=st.integers(0, 1000))
+    @traced
+    def waiter_tries_again(self, pick: int) -> None:
+        """Its next attempt (a wake-up, its timer), which may come after a handoff unheard."""
+        if not self.parked:
+            return
+        waiter = self.parked[pick % len(self.parked)]  # a draw from a list that timing shapes
+        if self._attempt(waiter):
+            self.parked.remove(waiter)
+
+    @rule(pick=st.integers(0, 1000))
+    @traced
+    def waiter_gives_up(self, pick: int) -> None:
+        """Its wait ends (timed out, cancelled): it leaves, and gives back a lease handed to it."""
+        if not self.parked:
+            return
+        self._give_up(self.parked[pick % len(self.parked)])  # a list that timing shapes
+
+    def _give_up(self, waiter: Parked) -> None:
+        self.parked.remove(waiter)
+        waiter.ticket.queued = {waiter.resource}
+        self.store.run(
+            _grants.leave_queues(self.store.engine, [Want(waiter.resource)], waiter.ticket)
+        )
+        waiter.pubsub.close()
+
+    def _end_waits(self, owner: Owner) -> None:
+        """``owner``'s process dies: what a release handed its waiters is heard first (so the
+        model knows those leases), then their connections close, for Redis to see."""
+        for waiter in [p for p in self.parked if p.owner is owner]:
+            self.parked.remove(waiter)
+            if self._listen(waiter):
+                continue
+            waiter.pubsub.close()
+            channel = self.store.keys.waiter_channel(waiter.ticket.id)
+            deadline = time.monotonic() + 5.0
+            while self.redis.pubsub_numsub(channel)[0][1]:
+                assert time.monotonic() < deadline, "a closed subscriber stayed subscribed"
+                time.sleep(0.005)
+
+    def maybe_handed(self, resource: str, holder: Holder) -> bool:
+        """True if a parked waiter of ``holder``'s owner may have been handed ``resource``."""
+        return holder.mode == "x" and any(
+            p.resource == resource and p.owner.ident.owner == holder.owner for p in self.parked
+        )
 
     # --- owners that die -----------------------------------------------------------------
     @rule(
@@ -517,6 +749,7 @@ class LeaseModel(RuleBasedStateMachine):
         """
         owner = self.owner_at(node, slot)
         owner.alive = False
+        self._end_waits(owner)
         self.slots[(node, slot)] = self._new_owner(node)
         left = [g for g in owner.grants if not g.gone]
         if then == "reconcile":
@@ -546,6 +779,7 @@ class LeaseModel(RuleBasedStateMachine):
         name = NODES[node]
         for s in range(SLOTS):
             self.slots[(node, s)].alive = False
+            self._end_waits(self.slots[(node, s)])
         self.incarnation[name] += 1
         for s in range(SLOTS):
             self.slots[(node, s)] = self._new_owner(node)
@@ -578,6 +812,11 @@ class LeaseModel(RuleBasedStateMachine):
         self._reconcile()
 
     def _reconcile(self) -> None:
+        # a waiter hears a handoff within milliseconds, and counts the lease from its order
+        # either way: the model learns of every handoff before it checks what a reconcile frees
+        for waiter in list(self.parked):
+            if self._listen(waiter):
+                self.parked.remove(waiter)
         report = self.store.reconcile()
         reply = time.monotonic()
         assert not report.errors, report.errors
@@ -745,6 +984,9 @@ class LeaseModel(RuleBasedStateMachine):
         Steps take milliseconds, so without ``wait_out_grace`` the next steps mostly meet the
         restart grace; with it, every slot group is touched and its grace waited out.
         """
+        for waiter in self.parked:  # their tickets go with every key; their connections die
+            waiter.pubsub.close()
+        self.parked = []
         type(self).server.restart()
         self.restart_up = time.monotonic()
         self.grace_done = set()
@@ -788,6 +1030,15 @@ class LeaseModel(RuleBasedStateMachine):
         listed = set()
         for h in holders:
             grant = self.grant_of(resource, h.token)
+            if grant is None and self.maybe_handed(resource, h):
+                # handed to a parked waiter that has not listened yet: its registry says so
+                if not any(
+                    (e.mode, e.token, e.resource, bool(e.ticket)) == ("x", 0, resource, True)
+                    for e in self.store.entries(h.owner)
+                ):
+                    violated(f"{resource} handed to {h.owner}, not in its registry")
+                event("a handoff seen before its waiter heard it")
+                continue
             if grant is None:
                 violated(f"{resource} is held by a grant the store never reported: {h}")
             elif not grant.maybe_held(before):
@@ -800,7 +1051,9 @@ class LeaseModel(RuleBasedStateMachine):
                     entries[h.owner] = {
                         (e.mode, e.token, e.resource) for e in self.store.entries(h.owner)
                     }
-                if (h.mode, h.token, resource) not in entries[h.owner]:
+                # a handed lease's entry stands for the owner's lease, whatever its token
+                found = {(h.mode, h.token, resource), ("x", 0, resource)} & entries[h.owner]
+                if not found or (h.mode == "s" and (h.mode, h.token, resource) not in found):
                     violated(f"{resource} token {h.token} is not in {h.owner}'s registry")
         for grant in self.grants.get(resource, []):
             if grant.gone or grant.token in listed:
