@@ -884,12 +884,14 @@ def _queued(client: redis.Redis, key: str) -> int:
 
 
 def waiter_chain(leases: Leases, admin: redis.Redis, resource: str, n: int) -> dict[str, Any]:
-    """One chain: ``n`` threads queue in a known order, then each release hands over to one.
+    """One chain: ``n`` + 1 threads queue in a known order, then each release hands over to one.
 
     The bench holds ``resource``; waiter i starts once waiter i-1 is seen in the queue. Then
     the bench releases, and each waiter, once granted, notes the time and releases at once,
-    so the lease goes down the queue: n releases, n handoffs. Counted on the server from the
-    bench's release to the last grant (n releases and n grants).
+    so the lease goes down the queue. Counted on the server from the release of waiter 0 (with
+    ``n`` waiters queued behind it) to the last grant: n releases and n handoffs, each release
+    by a holder that waited for its lease as the next one does (the bench's own release,
+    of a lease that no wait was handed, is left out).
     """
     queue_key = leases.store.keys.waiters(resource)
     lock = threading.Lock()
@@ -898,13 +900,17 @@ def waiter_chain(leases: Leases, admin: redis.Redis, resource: str, n: int) -> d
     last = threading.Event()  # the last grant came: counted before its release
     gate = threading.Event()
 
+    totals: list[tuple[int, int]] = []  # the server's, as waiter 0 releases
+
     def waiter(i: int) -> None:
         try:
             with leases.hold(resource, wait=120, ttl=60):
                 t = time.perf_counter()
+                if i == 0:
+                    totals.append(_server_totals(admin))
                 with lock:
                     granted.append((i, t, time.perf_counter()))
-                    done = len(granted) == n
+                    done = len(granted) == n + 1
                 if done:
                     last.set()
                     gate.wait(300)
@@ -913,7 +919,7 @@ def waiter_chain(leases: Leases, admin: redis.Redis, resource: str, n: int) -> d
 
     first = leases.acquire([Want(resource)], ttl=120)
     threads = []
-    for i in range(n):
+    for i in range(n + 1):
         thread = threading.Thread(target=waiter, args=(i,), daemon=True)
         thread.start()
         threads.append(thread)
@@ -923,19 +929,17 @@ def waiter_chain(leases: Leases, admin: redis.Redis, resource: str, n: int) -> d
                 raise RuntimeError(f"waiter {i} never queued: {errors}")
             time.sleep(0.0005)
     time.sleep(0.05)  # every waiter asleep on its channel
-    calls0, usec0 = _server_totals(admin)
-    released = time.perf_counter()
     leases.release(first)
     last.wait(300)
     calls1, usec1 = _server_totals(admin)
     gate.set()
     for thread in threads:
         thread.join(300)
-    if errors or len(granted) != n:
-        raise RuntimeError(f"the chain broke: {len(granted)} of {n} granted; {errors[:3]}")
+    if errors or len(granted) != n + 1:
+        raise RuntimeError(f"the chain broke: {len(granted)} of {n + 1} granted; {errors[:3]}")
+    ((calls0, usec0),) = totals
     order = [i for i, _, _ in granted]
-    delays = [granted[0][1] - released]
-    delays += [granted[k][1] - granted[k - 1][2] for k in range(1, n)]
+    delays = [granted[k][1] - granted[k - 1][2] for k in range(1, n + 1)]
     overtaken, highest = 0, -1
     for i in order:
         if highest > i:
