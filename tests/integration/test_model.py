@@ -615,14 +615,8 @@ class LeaseModel(RuleBasedStateMachine):
         if waiter is None:
             return
         self._release(held[:1])
-        if then == "listen":
-            if self._listen(waiter):
-                self.parked.remove(waiter)
-        elif then == "attempt":
-            if self._attempt(waiter):
-                self.parked.remove(waiter)
-        elif then == "give up":
-            self._give_up(waiter)
+        if then != "nothing":
+            self._waiter_step(waiter, then)
 
     def _attempt(self, waiter: Parked) -> bool:
         """One attempt of ``waiter``'s wait; True if it is over (granted or handed)."""
@@ -679,32 +673,21 @@ class LeaseModel(RuleBasedStateMachine):
                 return True
         return False
 
-    @rule(pick=st.integers(0, 1000))
+    @rule(pick=st.integers(0, 1000), what=st.sampled_from(("listen", "attempt", "give up")))
     @traced
-    def waiter_listens(self, pick: int) -> None:
-        if not self.parked:
-            return
-        waiter = self.parked[pick % len(self.parked)]  # a draw from a list that timing shapes
-        if self._listen(waiter):
-            self.parked.remove(waiter)
+    def waiter_acts(self, pick: int, what: str) -> None:
+        """A parked waiter listens (and takes a lease handed to it), tries again (a wake-up,
+        its timer: maybe after a handoff it did not hear), or gives up (timed out, cancelled:
+        it leaves, and gives back a lease handed to it meanwhile)."""
+        if self.parked:
+            self._waiter_step(self.parked[pick % len(self.parked)], what)  # timing shapes it
 
-    @rule(pick=st.integers(0, 1000))
-    @traced
-    def waiter_tries_again(self, pick: int) -> None:
-        """Its next attempt (a wake-up, its timer), which may come after a handoff unheard."""
-        if not self.parked:
-            return
-        waiter = self.parked[pick % len(self.parked)]  # a draw from a list that timing shapes
-        if self._attempt(waiter):
+    def _waiter_step(self, waiter: Parked, what: str) -> None:
+        """``waiter`` does ``what``; it is no longer parked once its wait is over."""
+        if what == "give up":
+            self._give_up(waiter)
+        elif self._listen(waiter) if what == "listen" else self._attempt(waiter):
             self.parked.remove(waiter)
-
-    @rule(pick=st.integers(0, 1000))
-    @traced
-    def waiter_gives_up(self, pick: int) -> None:
-        """Its wait ends (timed out, cancelled): it leaves, and gives back a lease handed to it."""
-        if not self.parked:
-            return
-        self._give_up(self.parked[pick % len(self.parked)])  # a list that timing shapes
 
     def _give_up(self, waiter: Parked) -> None:
         self.parked.remove(waiter)
@@ -815,8 +798,7 @@ class LeaseModel(RuleBasedStateMachine):
         # a waiter hears a handoff within milliseconds, and counts the lease from its order
         # either way: the model learns of every handoff before it checks what a reconcile frees
         for waiter in list(self.parked):
-            if self._listen(waiter):
-                self.parked.remove(waiter)
+            self._waiter_step(waiter, "listen")
         report = self.store.reconcile()
         reply = time.monotonic()
         assert not report.errors, report.errors
