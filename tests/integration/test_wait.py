@@ -259,9 +259,10 @@ def test_a_waiting_list_holds_none_of_its_members(leases: Leases, leases_redis):
             assert leases.store.holders("a") == []
             assert leases.store.holders("c") == []
             # another owner can take and give back the free members meanwhile (each release
-            # wakes the waiter, which tries again and must let go of everything again)
-            got = leases.store.try_acquire([Want("a"), Want("c")], rival, 10.0)
-            assert isinstance(got, list)
+            # wakes the waiter, which tries again and must let go of everything again). It
+            # waits its turn: a wake-up that comes while the rival holds "a" finds "a" busy,
+            # and queues the waiter there until its next attempt (first come, first served)
+            got = leases.store.acquire([Want("a"), Want("c")], rival, 10.0, wait=5.0)
             assert leases.store.release(got) == [True, True]
         assert waiter.is_alive()
         assert leases.store.holders("a") == []
