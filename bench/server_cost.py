@@ -81,7 +81,10 @@ def without(source: str, part: str, replacement: str) -> str:
 def contenders() -> list[Contender]:
     a, r = _scripts.ACQUIRE, _scripts.RELEASE
     queue_check = "redis.call('EXISTS', xkey, skey, wkey)"
-    handoff = "passed = hand_off(i, key, wkey, ekey, hkey, ckey, entry)"
+    wake = (
+        "if wake_head(wkey, ekey, clock, wprefix, trust, nil, token, hkey, hand, i, key, ckey,\n"
+        "        entry) == 0 then"
+    )
     return [
         Contender("floor", "raw floor (SET NX PX + CAD script)", "", COMPARE_AND_DELETE),
         Contender("shipped", "hold(): acquire.lua + release.lua", a, r),
@@ -108,7 +111,7 @@ def contenders() -> list[Contender]:
             "no_queue",
             "without the waiter queue (its EXISTS key, ZRANGE)",
             without(a, queue_check, "redis.call('EXISTS', xkey, skey)"),
-            without(r, handoff, "passed = 0"),
+            without(r, wake, "if true then"),
         ),
         Contender(
             "no_publish",

@@ -55,6 +55,13 @@ local function queue_head(wkey, ekey, now, hkey)
   return nil
 end
 
+-- the token a release handed to ticket member (as text: a ZSET score reads back as a float),
+-- or false
+local function handed_to(hkey, member)
+  local score = redis.call('ZSCORE', hkey, member)
+  return score and string.format('%.0f', tonumber(score))
+end
+
 -- the channel of the waiter of ticket member (mode, then the ticket's id)
 local function channel_of(prefix, member)
   return prefix .. string.match(member, '^.(%S+)')
@@ -63,17 +70,28 @@ end
 -- wake the queue's live head on its own channel; 0 when the queue is empty. only: wake the
 -- head only if its mode is this one. trust: PUBLISH's count of receivers is exact (not on a
 -- cluster), so a head nobody listens for is gone: it is dropped and the next one woken.
-local function wake_head(wkey, ekey, now, prefix, trust, only, payload, hkey)
+-- offer (release.lua's handoff, or nil): offer(head, expiry, wkey, ekey, hkey, ...) first,
+-- with the arguments after it; true: the head was handed the lease (nothing more to do),
+-- false: nobody listens for it, nil: wake it.
+local function wake_head(wkey, ekey, now, prefix, trust, only, payload, hkey, offer, ...)
   for _ = 1, 8 do
-    local head = queue_head(wkey, ekey, now, hkey)
+    local head, expiry = queue_head(wkey, ekey, now, hkey)
     if not head then
       return 0
     end
     if only and string.sub(head, 1, 1) ~= only then
       return 1
     end
-    if redis.call('PUBLISH', channel_of(prefix, head), payload) > 0 or not trust then
+    local offered = nil
+    if offer then
+      offered = offer(head, expiry, wkey, ekey, hkey, ...)
+    end
+    if offered then
       return 1
+    elseif offered == nil then
+      if redis.call('PUBLISH', channel_of(prefix, head), payload) > 0 or not trust then
+        return 1
+      end
     end
     dequeue(wkey, ekey, head, hkey)
   end

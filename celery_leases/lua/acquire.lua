@@ -107,10 +107,9 @@ if ordering then
   -- handed to this ticket by a release while this call was under way: that is the grant,
   -- if still held (a lost reply's recovery may have given it back)
   local hkey, member = KEYS[h + 6], ticket_of(0)
-  local token = redis.call('ZSCORE', hkey, member)
+  local token = handed_to(hkey, member)
   if token then
     dequeue(KEYS[h + 4], KEYS[h + 5], member, hkey)
-    token = string.format('%.0f', tonumber(token))
     if redis.call('GET', KEYS[h + 1]) == token .. ' ' .. owner then
       return {2, token}
     end

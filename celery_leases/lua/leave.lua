@@ -20,10 +20,8 @@ for i = 0, (#KEYS - 1) / 3 - 1 do
   local wkey, ekey, hkey = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
   local member, entry = ARGV[2 * i + 4] .. ticket, ARGV[2 * i + 5]
   local head = queue_head(wkey, ekey, now, hkey)
-  local handed = redis.call('ZSCORE', hkey, member)
-  if handed then
-    handed = string.format('%.0f', tonumber(handed))
-  else
+  local handed = handed_to(hkey, member)
+  if not handed then
     handed = 0
     if entry ~= '' then
       redis.call('SREM', KEYS[#KEYS], entry)

@@ -62,46 +62,38 @@ local function event(i, e, entry, who, ...)
   redis.call('PEXPIRE', rkey, hkeep)
 end
 
--- hand the exclusive lease of key (just released) to the live head of its queue: 1 if done,
--- 0 if nobody is queued, -1 if the head is to be woken instead
-local function hand_off(i, key, wkey, ekey, hkey, ckey, entry)
-  for _ = 1, 8 do
-    local head, expiry = queue_head(wkey, ekey, clock, hkey)
-    if not head then
-      return 0
-    elseif not trust then
-      return -1
-    end
-    local id, ttl, task, to = string.match(head, '^x(%S+) (%d+) (%S+) (.+)$')
-    if not id or expiry - tonumber(ARGV[6]) <= now then
-      return -1  -- no order, or a stale one: the waiter is woken and asks itself
-    end
-    if ARGV[4] ~= '-1' and lifetime_wait(KEYS[2], now, 0, ARGV[4], false, nil) > 0 then
-      return -1
-    end
-    local token, text = next_token(ckey, now_us, now_text, ARGV[5])
-    text = text or string.format('%.0f', token)
-    if redis.call('PUBLISH', wprefix .. id, 'h' .. text) > 0 then
-      redis.call('SET', key, text .. ' ' .. to, 'PX', ttl)
-      redis.call('ZREM', wkey, head)  -- its expiry stays, and says how long it is kept here
-      redis.call('ZADD', hkey, text, head)
-      if redis.call('PTTL', hkey) < expiry - now then
-        redis.call('PEXPIRE', hkey, expiry - now)
-      end
-      prune(wkey, ekey, now, hkey)  -- handed tickets whose holders never came back for them
-      if hist ~= '0' then
-        local resource = string.match(entry, '^%S+ %S+ %S+ (.*)$')
-        event(i, 'granted', 'x ' .. text .. ' ' .. task .. ' ' .. resource, to, 'ttl', ttl)
-        local rec = KEYS[hk + 2 * i + 3]
-        redis.call('HINCRBY', rec, 'transitions', 1)
-        redis.call('HSET', rec, 'ttl', ttl)
-        redis.call('PEXPIRE', rec, hkeep)
-      end
-      return 1
-    end
-    dequeue(wkey, ekey, head, hkey)  -- gone: nobody listens for it
+-- the handoff, for wake_head: hand lease i, the exclusive lease of key (just released), to
+-- the live head of its queue if that head carries a valid order; true if handed, false if
+-- nobody listens for the head, nil if the head is to be woken instead
+local function offer(head, expiry, wkey, ekey, hkey, i, key, ckey, entry)
+  local id, ttl, task, to = string.match(head, '^x(%S+) (%d+) (%S+) (.+)$')
+  if not id or expiry - tonumber(ARGV[6]) <= now then
+    return nil  -- no order, or a stale one: the waiter is woken and asks itself
   end
-  return -1
+  if ARGV[4] ~= '-1' and lifetime_wait(KEYS[2], now, 0, ARGV[4], false, nil) > 0 then
+    return nil
+  end
+  local token, text = next_token(ckey, now_us, now_text, ARGV[5])
+  text = text or string.format('%.0f', token)
+  if redis.call('PUBLISH', wprefix .. id, 'h' .. text) == 0 then
+    return false
+  end
+  redis.call('SET', key, text .. ' ' .. to, 'PX', ttl)
+  redis.call('ZREM', wkey, head)  -- its expiry stays, and says how long it is kept here
+  redis.call('ZADD', hkey, text, head)
+  if redis.call('PTTL', hkey) < expiry - now then
+    redis.call('PEXPIRE', hkey, expiry - now)
+  end
+  prune(wkey, ekey, now, hkey)  -- handed tickets whose holders never came back for them
+  if hist ~= '0' then
+    local resource = string.match(entry, '^%S+ %S+ %S+ (.*)$')
+    event(i, 'granted', 'x ' .. text .. ' ' .. task .. ' ' .. resource, to, 'ttl', ttl)
+    local rec = KEYS[hk + 2 * i + 3]
+    redis.call('HINCRBY', rec, 'transitions', 1)
+    redis.call('HSET', rec, 'ttl', ttl)
+    redis.call('PEXPIRE', rec, hkeep)
+  end
+  return true
 end
 
 local out = {}
@@ -150,13 +142,11 @@ for i = 0, n - 1 do
     event(i, freed == 1 and kind or 'expired', shown, owner, 'by', by)
   end
   if freed == 1 then
-    local passed = -1
-    if mode == 'x' then
-      passed = hand_off(i, key, wkey, ekey, hkey, ckey, entry)
-    end
+    -- an exclusive lease goes to the head of the queue directly where it may (off a cluster);
     -- nobody queued (the common case: one call), or nobody left to wake: the release channel
-    if passed == 0 or (passed == -1 and wake_head(wkey, ekey, clock, wprefix, trust, nil, token,
-        hkey) == 0) then
+    local hand = mode == 'x' and trust and offer or nil
+    if wake_head(wkey, ekey, clock, wprefix, trust, nil, token, hkey, hand, i, key, ckey,
+        entry) == 0 then
       redis.call('PUBLISH', channel, token)
     end
   end
