@@ -677,8 +677,7 @@ class AsyncLeaseStore:
                     timer.cancel()
                 token = subscriber.handed.pop(mine, None)
                 if token is not None and ticket.accepts(token):
-                    engine = self.store.engine
-                    return _grants.handed(engine, wants, ident.owner, ttl, task_id, ticket, token)
+                    return _grants.handed(self.store.engine, wants, ttl, ticket, token)
                 if subscriber.broken is not None:
                     subscriber.remove(channels, event)
                     subscriber = await self._subscribe(state, channels, event)

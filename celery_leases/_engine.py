@@ -137,8 +137,8 @@ class LeaseEngine:
         if keys is None:
             if len(self._rkeys) >= _KEY_CACHE_SIZE:
                 self._rkeys.clear()
-            x, s, n, c, q, qe, qo, h, rec, group = self.keys.per_resource(resource)
-            keys = self._rkeys[resource] = ResourceKeys(x, s, n, c, group, q, qe, qo, h, rec)
+            x, s, n, c, q, qe, qh, h, rec, group = self.keys.per_resource(resource)
+            keys = self._rkeys[resource] = ResourceKeys(x, s, n, c, group, q, qe, qh, h, rec)
         return keys
 
     def registry_key(self, owner: str, group: int) -> str:

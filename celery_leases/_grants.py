@@ -33,7 +33,7 @@ from ._protocol import (
     clock_ms,
     pairs,
 )
-from ._registry import Entry, counted_held, held_entry, parse_entry
+from ._registry import Entry, counted_held, entry_text, held_entry, parse_entry
 from ._scripts import AcquireReply, CommitReceiptReply, ReleaseReply
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError
 
@@ -454,8 +454,9 @@ def _recover_grant_logged(
     recovers its own call (see :func:`ordering`), and takes no handoff on trust after.
     """
     wants = [(w.resource, w.mode) for w in call.wants]
-    own = book_keys(engine, call.wants) if call.order_s and call.ticket is not None else []
-    if call.ticket is not None and own:
+    own: list[str] = []
+    if call.order_s and call.ticket is not None:
+        own = book_keys(engine, call.wants)
         call.ticket.trusted = False
         BOOK.end(call.owner, own)
     try:
@@ -645,26 +646,20 @@ def acquire_outcome(
             _booked(engine, call)
         return busy
     if code == AcquireReply.HANDED and call.ticket is not None:
-        return handed(engine, call.wants, call.owner, call.ttl, call.task_id, call.ticket, reply[1])
+        return handed(engine, call.wants, call.ttl, call.ticket, reply[1])
     # before the call counts as ended: a recovery must never take these for orphans
     return granted(engine, call, reply, None)
 
 
 def handed(
-    engine: LeaseEngine,
-    wants: Sequence[Want],
-    owner: str,
-    ttl: float,
-    task_id: str | None,
-    ticket: Ticket,
-    token: Any,
+    engine: LeaseEngine, wants: Sequence[Want], ttl: float, ticket: Ticket, token: Any
 ) -> list[Held]:
     """The lease a release handed to ``ticket``'s wait for ``wants`` (one exclusive lease;
     see lua/release.lua), counted from ``ticket.ordered_at``, no later than its grant."""
     since = ticket.ordered_at
     if since is None:  # never: a handoff needs an order, sent after ordered_at was set
         raise AssertionError("a lease was handed to a wait that left no order")
-    w = wants[0]
+    w, owner = wants[0], ticket.owner
     token = int(token)
     held = Held(
         engine.store,
@@ -676,7 +671,7 @@ def handed(
         since,
         since,
         engine.horizon(ttl),
-        task_id=task_id,
+        task_id=ticket.task_id,
         ticket=int(ticket.id),
     )
     BOOK.hold(owner, engine.resource_keys(w.resource).exclusive, token)
@@ -835,7 +830,7 @@ def record_lost(engine: LeaseEngine, lost: Sequence[Held]) -> Steps[None]:
     hist, rhist, keep = engine.history_args
     calls: list[Command] = []
     for h in lost:
-        text = Entry(h.mode, h.token, h.task_id, h.resource).text  # as granted, with its token
+        text = entry_text(h.mode, h.token, h.task_id, h.resource)  # as granted, with its token
         fields = ("e", "lost", "x", text, "o", h.owner)
         key = engine.resource_keys(h.resource).history
         calls += [

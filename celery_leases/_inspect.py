@@ -174,9 +174,12 @@ def check_entries(
         for owner, entry in chunk:
             if entry.mode == "x":
                 value, pttl = replies.pop(), replies.pop()
-                parsed = split_holder(value)
-                held = isinstance(parsed, tuple) and parsed[0] == owner
-                if held and isinstance(parsed, tuple) and entry.token in (0, parsed[1]):
+                parsed = split_holder(value)  # (owner, token) of a holder
+                if (
+                    isinstance(parsed, tuple)
+                    and parsed[0] == owner
+                    and entry.token in (0, parsed[1])
+                ):
                     out.append((max(int(pttl), 0) / 1000, parsed[1]))
                 else:
                     out.append(None)

@@ -330,9 +330,7 @@ class LeaseStore:
             with self._backend("wait for a release"), _grants.ordering(self.engine, wants, ticket):
                 token = self._subscribers.wait(channels, attempt, mine, ticket.accepts)
                 if token is not None:
-                    outcome = _grants.handed(
-                        self.engine, wants, ident.owner, ttl, task_id, ticket, token
-                    )
+                    outcome = _grants.handed(self.engine, wants, ttl, ticket, token)
             done = True
         finally:
             if not done:  # failed or interrupted: it may be queued anywhere it waited

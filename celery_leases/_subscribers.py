@@ -85,20 +85,17 @@ class Subscribers:
                 if parser is not None:
                     try:
                         token = skip_replies(conn, parser, pause, handed_on)
-                        if token is not None and not accept(token):
-                            token = None
-                        continue
                     except RedisConnectionError:
                         # killed, or the server restarted: redis-py's path from here on,
                         # which connects again and subscribes again
                         parser = None
-                message = pubsub.get_message(timeout=pause)
-                if message is not None and handed_on is not None:
-                    token = handoff(
-                        message.get("type"), message.get("channel"), message.get("data"), handed_on
-                    )
-                    if token is not None and not accept(token):
-                        token = None
+                if parser is None:
+                    message = pubsub.get_message(timeout=pause)
+                    if message is not None and handed_on is not None:
+                        kind, channel = message.get("type"), message.get("channel")
+                        token = handoff(kind, channel, message.get("data"), handed_on)
+                if token is not None and not accept(token):
+                    token = None
             healthy = True
             return token
         finally:
