@@ -22,22 +22,17 @@ import redis
 from celery_leases import Leases, _grants, cli
 from celery_leases._grants import TICKET_SLACK_MS, Busy, Ticket, leave_queues, new_ticket
 from celery_leases._identity import Identity
-from celery_leases._lease import Held, Want
+from celery_leases._lease import Want
 from celery_leases._lostreply import BOOK
+from tests.support.holders import hold_by_hand
 from tests.support.polling import wait_until
 
 MakeLeases = Callable[..., Leases]
-HOLDER = Identity("holder", "inc", 1)
 WAITER = Identity("waiter", "inc", 2)
 
 
 def poll(condition: Callable[[], Any], timeout: float, what: str) -> Any:
     return wait_until(condition, timeout, what, step=0.005)
-
-
-def hold_by_hand(leases: Leases, resource: str = "r", ttl: float = 30.0) -> Held:
-    (held,) = leases.store.try_acquire([Want(resource)], HOLDER, ttl)  # type: ignore[misc]
-    return held
 
 
 @pytest.fixture
@@ -121,7 +116,7 @@ def test_a_release_hands_the_lease_over_and_the_waiter_asks_nothing(
     leases: Leases, leases_redis: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ):
     calls = counting_acquire_calls(monkeypatch)
-    held = hold_by_hand(leases)
+    (held,) = hold_by_hand(leases, "r")
     waiter = Waiter(leases)
     waiter.start()
     poll(lambda: leases_redis.zcard(leases.store.keys.waiters("r")) == 1, 10, "the waiter queued")
@@ -154,7 +149,7 @@ async def test_an_asyncio_waiter_is_handed_the_lease(
     leases = make_leases()
     client = redis.Redis.from_url(leases.settings.url, decode_responses=True)
     calls = counting_acquire_calls(monkeypatch)
-    held = hold_by_hand(leases)
+    (held,) = hold_by_hand(leases, "r")
     got: list[int] = []
 
     async def waiter() -> None:
@@ -180,7 +175,7 @@ async def test_an_asyncio_waiter_is_handed_the_lease(
 def test_the_handed_lease_is_the_waiters_and_a_cleanup_of_it_finds_it(
     leases: Leases, leases_redis: redis.Redis, parked
 ):
-    held = hold_by_hand(leases)
+    (held,) = hold_by_hand(leases, "r")
     ticket, pubsub = parked()
     keys = leases.store.keys
     # the ticket carries the order: "x<id> <ttl ms> <task> <owner>" (lua/_waiters.lua)
@@ -209,7 +204,7 @@ def test_the_handed_lease_is_the_waiters_and_a_cleanup_of_it_finds_it(
 def test_an_attempt_under_way_learns_of_the_handoff(
     leases: Leases, leases_redis: redis.Redis, parked
 ):
-    held = hold_by_hand(leases)
+    (held,) = hold_by_hand(leases, "r")
     ticket, pubsub = parked()
     leases.store.release([held])
     token = int(message(pubsub).removeprefix("h"))
@@ -234,7 +229,7 @@ def test_an_attempt_under_way_learns_of_the_handoff(
 def test_a_wait_that_ends_as_it_is_handed_the_lease_gives_it_back(
     leases: Leases, leases_redis: redis.Redis, parked
 ):
-    held = hold_by_hand(leases)
+    (held,) = hold_by_hand(leases, "r")
     ticket, pubsub = parked()
     leases.store.release([held])
     assert message(pubsub).startswith("h")
@@ -250,7 +245,7 @@ def test_a_wait_that_ends_as_it_is_handed_the_lease_gives_it_back(
 def test_a_waiter_nobody_listens_for_is_not_handed_the_lease(
     leases: Leases, leases_redis: redis.Redis, parked
 ):
-    held = hold_by_hand(leases)
+    (held,) = hold_by_hand(leases, "r")
     _, pubsub = parked()
     pubsub.close()
     poll(
@@ -267,7 +262,7 @@ def test_a_waiter_nobody_listens_for_is_not_handed_the_lease(
 
 
 def test_a_stale_order_is_woken_not_handed(leases: Leases, leases_redis: redis.Redis, parked):
-    held = hold_by_hand(leases)
+    (held,) = hold_by_hand(leases, "r")
     _ticket, pubsub = parked()
     keys = leases.store.keys
     now_ms = int(leases_redis.time()[0]) * 1000 + 1000
@@ -280,7 +275,7 @@ def test_a_stale_order_is_woken_not_handed(leases: Leases, leases_redis: redis.R
 
 
 def test_no_handoff_in_the_restart_grace(leases: Leases, leases_redis: redis.Redis, parked):
-    held = hold_by_hand(leases)
+    (held,) = hold_by_hand(leases, "r")
     _, pubsub = parked()
     key = leases.store.engine.lifetime_key(0)
     record = str(leases_redis.get(key))

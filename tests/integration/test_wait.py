@@ -18,6 +18,7 @@ import redis
 from celery_leases import LeaseBusy, Leases
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
+from tests.support.holders import hold_by_hand
 from tests.support.polling import wait_until
 
 
@@ -60,8 +61,7 @@ def waiting_on_a_holder(
 ) -> tuple[list[Any], Waiter]:
     """Another owner's lease on "r" with a fixed expiry of ``ttl`` (not renewed), and a
     ``Waiter`` thread for it, subscribed to its release."""
-    held = leases.store.try_acquire([Want("r")], Identity("holder", "inc", 1), ttl)
-    assert isinstance(held, list)
+    held = hold_by_hand(leases, "r", ttl)
     waiter = Waiter(leases, "r", wait=wait)
     waiter.start()
     poll(lambda: subscribers(client, leases, "r") == 1, 10, "the waiter to subscribe")

@@ -19,8 +19,7 @@ import redis
 
 from celery_leases import LeaseBusy, Leases, Shared
 from celery_leases._grants import TICKET_SLACK_MS
-from celery_leases._identity import Identity
-from celery_leases._lease import Held, Want
+from tests.support.holders import hold_by_hand
 from tests.support.polling import wait_until
 
 MakeLeases = Callable[..., Leases]
@@ -33,13 +32,6 @@ def poll(condition: Callable[[], Any], timeout: float, what: str) -> Any:
 def queue(client: redis.Redis, leases: Leases, resource: str) -> list[str]:
     """The tickets queued for ``resource``, first first."""
     return [str(m) for m in client.zrange(leases.store.keys.waiters(resource), 0, -1)]
-
-
-def hold_by_hand(leases: Leases, resource: str, ttl: float = 30.0) -> list[Held]:
-    """A lease of another owner, not renewed, released by the test."""
-    held = leases.store.try_acquire([Want(resource)], Identity("holder", "inc", 1), ttl)
-    assert isinstance(held, list)
-    return held
 
 
 class Waiter(threading.Thread):
