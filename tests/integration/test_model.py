@@ -64,6 +64,7 @@ from redis.client import PubSub
 
 from celery_leases import LeaseBusy, Leases, _grants
 from celery_leases._claims import Claimed, ClaimHolder
+from celery_leases._grants import TICKET_SLACK_MS
 from celery_leases._identity import Identity
 from celery_leases._inspect import Holder
 from celery_leases._lanes import handoff
@@ -267,6 +268,10 @@ class LeaseModel(RuleBasedStateMachine):
         self.receipts: dict[str, int | None] = dict.fromkeys(ONCE_NAMES)
         self.once_runs = 0
         self.parked: list[Parked] = []
+        #: resource -> until when (monotonic) the ticket of a waiter that died may still hold
+        #: its queue: a release skips it (nobody listens), but until it runs out it is the
+        #: live head, and a call without a ticket may not barge past it
+        self.dead_tickets: dict[str, float] = {}
         self.redis = Redis.from_url(type(self).server.url, decode_responses=True)
         _trace.clear()
         self._warm_up()
@@ -370,6 +375,8 @@ class LeaseModel(RuleBasedStateMachine):
         """True if no grant the model knows may hold ``want.resource`` against ``want.mode``."""
         if any(p.resource == want.resource for p in self.parked):
             return False  # queued ahead (first come, first served), or handed the lease
+        if self.dead_tickets.get(want.resource, -math.inf) > at:
+            return False
         maybe = [g for g in self.grants.get(want.resource, []) if g.maybe_held(at)]
         if any(conflicts(g.mode, want.mode) for g in maybe):
             return False
@@ -657,16 +664,8 @@ class LeaseModel(RuleBasedStateMachine):
         while (message := waiter.pubsub.get_message(timeout=0.0)) is not None:
             token = handoff(message["type"], message["channel"], message["data"], channel)
             if token is not None:
-                engine, ident = self.store.engine, waiter.owner.ident
-                (held,) = _grants.handed(
-                    engine,
-                    [Want(waiter.resource)],
-                    ident.owner,
-                    waiter.ttl,
-                    None,
-                    waiter.ticket,
-                    token,
-                )
+                wants = [Want(waiter.resource)]
+                (held,) = _grants.handed(self.store.engine, wants, waiter.ttl, waiter.ticket, token)
                 event("waiter: handed the lease")
                 assert waiter.ticket.ordered_at is not None
                 self._granted(waiter, held, waiter.ticket.ordered_at)
@@ -710,6 +709,12 @@ class LeaseModel(RuleBasedStateMachine):
             while self.redis.pubsub_numsub(channel)[0][1]:
                 assert time.monotonic() < deadline, "a closed subscriber stayed subscribed"
                 time.sleep(0.005)
+            # its ticket lives the wait it was told at its last attempt (with an order, half
+            # the lease's horizon at most), plus the slack
+            told = horizon(waiter.ttl) / 2 if waiter.ticket.ordered_at is not None else max(TTLS)
+            until = time.monotonic() + told + TICKET_SLACK_MS / 1000 + SLACK
+            r = waiter.resource
+            self.dead_tickets[r] = max(self.dead_tickets.get(r, -math.inf), until)
 
     def maybe_handed(self, resource: str, holder: Holder) -> bool:
         """True if a parked waiter of ``holder``'s owner may have been handed ``resource``."""
@@ -969,6 +974,7 @@ class LeaseModel(RuleBasedStateMachine):
         for waiter in self.parked:  # their tickets go with every key; their connections die
             waiter.pubsub.close()
         self.parked = []
+        self.dead_tickets = {}
         type(self).server.restart()
         self.restart_up = time.monotonic()
         self.grace_done = set()
