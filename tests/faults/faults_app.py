@@ -2,8 +2,10 @@
 
 Configured from the environment by the suite (tests/faults/conftest.py):
 
-- ``FAULTS_BROKER``, ``FAULTS_QUEUE``: the broker (RabbitMQ, never the Redis under test) and
-  the scenario's queue.
+- ``FAULTS_BROKER``, ``FAULTS_QUEUE``: the broker (RabbitMQ, or a private Redis for the
+  kill scenario on the Redis transport; never the Redis under test) and the scenario's queue.
+  On Redis, ``FAULTS_VISIBILITY_TIMEOUT`` (seconds) is the transport's ``visibility_timeout``
+  and its restore sweep runs every second.
 - ``FAULTS_LEDGER_URL``, ``FAULTS_LEDGER_PREFIX``: the ledger (see tests/faults/ledger.py).
 - ``FAULTS_NODE``: this worker's node name; with ``FAULTS_CLOCK=1`` the worker's wall clock
   (``time.time``) follows the offset the suite sets for that node in the ledger, to simulate a
@@ -15,6 +17,10 @@ delivered again. A task retries (counted in the ledger) when its lease is lost i
 (``LeaseLost``, by this suite's policy) or when Redis cannot be reached to take the lease
 (``LeaseBackendError``, by the library's ``on_backend_error="retry"``); any other failure is
 recorded and counts as a lost task.
+
+Every message a worker publishes gets a message id of its own (``before_task_publish``), and
+every message a worker receives is recorded (``task_received``), so that a task that never
+completed tells a message the broker lost (never received) from one of ours.
 """
 
 from __future__ import annotations
@@ -23,14 +29,15 @@ import contextlib
 import os
 import threading
 import time
+import uuid
 from typing import Any, Final
 
-from celery import Celery
+from celery import Celery, signals
 
 from celery_leases import LeasedTask, LeaseLost, Leases, current_leases
 from celery_leases._lease import Lease
 from celery_leases.exceptions import LeaseBackendError
-from tests.faults.ledger import Ledger
+from tests.faults.ledger import FIRST_MESSAGE, MESSAGE_HEADER, Ledger
 
 #: countdown of a retry after the lease was lost in the body, or Redis was unreachable
 RETRY_COUNTDOWN: Final = 0.2
@@ -57,7 +64,32 @@ app.conf.update(
     worker_hijack_root_logger=False,
     worker_enable_remote_control=False,
 )
+if app.conf.broker_url.startswith("redis"):
+    app.conf.broker_transport_options = {
+        "visibility_timeout": float(os.environ.get("FAULTS_VISIBILITY_TIMEOUT", "15")),
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    }
 leases = Leases(app)
+
+
+# --- what the broker delivered ---------------------------------------------------------------
+@signals.before_task_publish.connect
+def _name_message(headers: dict[str, Any], **_: Any) -> None:
+    """Give every message published here (a retry of any kind) a message id of its own."""
+    headers[MESSAGE_HEADER] = uuid.uuid4().hex
+
+
+@signals.after_task_publish.connect
+def _published(headers: dict[str, Any], **_: Any) -> None:
+    if MESSAGE_HEADER in headers:
+        ledger.published(headers["id"], headers[MESSAGE_HEADER])
+
+
+@signals.task_received.connect
+def _received(request: Any, **_: Any) -> None:
+    """In the worker's main process, once the transport handed the message over."""
+    ledger.received(request.id, request.request_dict.get(MESSAGE_HEADER, FIRST_MESSAGE))
 
 
 # --- a wall-clock jump on this worker (FAULTS_CLOCK=1) -------------------------------------

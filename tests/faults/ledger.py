@@ -19,6 +19,13 @@ What it records, per scenario:
   resource before it.
 - **completions** (a set of task ids, with the first completion time), body runs, retries by
   policy (lease lost inside the body, Redis unreachable at acquire) and task failures.
+- **deliveries**: every message a worker publishes for a task (a retry, a busy retry) carries
+  a message id of its own (the header ``faults_msg``; the test's first message has none:
+  ``first``); the ledger keeps the last message published for each task id, and every message
+  a worker *received* (Celery's ``task_received``, in the worker's main process, once the
+  transport handed it over). A task that never completed is then either *received and never
+  finished* (a loss of ours) or its last message was *never received by any worker* (a loss
+  of the broker, see docs/faults.md).
 """
 
 from __future__ import annotations
@@ -33,6 +40,11 @@ from typing import Any, Final
 import redis
 
 from celery_leases import FencedRedis, StaleFence
+
+#: the message header that names each message a worker publishes (see ``Ledger.published``)
+MESSAGE_HEADER: Final = "faults_msg"
+#: the message id of a task's first message, sent by the test process without that header
+FIRST_MESSAGE: Final = "first"
 
 #: enter a resource: add the holder, bump the run count and check the token's order.
 #: KEYS: inside hash, runs counter, max token, regressions counter, per-pid set, entered zset,
@@ -210,6 +222,14 @@ class Ledger:
     def failed(self, task_id: str, error: str) -> None:
         self.r.hset(self.key("failed"), task_id, error)
 
+    def published(self, task_id: str, message: str) -> None:
+        """A worker published ``message`` for ``task_id`` (a retry): its latest message."""
+        self.r.hset(self.key("last_message"), task_id, message)
+
+    def received(self, task_id: str, message: str) -> None:
+        """A worker received ``message`` of ``task_id`` from the broker."""
+        self.r.sadd(self.key("received"), f"{task_id}|{message}")
+
     # --- what the test reads ------------------------------------------------------------
     def now_ms(self) -> int:
         sec, usec = self.r.time()
@@ -256,6 +276,16 @@ class Ledger:
             task, _, rest = str(member).partition("|")
             out.add((task, rest.partition("|")[2]))
         return sorted(out)
+
+    def never_received(self, task_ids: list[str]) -> list[str]:
+        """Those of ``task_ids`` whose last message no worker ever received."""
+        if not task_ids:
+            return []
+        r = self.r
+        last = r.hmget(self.key("last_message"), task_ids)
+        members = [f"{t}|{m or FIRST_MESSAGE}" for t, m in zip(task_ids, last, strict=True)]
+        seen = r.smismember(self.key("received"), members)
+        return [t for t, s in zip(task_ids, seen, strict=True) if not s]
 
     def rejected(self) -> list[dict[str, Any]]:
         out = []

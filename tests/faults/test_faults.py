@@ -5,7 +5,12 @@ three workers (prefork, threads, prefork), injects its fault several times while
 and checks in the ledger (tests/faults/ledger.py):
 
 - overlaps: 0 wherever the guarantee holds;
-- lost tasks: 0 (acks_late + reject_on_worker_lost; retries by policy are counted apart);
+- lost tasks: 0 (acks_late + reject_on_worker_lost; retries by policy are counted apart). A
+  task received by a worker and never finished is ours and fails the scenario. A task whose
+  message no worker ever received was lost by the broker: a failure on RabbitMQ (acks_late is
+  at-least-once there), reported but not failed on kombu's Redis transport, which can lose a
+  message to a kill -9 of a worker (it pops it before it records it as unacknowledged; see
+  docs/faults.md, "What the broker can lose");
 - the fenced store: where the guarantee cannot hold (Redis restarted empty without a restart
   grace), the stale holder's writes are refused, because fencing tokens keep growing across
   the data loss.
@@ -20,11 +25,15 @@ from typing import Any
 import pytest
 import redis
 
-from tests.faults.conftest import TTL, Fleet, ScenarioReport, hold_for
+from tests.faults.conftest import TTL, Fleet, ScenarioReport, check_losses, hold_for
 from tests.support.polling import wait_until
 from tests.support.proxy import LossyProxy
 
-pytestmark = [pytest.mark.faults, pytest.mark.worker]
+pytestmark = [
+    pytest.mark.faults,
+    pytest.mark.worker,
+    pytest.mark.filterwarnings("always::tests.faults.conftest.BrokerLostMessages"),
+]
 
 #: work tasks per scenario, and the resources they share (few, so that tasks contend)
 TASKS = 600
@@ -56,10 +65,10 @@ def explain(fleet: Fleet, counts: Any) -> str:
 
 def check_guarantees(fleet: Fleet, reports: list[ScenarioReport], note: str = "") -> Any:
     """The checks of every scenario where the guarantee holds."""
-    counts, lost = fleet.finish(reports, note)
+    counts, losses = fleet.finish(reports, note)
     why = explain(fleet, counts)
     assert counts.overlaps == 0, why
-    assert lost == 0, why
+    check_losses(fleet, losses, why)
     assert counts.failed == {}, why
     assert counts.token_regressions == 0, why
     # no overlap, so no holder ever wrote after a newer one
@@ -67,8 +76,16 @@ def check_guarantees(fleet: Fleet, reports: list[ScenarioReport], note: str = ""
     return counts
 
 
-def test_kill_9_of_workers_and_children(make_fleet: Any, reports: list[ScenarioReport]) -> None:
-    fleet = make_fleet("kill-9")
+@pytest.mark.parametrize("broker", ["amqp", "redis"])
+def test_kill_9_of_workers_and_children(
+    broker: str, make_fleet: Any, reports: list[ScenarioReport]
+) -> None:
+    """On RabbitMQ and on kombu's Redis transport (visibility_timeout 15 s, swept every 1 s).
+
+    On Redis a kill -9 of a worker's main process can lose the message it was taking from the
+    queue (popped, not yet recorded as unacknowledged): reported as lost by the broker.
+    """
+    fleet = make_fleet("kill-9" if broker == "amqp" else "kill-9-redis", broker=broker)
     a, b, c = standard_fleet(fleet)
     fleet.send_work(TASKS, RESOURCES, seed=1)
 
@@ -142,7 +159,7 @@ def test_redis_restart_with_data_loss(
         fleet.server.restart()
         fleet.fault("restart")
 
-    counts, lost = fleet.finish(
+    counts, losses = fleet.finish(
         reports,
         note=(
             "restart_grace=0: mutual exclusion cannot hold after a restart with data loss; "
@@ -152,7 +169,7 @@ def test_redis_restart_with_data_loss(
         ),
     )
     why = explain(fleet, counts)
-    assert lost == 0, why
+    check_losses(fleet, losses, why)
     assert counts.failed == {}, why
     assert counts.token_regressions == 0, why
     assert counts.overlaps >= 1, why
