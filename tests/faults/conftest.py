@@ -137,7 +137,10 @@ def check_losses(fleet: Fleet, losses: Losses, why: str) -> None:
         f"received them ({fleet.broker} transport): {losses.by_broker[:5]}"
     )
     if fleet.broker != "redis":
-        raise AssertionError(f"{text}; the broker promises at-least-once; {why}")
+        raise AssertionError(
+            f"{text} (or still queued: RabbitMQ's queue is not read); with acks_late it "
+            f"delivers at-least-once; {why}"
+        )
     text += " (kombu's Redis transport pops a message before it records it as unacked: known, "
     text += "see docs/faults.md)"
     print(text)
