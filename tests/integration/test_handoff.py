@@ -256,13 +256,20 @@ def test_a_waiter_nobody_listens_for_is_not_handed_the_lease(
 ):
     (held,) = hold_by_hand(leases, "r")
     ticket, pubsub = parked()
-    pubsub.close()
-    # this waiter's channel, not the server's: PUBSUB NUMPAT counts every pattern of every
-    # client of the server, in any database (a Celery worker on a Redis broker PSUBSCRIBEs
-    # for its fanout queues), and lasts as long as they do
-    channel = leases.store.keys.waiter_channel(ticket.id)
-    poll(lambda: subscribers(leases_redis, channel) == 0, SCHEDULING, "the subscriber gone")
-    leases.store.release([held])
+    # another client's pattern subscription, as a Celery worker on a Redis broker holds for
+    # its fanout queues: it listens for nobody's channel here, and must not count as a listener
+    other = leases_redis.pubsub()
+    try:
+        other.psubscribe(f"{leases.settings.key_prefix}:elsewhere:*")
+        assert poll(lambda: other.get_message(timeout=0.1), SCHEDULING, "the pattern")
+        pubsub.close()
+        # this waiter's channel, not the server's count of patterns (PUBSUB NUMPAT: every
+        # pattern of every client, in any database, for as long as they live)
+        channel = leases.store.keys.waiter_channel(ticket.id)
+        poll(lambda: subscribers(leases_redis, channel) == 0, SCHEDULING, "the subscriber gone")
+        leases.store.release([held])
+    finally:
+        other.close()
     assert value(leases_redis, leases) is None  # free, not handed to a dead waiter
     assert leases_redis.zcard(leases.store.keys.waiters("r")) == 0  # and its ticket dropped
 
