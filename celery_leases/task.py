@@ -178,6 +178,9 @@ class _Template:
             fields.append(root)
         self.fields = tuple(fields)
         self.what = what
+        # its names are at least as long as its text outside the fields: known now
+        literal = "".join(text for text, _, _, _ in parsed)
+        check_name_size(literal, f"task {task_name!r}: {what} template, without its fields,")
 
     def render(self, task_name: str, bound: Mapping[str, Any]) -> Want:
         try:
