@@ -14,16 +14,27 @@ if TYPE_CHECKING:
     from ._store import LeaseStore
 
 __all__ = (
+    "MAX_NAME_BYTES",
     "RESERVED_PREFIX",
     "Lease",
     "LeaseArgumentError",
     "Shared",
+    "check_name_size",
     "check_user_name",
     "held_of",
     "want_of",
 )
 
 Mode = Literal["x", "s"]
+
+#: the most a resource name may take, in bytes of UTF-8 (docs/hold-and-once.md#resource-names):
+#: a name is copied into each of a resource's keys (escaped, so up to three times as long)
+#: and into registry entries, waiter orders and channel names; a longer text is an identity
+#: to hash, not a name. The library's own prefix of a name it makes (``celery_leases:once:``
+#: before a once name, ``celery_leases:unique:`` before a unique key) is not counted.
+MAX_NAME_BYTES: Final = 1024
+#: resource names the library takes for itself (once receipts, unique claims, beat, reconcile)
+RESERVED_PREFIX: Final = "celery_leases:"
 
 
 @dataclass(frozen=True)
@@ -61,20 +72,50 @@ class Want:
     def __post_init__(self) -> None:
         # Redis keys are bytes: a name that has no UTF-8 form (a lone surrogate, e.g. from a
         # badly decoded argument) would escape as a raw UnicodeEncodeError from redis-py
+        if not isinstance(self.resource, str):
+            return
         try:
-            if isinstance(self.resource, str):
-                self.resource.encode("utf-8")
+            size = len(self.resource.encode("utf-8"))
         except UnicodeEncodeError as exc:
             msg = f"resource name {self.resource!r} cannot be encoded as UTF-8: {exc.reason}"
             raise LeaseConfigError(msg) from None
+        # every lease, whatever made its name, passes here before anything is sent
+        if size > MAX_NAME_BYTES:
+            _check_size(_own_part(self.resource), "resource name")
+
+
+def _own_part(resource: str) -> str:
+    """``resource`` without the library's own prefix (``celery_leases:<kind>:``), if any."""
+    if resource.startswith(RESERVED_PREFIX):
+        _, sep, rest = resource[len(RESERVED_PREFIX) :].partition(":")
+        if sep:
+            return rest
+    return resource
+
+
+def check_name_size(name: str, what: str) -> None:
+    """Refuse a name longer than :data:`MAX_NAME_BYTES` (in UTF-8), before anything is sent.
+
+    Raises:
+        LeaseConfigError: the name is too long; the message names ``what``, its size and the
+            limit, and shows the name's start only.
+    """
+    if len(name) > MAX_NAME_BYTES // 4:  # shorter is within the limit whatever it holds
+        _check_size(name, what)
+
+
+def _check_size(name: str, what: str) -> None:
+    size = len(name.encode("utf-8", "surrogatepass"))
+    if size > MAX_NAME_BYTES:
+        msg = (
+            f"{what} is {size:,} bytes long in UTF-8 ({name[:40]!r}...); a resource name "
+            f"may take at most {MAX_NAME_BYTES:,} bytes: hash a longer identity into a name"
+        )
+        raise LeaseConfigError(msg)
 
 
 class LeaseArgumentError(LeaseConfigError, TypeError):
     """An argument of the wrong type: a TypeError, and a LeaseConfigError as it always was."""
-
-
-#: resource names the library takes for itself (once receipts, unique claims, beat, reconcile)
-RESERVED_PREFIX: Final = "celery_leases:"
 
 
 def check_user_name(name: str, what: str) -> None:
@@ -98,14 +139,17 @@ def want_of(item: str | Shared, what: str = "resource") -> Want:
     Raises:
         LeaseArgumentError: (a TypeError and a LeaseConfigError) ``item`` is neither a str
             nor a Shared; the message names ``what``.
-        LeaseConfigError: the name is empty or inside the library's own namespace.
+        LeaseConfigError: the name is empty, longer than :data:`MAX_NAME_BYTES`, or inside
+            the library's own namespace.
     """
     if isinstance(item, Shared):
+        check_name_size(item.name, what)
         want = Want(item.name, "s", item.limit or 0)
     elif isinstance(item, str):
         if not item:
             msg = f"{what} must be a non-empty name, got {item!r}"
             raise LeaseConfigError(msg)
+        check_name_size(item, what)
         want = Want(item, "x", 0)
     else:
         msg = f"{what} must be a name (str) or a Shared(...), not {item!r} ({type(item).__name__})"

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from celery.utils.log import get_logger
 
-from ._lease import Held, Lease, Want, held_of
+from ._lease import Held, Lease, Want, check_name_size, held_of
 from ._protocol import adrive, drive
 from .exceptions import LeaseBusy, LeaseConfigError, LeaseLost
 
@@ -112,6 +112,7 @@ def _check_name(name: object) -> None:
     if not isinstance(name, str) or not name:
         msg = f"once() needs a non-empty str name, not {name!r}"
         raise LeaseConfigError(msg)
+    check_name_size(name, "the once name")
 
 
 # --- the flow, written once ------------------------------------------------------------------

@@ -89,7 +89,7 @@ from celery import Task
 from celery.exceptions import Retry
 from celery.utils.log import get_logger
 
-from ._lease import Held, Lease, Shared, Want, check_user_name
+from ._lease import Held, Lease, Shared, Want, check_name_size, check_user_name
 from ._unique import release_claim, take_claim
 from .app import Leases, find_leases, ttl_of
 from .config import LeaseSettings, OnBackendError, OnBusy, OnDuplicate, OnLost, get_settings
@@ -178,6 +178,9 @@ class _Template:
             fields.append(root)
         self.fields = tuple(fields)
         self.what = what
+        # its names are at least as long as its text outside the fields: known now
+        literal = "".join(text for text, _, _, _ in parsed)
+        check_name_size(literal, f"task {task_name!r}: {what} template, without its fields,")
 
     def render(self, task_name: str, bound: Mapping[str, Any]) -> Want:
         try:
@@ -191,6 +194,9 @@ class _Template:
                 "name for these arguments"
             )
             raise LeaseConfigError(msg)
+        check_name_size(
+            name, f"task {task_name!r}: {self.what} template {self.text!r} renders to a name that"
+        )
         if self.what == "lease":
             check_user_name(name, f"task {task_name!r}: lease {self.text!r} renders to")
         return Want(name, "x" if self.mode == "x" else "s", self.limit)

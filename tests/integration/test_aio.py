@@ -26,6 +26,7 @@ from celery_leases._aheartbeat import loop_heartbeat
 from celery_leases._lease import Want
 from celery_leases._registry import KEEPER
 from tests.support.lifetimes import mark_up
+from tests.support.polling import SCHEDULING
 
 pytestmark = pytest.mark.asyncio
 
@@ -87,7 +88,7 @@ async def settled(leases: Leases) -> None:
     and gives back what it was granted.
     """
     state = leases.astore._state()
-    await until(lambda: not state.tasks, 10, "the background releases")
+    await until(lambda: not state.tasks, SCHEDULING, "the background releases")
 
 
 def waiting(leases: Leases, resource: str) -> bool:
@@ -211,7 +212,7 @@ async def test_200_coroutines_one_resource_never_overlap(aleases: Leases, leases
     assert len({id(lease) for lease in leases_seen}) == 200
     assert registry(leases_redis, aleases) == set()
     assert is_free(leases_redis, aleases, "hot")
-    await until(lambda: subscribers(leases_redis, aleases, "hot") == 0, 10, "unsubscribe")
+    await until(lambda: subscribers(leases_redis, aleases, "hot") == 0, SCHEDULING, "unsubscribe")
 
 
 async def test_waiter_is_woken_by_the_release(aleases: Leases):
@@ -220,12 +221,12 @@ async def test_waiter_is_woken_by_the_release(aleases: Leases):
     got: list[int] = []
 
     async def waiter() -> None:
-        async with aleases.ahold("r", wait=20) as lease:
+        async with aleases.ahold("r", wait=120) as lease:
             got.append(lease.token)
 
     async with aleases.ahold("r", ttl=60) as held:
         task = asyncio.create_task(waiter())
-        await until(lambda: waiting(aleases, "r"), 10, "the waiter to subscribe")
+        await until(lambda: waiting(aleases, "r"), SCHEDULING, "the waiter to subscribe")
         assert not got
     await asyncio.wait_for(task, 30)
     assert got
@@ -236,12 +237,12 @@ async def test_sync_release_wakes_an_async_waiter(aleases: Leases):
     got: list[int] = []
 
     async def waiter() -> None:
-        async with aleases.ahold("r", wait=20) as lease:
+        async with aleases.ahold("r", wait=120) as lease:
             got.append(lease.token)
 
     with aleases.hold("r", ttl=60) as held:
         task = asyncio.create_task(waiter())
-        await until(lambda: waiting(aleases, "r"), 10, "the waiter to subscribe")
+        await until(lambda: waiting(aleases, "r"), SCHEDULING, "the waiter to subscribe")
     await asyncio.wait_for(task, 30)
     assert got
     assert got[0] > held.token
@@ -254,7 +255,7 @@ async def test_wait_runs_out_with_busy(aleases: Leases, leases_redis):
                 pass
     assert info.value.resource == "r"
     assert info.value.waited >= 0.2
-    await until(lambda: subscribers(leases_redis, aleases, "r") == 0, 10, "unsubscribe")
+    await until(lambda: subscribers(leases_redis, aleases, "r") == 0, SCHEDULING, "unsubscribe")
 
 
 async def test_holder_expiry_hands_over_without_a_release(make_aleases, leases_redis):
@@ -269,7 +270,7 @@ async def test_holder_expiry_hands_over_without_a_release(make_aleases, leases_r
 async def test_cancelled_waiters_leave_nothing_behind(aleases: Leases, leases_redis):
     async with aleases.ahold("r", ttl=60):
         tasks = [asyncio.create_task(enter_and_exit(aleases, "r")) for _ in range(5)]
-        await until(lambda: waiting(aleases, "r"), 10, "a waiter to subscribe")
+        await until(lambda: waiting(aleases, "r"), SCHEDULING, "a waiter to subscribe")
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -277,8 +278,8 @@ async def test_cancelled_waiters_leave_nothing_behind(aleases: Leases, leases_re
                 await task
         # the local set first: the SUBSCRIBE may not have reached Redis yet (its connection
         # may still be connecting), when Redis counts no subscriber either
-        await until(lambda: not aleases.astore.subscribed_channels(), 10, "the unsubscribe")
-        await until(lambda: subscribers(leases_redis, aleases, "r") == 0, 10, "unsubscribe")
+        await until(lambda: not aleases.astore.subscribed_channels(), SCHEDULING, "the unsubscribe")
+        await until(lambda: subscribers(leases_redis, aleases, "r") == 0, SCHEDULING, "unsubscribe")
         await settled(aleases)
         assert len(registry(leases_redis, aleases)) == 1  # the holder's own entry
     await settled(aleases)
@@ -336,14 +337,14 @@ async def test_cancellation_at_any_point_leaks_nothing(aleases: Leases, leases_r
     assert errors == []
     # a grant that reached a cancelled coroutine is released by a background task
     await settled(aleases)
-    await until(lambda: is_free(leases_redis, aleases, "c"), 10, "the lease to be released")
-    await until(lambda: not registry(leases_redis, aleases), 10, "an empty registry")
-    await until(lambda: subscribers(leases_redis, aleases, "c") == 0, 10, "unsubscribe")
+    await until(lambda: is_free(leases_redis, aleases, "c"), SCHEDULING, "the lease to be released")
+    await until(lambda: not registry(leases_redis, aleases), SCHEDULING, "an empty registry")
+    await until(lambda: subscribers(leases_redis, aleases, "c") == 0, SCHEDULING, "unsubscribe")
     # no ticket of a cancelled waiter is left in the waiter queue
     keys = aleases.store.keys
     await until(
         lambda: not leases_redis.exists(keys.waiters("c"), keys.ticket_expiry("c")),
-        10,
+        SCHEDULING,
         "an empty waiter queue",
     )
     async with aleases.ahold("c", wait=0):
@@ -357,21 +358,21 @@ async def test_renewed_past_its_ttl_by_one_call_per_interval(aleases: Leases, le
             await stack.enter_async_context(aleases.ahold(f"r{i}", ttl=0.6)) for i in range(5)
         ]
         start = beat.renewals
-        await until(lambda: beat.renewals >= start + 4, 10, "four renewals")
+        await until(lambda: beat.renewals >= start + 4, SCHEDULING, "four renewals")
         # one renew call confirms all five leases at once
         assert len({lease._held.confirmed_at for lease in leases}) == 1
         for lease in leases:
             lease.check()
             key = aleases.store.keys.exclusive(lease.resource)
             assert leases_redis.get(key) == f"{lease.token} {aleases.identity().owner}"
-    await until(lambda: not beat.running, 10, "the idle heartbeat task to end")
+    await until(lambda: not beat.running, SCHEDULING, "the idle heartbeat task to end")
 
 
 async def test_lost_when_the_key_goes(aleases: Leases, leases_redis):
     async with AsyncExitStack() as stack:
         lease = await stack.enter_async_context(aleases.ahold("r", ttl=0.6))
         leases_redis.delete(aleases.store.keys.exclusive("r"))
-        await until(lambda: lease.lost, 10, "the heartbeat to notice")
+        await until(lambda: lease.lost, SCHEDULING, "the heartbeat to notice")
         with pytest.raises(LeaseLost):
             lease.check()
         assert lease.expires_in == 0.0
@@ -386,7 +387,9 @@ async def test_lost_when_redis_freezes(make_aleases, make_redis_server):
     ttl = 1.0
     async with AsyncExitStack() as stack:
         lease = await stack.enter_async_context(aleases.ahold("r", ttl=ttl))
-        await until(lambda: lease._held.confirmed_at > lease._held.acquired_at, 5, "renewal")
+        await until(
+            lambda: lease._held.confirmed_at > lease._held.acquired_at, SCHEDULING, "renewal"
+        )
         server.pause()
         paused_at = time.monotonic()
         try:
@@ -411,15 +414,17 @@ async def test_a_killed_subscriber_connection_strands_no_waiter(make_aleases, ma
     got: list[int] = []
 
     async def waiter() -> None:
-        async with aleases.ahold("r", wait=20) as lease:
+        async with aleases.ahold("r", wait=120) as lease:
             got.append(lease.token)
 
     try:
         async with aleases.ahold("r", ttl=60):
             task = asyncio.create_task(waiter())
-            await until(lambda: subscribers(admin, aleases, "r") == 1, 10, "a subscription")
+            await until(lambda: subscribers(admin, aleases, "r") == 1, SCHEDULING, "a subscription")
             assert admin.client_kill_filter(_type="pubsub") == 1
-            await until(lambda: subscribers(admin, aleases, "r") == 1, 10, "a new subscription")
+            await until(
+                lambda: subscribers(admin, aleases, "r") == 1, SCHEDULING, "a new subscription"
+            )
         await asyncio.wait_for(task, 30)
     finally:
         admin.close()
@@ -430,7 +435,7 @@ async def test_a_block_that_raises_keeps_its_own_error(aleases: Leases, leases_r
     async def body() -> None:
         async with aleases.ahold("r", ttl=0.6) as lease:
             leases_redis.delete(aleases.store.keys.exclusive("r"))
-            await until(lambda: lease.lost, 10, "the heartbeat to notice")
+            await until(lambda: lease.lost, SCHEDULING, "the heartbeat to notice")
             raise ValueError("mine")
 
     with pytest.raises(ValueError, match="mine"):
@@ -496,7 +501,7 @@ async def test_async_renewals_never_cut_the_registry_short(aleases: Leases, leas
     with aleases.hold("long", ttl=600):
         async with aleases.ahold("short", ttl=0.6):
             start = beat.renewals
-            await until(lambda: beat.renewals >= start + 2, 10, "async renewals")
+            await until(lambda: beat.renewals >= start + 2, SCHEDULING, "async renewals")
             # 4 x 600 s from the sync grant; an async renewal alone would set 4 x 30 s
             assert leases_redis.pttl(key) > 4 * 30 * 1000
 
@@ -556,7 +561,7 @@ async def test_aonce_takeover_after_the_initializer_is_cancelled(aleases: Leases
     await started.wait()
     second = asyncio.create_task(aleases.aonce("job", quick, wait=20))
     resource = aleases.store.keys.once_resource("job")
-    await until(lambda: waiting(aleases, resource), 10, "the second caller to wait")
+    await until(lambda: waiting(aleases, resource), SCHEDULING, "the second caller to wait")
     first.cancel()
     with pytest.raises(asyncio.CancelledError):
         await first
@@ -628,7 +633,7 @@ async def test_aonce_busy_when_the_wait_runs_out(aleases: Leases):
 
     first = asyncio.create_task(aleases.aonce("slow", slow))
     resource = aleases.store.keys.once_resource("slow")
-    await until(lambda: aleases.store.holders(resource), 10, "the initializer to start")
+    await until(lambda: aleases.store.holders(resource), SCHEDULING, "the initializer to start")
     with pytest.raises(LeaseBusy):
         await aleases.aonce("slow", slow, wait=0.1)
     gate.set()
@@ -718,7 +723,7 @@ async def test_ahold_after_its_connection_was_killed_loses_no_reply(
         except redis.ConnectionError:  # how redis-py 8.2 and later say so
             return True
 
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + SCHEDULING
     while not await closed():
         assert time.monotonic() < deadline, "the killed connection never saw its EOF"
         await asyncio.sleep(0.005)

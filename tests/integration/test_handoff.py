@@ -25,7 +25,7 @@ from celery_leases._identity import Identity
 from celery_leases._lease import Want
 from celery_leases._lostreply import BOOK
 from tests.support.holders import hold_by_hand
-from tests.support.polling import wait_until
+from tests.support.polling import SCHEDULING, wait_until
 
 MakeLeases = Callable[..., Leases]
 WAITER = Identity("waiter", "inc", 2)
@@ -48,7 +48,7 @@ def parked(leases: Leases, leases_redis: redis.Redis) -> Iterator[Callable[..., 
         pubsub = leases_redis.pubsub()
         opened.append(pubsub)
         pubsub.subscribe(leases.store.keys.waiter_channel(ticket.id))
-        assert poll(lambda: pubsub.get_message(timeout=0.1), 10, "the subscription")
+        assert poll(lambda: pubsub.get_message(timeout=0.1), SCHEDULING, "the subscription")
         busy = leases.store.run(
             _grants.try_acquire(engine, [Want("r")], WAITER, ttl, ticket=ticket)
         )
@@ -61,8 +61,15 @@ def parked(leases: Leases, leases_redis: redis.Redis) -> Iterator[Callable[..., 
         pubsub.close()
 
 
+def subscribers(client: redis.Redis, channel: str) -> int:
+    """The clients subscribed to ``channel`` (by name: patterns are not counted)."""
+    return int(dict(client.pubsub_numsub(channel)).get(channel, 0))
+
+
 def message(pubsub: redis.client.PubSub) -> str:
-    got = poll(lambda: pubsub.get_message(timeout=0.1), 10, "a message on the waiter's channel")
+    got = poll(
+        lambda: pubsub.get_message(timeout=0.1), SCHEDULING, "a message on the waiter's channel"
+    )
     return str(got["data"])
 
 
@@ -119,10 +126,11 @@ def test_a_release_hands_the_lease_over_and_the_waiter_asks_nothing(
     (held,) = hold_by_hand(leases, "r")
     waiter = Waiter(leases)
     waiter.start()
-    poll(lambda: leases_redis.zcard(leases.store.keys.waiters("r")) == 1, 10, "the waiter queued")
+    queued = leases.store.keys.waiters("r")
+    poll(lambda: leases_redis.zcard(queued) == 1, SCHEDULING, "the waiter queued")
     asked = len(calls)
     leases.store.release([held])
-    poll(lambda: waiter.token, 10, "the waiter's grant")
+    poll(lambda: waiter.token, SCHEDULING, "the waiter's grant")
     assert len(calls) == asked  # no attempt of its own after the release: the lease came to it
     assert waiter.token > held.token
     owner = leases.identity().owner
@@ -133,7 +141,8 @@ def test_a_release_hands_the_lease_over_and_the_waiter_asks_nothing(
         str(e).startswith("h ") for e in leases_redis.smembers(leases.store.keys.registry(owner, 0))
     )
     waiter.done.set()
-    waiter.join(10)
+    waiter.join(SCHEDULING)
+    assert not waiter.is_alive()
     assert waiter.error is None
     assert value(leases_redis, leases) is None
     assert not any(
@@ -157,13 +166,13 @@ async def test_an_asyncio_waiter_is_handed_the_lease(
             got.append(lease.token)
 
     task = asyncio.create_task(waiter())
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + SCHEDULING
     while client.zcard(leases.store.keys.waiters("r")) == 0:
         assert time.monotonic() < deadline, "the waiter never queued"
         await asyncio.sleep(0.005)
     asked = len(calls)
     leases.store.release([held])
-    await asyncio.wait_for(task, 10)
+    await asyncio.wait_for(task, SCHEDULING)
     assert len(calls) == asked
     assert got
     assert got[0] > held.token
@@ -246,17 +255,21 @@ def test_a_waiter_nobody_listens_for_is_not_handed_the_lease(
     leases: Leases, leases_redis: redis.Redis, parked
 ):
     (held,) = hold_by_hand(leases, "r")
-    _, pubsub = parked()
-    pubsub.close()
-    poll(
-        lambda: (
-            leases_redis.pubsub_numpat() == 0
-            and not any(c for _, c in leases_redis.pubsub_numsub())
-        ),
-        10,
-        "the subscriber gone",
-    )
-    leases.store.release([held])
+    ticket, pubsub = parked()
+    # another client's pattern subscription, as a Celery worker on a Redis broker holds for
+    # its fanout queues: it listens for nobody's channel here, and must not count as a listener
+    other = leases_redis.pubsub()
+    try:
+        other.psubscribe(f"{leases.settings.key_prefix}:elsewhere:*")
+        assert poll(lambda: other.get_message(timeout=0.1), SCHEDULING, "the pattern")
+        pubsub.close()
+        # this waiter's channel, not the server's count of patterns (PUBSUB NUMPAT: every
+        # pattern of every client, in any database, for as long as they live)
+        channel = leases.store.keys.waiter_channel(ticket.id)
+        poll(lambda: subscribers(leases_redis, channel) == 0, SCHEDULING, "the subscriber gone")
+        leases.store.release([held])
+    finally:
+        other.close()
     assert value(leases_redis, leases) is None  # free, not handed to a dead waiter
     assert leases_redis.zcard(leases.store.keys.waiters("r")) == 0  # and its ticket dropped
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import redis
 from celery import Celery
@@ -9,7 +13,7 @@ from celery import Celery
 from celery_leases import LeaseBusy, LeaseConfigError, Leases, Shared
 from celery_leases._grants import Busy
 from celery_leases._identity import Identity
-from celery_leases._lease import Want
+from celery_leases._lease import MAX_NAME_BYTES, Want
 from tests.support.cluster import hash_tag
 
 NAMES = [
@@ -38,8 +42,9 @@ NAMES = [
     "锁🔒",
     "é",
     "e\u0301",
-    "x" * 5000,
-    "x" * 4999,
+    "x" * MAX_NAME_BYTES,  # the longest a name may be
+    "x" * (MAX_NAME_BYTES - 1),
+    "é" * (MAX_NAME_BYTES // 2),  # counted in bytes of UTF-8: 512 characters
     "%",
     "%%",
     "x:1}:x:a",
@@ -131,3 +136,88 @@ def test_a_name_without_a_utf8_form_is_a_config_error(leases: Leases, name: str)
         pass
     with pytest.raises(LeaseConfigError), leases.hold(Shared(name)):
         pass
+
+
+# --- a bounded size ---------------------------------------------------------------------------
+LONG = "x" * 1_000_000
+
+
+def _entered(block: Any) -> None:
+    with block:
+        pass
+
+
+async def _aentered(block: Any) -> None:
+    async with block:
+        pass
+
+
+#: each way a name reaches the library, with a name too long: (the call, what the error names)
+REFUSED: dict[str, tuple[Callable[[Leases], Any], str]] = {
+    "hold": (lambda ls: _entered(ls.hold(LONG)), "hold(resource)"),
+    "hold-shared": (lambda ls: _entered(ls.hold(Shared(LONG, limit=3))), "hold(resource)"),
+    "hold-list": (lambda ls: _entered(ls.hold(["free", LONG])), "hold(resource[1])"),
+    "hold-at-the-limit-plus-one": (
+        lambda ls: _entered(ls.hold("é" * (MAX_NAME_BYTES // 2) + "x")),
+        "1,025 bytes",
+    ),
+    "once": (lambda ls: ls.once(LONG, lambda: 1), "the once name"),
+    "receipt": (lambda ls: ls.receipt(LONG), "the once name"),
+    "forget": (lambda ls: ls.forget(LONG), "the once name"),
+    "ahold": (lambda ls: asyncio.run(_aentered(ls.ahold(LONG))), "ahold(resource)"),
+    "ahold-list": (
+        lambda ls: asyncio.run(_aentered(ls.ahold(["free", Shared(LONG)]))),
+        "ahold(resource[1])",
+    ),
+    "aonce": (lambda ls: asyncio.run(ls.aonce(LONG, lambda: 1)), "the once name"),
+    "areceipt": (lambda ls: asyncio.run(ls.areceipt(LONG)), "the once name"),
+    "aforget": (lambda ls: asyncio.run(ls.aforget(LONG)), "the once name"),
+}
+
+
+def _sent(admin: redis.Redis) -> tuple[int, dict[str, int]]:
+    """Connections the server took, and its calls of each command but the test's INFO."""
+    stats = admin.info("commandstats")
+    calls = {k: int(v["calls"]) for k, v in stats.items() if k != "cmdstat_info"}
+    return int(admin.info("stats")["total_connections_received"]), calls
+
+
+@pytest.mark.parametrize("entry", list(REFUSED))
+def test_a_name_too_long_is_refused_and_nothing_is_sent(
+    make_leases: Callable[..., Leases], make_redis_server: Any, entry: str
+):
+    """``hold("x" * 1_000_000)`` left a token counter key of 1 MB for 24 h (issue 26, part 5):
+    refused before anything is sent, not even a connection made."""
+    server = make_redis_server()
+    admin = redis.Redis.from_url(server.url, decode_responses=True)
+    leases = make_leases(redis_url=server.url)
+    call, named = REFUSED[entry]
+    try:
+        before = _sent(admin)
+        with pytest.raises(LeaseConfigError) as info:
+            call(leases)
+        text = str(info.value)
+        assert named in text
+        assert f"at most {MAX_NAME_BYTES:,} bytes" in text
+        assert len(text) < 400  # names its start, not the whole name
+        assert _sent(admin) == before
+        assert admin.dbsize() == 0
+    finally:
+        admin.close()
+
+
+def test_a_name_at_the_limit_counts_bytes_and_leaves_no_long_key(
+    leases: Leases, leases_redis: redis.Redis
+):
+    name = "é" * (MAX_NAME_BYTES // 2)  # 512 characters, 1,024 bytes
+    with leases.hold(name, ttl=10) as lease:
+        assert lease.resource == name
+    with pytest.raises(LeaseConfigError, match="1,025 bytes"), leases.hold(name + "x"):
+        pass
+    with pytest.raises(LeaseConfigError, match="1,025 bytes"), leases.hold("y" * 1025):
+        pass
+    assert leases.store.holders("y" * 1025) == []
+    # a once name is bounded alone: the library's own prefix (celery_leases:once:) is not counted
+    assert leases.once("o" * MAX_NAME_BYTES, lambda: 7) == 7
+    assert leases.receipt("o" * MAX_NAME_BYTES) == 7
+    assert leases.forget("o" * MAX_NAME_BYTES)

@@ -6,6 +6,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+#: the deadline of a wait for what only takes scheduling (a thread to run, a message to be
+#: read, a subscription to be made or dropped): generous, as the machine may be loaded; a
+#: deadline is never a measure of speed
+SCHEDULING = 60.0
+
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, step: float = 0.05) -> Any:
     """Poll ``predicate`` until it returns something truthy, or fail after ``timeout``."""

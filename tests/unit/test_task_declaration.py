@@ -15,6 +15,7 @@ import pytest
 from celery import Celery
 
 from celery_leases import LeasedTask, LeaseError, Shared
+from celery_leases._lease import MAX_NAME_BYTES
 from celery_leases.exceptions import LeaseConfigError
 
 
@@ -240,3 +241,18 @@ def test_lease_busy_is_an_expected_end_next_to_the_tasks_own_throws(app: Celery)
     assert declare(app, plain, lease="r:{rid}").throws == (LeaseBusy,)
     assert declare(app, own, lease="r:{rid}", throws=(KeyError,)).throws == (KeyError, LeaseBusy)
     assert LeasedTask.throws == (LeaseBusy,)
+
+
+def test_a_template_too_long_without_its_fields_is_refused_at_declaration(app: Celery) -> None:
+    # its names are at least as long as its text outside the fields
+    def always_too_long(x: str) -> None: ...
+
+    with pytest.raises(LeaseConfigError) as info:
+        declare(app, always_too_long, lease="é" * MAX_NAME_BYTES + "{x}")
+    assert "lease template, without its fields, is 2,048 bytes long" in str(info.value)
+    assert "always_too_long" in str(info.value)
+
+    def fits_for_one_character(x: str) -> None: ...
+
+    task = declare(app, fits_for_one_character, lease="y" * (MAX_NAME_BYTES - 1) + "{x}")
+    assert len(task._render_leases(("z",), {})[0].resource) == MAX_NAME_BYTES

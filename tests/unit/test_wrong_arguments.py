@@ -15,6 +15,8 @@ import pytest
 from celery import Celery
 
 from celery_leases import LeasedTask, Leases, Shared
+from celery_leases._keys import UNIQUE_PREFIX, Keyspace
+from celery_leases._lease import MAX_NAME_BYTES, Want
 from celery_leases.exceptions import LeaseConfigError
 
 NOWHERE = "redis://127.0.0.1:1/0"
@@ -103,6 +105,46 @@ def test_task_template_rendering_to_an_empty_name_is_refused() -> None:
     assert [w.resource for w in task._render_leases(("x",), {})] == ["x"]
     with pytest.raises(LeaseConfigError, match=r"'\{name\}' renders to an empty name"):
         task._render_leases(("",), {})
+
+
+def test_task_templates_rendering_to_a_name_too_long_are_refused() -> None:
+    # declared, a template cannot know its length: each rendering is checked
+    app = Celery("long-render", set_as_current=False)
+
+    @app.task(base=LeasedTask, shared=False, leases=["a:{x}", Shared("s:{x}")], unique="u:{x}")
+    def long_named(x: str) -> None: ...
+
+    task = long_named._get_current_object()
+    fits = "x" * (MAX_NAME_BYTES - 2)
+    assert [w.resource for w in task._render_leases((fits,), {})] == ["a:" + fits, "s:" + fits]
+    assert task._unique_key((fits,), {}) == "u:" + fits
+    too_long = fits + "é"
+    with pytest.raises(LeaseConfigError) as info:
+        task._render_leases((too_long,), {})
+    assert str(info.value).startswith(
+        f"task {task.name!r}: lease template 'a:{{x}}' renders to a name that is 1,026 bytes"
+    )
+    assert f"at most {MAX_NAME_BYTES:,} bytes" in str(info.value)
+    with pytest.raises(LeaseConfigError, match=r"unique template 'u:\{x\}' renders to a name that"):
+        task._unique_key((too_long,), {})
+
+
+def test_a_name_too_long_is_refused_whatever_made_it() -> None:
+    # every lease passes Want: the library's own prefix of a name it made is not counted
+    Want(UNIQUE_PREFIX + "k" * MAX_NAME_BYTES)
+    Want(Keyspace("p").once_resource("o" * MAX_NAME_BYTES))
+    with pytest.raises(LeaseConfigError, match="1,025 bytes"):
+        Want(UNIQUE_PREFIX + "k" * (MAX_NAME_BYTES + 1))
+    with pytest.raises(LeaseConfigError, match="1,025 bytes"):
+        Want("r" * (MAX_NAME_BYTES + 1), "s", 2)
+    with pytest.raises(LeaseConfigError, match="UTF-8"):  # a name without a UTF-8 form
+        Want("\udfff" * MAX_NAME_BYTES)
+
+
+def test_a_refused_long_name_is_refused_at_every_hold(leases: Leases) -> None:
+    for _ in range(3):
+        with pytest.raises(LeaseConfigError, match=r"hold\(resource\) is 1,000,000 bytes"):
+            enter(leases.hold("x" * 1_000_000))
 
 
 def test_task_template_rendering_into_the_library_namespace_is_refused() -> None:

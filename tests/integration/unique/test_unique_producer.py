@@ -22,8 +22,9 @@ from celery import Celery, group, signature
 from celery.result import AsyncResult, EagerResult
 from kombu.exceptions import OperationalError
 
-from celery_leases import DuplicateTask, LeaseBusy, Leases
+from celery_leases import DuplicateTask, LeaseBusy, LeaseConfigError, Leases
 from celery_leases._claims import ClaimHolder
+from celery_leases._lease import MAX_NAME_BYTES
 from celery_leases.signals import unique_duplicate
 
 from .conftest import QUEUE_TTL, wait_until
@@ -265,3 +266,19 @@ def test_concurrent_producers_send_exactly_one(
     holder = producer.leases.store.unique_holder(f"job:{key}")  # type: ignore[attr-defined]
     assert isinstance(holder, ClaimHolder)
     assert holder.task_id == winner
+
+
+def test_a_unique_key_too_long_is_refused_before_the_claim_and_the_publish(
+    producer: Celery, leases_redis: redis.Redis, queue: str, leases_prefix: str
+):
+    # the rendered key is bounded alone (celery_leases:unique: before it is not counted)
+    gated = producer.tasks["unique_app.gated"]
+    with pytest.raises(LeaseConfigError) as info:
+        gated.delay("k" * MAX_NAME_BYTES)
+    text = str(info.value)
+    assert "unique template 'job:{key}' renders to a name that is 1,028 bytes" in text
+    assert f"at most {MAX_NAME_BYTES:,} bytes" in text
+    assert queued_ids(leases_redis, queue) == []  # nothing published
+    assert list(leases_redis.scan_iter(match=f"{{{leases_prefix}:*", count=1000)) == []
+    fits = gated.delay("k" * (MAX_NAME_BYTES - len("job:")))
+    assert queued_ids(leases_redis, queue) == [fits.id]
