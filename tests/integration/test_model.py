@@ -50,32 +50,48 @@ import math
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import hypothesis.strategies as st
 import pytest
 from celery import Celery
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from redis import Redis
 from redis.client import PubSub
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from celery_leases import LeaseBusy, Leases, _grants
+from celery_leases import LeaseBusy, Leases, _cleanup, _grants
 from celery_leases._claims import Claimed, ClaimHolder
-from celery_leases._grants import TICKET_SLACK_MS
+from celery_leases._grants import TICKET_SLACK_MS, Busy
 from celery_leases._identity import Identity
 from celery_leases._inspect import Holder
 from celery_leases._lanes import handoff
 from celery_leases._lease import Held, Want
+from celery_leases._once import failure_of
+from celery_leases._protocol import Failure, Sleep
 from celery_leases._redis_server import RedisServer
 from celery_leases._store import LeaseStore
 from celery_leases.config import resolve_settings
 from celery_leases.exceptions import LeaseBackendError
+from tests.support.polling import SCHEDULING
 
 EXAMPLES = int(os.environ.get("CELERY_LEASES_MODEL_EXAMPLES", "25"))
 STEPS = int(os.environ.get("CELERY_LEASES_MODEL_STEPS", "30"))
+#: a random search (a new seed each run) instead of the fixed one of CI
+RANDOM = os.environ.get("CELERY_LEASES_MODEL_RANDOM", "") not in ("", "0")
+#: CELERY_LEASES_MODEL_SHRINK=0: report the first violation as found, unshrunk (to count
+#: the examples a search takes)
+PHASES = (
+    (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink)
+    if os.environ.get("CELERY_LEASES_MODEL_SHRINK", "1") != "0"
+    else (Phase.generate,)
+)
+#: rules made no-ops (comma-separated names), to see which rules a violation needs
+WITHOUT = frozenset(filter(None, os.environ.get("CELERY_LEASES_MODEL_WITHOUT", "").split(",")))
 
 #: the ttl setting: every owner's liveness, and the horizon cap of every lease
 LIVENESS = 0.5
@@ -114,10 +130,15 @@ class ModelViolation(AssertionError):
     """An invariant of the engine does not hold."""
 
 
+#: examples begun in this session (the log says in which one a violation was found)
+EXAMPLES_RUN = Counter[str]()
+
+
 def violated(what: str) -> None:
     if LOG:
         with open(LOG, "a") as fh:
-            fh.write(f"VIOLATION: {what}\n  " + "\n  ".join(_trace) + "\n\n")
+            n = EXAMPLES_RUN["examples"]
+            fh.write(f"VIOLATION (example {n}): {what}\n  " + "\n  ".join(_trace) + "\n\n")
     raise ModelViolation(what)
 
 
@@ -129,6 +150,8 @@ def traced(fn: F) -> F:
 
     @functools.wraps(fn)
     def step(self: Any, **kwargs: Any) -> None:
+        if fn.__name__ in WITHOUT:
+            return
         args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         _trace.append(f"{time.monotonic():.3f} {fn.__name__}({args})")
         fn(self, **kwargs)
@@ -152,6 +175,9 @@ class Grant:
     held: Held | None = None
     task: str | None = None  # queued claims: the task id
     gone: bool = False  # surely no longer in Redis
+    #: seen in Redis only, made by a call whose outcome is unknown: the failed wait's leave
+    #: may have taken its registry entry (a lease handed to it runs out by its TTL)
+    unreported: bool = False
 
     @classmethod
     def reported(
@@ -214,6 +240,116 @@ class Owner:
     grants: list[Grant] = field(default_factory=list)
     #: its liveness surely runs at least until then (from its renewals)
     liveness_sure_until: float = -math.inf
+    #: the resources it waited for, oldest first (what it may take again)
+    waited: list[str] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Unknown:
+    """A call of ``owner`` on ``resource`` whose outcome is unknown (its reply was lost and
+    its recovery failed): Redis may hold a grant of it, of a token the model never saw, until
+    ``until`` (monotonic); nobody counts such a grant held."""
+
+    owner: str
+    resource: str
+    until: float
+
+
+#: what a fault does to one request: ``lost``, it runs and its reply is lost (a timeout, a
+#: connection cut after the send); ``dropped``, it times out and never reaches Redis (a
+#: stalled server whose new connections time out before anything is sent)
+FAULTS = ("lost", "dropped")
+#: what a parked waiter's next attempt may meet (see LeaseModel._attempt)
+WAITER_FAULTS = ("attempt, reply lost", "stall")
+
+
+class Stepper:
+    """A core operation (``_grants``, ``_cleanup``) carried out one request at a time.
+
+    Each request goes through the store's own executor, as ``LeaseStore.run`` sends it,
+    with the faults asked for: ``faults`` maps the index of a request (0: the operation's
+    first; sleeps are not counted) to what happens to it (:data:`FAULTS`); from
+    ``stall_from`` on, the request of that index is lost and every later one dropped (a
+    server that stalls and is not reachable again before the operation ends; -1: every
+    request dropped). The failure
+    is redis-py's ``TimeoutError``, thrown in as the driver does (``failure_of``).
+
+    :meth:`advance` can stop after a request ran, before the operation reads its reply:
+    another thread of the process (or another process) acts then, deterministically, in the
+    window that a real thread switch or a slow reply opens.
+    """
+
+    def __init__(
+        self,
+        store: LeaseStore,
+        steps: Generator[Any, Any, Any],
+        faults: Mapping[int, str] | None = None,
+        stall_from: int | None = None,
+    ) -> None:
+        self.store = store
+        self.steps = steps
+        self.faults = dict(faults or {})
+        self.stall_from = stall_from
+        self.sent = 0  # requests sent (or dropped) so far
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.done = False
+        self.result: Any = None
+        self.raised: BaseException | None = None
+
+    def _fault(self, index: int) -> str | None:
+        if self.stall_from is not None and index >= self.stall_from:  # -1: all dropped
+            return "lost" if index == self.stall_from else "dropped"
+        return self.faults.get(index)
+
+    def _execute(self, op: Any) -> Any:
+        if type(op) is Sleep:
+            return self.store._execute(op)
+        index = self.sent
+        self.sent += 1
+        fault = self._fault(index)
+        if fault == "dropped":
+            event("fault: a request dropped")
+            raise RedisTimeoutError("model: timed out before it reached Redis")
+        reply = self.store._execute(op)
+        if fault == "lost":
+            event("fault: a reply lost")
+            raise RedisTimeoutError("model: the reply was lost after the call ran")
+        return reply
+
+    def advance(self, pause_after: int | None = None) -> None:
+        """Carry the operation on; with ``pause_after``, stop once the request of that index
+        ran (before its reply is read), if it comes."""
+        while not self.done:
+            try:
+                if self.error is None:
+                    step = self.steps.send(self.value)
+                else:
+                    step = self.steps.throw(self.error)
+            except StopIteration as stop:
+                self.done, self.result = True, stop.value
+                return
+            except Failure as unhandled:
+                self.done, self.raised = True, unhandled.cause
+                return
+            except Exception as exc:
+                self.done, self.raised = True, exc
+                return
+            self.error = None
+            counted = type(step) is not Sleep
+            try:
+                self.value = self._execute(step)
+            except RedisError as exc:
+                self.value, self.error = None, failure_of(exc)
+            if counted and pause_after is not None and self.sent - 1 >= pause_after:
+                return
+
+    def outcome(self) -> Any:
+        """The operation's result, carried out to its end; its error raised."""
+        self.advance()
+        if self.raised is not None:
+            raise self.raised
+        return self.result
 
 
 def conflicts(a: str, b: str) -> bool:
@@ -272,8 +408,11 @@ class LeaseModel(RuleBasedStateMachine):
         #: its queue: a release skips it (nobody listens), but until it runs out it is the
         #: live head, and a call without a ticket may not barge past it
         self.dead_tickets: dict[str, float] = {}
+        #: calls whose outcome the model does not know (see Unknown)
+        self.unknown: list[Unknown] = []
         self.redis = Redis.from_url(type(self).server.url, decode_responses=True)
         _trace.clear()
+        EXAMPLES_RUN["examples"] += 1
         self._warm_up()
 
     # --- set-up ---------------------------------------------------------------------------
@@ -377,6 +516,8 @@ class LeaseModel(RuleBasedStateMachine):
             return False  # queued ahead (first come, first served), or handed the lease
         if self.dead_tickets.get(want.resource, -math.inf) > at:
             return False
+        if any(u.resource == want.resource and u.until + SLACK >= at for u in self.unknown):
+            return False
         maybe = [g for g in self.grants.get(want.resource, []) if g.maybe_held(at)]
         if any(conflicts(g.mode, want.mode) for g in maybe):
             return False
@@ -404,6 +545,25 @@ class LeaseModel(RuleBasedStateMachine):
         if owner is not None and grant in owner.grants:
             owner.grants.remove(grant)
 
+    def maybe_unknown(self, owner: str, resource: str, at: float) -> Unknown | None:
+        """The call of ``owner`` with an unknown outcome that may hold ``resource`` at ``at``."""
+        return next(
+            (
+                u
+                for u in self.unknown
+                if (u.owner, u.resource) == (owner, resource) and at <= u.until + SLACK
+            ),
+            None,
+        )
+
+    def unknown_outcome(self, owner: Owner, resources: list[str], ttl: float) -> None:
+        """A call of ``owner`` on ``resources`` failed after a lost reply: it may have granted
+        them (of tokens the model never saw), for ``ttl`` at most from now."""
+        until = time.monotonic() + ttl
+        for r in resources:
+            self.unknown.append(Unknown(owner.ident.owner, r, until))
+        event("a grant call's outcome unknown")
+
     def grant_of(self, resource: str, token: int) -> Grant | None:
         return next((g for g in self.grants.get(resource, []) if g.token == token), None)
 
@@ -414,6 +574,9 @@ class LeaseModel(RuleBasedStateMachine):
                 g for g in self.grants.get(resource, []) if g.owner == owner and not g.gone
             ]
             if not candidates:
+                if self.maybe_unknown(owner, resource, time.monotonic()):
+                    event("a cleanup freed a grant whose reply was lost")
+                    continue
                 violated(f"a cleanup freed {resource} of {owner}, a lease the model saw gone")
             reasons = [ok(g) for g in candidates]
             if all(reasons):
@@ -468,15 +631,9 @@ class LeaseModel(RuleBasedStateMachine):
             if wait == 0:
                 self.check_refusal(wants, sent, "acquire")
             return
-        reply = time.monotonic()
         event(f"acquire: granted {len({self.group(h.resource) for h in granted})} group(s)")
         # a wait may have ended with a late attempt: the windows start at the call
-        for held in granted:
-            grant = Grant.reported(
-                held.resource, held.mode, held.token, owner.ident.owner, ttl, sent, reply, held=held
-            )
-            self.on_grant(grant, reply)
-            owner.grants.append(grant)
+        self._record(owner, granted, ttl, sent)
 
     @rule()
     @traced
@@ -590,6 +747,7 @@ class LeaseModel(RuleBasedStateMachine):
         while pubsub.get_message(timeout=0.1) is None:
             assert time.monotonic() < deadline, "no SUBSCRIBE confirmation"
         waiter = Parked(owner, resource, ttl, ticket, pubsub)
+        owner.waited.append(resource)
         if self._attempt(waiter):
             return None
         self.parked.append(waiter)
@@ -601,7 +759,7 @@ class LeaseModel(RuleBasedStateMachine):
         slot=st.integers(0, SLOTS - 1),
         index=st.integers(0, SLOT_GROUPS * RESOURCES_PER_GROUP - 1),
         ttl=st.sampled_from(TTLS),
-        then=st.sampled_from(("listen", "attempt", "give up", "nothing")),
+        then=st.sampled_from(("listen", "attempt", "give up", "nothing", *WAITER_FAULTS)),
     )
     @traced
     def hand_over(self, node: int, slot: int, index: int, ttl: float, then: str) -> None:
@@ -625,14 +783,30 @@ class LeaseModel(RuleBasedStateMachine):
         if then != "nothing":
             self._waiter_step(waiter, then)
 
-    def _attempt(self, waiter: Parked) -> bool:
-        """One attempt of ``waiter``'s wait; True if it is over (granted or handed)."""
+    def _attempt(self, waiter: Parked, fault: str | None = None) -> bool:
+        """One attempt of ``waiter``'s wait; True if it is over (granted, handed, failed).
+
+        ``fault``: ``"attempt, reply lost"``, the attempt runs and its reply is lost (it
+        recovers); ``"stall"``, the server stalls: the attempt runs and times out, and so do
+        its recovery and the leave that ends the failed wait.
+        """
         engine = self.store.engine
         wants = [Want(waiter.resource)]
         sent = time.monotonic()
-        outcome = self.store.run(
-            _grants.try_acquire(engine, wants, waiter.owner.ident, waiter.ttl, ticket=waiter.ticket)
+        ident, ticket = waiter.owner.ident, waiter.ticket
+        op = Stepper(
+            self.store,
+            _grants.try_acquire(engine, wants, ident, waiter.ttl, ticket=ticket),
+            {0: "lost"} if fault == "attempt, reply lost" else None,
+            stall_from=0 if fault == "stall" else None,
         )
+        try:
+            outcome = op.outcome()
+        except LeaseBackendError:
+            event("waiter: its attempt failed")
+            self.unknown_outcome(waiter.owner, [waiter.resource], waiter.ttl)
+            self._fail_wait(waiter, stalled=fault == "stall")
+            return True
         if not isinstance(outcome, list):
             return False
         (held,) = outcome
@@ -672,7 +846,10 @@ class LeaseModel(RuleBasedStateMachine):
                 return True
         return False
 
-    @rule(pick=st.integers(0, 1000), what=st.sampled_from(("listen", "attempt", "give up")))
+    @rule(
+        pick=st.integers(0, 1000),
+        what=st.sampled_from(("listen", "attempt", "give up", *WAITER_FAULTS)),
+    )
     @traced
     def waiter_acts(self, pick: int, what: str) -> None:
         """A parked waiter listens (and takes a lease handed to it), tries again (a wake-up,
@@ -685,8 +862,36 @@ class LeaseModel(RuleBasedStateMachine):
         """``waiter`` does ``what``; it is no longer parked once its wait is over."""
         if what == "give up":
             self._give_up(waiter)
-        elif self._listen(waiter) if what == "listen" else self._attempt(waiter):
+        elif what == "listen":
+            if self._listen(waiter):
+                self.parked.remove(waiter)
+        elif self._attempt(waiter, None if what == "attempt" else what):
             self.parked.remove(waiter)
+
+    def _fail_wait(self, waiter: Parked, *, stalled: bool) -> None:
+        """``waiter``'s wait failed (LeaseBackendError): it leaves the queue as
+        ``LeaseStore.acquire`` does (a stalled server drops that call too), and stops
+        listening; its ticket may hold the queue until it runs out."""
+        waiter.ticket.queued = {waiter.resource}
+        leave = _grants.leave_queues(self.store.engine, [Want(waiter.resource)], waiter.ticket)
+        Stepper(self.store, leave, stall_from=-1 if stalled else None).outcome()
+        self._hang_up(waiter)
+
+    def _hang_up(self, waiter: Parked) -> None:
+        """``waiter`` stops listening (for Redis to see); its ticket, if still queued, holds
+        its queue until it runs out."""
+        waiter.pubsub.close()
+        channel = self.store.keys.waiter_channel(waiter.ticket.id)
+        deadline = time.monotonic() + SCHEDULING
+        while self.redis.pubsub_numsub(channel)[0][1]:
+            assert time.monotonic() < deadline, "a closed subscriber stayed subscribed"
+            time.sleep(0.005)
+        # its ticket lives the wait it was told at its last attempt (with an order, half
+        # the lease's horizon at most), plus the slack
+        told = horizon(waiter.ttl) / 2 if waiter.ticket.ordered_at is not None else max(TTLS)
+        until = time.monotonic() + told + TICKET_SLACK_MS / 1000 + SLACK
+        r = waiter.resource
+        self.dead_tickets[r] = max(self.dead_tickets.get(r, -math.inf), until)
 
     def _give_up(self, waiter: Parked) -> None:
         self.parked.remove(waiter)
@@ -703,18 +908,7 @@ class LeaseModel(RuleBasedStateMachine):
             self.parked.remove(waiter)
             if self._listen(waiter):
                 continue
-            waiter.pubsub.close()
-            channel = self.store.keys.waiter_channel(waiter.ticket.id)
-            deadline = time.monotonic() + 5.0
-            while self.redis.pubsub_numsub(channel)[0][1]:
-                assert time.monotonic() < deadline, "a closed subscriber stayed subscribed"
-                time.sleep(0.005)
-            # its ticket lives the wait it was told at its last attempt (with an order, half
-            # the lease's horizon at most), plus the slack
-            told = horizon(waiter.ttl) / 2 if waiter.ticket.ordered_at is not None else max(TTLS)
-            until = time.monotonic() + told + TICKET_SLACK_MS / 1000 + SLACK
-            r = waiter.resource
-            self.dead_tickets[r] = max(self.dead_tickets.get(r, -math.inf), until)
+            self._hang_up(waiter)
 
     def maybe_handed(self, resource: str, holder: Holder) -> bool:
         """True if a parked waiter of ``holder``'s owner may have been handed ``resource``."""
@@ -756,6 +950,146 @@ class LeaseModel(RuleBasedStateMachine):
                 if g.surely_held(time.monotonic()):
                     violated(f"{g.resource} of {g.owner} ran out while surely held")
                 g.gone = True
+
+    # --- faults and interleavings (issue 26, parts 1, 6 and 8) -------------------------------
+    @rule(
+        node=st.integers(0, len(NODES) - 1),
+        slot=st.integers(0, SLOTS - 1),
+        index=st.integers(0, SLOT_GROUPS * RESOURCES_PER_GROUP - 1),
+        shared=st.booleans(),
+        ttl=st.sampled_from(TTLS),
+        lose=st.sampled_from((0, 1)),
+        sibling=st.sampled_from((None, 0, 1, 2)),
+    )
+    @traced
+    def sibling_recovers(
+        self,
+        node: int,
+        slot: int,
+        index: int,
+        shared: bool,
+        ttl: float,
+        lose: int,
+        sibling: int | None,
+    ) -> None:
+        """Two threads of one process. B holds a lease (it takes it first if the process
+        holds none); A asks for the same resource and loses the reply of its request
+        ``lose`` (the call ran); B releases its lease right after A's request ``sibling``
+        ran (None: B keeps it), before A reads that reply."""
+        owner = self.owner_at(node, slot)
+        want = self.want(index, shared)
+        mine = [g for g in owner.grants if g.resource == want.resource and not g.gone and g.held]
+        if not mine:
+            self._acquire(owner, [want], ttl, 0.0)
+            mine = [g for g in owner.grants if g.resource == want.resource and not g.gone]
+            if not mine:
+                return
+        sent = time.monotonic()
+        engine = self.store.engine
+        op = Stepper(
+            self.store, _grants.try_acquire(engine, [want], owner.ident, ttl), {lose: "lost"}
+        )
+        if sibling is not None:
+            op.advance(pause_after=sibling)
+            self._release(mine[:1])
+        try:
+            outcome = op.outcome()
+        except LeaseBackendError:
+            self.unknown_outcome(owner, [want.resource], ttl)
+            return
+        event(f"sibling_recovers: {'busy' if isinstance(outcome, Busy) else 'granted'}")
+        if isinstance(outcome, list):
+            self._record(owner, outcome, ttl, sent)
+
+    def _record(self, owner: Owner, granted: list[Held], ttl: float, sent: float) -> None:
+        reply = time.monotonic()
+        for held in granted:
+            grant = Grant.reported(
+                held.resource, held.mode, held.token, owner.ident.owner, ttl, sent, reply, held=held
+            )
+            self.on_grant(grant, reply)
+            owner.grants.append(grant)
+
+    def _comeback(self, owner: Owner, pick: int, again: bool) -> str:
+        """What ``owner`` takes next: what it last waited for (``again``), else any."""
+        if again and owner.waited:
+            return owner.waited[-1]
+        return self.resources[pick % len(self.resources)]
+
+    @rule(
+        pick=st.integers(0, 1000),
+        again=st.booleans(),
+        at=st.integers(0, 5),
+        ttl=st.sampled_from(TTLS),
+    )
+    @traced
+    def reconcile_racing(self, pick: int, again: bool, at: int, ttl: float) -> None:
+        """An owner (one that waited, if any) finishes its work and idles until its liveness
+        runs out, while its registry lives on; a reconcile pass starts, and after the pass's
+        request ``at`` ran the owner takes a lease (``again``: of what it last waited for).
+        The pass must not free it."""
+        waited = [o for o in self.slots.values() if o.waited] or list(self.slots.values())
+        owner = waited[pick % len(waited)]
+        for waiter in [p for p in self.parked if p.owner is owner]:
+            self._give_up(waiter)
+        self._release(list(owner.grants))
+        resource = self._comeback(owner, pick, again)
+        # idle: nothing renews its liveness (its registry, kept 4 x its longest ttl, lives on)
+        ident = owner.ident.owner
+        deadline = time.monotonic() + SCHEDULING
+        while (self.store.read_liveness([ident])[ident] or 0) > 0:
+            assert time.monotonic() < deadline, f"{ident} stayed alive"
+            time.sleep(0.02)
+        for waiter in list(self.parked):
+            self._waiter_step(waiter, "listen")
+        liveness = self._liveness()
+        start = time.monotonic()
+        op = Stepper(self.store, _cleanup.reconcile(self.store.engine))
+        op.advance(pause_after=at)
+        self._acquire(owner, [Want(resource)], ttl, 0.0)
+        self._check_reconcile(op.outcome(), start, liveness)
+
+    @rule(
+        node=st.integers(0, len(NODES) - 1),
+        slot=st.integers(0, SLOTS - 1),
+        pick=st.integers(0, 1000),
+        again=st.booleans(),
+        ttl=st.sampled_from(TTLS),
+    )
+    @traced
+    def reaper_racing(self, node: int, slot: int, pick: int, again: bool, ttl: float) -> None:
+        """A pool process dies; the worker's reaper reads the Redis clock; a new pool process
+        that got the same pid (the same owner id) takes a lease (``again``: of what the dead
+        one last waited for); the reaper frees what the dead owner was granted before its
+        clock read (``spare_newer``), and never the new process's lease."""
+        dead = self.owner_at(node, slot)
+        dead.alive = False
+        self._end_waits(dead)
+        ident = dead.ident
+        engine = self.store.engine
+        before_us, offsets = self.store.clocks_us()
+        fresh = self.owners[ident.owner] = self.slots[(node, slot)] = Owner(ident)
+        # a new process: nothing of the dead one's home call or registries is known to it
+        engine.registered.pop(ident.owner, None)
+        for group in range(SLOT_GROUPS):
+            engine.registry_until.pop((ident.owner, group), None)
+        self._acquire(fresh, [Want(self._comeback(dead, pick, again))], ttl, 0.0)
+        report = self.store.cleanup_owner_isolated(
+            ident.owner,
+            dead=True,
+            granted_before_us=before_us - 1,
+            clock_offsets_us=offsets,
+            by="reaper",
+        )
+        assert not report.errors, report.errors
+
+        def ok(g: Grant) -> str | None:
+            if g in fresh.grants:
+                return "granted to the process that got the pid after the reaper looked"
+            return None
+
+        self.check_cleanup(report.released, ok)
+        event(f"reaper_racing: freed {min(len(report.released), 3)}")
 
     def _listed(self, grant: Grant) -> bool:
         return any(h.token == grant.token for h in self.store.holders(grant.resource))
@@ -804,12 +1138,23 @@ class LeaseModel(RuleBasedStateMachine):
         # either way: the model learns of every handoff before it checks what a reconcile frees
         for waiter in list(self.parked):
             self._waiter_step(waiter, "listen")
+        start = time.monotonic()
         report = self.store.reconcile()
+        self._check_reconcile(report, start, self._liveness())
+
+    def _liveness(self) -> dict[str, float]:
+        return {o: owner.liveness_sure_until for o, owner in self.owners.items()}
+
+    def _check_reconcile(
+        self, report: _cleanup.CleanupReport, start: float, liveness: dict[str, float]
+    ) -> None:
+        """A reconcile pass sent at ``start`` (the owners' liveness as the model knew it
+        then) took only owners whose liveness had run out, and freed only leases their
+        holders count lost (none granted after it looked)."""
         reply = time.monotonic()
         assert not report.errors, report.errors
         for owner_id in report.owners:
-            owner = self.owners.get(owner_id)
-            if owner is not None and reply < owner.liveness_sure_until - SLACK:
+            if start < liveness.get(owner_id, -math.inf) - SLACK:
                 violated(f"reconcile took {owner_id}, whose liveness had not run out")
 
         def ok(g: Grant) -> str | None:
@@ -975,6 +1320,7 @@ class LeaseModel(RuleBasedStateMachine):
             waiter.pubsub.close()
         self.parked = []
         self.dead_tickets = {}
+        self.unknown = []
         type(self).server.restart()
         self.restart_up = time.monotonic()
         self.grace_done = set()
@@ -1018,6 +1364,25 @@ class LeaseModel(RuleBasedStateMachine):
         listed = set()
         for h in holders:
             grant = self.grant_of(resource, h.token)
+            unknown = self.maybe_unknown(h.owner, resource, before)
+            if grant is None and unknown is not None:
+                # a grant of a call whose outcome is unknown: known from now on (nobody
+                # counts it held; it never comes back once gone)
+                event("a grant whose reply was lost, seen")
+                self.max_token[resource] = max(self.max_token.get(resource, 0), h.token)
+                grant = Grant(
+                    resource,
+                    h.mode,
+                    h.token,
+                    h.owner,
+                    0.0,
+                    -math.inf,
+                    -math.inf,
+                    unknown.until,
+                    0.0,
+                    unreported=True,
+                )
+                self.grants.setdefault(resource, []).append(grant)
             if grant is None and self.maybe_handed(resource, h):
                 # handed to a parked waiter that has not listened yet: its registry says so
                 if not any(
@@ -1034,7 +1399,7 @@ class LeaseModel(RuleBasedStateMachine):
             elif grant.owner is not None and (grant.owner, grant.mode) != (h.owner, h.mode):
                 violated(f"{resource} holder {h} is not the grant's {grant.owner}")
             listed.add(h.token)
-            if grant is not None and grant.owner is not None:
+            if grant is not None and grant.owner is not None and not grant.unreported:
                 if h.owner not in entries:
                     entries[h.owner] = {
                         (e.mode, e.token, e.resource) for e in self.store.entries(h.owner)
@@ -1077,6 +1442,8 @@ def test_the_engine_keeps_its_invariants(model_server: RedisServer, leases_prefi
             stateful_step_count=STEPS,
             deadline=None,
             database=None,
+            derandomize=not RANDOM,
+            phases=PHASES,
             suppress_health_check=[HealthCheck.too_slow],
             print_blob=False,
         ),
