@@ -242,6 +242,14 @@ class Owner:
     liveness_sure_until: float = -math.inf
     #: the resources it waited for, oldest first (what it may take again)
     waited: list[str] = field(default_factory=list)
+    #: when it last began a wait (the model's count of waits), 0: never
+    last_wait: int = 0
+    #: a wait of it met a fault
+    trouble: bool = False
+
+    def history(self) -> str:
+        """What its waits were like, for the paths counted."""
+        return "a wait in trouble" if self.trouble else "waited" if self.waited else "no wait"
 
 
 @dataclass(eq=False)
@@ -410,6 +418,7 @@ class LeaseModel(RuleBasedStateMachine):
         self.dead_tickets: dict[str, float] = {}
         #: calls whose outcome the model does not know (see Unknown)
         self.unknown: list[Unknown] = []
+        self.waits = 0
         self.redis = Redis.from_url(type(self).server.url, decode_responses=True)
         _trace.clear()
         EXAMPLES_RUN["examples"] += 1
@@ -748,6 +757,8 @@ class LeaseModel(RuleBasedStateMachine):
             assert time.monotonic() < deadline, "no SUBSCRIBE confirmation"
         waiter = Parked(owner, resource, ttl, ticket, pubsub)
         owner.waited.append(resource)
+        self.waits += 1
+        owner.last_wait = self.waits
         if self._attempt(waiter):
             return None
         self.parked.append(waiter)
@@ -759,12 +770,15 @@ class LeaseModel(RuleBasedStateMachine):
         slot=st.integers(0, SLOTS - 1),
         index=st.integers(0, SLOT_GROUPS * RESOURCES_PER_GROUP - 1),
         ttl=st.sampled_from(TTLS),
-        then=st.sampled_from(("listen", "attempt", "give up", "nothing", *WAITER_FAULTS)),
+        then=st.sampled_from(("listen", "attempt", "give up", "nothing")),
     )
     @traced
     def hand_over(self, node: int, slot: int, index: int, ttl: float, then: str) -> None:
         """A holder, a waiter parked behind it, the holder's release (a handoff, while the
         order is valid), then the waiter listens, tries again, gives up, or is left parked."""
+        self._hand_over(node, slot, index, ttl, then)
+
+    def _hand_over(self, node: int, slot: int, index: int, ttl: float, then: str) -> None:
         resource = self.resources[index]
         holder = self.owner_at((node + 1) % len(NODES), slot)
         self._acquire(holder, [Want(resource)], TTLS[0], 0.0)
@@ -783,6 +797,21 @@ class LeaseModel(RuleBasedStateMachine):
         if then != "nothing":
             self._waiter_step(waiter, then)
 
+    @rule(
+        node=st.integers(0, len(NODES) - 1),
+        slot=st.integers(0, SLOTS - 1),
+        index=st.integers(0, SLOT_GROUPS * RESOURCES_PER_GROUP - 1),
+        ttl=st.sampled_from(TTLS),
+        fault=st.sampled_from(WAITER_FAULTS),
+    )
+    @traced
+    def hand_over_in_trouble(
+        self, node: int, slot: int, index: int, ttl: float, fault: str
+    ) -> None:
+        """:meth:`hand_over`, then the waiter's next attempt meets ``fault``: its reply is
+        lost, or the server stalls (the attempt, its recovery and the leave time out)."""
+        self._hand_over(node, slot, index, ttl, fault)
+
     def _attempt(self, waiter: Parked, fault: str | None = None) -> bool:
         """One attempt of ``waiter``'s wait; True if it is over (granted, handed, failed).
 
@@ -793,6 +822,7 @@ class LeaseModel(RuleBasedStateMachine):
         engine = self.store.engine
         wants = [Want(waiter.resource)]
         sent = time.monotonic()
+        waiter.owner.trouble |= fault is not None
         ident, ticket = waiter.owner.ident, waiter.ticket
         op = Stepper(
             self.store,
@@ -959,23 +989,16 @@ class LeaseModel(RuleBasedStateMachine):
         shared=st.booleans(),
         ttl=st.sampled_from(TTLS),
         lose=st.sampled_from((0, 1)),
-        sibling=st.sampled_from((None, 0, 1, 2)),
+        sibling=st.sampled_from((0, 1, 2)),
     )
     @traced
     def sibling_recovers(
-        self,
-        node: int,
-        slot: int,
-        index: int,
-        shared: bool,
-        ttl: float,
-        lose: int,
-        sibling: int | None,
+        self, node: int, slot: int, index: int, shared: bool, ttl: float, lose: int, sibling: int
     ) -> None:
         """Two threads of one process. B holds a lease (it takes it first if the process
         holds none); A asks for the same resource and loses the reply of its request
         ``lose`` (the call ran); B releases its lease right after A's request ``sibling``
-        ran (None: B keeps it), before A reads that reply."""
+        ran, before A reads that reply."""
         owner = self.owner_at(node, slot)
         want = self.want(index, shared)
         mine = [g for g in owner.grants if g.resource == want.resource and not g.gone and g.held]
@@ -989,9 +1012,8 @@ class LeaseModel(RuleBasedStateMachine):
         op = Stepper(
             self.store, _grants.try_acquire(engine, [want], owner.ident, ttl), {lose: "lost"}
         )
-        if sibling is not None:
-            op.advance(pause_after=sibling)
-            self._release(mine[:1])
+        op.advance(pause_after=sibling)
+        self._release(mine[:1])
         try:
             outcome = op.outcome()
         except LeaseBackendError:
@@ -1010,59 +1032,73 @@ class LeaseModel(RuleBasedStateMachine):
             self.on_grant(grant, reply)
             owner.grants.append(grant)
 
-    def _comeback(self, owner: Owner, pick: int, again: bool) -> str:
-        """What ``owner`` takes next: what it last waited for (``again``), else any."""
-        if again and owner.waited:
+    def _recent_waiter(self, pick: int) -> Owner:
+        """One of the two live processes that began a wait last (any, if none waited)."""
+        waited = sorted(
+            (o for o in self.slots.values() if o.last_wait), key=lambda o: -o.last_wait
+        )[:2] or sorted(self.slots.values(), key=lambda o: o.ident.owner)
+        return waited[pick % len(waited)]
+
+    def _comeback(self, owner: Owner, pick: int) -> str:
+        """What ``owner`` takes again: what it last waited for, else any."""
+        if owner.waited:
             return owner.waited[-1]
         return self.resources[pick % len(self.resources)]
 
-    @rule(
-        pick=st.integers(0, 1000),
-        again=st.booleans(),
-        at=st.integers(0, 5),
-        ttl=st.sampled_from(TTLS),
-    )
+    @rule(pick=st.integers(0, 1000), at=st.integers(0, 5), ttl=st.sampled_from(TTLS))
     @traced
-    def reconcile_racing(self, pick: int, again: bool, at: int, ttl: float) -> None:
-        """An owner (one that waited, if any) finishes its work and idles until its liveness
-        runs out, while its registry lives on; a reconcile pass starts, and after the pass's
-        request ``at`` ran the owner takes a lease (``again``: of what it last waited for).
-        The pass must not free it."""
-        waited = [o for o in self.slots.values() if o.waited] or list(self.slots.values())
-        owner = waited[pick % len(waited)]
+    def reconcile_racing(self, pick: int, at: int, ttl: float) -> None:
+        """A process (one of the last two that waited) finishes its work and idles until its
+        liveness runs out, while its registry lives on (and until a ticket it left queued
+        for the resource ran out); a reconcile pass starts, and after the pass's request
+        ``at`` ran the process takes a lease again: of what it last waited for (any, if it
+        never waited). The pass must not free it."""
+        owner = self._recent_waiter(pick)
+        event(f"reconcile_racing: {owner.history()}")
         for waiter in [p for p in self.parked if p.owner is owner]:
             self._give_up(waiter)
         self._release(list(owner.grants))
-        resource = self._comeback(owner, pick, again)
+        resource = self._comeback(owner, pick)
         # idle: nothing renews its liveness (its registry, kept 4 x its longest ttl, lives on)
         ident = owner.ident.owner
         deadline = time.monotonic() + SCHEDULING
         while (self.store.read_liveness([ident])[ident] or 0) > 0:
             assert time.monotonic() < deadline, f"{ident} stayed alive"
             time.sleep(0.02)
+        idle = self.dead_tickets.get(resource, -math.inf) - time.monotonic()
+        if idle > 0:
+            time.sleep(idle)
         for waiter in list(self.parked):
             self._waiter_step(waiter, "listen")
         liveness = self._liveness()
         start = time.monotonic()
         op = Stepper(self.store, _cleanup.reconcile(self.store.engine))
         op.advance(pause_after=at)
+        # the pass may have freed already what its holders count lost: not surely held
+        now = time.monotonic()
+        for grants in self.grants.values():
+            for g in grants:
+                if g.owner and g.deadline <= now and liveness.get(g.owner, -math.inf) <= now:
+                    g.sure_until = -math.inf
         self._acquire(owner, [Want(resource)], ttl, 0.0)
         self._check_reconcile(op.outcome(), start, liveness)
 
-    @rule(
-        node=st.integers(0, len(NODES) - 1),
-        slot=st.integers(0, SLOTS - 1),
-        pick=st.integers(0, 1000),
-        again=st.booleans(),
-        ttl=st.sampled_from(TTLS),
-    )
+    @rule(pick=st.integers(0, 1000), ttl=st.sampled_from(TTLS), finished=st.booleans())
     @traced
-    def reaper_racing(self, node: int, slot: int, pick: int, again: bool, ttl: float) -> None:
-        """A pool process dies; the worker's reaper reads the Redis clock; a new pool process
-        that got the same pid (the same owner id) takes a lease (``again``: of what the dead
-        one last waited for); the reaper frees what the dead owner was granted before its
-        clock read (``spare_newer``), and never the new process's lease."""
-        dead = self.owner_at(node, slot)
+    def reaper_racing(self, pick: int, ttl: float, finished: bool) -> None:
+        """A pool process (one of the last two that waited) dies; the worker's reaper reads
+        the Redis clock; a new pool process that got the same pid (the same owner id) takes
+        a lease (of what the dead one last waited for, if it waited); the reaper frees what the
+        dead owner was granted before its clock read (``spare_newer``), and never the new
+        process's lease. ``finished``: the dead process had released its leases (it died
+        idle)."""
+        dead = self._recent_waiter(pick)
+        event(f"reaper_racing: {dead.history()}")
+        node, slot = next(k for k, o in self.slots.items() if o is dead)
+        if finished:
+            for waiter in [p for p in self.parked if p.owner is dead]:
+                self._give_up(waiter)
+            self._release(list(dead.grants))
         dead.alive = False
         self._end_waits(dead)
         ident = dead.ident
@@ -1073,7 +1109,7 @@ class LeaseModel(RuleBasedStateMachine):
         engine.registered.pop(ident.owner, None)
         for group in range(SLOT_GROUPS):
             engine.registry_until.pop((ident.owner, group), None)
-        self._acquire(fresh, [Want(self._comeback(dead, pick, again))], ttl, 0.0)
+        self._acquire(fresh, [Want(self._comeback(dead, pick))], ttl, 0.0)
         report = self.store.cleanup_owner_isolated(
             ident.owner,
             dead=True,
