@@ -8,6 +8,7 @@ the give-back of a partial grant over several slot groups are written here only.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import secrets
@@ -33,7 +34,7 @@ from ._protocol import (
     clock_ms,
     pairs,
 )
-from ._registry import Entry, counted_held, entry_text, held_entry, parse_entry
+from ._registry import Entry, counted_held, entry_text, held_entry, parse_entry, task_field
 from ._scripts import AcquireReply, CommitReceiptReply, ReleaseReply
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError
 
@@ -90,6 +91,7 @@ class AcquireCall(NamedTuple):
     registry_arg: int  # its argument (engine.registry_expiry)
     ticket: Ticket | None  # a waiter's
     order_s: float  # a busy call leaves an order for a handoff valid this long (0: none)
+    call_id: str  # this call's id, in the registry entries of its grants (see _registry)
 
 
 class RenewPlan(NamedTuple):
@@ -107,6 +109,16 @@ EXPIRY_SLACK: Final = 0.002
 #: milliseconds a queued ticket outlives the wait its waiter was told: the waiter's next
 #: attempt (which refreshes it) comes by then, unless it died or hangs
 TICKET_SLACK_MS: Final = 3000
+
+
+#: the ids of this process's grant calls: each call's registry entries bear its own, so that a
+#: lost reply's recovery adopts only what its own call granted (see recover_grant)
+_CALL_IDS: Final = itertools.count(secrets.randbelow(1 << 32))
+
+
+def new_call_id() -> str:
+    """A grant call's id, unique within this process (and so within its owner id)."""
+    return format(next(_CALL_IDS), "x")
 
 
 def _ticket_id() -> str:
@@ -462,7 +474,13 @@ def _recover_grant_logged(
     try:
         return (
             yield from recover_grant(
-                engine, call.owner, call.group, wants, call.task_id, adopt_until(engine, call)
+                engine,
+                call.owner,
+                call.group,
+                wants,
+                call.task_id,
+                adopt_until(engine, call),
+                call.call_id,
             )
         )
     except (Failure, GrantsInFlight, LeaseBackendError) as failed:
@@ -510,16 +528,22 @@ def recover_grant(
     wants: Sequence[tuple[str, str]],
     task_id: str | None,
     adopt_until: float,
+    call_id: str,
 ) -> Steps[list[int] | None]:
     """After a grant call's reply was lost: its tokens if it granted, else None.
 
     Waits until no other grant call of this process on these resources is in flight
-    (each ends within the socket timeout), reads back this owner's grants of them, and
-    decides with :func:`~celery_leases._lostreply.grant_recovery`: the lost call's grant
-    is adopted (returned), or every orphan grant of this owner (no live lease of this
-    process has its token) is released. A grant is adopted only until ``adopt_until``
-    (monotonic; see :func:`adopt_until`). Raises Failure if Redis cannot be read, and
-    GrantsInFlight if other calls are still in flight after twice the socket timeout.
+    (each ends within the socket timeout), reads back this owner's grants of them and its
+    registry, and decides with :func:`~celery_leases._lostreply.grant_recovery`: the lost
+    call's grant is adopted (returned) only if the registry shows it was made by this very
+    call (its entries bear ``call_id``) and Redis still has it; else what the call granted
+    (if anything) is released, and None returned (the caller sends the call again). A
+    grant that merely looks unclaimed is never adopted nor given back: t0 thread A's grant
+    loses its reply; t1 A's recovery reads T, held by sibling thread B of the same owner;
+    t2 B releases T; t3 T looks like nobody's, but it is not A's (issue 26, part 8). A
+    grant is adopted only until ``adopt_until`` (monotonic; see :func:`adopt_until`).
+    Raises Failure if Redis cannot be read, and GrantsInFlight if other calls are still in
+    flight after twice the socket timeout.
     """
     book = [engine.resource_keys(r).exclusive for r, _ in wants]
     registry = engine.registry_key(owner, group)
@@ -544,9 +568,7 @@ def recover_grant(
         yield Sleep(QUIET_POLL)
     for i in range(len(wants)):
         replies[2 * i + 1] = pairs(replies[2 * i + 1])
-    adopted, orphans = settle_lost_grant(
-        owner, wants, book, replies, clock_ms(now), adopt_until, task_id
-    )
+    adopted, orphans = settle_lost_grant(owner, wants, replies, clock_ms(now), adopt_until, call_id)
     if orphans:
         yield from release_entries(engine, owner, group, orphans)
     return adopted
@@ -565,6 +587,7 @@ def acquire_call(
     """The keys and arguments of one acquire.lua call (with a waiter's ``ticket``, or none)."""
     owner = ident.owner
     now = time.monotonic()
+    call_id = new_call_id()
     registry_arg, registry_s = engine.registry_expiry(owner, group, ttl, now) if wants else (0, 0.0)
     order_s = 0.0
     if ticket is not None and ticket.handoff:
@@ -585,7 +608,7 @@ def acquire_call(
     args += [
         engine.token_memory_ms,
         registry_arg,
-        escape(task_id) if task_id else "-",
+        task_field(task_id, call_id),
         ticket.text if ticket is not None else "",
         engine.waiter_prefix,
         trusted_receivers(engine),
@@ -616,6 +639,7 @@ def acquire_call(
         registry_arg,
         ticket,
         order_s,
+        call_id,
     )
 
 
@@ -718,7 +742,19 @@ def granted(
     store = engine.store
     tokens = [int(token) for token in reply[1:]]
     out = [
-        Held(store, owner, w.resource, w.mode, token, ttl, now, now, horizon, task_id=task_id)
+        Held(
+            store,
+            owner,
+            w.resource,
+            w.mode,
+            token,
+            ttl,
+            now,
+            now,
+            horizon,
+            task_id=task_id,
+            call=call.call_id,
+        )
         for w, token in zip(call.wants, tokens, strict=True)
     ]
     keys = book if book is not None else book_keys(engine, call.wants)
@@ -729,32 +765,28 @@ def granted(
 def settle_lost_grant(
     owner: str,
     wants: Sequence[tuple[str, str]],
-    book: Sequence[str],
     replies: Sequence[Any],
     now_ms: int,
     adopt_until: float,
-    task_id: str | None,
+    call_id: str,
 ) -> tuple[list[int] | None, list[Entry]]:
     """What a grant whose reply was lost left, read back: ``(tokens adopted, orphans)``.
 
     The decision a lost grant's recovery makes once Redis was read quietly (see
-    :func:`~celery_leases._lostreply.grant_recovery`): the lost call's grant is adopted, or
-    the orphan grants of ``owner`` (no live lease of this process has their token) are to be
-    released by the caller. ``book``: the resources' keys in the :data:`BOOK`.
+    :func:`~celery_leases._lostreply.grant_recovery`): the lost call's grant is adopted if
+    the registry entries bearing its ``call_id`` prove it, or those grants (the call's own,
+    and only those) are to be released by the caller.
     """
     found, entries = own_grants(owner, [r for r, _ in wants], replies, now_ms)
-    held = {r: BOOK.held(owner, k) for (r, _), k in zip(wants, book, strict=True)}
-    decision = grant_recovery(
-        wants,
-        found,
-        held,
-        alone=BOOK.alone(owner, book),
-        may_adopt=time.monotonic() < adopt_until,
-    )
+    mine: dict[str, list[tuple[str, int]]] = {}
+    for (resource, mode, token), entry in entries.items():
+        if entry.call == call_id:
+            mine.setdefault(resource, []).append((mode, token))
+    decision = grant_recovery(wants, found, mine, may_adopt=time.monotonic() < adopt_until)
     if decision.adopt is not None:
         logger.info("leases: a grant of %s whose reply was lost is kept", wants[0][0])
         return decision.adopt, []
-    orphans = [entries.get((r, m, t)) or Entry(m, t, task_id, r) for r, m, t in decision.give_back]
+    orphans = [entries[(r, m, t)] for r, m, t in decision.give_back]
     if orphans:
         logger.info(
             "leases: %d grant(s) whose reply was lost are given back (%s)",

@@ -12,7 +12,8 @@ retry, see ``_once``), and a call whose outcome is unknown (a
   caller reads the second reply knowing that the first one may have run (e.g. a beat claim
   whose winner is this replica is its win).
 - ``read-back``: the keys are read, and the caller recognises what its own call did: a grant
-  of its owner id with a token that no live lease of this process holds (:class:`GrantBook`).
+  whose registry entry bears the call's own id (see :func:`grant_recovery`); a grant of its
+  owner id that merely no live lease of this process holds is never taken for its own.
 - ``give-back``: what may have been granted is released (token-checked), then the call is
   sent once more.
 
@@ -253,35 +254,37 @@ class GrantRecovery:
 def grant_recovery(
     wants: Sequence[tuple[str, str]],
     found: Mapping[str, Sequence[tuple[str, int]]],
-    held: Mapping[str, set[int]],
+    mine: Mapping[str, Sequence[tuple[str, int]]],
     *,
-    alone: bool,
     may_adopt: bool = True,
 ) -> GrantRecovery:
-    """Decide about a lost grant call, once no other call of this process is in flight.
+    """Decide about a lost grant call, from what it can prove it granted.
 
     Args:
         wants: ``(resource, mode)`` the call asked for, in call order.
-        found: per resource, ``(mode, token)`` of every grant of this owner id Redis has.
-        held: per resource, the tokens of this process's live leases (never touched).
-        alone: no other lost call of this process is being recovered on these resources.
-        may_adopt: False to give back whatever is found (min_replicas: a grant the replicas
-            did not confirm is not kept).
+        found: per resource, ``(mode, token)`` of every live grant of this owner id Redis has.
+        mine: per resource, ``(mode, token)`` of the owner's registry entries that bear the
+            lost call's own id (acquire.lua writes it into the entries of its grants).
+        may_adopt: False to give back what the call granted (min_replicas: a grant the
+            replicas did not confirm is not kept; or too little of its horizon is left).
 
-    The grant script is all or nothing, so the call ran and granted if and only if each
-    resource has a grant of this owner that no live lease holds. Only when the call is the
-    only lost one is that grant surely its own; otherwise every such orphan is given back
-    (each was made by a lost call, and none was returned to any caller).
+    The grant script is all or nothing, and it records each grant with the call's id: the
+    call ran and granted if and only if each resource has one entry of it, of the mode
+    asked. It is adopted if Redis still has each of those grants. A grant of this owner
+    without the call's id is another call's (a sibling thread's live lease, one it has just
+    released, another lost call's orphan): never adopted, never given back here.
     """
-    orphans: dict[str, list[tuple[str, int]]] = {
-        resource: [(m, t) for m, t in found.get(resource, ()) if t not in held.get(resource, ())]
-        for resource, _ in wants
-    }
-    if may_adopt and alone and wants:
-        picks = [orphans[r] for r, _ in wants]
-        if all(len(p) == 1 and p[0][0] == mode for p, (_, mode) in zip(picks, wants, strict=True)):
-            return GrantRecovery([p[0][1] for p in picks], [])
-    give_back = [(r, m, t) for r, grants in orphans.items() for m, t in grants]
+    picks = [list(mine.get(r, ())) for r, _ in wants]
+    if (
+        may_adopt
+        and wants
+        and all(
+            len(p) == 1 and p[0][0] == mode and p[0] in found.get(r, ())
+            for p, (r, mode) in zip(picks, wants, strict=True)
+        )
+    ):
+        return GrantRecovery([p[0][1] for p in picks], [])
+    give_back = [(r, m, t) for (r, _), p in zip(wants, picks, strict=True) for m, t in p]
     return GrantRecovery(None, give_back)
 
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from ._lease import Held
 
 __all__ = (
+    "CALL_MARK",
     "KEEPER",
     "QUEUED_OWNER",
     "Entry",
@@ -31,6 +32,7 @@ __all__ = (
     "held_entry",
     "parse_entry",
     "split_holder",
+    "task_field",
     "task_in_registry",
 )
 
@@ -38,6 +40,11 @@ __all__ = (
 #: the releases of all the owner's leases (lua/_registry.lua); a cleanup that emptied the
 #: registry removes it
 KEEPER: Final = "~"
+
+#: between an entry's task field and the id of the grant call that made the entry: an escaped
+#: task id never holds it (escape() writes "%" with two upper-case hex digits). A lost grant's
+#: recovery adopts only a grant whose entry bears its own call's id (lua/acquire.lua)
+CALL_MARK: Final = "%c"
 
 #: the owner part of a queued claim's value: "%queued/<escaped task id>". No owner id starts
 #: so: an owner id starts with an escaped node name, where "%" is always followed by hex.
@@ -90,18 +97,21 @@ class Entry(NamedTuple):
     ticket: int = 0
     #: a lease handed to its holder, released by it: the ticket it was handed to, as queued
     handed: str = ""
+    #: the id of the grant call that made it (:data:`CALL_MARK`; "": none, as in an entry
+    #: written by an older version)
+    call: str = ""
 
     @property
     def text(self) -> str:
         """The entry as stored in the registry set."""
         if self.ticket:
             return entry_text("h", self.ticket, self.task_id, self.resource)
-        return entry_text(self.mode, self.token, self.task_id, self.resource)
+        return entry_text(self.mode, self.token, self.task_id, self.resource, self.call)
 
 
 def held_entry(held: Held) -> Entry:
     """The registry entry of ``held``."""
-    return Entry(held.mode, held.token, held.task_id, held.resource, held.ticket)
+    return Entry(held.mode, held.token, held.task_id, held.resource, held.ticket, call=held.call)
 
 
 def counted_held(held: Held, now: float) -> bool:
@@ -109,9 +119,18 @@ def counted_held(held: Held, now: float) -> bool:
     return not held.lost and now < held.deadline
 
 
-def entry_text(mode: str, token: int | str, task_id: str | None, resource: str) -> str:
-    """``"<mode> <token> <task> <resource>"``, as acquire.lua writes it."""
-    return f"{mode} {token} {escape(task_id) if task_id else '-'} {resource}"
+def entry_text(
+    mode: str, token: int | str, task_id: str | None, resource: str, call: str = ""
+) -> str:
+    """``"<mode> <token> <task> <resource>"``, as acquire.lua writes it; with the grant
+    call's id, ``"<mode> <token> <task>%c<call> <resource>"``."""
+    return f"{mode} {token} {task_field(task_id, call)} {resource}"
+
+
+def task_field(task_id: str | None, call: str = "") -> str:
+    """An entry's task field: the escaped task id or ``-``, then ``%c<call>`` with a call id."""
+    task = escape(task_id) if task_id else "-"
+    return f"{task}{CALL_MARK}{call}" if call else task
 
 
 def parse_entry(member: str) -> Entry | None:
@@ -119,9 +138,10 @@ def parse_entry(member: str) -> Entry | None:
     mode, _, rest = member.partition(" ")
     token, _, rest = rest.partition(" ")
     task, _, resource = rest.partition(" ")
+    task, _, call = task.partition(CALL_MARK)
     if mode not in ("x", "s", "h") or not token.isdigit() or not task or not resource:
         return None
     task_id = None if task == "-" else unescape(task)
     if mode == "h":
         return Entry("x", 0, task_id, resource, int(token))
-    return Entry(mode, int(token), task_id, resource)
+    return Entry(mode, int(token), task_id, resource, call=call)
