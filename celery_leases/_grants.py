@@ -339,7 +339,7 @@ def _acquire_with_home(
             adopted = (
                 None
                 if tokens is None
-                else acquire_outcome(engine, call, [AcquireReply.GRANTED, *tokens])
+                else acquire_outcome(engine, adopted_call(call), [AcquireReply.GRANTED, *tokens])
             )
         else:
             registered = acquire_outcome(engine, home, replies[0])
@@ -426,7 +426,9 @@ def acquire_group(
                     lost = True
                     tokens = yield from _recover_grant_logged(engine, call, failure)
                     if tokens is not None:
-                        return acquire_outcome(engine, call, [AcquireReply.GRANTED, *tokens])
+                        return acquire_outcome(
+                            engine, adopted_call(call), [AcquireReply.GRANTED, *tokens]
+                        )
                 # the home call alone is idempotent: it is simply sent again
                 if attempt == 2:
                     raise engine.backend_error("acquire", failure) from failure.cause
@@ -492,6 +494,16 @@ def _recover_grant_logged(
     finally:
         if own:
             BOOK.begin(call.owner, own)
+
+
+def adopted_call(call: AcquireCall) -> AcquireCall:
+    """``call`` as its adopted grant is counted: from its send, or for a wait that leaves
+    orders, from its first order's (``Ticket.ordered_at``, earlier): the lease the call found
+    may have been handed to the wait by a release before the call was sent."""
+    ticket = call.ticket
+    if call.order_s and ticket is not None and ticket.ordered_at is not None:
+        return call._replace(now=min(call.now, ticket.ordered_at))
+    return call
 
 
 def adopt_until(engine: LeaseEngine, call: AcquireCall) -> float:
@@ -670,16 +682,25 @@ def acquire_outcome(
             _booked(engine, call)
         return busy
     if code == AcquireReply.HANDED and call.ticket is not None:
-        return handed(engine, call.wants, call.ttl, call.ticket, reply[1])
+        return handed(engine, call.wants, call.ttl, call.ticket, reply[1], call.call_id)
     # before the call counts as ended: a recovery must never take these for orphans
     return granted(engine, call, reply, None)
 
 
 def handed(
-    engine: LeaseEngine, wants: Sequence[Want], ttl: float, ticket: Ticket, token: Any
+    engine: LeaseEngine,
+    wants: Sequence[Want],
+    ttl: float,
+    ticket: Ticket,
+    token: Any,
+    call_id: str = "",
 ) -> list[Held]:
     """The lease a release handed to ``ticket``'s wait for ``wants`` (one exclusive lease;
-    see lua/release.lua), counted from ``ticket.ordered_at``, no later than its grant."""
+    see lua/release.lua), counted from ``ticket.ordered_at``, no later than its grant.
+
+    ``call_id``: told by that wait's attempt (acquire.lua), which wrote the lease's registry
+    entry with its token and the call's id in place of the ticket's; "": told by a message,
+    the entry is still the ticket's (``"h <ticket> ..."``) until the first renewal."""
     since = ticket.ordered_at
     if since is None:  # never: a handoff needs an order, sent after ordered_at was set
         raise AssertionError("a lease was handed to a wait that left no order")
@@ -696,7 +717,8 @@ def handed(
         since,
         engine.horizon(ttl),
         task_id=ticket.task_id,
-        ticket=int(ticket.id),
+        ticket=0 if call_id else int(ticket.id),
+        call=call_id,
     )
     BOOK.hold(owner, engine.resource_keys(w.resource).exclusive, token)
     ticket.queued = set()
@@ -973,6 +995,29 @@ def release_entries(
 
     ``event`` and ``by``: what the history records for a lease freed now (``released`` by
     its holder; ``freed`` by a cleanup, the reaper or a reconcile; ``forced`` by an operator).
+    See :func:`release_codes`.
+    """
+    codes = yield from release_codes(engine, owner, group, entries, counted, event, by)
+    return [code == ReleaseReply.RELEASED for code in codes]
+
+
+def release_codes(
+    engine: LeaseEngine,
+    owner: str,
+    group: int,
+    entries: Sequence[Entry],
+    counted: Sequence[bool] | None = None,
+    event: str = "released",
+    by: str = "",
+    spare_from_us: int = 0,
+) -> Steps[list[ReleaseReply]]:
+    """release.lua for ``entries`` of ``owner`` in ``group``: its reply for each.
+
+    ``spare_from_us`` (Redis time in microseconds; 0: none): a cleanup pass's bound. A lease
+    whose token is that or more was granted after the pass looked at the owner, and is
+    spared (:attr:`ReleaseReply.SPARED`), its entry kept, whatever the entry says: t0 a
+    reconcile reads an owner whose liveness ran out; t1 the owner, alive again, is granted
+    R; t2 the pass releases an entry of the owner's that names R (issue 26, part 1).
 
     ``counted``: whether each still counted as held (None: not known, as in a cleanup).
     Either way the entries' tokens are then dropped from the book (:func:`released`). If the
@@ -982,7 +1027,7 @@ def release_entries(
     call = Script(
         "release",
         release_keys(engine, owner, group, entries),
-        release_args(engine, owner, entries, event, by),
+        release_args(engine, owner, entries, event, by, spare_from_us),
     )
     lost = False
     try:
@@ -997,11 +1042,15 @@ def release_entries(
         released(engine, owner, entries)
         raise engine.backend_error("release", failure) from failure.cause
     released(engine, owner, entries)
-    freed = [x == ReleaseReply.RELEASED for x in reply]
+    codes = [ReleaseReply(int(x)) for x in reply]
     if lost and counted is not None:
         # the second run finds no lease the lost run released (see release_recovered)
-        return release_recovered(freed, counted)
-    return freed
+        freed = [x == ReleaseReply.RELEASED for x in codes]
+        return [
+            ReleaseReply.RELEASED if f else c
+            for f, c in zip(release_recovered(freed, counted), codes, strict=True)
+        ]
+    return codes
 
 
 def release_keys(
@@ -1029,8 +1078,10 @@ def release_args(
     entries: Sequence[Entry],
     event: str = "released",
     by: str = "",
+    spare_from_us: int = 0,
 ) -> list[Any]:
-    """The arguments of one release.lua call (``event``, ``by``: for the history)."""
+    """The arguments of one release.lua call (``event``, ``by``: for the history;
+    ``spare_from_us``: see :func:`release_codes`)."""
     args: list[Any] = [
         owner,
         engine.waiter_prefix,
@@ -1038,6 +1089,7 @@ def release_args(
         engine.grace_ms,
         engine.token_memory_ms,
         TICKET_SLACK_MS,
+        spare_from_us,
     ]
     for e in entries:
         args += (e.mode, e.token, e.text, engine.resource_keys(e.resource).channel, e.handed)

@@ -45,7 +45,8 @@
 --         {0, i, wait_ms}             resource i (1-based) is busy; its blocking holder runs out
 --                                     in wait_ms unless renewed
 --         {-1, wait_ms}               restart grace: Redis restarted or failed over (see above)
---         {2, token}                  a release handed the lease to this ticket (ARGV[14])
+--         {2, token}                  a release handed the lease to this ticket (ARGV[14]); its
+--                                     registry entry is then "x <token> <task>%c<call> ..."
 --
 -- The waiter queue (see _waiters.lua): a resource free for the mode asked is still busy while
 -- the live head of its queue is another waiter (first come, first served; a call without a
@@ -115,6 +116,10 @@ if ordering then
   if token then
     dequeue(KEYS[h + 4], KEYS[h + 5], member, hkey)
     if redis.call('GET', KEYS[h + 1]) == token .. ' ' .. owner then
+      -- its entry from now on names its token, and this call, as a grant's does: the
+      -- handed tickets no longer record it, and a lost reply's recovery finds it as its own
+      redis.call('SREM', KEYS[2], handed_entry())
+      record_grants(KEYS[2], {'x ' .. token .. ' ' .. ARGV[9] .. ' ' .. ARGV[a + 3]}, ARGV[8])
       return {2, token}
     end
   end
