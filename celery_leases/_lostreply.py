@@ -102,20 +102,14 @@ class GrantBook:
     """The grants of this process, per (owner id, exclusive key of the resource).
 
     Leases are not reentrant, but two threads (or coroutines) of one process share its owner
-    id and may each hold a shared lease, or one of them the resource. A recovery must tell
-    its own lost grant from theirs, by token: a grant of this owner id is this process's
-    live lease if its token was returned to a caller (and not released since), and may be
-    the grant of a call still under way. So every grant call is counted while in flight,
-    and a recovery first waits until no call but lost ones is in flight on its resources:
-    then a grant of this owner id with a token no caller holds is an orphan of a lost call.
-    A call that begins while the recovery reads Redis makes it read again (:meth:`quiet`
-    returns a sequence number, :meth:`unchanged` compares): t0 the recovery finds the
-    resource quiet; t1 another thread's shared grant runs; t2 the recovery reads that grant,
-    whose reply is still on its way, and must not take it for an orphan.
-
-    A released token leaves the book only once its release is over (:meth:`drop` after the
-    call): t0 thread A sends the release of token T; t1 thread B's lost grant call (busy
-    because of T) reads T back; t2 B must not adopt T, which A's release deletes at t3.
+    id and may each hold a shared lease, or one of them the resource. A recovery tells its
+    own lost grant from theirs by the call id its grant's registry entry bears (see
+    :func:`grant_recovery`), never by what this book holds: a token that looks unclaimed
+    here may be one a sibling released a moment ago (issue 26, part 8). The book only
+    makes a recovery read Redis once the calls in flight on its resources are over (every
+    grant call is counted while in flight; :meth:`quiet` returns a sequence number,
+    :meth:`unchanged` tells whether a call began during the read), and keeps the tokens of
+    the process's live leases for the inspection of what it holds.
 
     Process-wide (two stores of one process may hold the same resource under one owner id);
     a forked child starts empty (see :func:`os.register_at_fork`).

@@ -1,12 +1,16 @@
 """The owner registry's entries and the values of lease keys, as the scripts write them.
 
 An owner's registry (one set per slot group) lists what it holds, one entry per lease:
-``"<mode> <token> <task id or -> <resource>"`` (acquire.lua writes it, release.lua and the
-cleanups remove it); for an exclusive lease a release hands over directly,
+``"<mode> <token> <task id or -> <resource>"``, with the id of the grant call that made it
+after the task field, ``"<mode> <token> <task>%c<call> <resource>"`` (acquire.lua writes it,
+release.lua and the cleanups remove it; a lost reply's recovery adopts only a grant whose
+entry bears its own call's id); for an exclusive lease a release hands over directly,
 ``"h <ticket> <task id or -> <resource>"``, which the waiter writes when it leaves its order
-(lua/_waiters.lua) and which stands for whatever exclusive lease of the resource the owner
-holds (its token is not known in advance); and the member ``"~"`` (:data:`KEEPER`), which
-keeps the set and its expiry while the owner holds nothing (see lua/_registry.lua). An
+(lua/_waiters.lua) and which stands only for the lease a release handed to that very ticket,
+as the resource's handed tickets record it (its token is not known in advance; the entry is
+written with the token once the waiter learns it: acquire.lua, renew.lua); and the member
+``"~"`` (:data:`KEEPER`), which keeps the set and its expiry while the owner holds nothing
+(see lua/_registry.lua). An
 exclusive lease key's value is ``"<token> <owner id>"``, or, for a queued unique claim,
 ``"<token> %queued/<escaped task id>"``. This module reads and writes those texts, and
 nothing else does. No I/O.
@@ -86,8 +90,9 @@ class Entry(NamedTuple):
     """One owner-registry entry: what a lease holder recorded at the grant.
 
     ``ticket``: not 0 for a handed lease's entry (``"h <ticket> ..."``), whose ``token`` is
-    0 when read from a registry (release.lua then releases the owner's lease of the resource,
-    whatever its token), and the lease's token when its holder releases it.
+    0 when read from a registry (release.lua then releases only the lease handed to that
+    ticket, as the handed tickets record it), and the lease's token when its holder
+    releases it.
     """
 
     mode: str

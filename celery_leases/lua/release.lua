@@ -43,8 +43,9 @@
 -- for the waiter's owner with the order's ttl, the ticket moved from the queue to the handed
 -- ZSET, and "h<token>" published on the waiter's channel. A waiter that nobody listens for
 -- any more gets nothing: it is dropped and the next head tried. The waiter recorded the
--- lease's registry entry and refreshed its liveness when it queued with the order, so the
--- lease is found by every cleanup as if granted then.
+-- lease's registry entry ("h <ticket> ...") and refreshed its liveness when it queued with the
+-- order, so the lease is found by every cleanup; such an entry frees only the lease the
+-- handed ZSET records for its ticket (see ARGV[7] and the token "0" above).
 
 local now, now_us, now_text -- the Redis clock, read only when needed (an exclusive release
 -- with nobody queued needs none)
