@@ -37,7 +37,7 @@ from ._keys import UNIQUE_PREFIX, escape, holder_parts, holder_value, unescape
 from ._lease import Held, Want
 from ._lostreply import BOOK, own_beat_win, requeue_recovered, resend_if_lost
 from ._protocol import Call, Command, Failure, Script, Send, Steps
-from ._registry import QUEUED_OWNER, entry_text
+from ._registry import QUEUED_OWNER, held_entry
 from ._scripts import (
     AcquireReply,
     BeatClaimReply,
@@ -294,6 +294,7 @@ def _handover_attempt(
         grant.registry_arg,
         escape(task_id),
         resource,
+        grant.call_id,
     ]
     call = Script("unique_handover", keys, args)
     book = [rk.exclusive]
@@ -309,7 +310,7 @@ def _handover_attempt(
             lost = True
             until = now + engine.horizon(ttl) / 2  # as adopt_until for a grant
             reply = yield from _recover_handover(
-                engine, call, owner, group, resource, task_id, until
+                engine, call, owner, group, resource, task_id, until, grant.call_id
             )
         code = int(reply[0])
         if code == UniqueHandoverReply.GRACE:
@@ -332,6 +333,7 @@ def _recover_handover(
     resource: str,
     task_id: str,
     adopt_until: float,
+    call_id: str,
 ) -> Steps[Any]:
     """After a lost handover reply: read-back, as for a grant (see ``recover_grant``).
 
@@ -341,7 +343,7 @@ def _recover_handover(
     """
     try:
         tokens = yield from recover_grant(
-            engine, owner, group, [(resource, "x")], task_id, adopt_until
+            engine, owner, group, [(resource, "x")], task_id, adopt_until, call_id
         )
     except (LeaseBackendError, Failure, GrantsInFlight) as failed:
         cause = failed.cause if isinstance(failed, Failure) else failed
@@ -393,7 +395,7 @@ def unique_requeue(engine: LeaseEngine, held: Held, ttl: float) -> Steps[bool]:
     ]
     args: list[Any] = [
         holder_value(held.token, held.owner),
-        entry_text(held.mode, held.token, held.task_id, held.resource),
+        held_entry(held).text,  # as written, with the grant call's id
         escape(held.task_id or ""),
         engine.ms(ttl),
         held.resource,

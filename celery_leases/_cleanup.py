@@ -20,6 +20,7 @@ from ._engine import LeaseEngine
 from ._keys import escaped_node_of_owner, node_of_owner, split_owner
 from ._protocol import Command, Script, Steps, clock_us, pairs
 from ._registry import KEEPER, Entry, parse_entry
+from ._scripts import ReleaseReply
 from .exceptions import LeaseBackendError
 
 __all__ = (
@@ -90,7 +91,10 @@ def cleanup_owner(
 
     With ``granted_before_us`` (Redis time in microseconds), only leases granted before
     it are released: a token is at least the Redis clock of its grant, so an entry with
-    a token from then on was granted later, to an owner that is alive again. On a
+    a token from then on was granted later, to an owner that is alive again. The bound
+    goes to release.lua too (``spare_from``), which checks the token of the lease it would
+    free, whatever the entry says: a handed lease's entry (``"h <ticket> ..."``) names no
+    token, and a lease granted after the pass is never freed by it (issue 26, part 1). On a
     cluster that time is read on the home group's node while the tokens of group ``g``
     are made on the clock of the node serving ``g``: ``clock_offsets_us[g]`` (see
     :func:`clocks_us`) is added to it for the entries of group ``g``.
@@ -124,13 +128,16 @@ def cleanup_owner(
         # in batches, so that a dead owner of thousands of leases never blocks Redis long
         for start in range(0, len(entries), _RELEASE_BATCH):
             batch = entries[start : start + _RELEASE_BATCH]
-            freed = yield from _grants.release_entries(
-                engine, owner, group, batch, event="freed", by=by
+            codes = yield from _grants.release_codes(
+                engine, owner, group, batch, event="freed", by=by, spare_from_us=before or 0
             )
-            for entry, was_held in zip(batch, freed, strict=True):
-                if was_held:
+            for entry, code in zip(batch, codes, strict=True):
+                if code == ReleaseReply.RELEASED:
                     report.released.append((owner, entry.resource))
                     report.freed.append((owner, entry))
+                elif code == ReleaseReply.SPARED:
+                    spared = True
+                    left += 1
                 else:
                     report.expired += 1
         if not left and KEEPER in names:

@@ -8,6 +8,7 @@ the give-back of a partial grant over several slot groups are written here only.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import secrets
@@ -33,7 +34,7 @@ from ._protocol import (
     clock_ms,
     pairs,
 )
-from ._registry import Entry, counted_held, entry_text, held_entry, parse_entry
+from ._registry import Entry, counted_held, entry_text, held_entry, parse_entry, task_field
 from ._scripts import AcquireReply, CommitReceiptReply, ReleaseReply
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError
 
@@ -90,6 +91,7 @@ class AcquireCall(NamedTuple):
     registry_arg: int  # its argument (engine.registry_expiry)
     ticket: Ticket | None  # a waiter's
     order_s: float  # a busy call leaves an order for a handoff valid this long (0: none)
+    call_id: str  # this call's id, in the registry entries of its grants (see _registry)
 
 
 class RenewPlan(NamedTuple):
@@ -107,6 +109,16 @@ EXPIRY_SLACK: Final = 0.002
 #: milliseconds a queued ticket outlives the wait its waiter was told: the waiter's next
 #: attempt (which refreshes it) comes by then, unless it died or hangs
 TICKET_SLACK_MS: Final = 3000
+
+
+#: the ids of this process's grant calls: each call's registry entries bear its own, so that a
+#: lost reply's recovery adopts only what its own call granted (see recover_grant)
+_CALL_IDS: Final = itertools.count(secrets.randbelow(1 << 32))
+
+
+def new_call_id() -> str:
+    """A grant call's id, unique within this process (and so within its owner id)."""
+    return format(next(_CALL_IDS), "x")
 
 
 def _ticket_id() -> str:
@@ -327,7 +339,7 @@ def _acquire_with_home(
             adopted = (
                 None
                 if tokens is None
-                else acquire_outcome(engine, call, [AcquireReply.GRANTED, *tokens])
+                else acquire_outcome(engine, adopted_call(call), [AcquireReply.GRANTED, *tokens])
             )
         else:
             registered = acquire_outcome(engine, home, replies[0])
@@ -414,7 +426,9 @@ def acquire_group(
                     lost = True
                     tokens = yield from _recover_grant_logged(engine, call, failure)
                     if tokens is not None:
-                        return acquire_outcome(engine, call, [AcquireReply.GRANTED, *tokens])
+                        return acquire_outcome(
+                            engine, adopted_call(call), [AcquireReply.GRANTED, *tokens]
+                        )
                 # the home call alone is idempotent: it is simply sent again
                 if attempt == 2:
                     raise engine.backend_error("acquire", failure) from failure.cause
@@ -462,7 +476,13 @@ def _recover_grant_logged(
     try:
         return (
             yield from recover_grant(
-                engine, call.owner, call.group, wants, call.task_id, adopt_until(engine, call)
+                engine,
+                call.owner,
+                call.group,
+                wants,
+                call.task_id,
+                adopt_until(engine, call),
+                call.call_id,
             )
         )
     except (Failure, GrantsInFlight, LeaseBackendError) as failed:
@@ -474,6 +494,16 @@ def _recover_grant_logged(
     finally:
         if own:
             BOOK.begin(call.owner, own)
+
+
+def adopted_call(call: AcquireCall) -> AcquireCall:
+    """``call`` as its adopted grant is counted: from its send, or for a wait that leaves
+    orders, from its first order's (``Ticket.ordered_at``, earlier): the lease the call found
+    may have been handed to the wait by a release before the call was sent."""
+    ticket = call.ticket
+    if call.order_s and ticket is not None and ticket.ordered_at is not None:
+        return call._replace(now=min(call.now, ticket.ordered_at))
+    return call
 
 
 def adopt_until(engine: LeaseEngine, call: AcquireCall) -> float:
@@ -510,16 +540,22 @@ def recover_grant(
     wants: Sequence[tuple[str, str]],
     task_id: str | None,
     adopt_until: float,
+    call_id: str,
 ) -> Steps[list[int] | None]:
     """After a grant call's reply was lost: its tokens if it granted, else None.
 
     Waits until no other grant call of this process on these resources is in flight
-    (each ends within the socket timeout), reads back this owner's grants of them, and
-    decides with :func:`~celery_leases._lostreply.grant_recovery`: the lost call's grant
-    is adopted (returned), or every orphan grant of this owner (no live lease of this
-    process has its token) is released. A grant is adopted only until ``adopt_until``
-    (monotonic; see :func:`adopt_until`). Raises Failure if Redis cannot be read, and
-    GrantsInFlight if other calls are still in flight after twice the socket timeout.
+    (each ends within the socket timeout), reads back this owner's grants of them and its
+    registry, and decides with :func:`~celery_leases._lostreply.grant_recovery`: the lost
+    call's grant is adopted (returned) only if the registry shows it was made by this very
+    call (its entries bear ``call_id``) and Redis still has it; else what the call granted
+    (if anything) is released, and None returned (the caller sends the call again). A
+    grant that merely looks unclaimed is never adopted nor given back: t0 thread A's grant
+    loses its reply; t1 A's recovery reads T, held by sibling thread B of the same owner;
+    t2 B releases T; t3 T looks like nobody's, but it is not A's (issue 26, part 8). A
+    grant is adopted only until ``adopt_until`` (monotonic; see :func:`adopt_until`).
+    Raises Failure if Redis cannot be read, and GrantsInFlight if other calls are still in
+    flight after twice the socket timeout.
     """
     book = [engine.resource_keys(r).exclusive for r, _ in wants]
     registry = engine.registry_key(owner, group)
@@ -544,9 +580,7 @@ def recover_grant(
         yield Sleep(QUIET_POLL)
     for i in range(len(wants)):
         replies[2 * i + 1] = pairs(replies[2 * i + 1])
-    adopted, orphans = settle_lost_grant(
-        owner, wants, book, replies, clock_ms(now), adopt_until, task_id
-    )
+    adopted, orphans = settle_lost_grant(owner, wants, replies, clock_ms(now), adopt_until, call_id)
     if orphans:
         yield from release_entries(engine, owner, group, orphans)
     return adopted
@@ -565,6 +599,7 @@ def acquire_call(
     """The keys and arguments of one acquire.lua call (with a waiter's ``ticket``, or none)."""
     owner = ident.owner
     now = time.monotonic()
+    call_id = new_call_id()
     registry_arg, registry_s = engine.registry_expiry(owner, group, ttl, now) if wants else (0, 0.0)
     order_s = 0.0
     if ticket is not None and ticket.handoff:
@@ -585,7 +620,7 @@ def acquire_call(
     args += [
         engine.token_memory_ms,
         registry_arg,
-        escape(task_id) if task_id else "-",
+        task_field(task_id, call_id),
         ticket.text if ticket is not None else "",
         engine.waiter_prefix,
         trusted_receivers(engine),
@@ -616,6 +651,7 @@ def acquire_call(
         registry_arg,
         ticket,
         order_s,
+        call_id,
     )
 
 
@@ -646,16 +682,25 @@ def acquire_outcome(
             _booked(engine, call)
         return busy
     if code == AcquireReply.HANDED and call.ticket is not None:
-        return handed(engine, call.wants, call.ttl, call.ticket, reply[1])
+        return handed(engine, call.wants, call.ttl, call.ticket, reply[1], call.call_id)
     # before the call counts as ended: a recovery must never take these for orphans
     return granted(engine, call, reply, None)
 
 
 def handed(
-    engine: LeaseEngine, wants: Sequence[Want], ttl: float, ticket: Ticket, token: Any
+    engine: LeaseEngine,
+    wants: Sequence[Want],
+    ttl: float,
+    ticket: Ticket,
+    token: Any,
+    call_id: str = "",
 ) -> list[Held]:
     """The lease a release handed to ``ticket``'s wait for ``wants`` (one exclusive lease;
-    see lua/release.lua), counted from ``ticket.ordered_at``, no later than its grant."""
+    see lua/release.lua), counted from ``ticket.ordered_at``, no later than its grant.
+
+    ``call_id``: told by that wait's attempt (acquire.lua), which wrote the lease's registry
+    entry with its token and the call's id in place of the ticket's; "": told by a message,
+    the entry is still the ticket's (``"h <ticket> ..."``) until the first renewal."""
     since = ticket.ordered_at
     if since is None:  # never: a handoff needs an order, sent after ordered_at was set
         raise AssertionError("a lease was handed to a wait that left no order")
@@ -672,7 +717,8 @@ def handed(
         since,
         engine.horizon(ttl),
         task_id=ticket.task_id,
-        ticket=int(ticket.id),
+        ticket=0 if call_id else int(ticket.id),
+        call=call_id,
     )
     BOOK.hold(owner, engine.resource_keys(w.resource).exclusive, token)
     ticket.queued = set()
@@ -718,7 +764,19 @@ def granted(
     store = engine.store
     tokens = [int(token) for token in reply[1:]]
     out = [
-        Held(store, owner, w.resource, w.mode, token, ttl, now, now, horizon, task_id=task_id)
+        Held(
+            store,
+            owner,
+            w.resource,
+            w.mode,
+            token,
+            ttl,
+            now,
+            now,
+            horizon,
+            task_id=task_id,
+            call=call.call_id,
+        )
         for w, token in zip(call.wants, tokens, strict=True)
     ]
     keys = book if book is not None else book_keys(engine, call.wants)
@@ -729,32 +787,28 @@ def granted(
 def settle_lost_grant(
     owner: str,
     wants: Sequence[tuple[str, str]],
-    book: Sequence[str],
     replies: Sequence[Any],
     now_ms: int,
     adopt_until: float,
-    task_id: str | None,
+    call_id: str,
 ) -> tuple[list[int] | None, list[Entry]]:
     """What a grant whose reply was lost left, read back: ``(tokens adopted, orphans)``.
 
     The decision a lost grant's recovery makes once Redis was read quietly (see
-    :func:`~celery_leases._lostreply.grant_recovery`): the lost call's grant is adopted, or
-    the orphan grants of ``owner`` (no live lease of this process has their token) are to be
-    released by the caller. ``book``: the resources' keys in the :data:`BOOK`.
+    :func:`~celery_leases._lostreply.grant_recovery`): the lost call's grant is adopted if
+    the registry entries bearing its ``call_id`` prove it, or those grants (the call's own,
+    and only those) are to be released by the caller.
     """
     found, entries = own_grants(owner, [r for r, _ in wants], replies, now_ms)
-    held = {r: BOOK.held(owner, k) for (r, _), k in zip(wants, book, strict=True)}
-    decision = grant_recovery(
-        wants,
-        found,
-        held,
-        alone=BOOK.alone(owner, book),
-        may_adopt=time.monotonic() < adopt_until,
-    )
+    mine: dict[str, list[tuple[str, int]]] = {}
+    for (resource, mode, token), entry in entries.items():
+        if entry.call == call_id:
+            mine.setdefault(resource, []).append((mode, token))
+    decision = grant_recovery(wants, found, mine, may_adopt=time.monotonic() < adopt_until)
     if decision.adopt is not None:
         logger.info("leases: a grant of %s whose reply was lost is kept", wants[0][0])
         return decision.adopt, []
-    orphans = [entries.get((r, m, t)) or Entry(m, t, task_id, r) for r, m, t in decision.give_back]
+    orphans = [entries[(r, m, t)] for r, m, t in decision.give_back]
     if orphans:
         logger.info(
             "leases: %d grant(s) whose reply was lost are given back (%s)",
@@ -941,6 +995,29 @@ def release_entries(
 
     ``event`` and ``by``: what the history records for a lease freed now (``released`` by
     its holder; ``freed`` by a cleanup, the reaper or a reconcile; ``forced`` by an operator).
+    See :func:`release_codes`.
+    """
+    codes = yield from release_codes(engine, owner, group, entries, counted, event, by)
+    return [code == ReleaseReply.RELEASED for code in codes]
+
+
+def release_codes(
+    engine: LeaseEngine,
+    owner: str,
+    group: int,
+    entries: Sequence[Entry],
+    counted: Sequence[bool] | None = None,
+    event: str = "released",
+    by: str = "",
+    spare_from_us: int = 0,
+) -> Steps[list[ReleaseReply]]:
+    """release.lua for ``entries`` of ``owner`` in ``group``: its reply for each.
+
+    ``spare_from_us`` (Redis time in microseconds; 0: none): a cleanup pass's bound. A lease
+    whose token is that or more was granted after the pass looked at the owner, and is
+    spared (:attr:`ReleaseReply.SPARED`), its entry kept, whatever the entry says: t0 a
+    reconcile reads an owner whose liveness ran out; t1 the owner, alive again, is granted
+    R; t2 the pass releases an entry of the owner's that names R (issue 26, part 1).
 
     ``counted``: whether each still counted as held (None: not known, as in a cleanup).
     Either way the entries' tokens are then dropped from the book (:func:`released`). If the
@@ -950,7 +1027,7 @@ def release_entries(
     call = Script(
         "release",
         release_keys(engine, owner, group, entries),
-        release_args(engine, owner, entries, event, by),
+        release_args(engine, owner, entries, event, by, spare_from_us),
     )
     lost = False
     try:
@@ -965,11 +1042,15 @@ def release_entries(
         released(engine, owner, entries)
         raise engine.backend_error("release", failure) from failure.cause
     released(engine, owner, entries)
-    freed = [x == ReleaseReply.RELEASED for x in reply]
+    codes = [ReleaseReply(int(x)) for x in reply]
     if lost and counted is not None:
         # the second run finds no lease the lost run released (see release_recovered)
-        return release_recovered(freed, counted)
-    return freed
+        freed = [x == ReleaseReply.RELEASED for x in codes]
+        return [
+            ReleaseReply.RELEASED if f else c
+            for f, c in zip(release_recovered(freed, counted), codes, strict=True)
+        ]
+    return codes
 
 
 def release_keys(
@@ -997,8 +1078,10 @@ def release_args(
     entries: Sequence[Entry],
     event: str = "released",
     by: str = "",
+    spare_from_us: int = 0,
 ) -> list[Any]:
-    """The arguments of one release.lua call (``event``, ``by``: for the history)."""
+    """The arguments of one release.lua call (``event``, ``by``: for the history;
+    ``spare_from_us``: see :func:`release_codes`)."""
     args: list[Any] = [
         owner,
         engine.waiter_prefix,
@@ -1006,6 +1089,7 @@ def release_args(
         engine.grace_ms,
         engine.token_memory_ms,
         TICKET_SLACK_MS,
+        spare_from_us,
     ]
     for e in entries:
         args += (e.mode, e.token, e.text, engine.resource_keys(e.resource).channel, e.handed)

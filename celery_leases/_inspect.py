@@ -245,15 +245,15 @@ def force_release(
     waiters are woken. A live holder learns of it at its next renewal (``LeaseLost``).
     ``event``/``by``: what the history records (``forced``, or ``freed`` for a dead owner's).
     """
-    task_id = next(
+    # the registry entry as written (with its task id, and the grant call's id)
+    entry = next(
         (
-            e.task_id
+            e
             for e in (yield from entries(engine, holder.owner))
             if (e.resource, e.mode, e.token) == (resource, holder.mode, holder.token)
         ),
-        None,
+        Entry(holder.mode, holder.token, None, resource),
     )
-    entry = Entry(holder.mode, holder.token, task_id, resource)
     group = engine.resource_keys(resource).group
     freed = yield from _grants.release_entries(
         engine, holder.owner, group, [entry], event=event, by=by

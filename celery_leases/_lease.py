@@ -175,6 +175,7 @@ class Held:
     released: bool = False
     task_id: str | None = None
     ticket: int = 0  # a lease handed to a waiter: its ticket, named by its registry entry
+    call: str = ""  # the id of the grant call that made it, in its registry entry
     on_lost: list[Callable[[Held], None]] = field(default_factory=list)
     _guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

@@ -12,7 +12,8 @@ retry, see ``_once``), and a call whose outcome is unknown (a
   caller reads the second reply knowing that the first one may have run (e.g. a beat claim
   whose winner is this replica is its win).
 - ``read-back``: the keys are read, and the caller recognises what its own call did: a grant
-  of its owner id with a token that no live lease of this process holds (:class:`GrantBook`).
+  whose registry entry bears the call's own id (see :func:`grant_recovery`); a grant of its
+  owner id that merely no live lease of this process holds is never taken for its own.
 - ``give-back``: what may have been granted is released (token-checked), then the call is
   sent once more.
 
@@ -101,20 +102,14 @@ class GrantBook:
     """The grants of this process, per (owner id, exclusive key of the resource).
 
     Leases are not reentrant, but two threads (or coroutines) of one process share its owner
-    id and may each hold a shared lease, or one of them the resource. A recovery must tell
-    its own lost grant from theirs, by token: a grant of this owner id is this process's
-    live lease if its token was returned to a caller (and not released since), and may be
-    the grant of a call still under way. So every grant call is counted while in flight,
-    and a recovery first waits until no call but lost ones is in flight on its resources:
-    then a grant of this owner id with a token no caller holds is an orphan of a lost call.
-    A call that begins while the recovery reads Redis makes it read again (:meth:`quiet`
-    returns a sequence number, :meth:`unchanged` compares): t0 the recovery finds the
-    resource quiet; t1 another thread's shared grant runs; t2 the recovery reads that grant,
-    whose reply is still on its way, and must not take it for an orphan.
-
-    A released token leaves the book only once its release is over (:meth:`drop` after the
-    call): t0 thread A sends the release of token T; t1 thread B's lost grant call (busy
-    because of T) reads T back; t2 B must not adopt T, which A's release deletes at t3.
+    id and may each hold a shared lease, or one of them the resource. A recovery tells its
+    own lost grant from theirs by the call id its grant's registry entry bears (see
+    :func:`grant_recovery`), never by what this book holds: a token that looks unclaimed
+    here may be one a sibling released a moment ago (issue 26, part 8). The book only
+    makes a recovery read Redis once the calls in flight on its resources are over (every
+    grant call is counted while in flight; :meth:`quiet` returns a sequence number,
+    :meth:`unchanged` tells whether a call began during the read), and keeps the tokens of
+    the process's live leases for the inspection of what it holds.
 
     Process-wide (two stores of one process may hold the same resource under one owner id);
     a forked child starts empty (see :func:`os.register_at_fork`).
@@ -253,35 +248,37 @@ class GrantRecovery:
 def grant_recovery(
     wants: Sequence[tuple[str, str]],
     found: Mapping[str, Sequence[tuple[str, int]]],
-    held: Mapping[str, set[int]],
+    mine: Mapping[str, Sequence[tuple[str, int]]],
     *,
-    alone: bool,
     may_adopt: bool = True,
 ) -> GrantRecovery:
-    """Decide about a lost grant call, once no other call of this process is in flight.
+    """Decide about a lost grant call, from what it can prove it granted.
 
     Args:
         wants: ``(resource, mode)`` the call asked for, in call order.
-        found: per resource, ``(mode, token)`` of every grant of this owner id Redis has.
-        held: per resource, the tokens of this process's live leases (never touched).
-        alone: no other lost call of this process is being recovered on these resources.
-        may_adopt: False to give back whatever is found (min_replicas: a grant the replicas
-            did not confirm is not kept).
+        found: per resource, ``(mode, token)`` of every live grant of this owner id Redis has.
+        mine: per resource, ``(mode, token)`` of the owner's registry entries that bear the
+            lost call's own id (acquire.lua writes it into the entries of its grants).
+        may_adopt: False to give back what the call granted (min_replicas: a grant the
+            replicas did not confirm is not kept; or too little of its horizon is left).
 
-    The grant script is all or nothing, so the call ran and granted if and only if each
-    resource has a grant of this owner that no live lease holds. Only when the call is the
-    only lost one is that grant surely its own; otherwise every such orphan is given back
-    (each was made by a lost call, and none was returned to any caller).
+    The grant script is all or nothing, and it records each grant with the call's id: the
+    call ran and granted if and only if each resource has one entry of it, of the mode
+    asked. It is adopted if Redis still has each of those grants. A grant of this owner
+    without the call's id is another call's (a sibling thread's live lease, one it has just
+    released, another lost call's orphan): never adopted, never given back here.
     """
-    orphans: dict[str, list[tuple[str, int]]] = {
-        resource: [(m, t) for m, t in found.get(resource, ()) if t not in held.get(resource, ())]
-        for resource, _ in wants
-    }
-    if may_adopt and alone and wants:
-        picks = [orphans[r] for r, _ in wants]
-        if all(len(p) == 1 and p[0][0] == mode for p, (_, mode) in zip(picks, wants, strict=True)):
-            return GrantRecovery([p[0][1] for p in picks], [])
-    give_back = [(r, m, t) for r, grants in orphans.items() for m, t in grants]
+    picks = [list(mine.get(r, ())) for r, _ in wants]
+    if (
+        may_adopt
+        and wants
+        and all(
+            len(p) == 1 and p[0][0] == mode and p[0] in found.get(r, ())
+            for p, (r, mode) in zip(picks, wants, strict=True)
+        )
+    ):
+        return GrantRecovery([p[0][1] for p in picks], [])
+    give_back = [(r, m, t) for (r, _), p in zip(wants, picks, strict=True) for m, t in p]
     return GrantRecovery(None, give_back)
 
 

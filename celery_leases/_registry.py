@@ -1,12 +1,16 @@
 """The owner registry's entries and the values of lease keys, as the scripts write them.
 
 An owner's registry (one set per slot group) lists what it holds, one entry per lease:
-``"<mode> <token> <task id or -> <resource>"`` (acquire.lua writes it, release.lua and the
-cleanups remove it); for an exclusive lease a release hands over directly,
+``"<mode> <token> <task id or -> <resource>"``, with the id of the grant call that made it
+after the task field, ``"<mode> <token> <task>%c<call> <resource>"`` (acquire.lua writes it,
+release.lua and the cleanups remove it; a lost reply's recovery adopts only a grant whose
+entry bears its own call's id); for an exclusive lease a release hands over directly,
 ``"h <ticket> <task id or -> <resource>"``, which the waiter writes when it leaves its order
-(lua/_waiters.lua) and which stands for whatever exclusive lease of the resource the owner
-holds (its token is not known in advance); and the member ``"~"`` (:data:`KEEPER`), which
-keeps the set and its expiry while the owner holds nothing (see lua/_registry.lua). An
+(lua/_waiters.lua) and which stands only for the lease a release handed to that very ticket,
+as the resource's handed tickets record it (its token is not known in advance; the entry is
+written with the token once the waiter learns it: acquire.lua, renew.lua); and the member
+``"~"`` (:data:`KEEPER`), which keeps the set and its expiry while the owner holds nothing
+(see lua/_registry.lua). An
 exclusive lease key's value is ``"<token> <owner id>"``, or, for a queued unique claim,
 ``"<token> %queued/<escaped task id>"``. This module reads and writes those texts, and
 nothing else does. No I/O.
@@ -23,6 +27,7 @@ if TYPE_CHECKING:
     from ._lease import Held
 
 __all__ = (
+    "CALL_MARK",
     "KEEPER",
     "QUEUED_OWNER",
     "Entry",
@@ -31,6 +36,7 @@ __all__ = (
     "held_entry",
     "parse_entry",
     "split_holder",
+    "task_field",
     "task_in_registry",
 )
 
@@ -38,6 +44,11 @@ __all__ = (
 #: the releases of all the owner's leases (lua/_registry.lua); a cleanup that emptied the
 #: registry removes it
 KEEPER: Final = "~"
+
+#: between an entry's task field and the id of the grant call that made the entry: an escaped
+#: task id never holds it (escape() writes "%" with two upper-case hex digits). A lost grant's
+#: recovery adopts only a grant whose entry bears its own call's id (lua/acquire.lua)
+CALL_MARK: Final = "%c"
 
 #: the owner part of a queued claim's value: "%queued/<escaped task id>". No owner id starts
 #: so: an owner id starts with an escaped node name, where "%" is always followed by hex.
@@ -79,8 +90,9 @@ class Entry(NamedTuple):
     """One owner-registry entry: what a lease holder recorded at the grant.
 
     ``ticket``: not 0 for a handed lease's entry (``"h <ticket> ..."``), whose ``token`` is
-    0 when read from a registry (release.lua then releases the owner's lease of the resource,
-    whatever its token), and the lease's token when its holder releases it.
+    0 when read from a registry (release.lua then releases only the lease handed to that
+    ticket, as the handed tickets record it), and the lease's token when its holder
+    releases it.
     """
 
     mode: str
@@ -90,18 +102,21 @@ class Entry(NamedTuple):
     ticket: int = 0
     #: a lease handed to its holder, released by it: the ticket it was handed to, as queued
     handed: str = ""
+    #: the id of the grant call that made it (:data:`CALL_MARK`; "": none, as in an entry
+    #: written by an older version)
+    call: str = ""
 
     @property
     def text(self) -> str:
         """The entry as stored in the registry set."""
         if self.ticket:
             return entry_text("h", self.ticket, self.task_id, self.resource)
-        return entry_text(self.mode, self.token, self.task_id, self.resource)
+        return entry_text(self.mode, self.token, self.task_id, self.resource, self.call)
 
 
 def held_entry(held: Held) -> Entry:
     """The registry entry of ``held``."""
-    return Entry(held.mode, held.token, held.task_id, held.resource, held.ticket)
+    return Entry(held.mode, held.token, held.task_id, held.resource, held.ticket, call=held.call)
 
 
 def counted_held(held: Held, now: float) -> bool:
@@ -109,9 +124,18 @@ def counted_held(held: Held, now: float) -> bool:
     return not held.lost and now < held.deadline
 
 
-def entry_text(mode: str, token: int | str, task_id: str | None, resource: str) -> str:
-    """``"<mode> <token> <task> <resource>"``, as acquire.lua writes it."""
-    return f"{mode} {token} {escape(task_id) if task_id else '-'} {resource}"
+def entry_text(
+    mode: str, token: int | str, task_id: str | None, resource: str, call: str = ""
+) -> str:
+    """``"<mode> <token> <task> <resource>"``, as acquire.lua writes it; with the grant
+    call's id, ``"<mode> <token> <task>%c<call> <resource>"``."""
+    return f"{mode} {token} {task_field(task_id, call)} {resource}"
+
+
+def task_field(task_id: str | None, call: str = "") -> str:
+    """An entry's task field: the escaped task id or ``-``, then ``%c<call>`` with a call id."""
+    task = escape(task_id) if task_id else "-"
+    return f"{task}{CALL_MARK}{call}" if call else task
 
 
 def parse_entry(member: str) -> Entry | None:
@@ -119,9 +143,10 @@ def parse_entry(member: str) -> Entry | None:
     mode, _, rest = member.partition(" ")
     token, _, rest = rest.partition(" ")
     task, _, resource = rest.partition(" ")
+    task, _, call = task.partition(CALL_MARK)
     if mode not in ("x", "s", "h") or not token.isdigit() or not task or not resource:
         return None
     task_id = None if task == "-" else unescape(task)
     if mode == "h":
         return Entry("x", 0, task_id, resource, int(token))
-    return Entry(mode, int(token), task_id, resource)
+    return Entry(mode, int(token), task_id, resource, call=call)

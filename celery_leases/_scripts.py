@@ -76,6 +76,7 @@ class ReleaseReply(IntEnum):
 
     NOT_HELD = 0  #: was no longer held by us
     RELEASED = 1  #: released now
+    SPARED = 2  #: granted after a cleanup pass looked at the owner: kept (spare_from)
 
 
 class BeatClaimReply(IntEnum):

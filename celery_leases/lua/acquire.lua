@@ -19,7 +19,10 @@
 --         stays above the tokens of the live shared holders instead
 -- ARGV[8] registry expiry in milliseconds: "<ms>" set, "-<ms>" set if this call made the
 --         registry, "0" none (see _registry.lua, which also says what its member "~" is)
--- ARGV[9] the holding task's id, escaped, or "-" (recorded in the registry for operators)
+-- ARGV[9] the holding task's id, escaped, or "-" (recorded in the registry for operators),
+--         then "%c<call id>": the id of this call (see _registry.py), written into the registry
+--         entries of its grants only, so that a recovery after a lost reply can tell them
+--         from any other grant of the owner (history events and handoff entries go without)
 -- ARGV[10] the waiter's ticket, or "" (no ticket: one try, or an attempt before it waits);
 --          with an order, "<id> <ttl ms> <task> <owner>" (see _waiters.lua)
 -- ARGV[11] waiter channel prefix (a ticket's channel is the prefix and the ticket's id)
@@ -42,7 +45,8 @@
 --         {0, i, wait_ms}             resource i (1-based) is busy; its blocking holder runs out
 --                                     in wait_ms unless renewed
 --         {-1, wait_ms}               restart grace: Redis restarted or failed over (see above)
---         {2, token}                  a release handed the lease to this ticket (ARGV[14])
+--         {2, token}                  a release handed the lease to this ticket (ARGV[14]); its
+--                                     registry entry is then "x <token> <task>%c<call> ..."
 --
 -- The waiter queue (see _waiters.lua): a resource free for the mode asked is still busy while
 -- the live head of its queue is another waiter (first come, first served; a call without a
@@ -81,6 +85,7 @@ end
 local memory = ARGV[7]
 local sharing = {}  -- i -> true: resource i has live shared holders (read with memory "0")
 local ticket, wprefix, trust, ordering = ARGV[10], ARGV[11], ARGV[12] == '1', ARGV[14] ~= '0'
+local task = string.match(ARGV[9], '^(.-)%%c') or ARGV[9]  -- without the call id
 
 local function ticket_of(i)
   return ARGV[a + 3 * i + 1] .. ticket
@@ -100,7 +105,7 @@ end
 
 -- the registry entry of a lease handed to this ticket (see ARGV[14])
 local function handed_entry()
-  return 'h ' .. string.match(ticket, '^%S+') .. ' ' .. ARGV[9] .. ' ' .. ARGV[a + 3]
+  return 'h ' .. string.match(ticket, '^%S+') .. ' ' .. task .. ' ' .. ARGV[a + 3]
 end
 
 if ordering then
@@ -111,6 +116,10 @@ if ordering then
   if token then
     dequeue(KEYS[h + 4], KEYS[h + 5], member, hkey)
     if redis.call('GET', KEYS[h + 1]) == token .. ' ' .. owner then
+      -- its entry from now on names its token, and this call, as a grant's does: the
+      -- handed tickets no longer record it, and a lost reply's recovery finds it as its own
+      redis.call('SREM', KEYS[2], handed_entry())
+      record_grants(KEYS[2], {'x ' .. token .. ' ' .. ARGV[9] .. ' ' .. ARGV[a + 3]}, ARGV[8])
       return {2, token}
     end
   end
@@ -120,7 +129,7 @@ end
 local function busy(i, wait)
   if hist ~= '0' then
     local m, r = ARGV[a + 3 * i + 1], ARGV[a + 3 * i + 3]
-    event(i, 'busy', m .. ' 0 ' .. ARGV[9] .. ' ' .. r, 'o', owner, 'w', wait)
+    event(i, 'busy', m .. ' 0 ' .. task .. ' ' .. r, 'o', owner, 'w', wait)
   end
   if ticket ~= '' then
     for j = 0, n - 1 do
@@ -205,11 +214,12 @@ for i = 0, n - 1 do
       redis.call('PEXPIRE', skey, ttl)
     end
   end
-  -- the registry entry: "<mode> <token> <task> <resource>" (the resource last: it may hold spaces)
-  local entry = mode .. ' ' .. text .. ' ' .. ARGV[9] .. ' ' .. resource
-  entries[#entries + 1] = entry
+  -- the registry entry: "<mode> <token> <task>%c<call> <resource>" (the resource last: it may
+  -- hold spaces)
+  entries[#entries + 1] = mode .. ' ' .. text .. ' ' .. ARGV[9] .. ' ' .. resource
   if hist ~= '0' then
-    event(i, 'granted', entry, 'o', owner, 'ttl', ARGV[2])
+    event(i, 'granted', mode .. ' ' .. text .. ' ' .. task .. ' ' .. resource, 'o', owner, 'ttl',
+      ARGV[2])
     local rec = KEYS[hk + 2 * i + 3]
     redis.call('HINCRBY', rec, 'transitions', 1)
     redis.call('HSET', rec, 'ttl', ARGV[2])

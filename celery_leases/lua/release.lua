@@ -14,10 +14,15 @@
 -- exactly (not on a cluster)   ARGV[4] restart grace in ms, as acquire.lua's ARGV[3]
 -- ARGV[5] token counter memory in ms, as acquire.lua's ARGV[7]
 -- ARGV[6] ticket slack in ms, as acquire.lua's ARGV[13]
--- then per lease i: mode ("x" or "s"), token ("0": whatever exclusive lease of the resource
---             the owner holds, as a handed lease's registry entry says), registry entry,
---             release channel, and for a lease handed to its holder, the ticket it was
---             handed to ("" else: see _waiters.lua)
+-- ARGV[7] spare from: Redis time in us ("0": none). A cleanup pass gives the time it looked at
+--         the owner (or earlier): a lease whose token is that or more was granted after it
+--         (a token is at least the Redis clock in us at its grant), to an owner alive again,
+--         and is spared, its entry kept, whatever the entries say
+-- then per lease i: mode ("x" or "s"), token ("0" with a handed lease's entry
+--             "h <ticket> ...", as read from a registry: the lease that a release handed to
+--             that very ticket, if the handed tickets still record it, and nothing else),
+--             registry entry, release channel, and for a lease handed to its holder, the
+--             ticket it was handed to ("" else: see _waiters.lua)
 -- then, last: events kept in the group's history stream (the history setting; 0: no history,
 --             and none of the history keys is given), events kept in a resource's own
 --             stream, milliseconds a resource's stream outlives its last event, the event of
@@ -25,7 +30,7 @@
 --             the holder itself; cleanup, reaper, reconcile, an operator)
 -- with history, KEYS end with: the group's history stream, then per lease i its resource's
 --             own history stream and record
--- returns per lease i: 1 = released now, 0 = was no longer held by us
+-- returns per lease i: 1 = released now, 0 = was no longer held by us, 2 = spared (ARGV[7])
 --
 -- History: a lease released now is written as the given event; one whose registry entry was
 -- still there but which was no longer held (it ran out first) as "expired". A second run of
@@ -38,8 +43,9 @@
 -- for the waiter's owner with the order's ttl, the ticket moved from the queue to the handed
 -- ZSET, and "h<token>" published on the waiter's channel. A waiter that nobody listens for
 -- any more gets nothing: it is dropped and the next head tried. The waiter recorded the
--- lease's registry entry and refreshed its liveness when it queued with the order, so the
--- lease is found by every cleanup as if granted then.
+-- lease's registry entry ("h <ticket> ...") and refreshed its liveness when it queued with the
+-- order, so the lease is found by every cleanup; such an entry frees only the lease the
+-- handed ZSET records for its ticket (see ARGV[7] and the token "0" above).
 
 local now, now_us, now_text -- the Redis clock, read only when needed (an exclusive release
 -- with nobody queued needs none)
@@ -50,8 +56,9 @@ local function clock()
   return now
 end
 local owner, wprefix, trust = ARGV[1], ARGV[2], ARGV[3] == '1'
-local a = 6
+local a = 7
 local n = (#ARGV - a - 5) / 5
+local spare = tonumber(ARGV[7])
 local hist, rhist, hkeep = ARGV[#ARGV - 4], ARGV[#ARGV - 3], ARGV[#ARGV - 2]
 local kind, by = ARGV[#ARGV - 1], ARGV[#ARGV]
 local hk = 2 + 5 * n  -- the history keys start after hk
@@ -103,16 +110,22 @@ for i = 0, n - 1 do
   local mode, token = ARGV[a + 5 * i + 1], ARGV[a + 5 * i + 2]
   local entry, channel, handed = ARGV[a + 5 * i + 3], ARGV[a + 5 * i + 4], ARGV[a + 5 * i + 5]
   local freed = 0
-  if mode == 'x' then
-    local value = redis.call('GET', key)
-    if token == '0' and value then
-      -- a handed lease's entry: the owner's lease, whatever its token
-      local held, by_owner = string.match(value, '^(%d+) (.+)$')
-      if by_owner == owner then
-        token = held
+  if token == '0' and string.byte(entry) == 104 then
+    -- a handed lease's entry, read from a registry: only the lease a release handed to that
+    -- ticket, as the handed tickets record it (never "whatever lease the owner holds": the
+    -- entry may have outlived the wait, and the owner hold a lease granted to it since)
+    local prefix = 'x' .. string.match(entry, '^h (%S+)') .. ' '
+    local handed_ = redis.call('ZRANGE', hkey, 0, -1, 'WITHSCORES')
+    for j = 1, #handed_, 2 do
+      if string.sub(handed_[j], 1, #prefix) == prefix then
+        token = string.format('%.0f', tonumber(handed_[j + 1]))
       end
     end
-    if value == token .. ' ' .. owner then
+  end
+  if spare > 0 and tonumber(token) >= spare then
+    freed = 2  -- granted after the pass looked at the owner: neither freed nor unlisted
+  elseif mode == 'x' then
+    if redis.call('GET', key) == token .. ' ' .. owner then
       redis.call('DEL', key)
       freed = 1
     end
@@ -128,13 +141,21 @@ for i = 0, n - 1 do
       end
     end
   end
-  local listed = redis.call('SREM', KEYS[1], entry)
+  local listed = 0
+  if freed ~= 2 then
+    listed = redis.call('SREM', KEYS[1], entry)
+  end
   if handed ~= '' then
-    -- a lease handed to its holder: its ticket goes from the handed ZSET (see _waiters.lua)
+    -- a lease handed to its holder: its ticket goes from the handed ZSET (see _waiters.lua),
+    -- and its entry in either form (renew.lua writes it with its token at the first renewal)
     redis.call('ZREM', ekey, handed)
     redis.call('ZREM', hkey, handed)
+    local rest = string.match(entry, '^h %S+( .*)$')
+    if rest then
+      listed = listed + redis.call('SREM', KEYS[1], 'x ' .. token .. rest)
+    end
   end
-  if hist ~= '0' and (freed == 1 or listed == 1) then
+  if hist ~= '0' and (freed == 1 or listed > 0) then
     local shown = entry
     if string.byte(entry) == 104 then  -- a handed lease's entry "h <ticket> <task> <resource>"
       shown = 'x ' .. token .. ' ' .. string.match(entry, '^h %S+ (.*)$')

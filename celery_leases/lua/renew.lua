@@ -10,6 +10,9 @@
 -- ARGV[1] owner id   ARGV[2] registry ttl in milliseconds   ARGV[3] "1" when home keys are given
 -- ARGV[4] owner liveness in milliseconds   ARGV[5] escaped node name
 -- then per lease i: mode ("x" or "s"), token, ttl in milliseconds, registry entry
+--             (a lease handed to its holder: "h <ticket> <task> <resource>", which a renewal
+--             that finds the lease held writes with its token, "x <token> <task> <resource>",
+--             so that no cleanup has to find the token from the handed tickets)
 -- returns the 1-based indices of the leases that are no longer held (empty: all renewed)
 
 local t = redis.call('TIME')
@@ -44,9 +47,17 @@ for i = 0, #KEYS - h - 1 do
       redis.call('ZREM', key, holder)
     end
   end
+  local entry = ARGV[a + 4 * i + 4]
+  local rest = string.byte(entry) == 104 and string.match(entry, '^h %S+( .*)$')
   if not held then
-    redis.call('SREM', KEYS[1], ARGV[a + 4 * i + 4])
+    redis.call('SREM', KEYS[1], entry)
+    if rest then
+      redis.call('SREM', KEYS[1], 'x ' .. token .. rest)
+    end
     lost[#lost + 1] = i + 1
+  elseif rest then
+    redis.call('SREM', KEYS[1], entry)
+    redis.call('SADD', KEYS[1], 'x ' .. token .. rest)
   end
 end
 

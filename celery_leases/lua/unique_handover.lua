@@ -16,6 +16,7 @@
 -- ARGV[5] registry expiry in milliseconds: "<ms>" set, "-<ms>" set if this call made the
 --         registry, "0" none (see _registry.lua)
 -- ARGV[6] task id, escaped   ARGV[7] claim resource name
+-- ARGV[8] the call's id ("" none), written into the registry entry as acquire.lua does
 -- returns {1, token}          taken: it was queued for this task, or free
 --         {0, holder, pttl}   held by another: "<token> <owner>" ("%queued/<task>" while
 --                             queued), pttl ms until it runs out unless renewed (-1: never)
@@ -48,7 +49,11 @@ if ARGV[4] == '0' then
 end
 local text = num(token)
 redis.call('SET', KEYS[3], text .. ' ' .. owner, 'PX', ARGV[2])
--- the registry entry, as acquire.lua writes it: "x <token> <task> <resource>"
-record_grants(KEYS[2], {'x ' .. text .. ' ' .. ARGV[6] .. ' ' .. ARGV[7]}, ARGV[5])
+-- the registry entry, as acquire.lua writes it: "x <token> <task>%c<call> <resource>"
+local task = ARGV[6]
+if ARGV[8] and ARGV[8] ~= '' then
+  task = task .. '%c' .. ARGV[8]
+end
+record_grants(KEYS[2], {'x ' .. text .. ' ' .. task .. ' ' .. ARGV[7]}, ARGV[5])
 redis.call('ZREM', KEYS[5], ARGV[7])
 return {1, token}

@@ -224,11 +224,11 @@ def test_an_attempt_under_way_learns_of_the_handoff(
     )
     assert isinstance(outcome, list)
     (lease,) = outcome
-    assert (lease.token, lease.ticket, lease.confirmed_at) == (
-        token,
-        int(ticket.id),
-        ticket.ordered_at,
-    )
+    # told by its own attempt, its entry names its token and that call from now on
+    # (issue 26, part 1): no cleanup has to find it from the handed tickets
+    assert (lease.token, lease.ticket, lease.confirmed_at) == (token, 0, ticket.ordered_at)
+    assert lease.call
+    assert registry(leases_redis, leases, WAITER) == {f"x {token} -%c{lease.call} r"}
     assert leases.store.release(outcome) == [True]
     assert value(leases_redis, leases) is None
     assert registry(leases_redis, leases, WAITER) == set()

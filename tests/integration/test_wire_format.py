@@ -91,10 +91,13 @@ def test_exclusive_grant(
         assert 0 < leases_redis.pttl(exclusive) <= TTL_MS
         assert leases_redis.get(f"{{{p}:{g}}}:n:{ESCAPED}") == str(token)
 
-        # registry entry "<mode> <token> <escaped task id> <resource>": the resource unescaped;
+        # registry entry "<mode> <token> <escaped task id>%c<call id> <resource>": the resource
+        # unescaped, the id of the grant call that made it after the task id (issue 26, part 8);
         # and "~", which keeps the set and its expiry while the owner holds nothing
         registry = f"{{{p}:{g}}}:reg:{owner}"
-        assert leases_redis.smembers(registry) == {f"x {token} task%201/a {RESOURCE}", "~"}
+        (entry,) = leases_redis.smembers(registry) - {"~"}
+        assert re.fullmatch(rf"x {token} task%201/a%c[0-9a-f]+ {re.escape(RESOURCE)}", entry)
+        assert "~" in leases_redis.smembers(registry)
         assert leases_redis.pttl(registry) > 2 * TTL_MS
 
         # the owners index, scored by the Redis time (ms) the owner's liveness runs out
@@ -130,7 +133,9 @@ def test_shared_grant(
         assert token // 1000 + TTL_MS - 1 <= members[0][1] <= now_ms + TTL_MS
         assert leases_redis.get(f"{{{p}:{g}}}:n:{ESCAPED}") == str(token)
         registry = f"{{{p}:{g}}}:reg:{owner}"
-        assert leases_redis.smembers(registry) == {f"s {token} - {RESOURCE}", "~"}
+        (entry,) = leases_redis.smembers(registry) - {"~"}
+        assert re.fullmatch(rf"s {token} -%c[0-9a-f]+ {re.escape(RESOURCE)}", entry)
+        assert "~" in leases_redis.smembers(registry)
         assert leases_redis.exists(f"{{{p}:{g}}}:x:{ESCAPED}") == 0
 
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from celery_leases import _claims
+from celery_leases import _claims, _grants
 from celery_leases._claims import Claimed, ClaimHolder
 from celery_leases._engine import LeaseEngine
 from celery_leases._identity import Identity
@@ -164,14 +164,18 @@ def _xkey(store: LeaseStore) -> str:
 READ_BACK = ["cmd:GET", "cmd:ZRANGE", "cmd:SMEMBERS", "now"]
 
 
-def _read_back(value: str | None) -> list[object]:
+def _read_back(value: str | None, registry: list[str] | None = None) -> list[object]:
     """The replies to the read-back: the claim key's ``value``, nothing else held."""
-    return [value, [], [], [1_700_000_000, 0]]
+    return [value, [], registry or [], [1_700_000_000, 0]]
 
 
-def test_a_handover_whose_reply_is_lost_adopts_its_own_grant(store: LeaseStore):
+def test_a_handover_whose_reply_is_lost_adopts_its_own_grant(
+    store: LeaseStore, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(_grants, "new_call_id", lambda: "c1")
     steps = _claims.unique_handover(store.engine, "job:k", "task-1", WORKER, 10)
-    held, made = drive(steps, replies(lost(), _read_back(f"77 {WORKER.owner}")))
+    entry = "x 77 task-1%cc1 celery_leases:unique:job:k"
+    held, made = drive(steps, replies(lost(), _read_back(f"77 {WORKER.owner}", [entry])))
     assert isinstance(held, Held)
     assert (held.token, held.owner, held.task_id, held.mode) == (77, WORKER.owner, "task-1", "x")
     assert held.store is store

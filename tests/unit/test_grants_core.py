@@ -103,16 +103,34 @@ def test_the_groups_go_in_ascending_order_and_the_grants_come_back_in_the_order_
         BOOK.drop(WORKER.owner, grouped.resource_keys(h.resource).exclusive, h.token)
 
 
-def test_a_grant_whose_reply_is_lost_is_read_back_and_adopted(grouped: LeaseStore):
+def test_a_grant_whose_reply_is_lost_is_read_back_and_adopted(
+    grouped: LeaseStore, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(_grants, "new_call_id", lambda: "c1")
     (name,) = _in_groups(grouped, 2)
     steps = _grants.try_acquire(grouped.engine, [Want(name)], WORKER, 10.0)
-    read_back = [f"77 {WORKER.owner}", [], [], [1_700_000_000, 0]]
+    entry = f"x 77 -%cc1 {name}"  # the call's own entry: its id after the task field
+    read_back = [f"77 {WORKER.owner}", [], [entry], [1_700_000_000, 0]]
     held, made = drive(steps, replies(lost(), read_back))
     assert isinstance(held, list)
     assert [h.token for h in held] == [77]
+    assert held[0].call == "c1"
     assert scripts(made) == ["acquire", "cmd:GET", "cmd:ZRANGE", "cmd:SMEMBERS", "now"]
     assert [op.once for op in made if isinstance(op, Send)] == [True, False]
     BOOK.drop(WORKER.owner, grouped.resource_keys(name).exclusive, 77)
+
+
+def test_a_lost_grant_never_adopts_a_grant_of_its_owner_without_its_call_id(
+    grouped: LeaseStore, monkeypatch: pytest.MonkeyPatch
+):
+    # issue 26, part 8: T held (or just released) by a sibling thread of the same owner
+    monkeypatch.setattr(_grants, "new_call_id", lambda: "c2")
+    (name,) = _in_groups(grouped, 2)
+    steps = _grants.try_acquire(grouped.engine, [Want(name)], WORKER, 10.0)
+    read_back = [f"77 {WORKER.owner}", [], [f"x 77 -%cc1 {name}"], [1_700_000_000, 0]]
+    outcome, made = drive(steps, replies(lost(), read_back, [[AcquireReply.BUSY, 1, 5000]]))
+    assert not isinstance(outcome, list)  # sent again, and busy: nothing adopted
+    assert scripts(made) == ["acquire", "cmd:GET", "cmd:ZRANGE", "cmd:SMEMBERS", "now", "acquire"]
 
 
 def test_a_grant_whose_reply_is_lost_and_was_not_made_is_sent_once_more(grouped: LeaseStore):

@@ -19,7 +19,8 @@ def _engine(**settings: object) -> LeaseEngine:
     )
 
 
-def test_the_history_arguments_come_last_and_its_keys_only_when_on():
+def test_the_history_arguments_come_last_and_its_keys_only_when_on(monkeypatch):
+    monkeypatch.setattr(_grants, "new_call_id", lambda: "c1")
     off, on = _engine(), _engine(history=500, history_keep=60.0)
     wants = [Want("a"), Want("b", "s", 2)]
     plain = _grants.acquire_call(off, 0, wants, WORKER, 30.0, False)
