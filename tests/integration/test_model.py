@@ -35,12 +35,51 @@ it the lease (lua/release.lua). Until the waiter listens (a rule), the model cou
 resource as maybe held by it; a handoff it hears, or the grant a later attempt of the wait is
 told, is checked and recorded as any grant, counted from the attempt that queued the order.
 
-The default run is bounded (25 examples of 30 steps, about 30 s on a busy 2-core machine). Set
-``CELERY_LEASES_MODEL_EXAMPLES`` for a longer search, e.g.::
+Faults and interleavings (issue 26, parts 1, 6 and 8). Some operations are carried out by a
+:class:`Stepper`: request by request through the store's own executor, so that a request can
+lose its reply after it ran, or time out without reaching Redis (redis-py's TimeoutError,
+thrown in as the driver does), and so that another thread or process can act between a
+request and the reading of its reply, deterministically (no real threads):
 
-    CELERY_LEASES_MODEL_EXAMPLES=2000 pytest tests/integration/test_model.py -p no:cacheprovider
+- lost replies: a parked waiter's attempt (``waiter_acts``, ``hand_over_in_trouble``), a
+  grant call of a thread whose sibling holds the resource (``sibling_recovers``);
+- a stalled server: the attempt runs and times out, its recovery and the leave of the failed
+  wait time out unsent; the ticket then holds its queue until it runs out;
+- several threads of one process: ``sibling_recovers`` releases the sibling's lease after
+  a chosen request of the recovering call (the read-back, say) ran, before it is read;
+- owners whose liveness runs out while their registry lives (``reconcile_racing`` idles one
+  of the processes that waited last until its liveness is gone);
+- cleanups racing a fresh grant of the same owner: ``reconcile_racing`` grants it after a
+  chosen request of the pass; ``reaper_racing`` lets a pool process die and a new one with
+  the same pid (owner id) take a lease between the reaper's clock read and its cleanup.
 
-(``CELERY_LEASES_MODEL_STEPS`` changes the steps per example, default 30.)
+Then also checked: an owner never counts a lease held that Redis gave to another (lost
+before stolen: no grant beside a surely held one, no token adopted that does not grow, no
+surely held lease gone), and no cleanup frees a lease granted after its pass looked at the
+owner (the reaper: after its clock read; a reconcile: while its holder counts it held). A
+call whose outcome stays unknown (its recovery failed too) may have left a grant the model
+never saw: it is accepted in Redis until that call's ttl ran out (:class:`Unknown`), and
+learnt from then on.
+
+The default run is bounded and derandomized (a fixed seed: 25 examples of 30 steps, about
+60 s on a busy 2-core machine). On the code before the fixes of issue 26 it found break 8
+(a recovery adopts a sibling's released token) at its 5th example and break 1 (a leftover
+handoff entry frees a fresh lease: the reaper's path) at its 5th with ``sibling_recovers``
+disabled. Knobs (environment):
+
+- ``CELERY_LEASES_MODEL_EXAMPLES``: examples (default 25), ``CELERY_LEASES_MODEL_STEPS``:
+  steps per example (default 30);
+- ``CELERY_LEASES_MODEL_RANDOM=1``: a new random seed each run, for a longer search;
+- ``CELERY_LEASES_MODEL_WITHOUT=rule,rule``: those rules do nothing (which rules does a
+  violation need?);
+- ``CELERY_LEASES_MODEL_SHRINK=0``: no shrinking; the first violation is reported as found;
+- ``CELERY_LEASES_MODEL_LOG=FILE``: each violation is appended there with its steps and the
+  number of the example it was found in.
+
+For example::
+
+    CELERY_LEASES_MODEL_EXAMPLES=2000 CELERY_LEASES_MODEL_RANDOM=1 \
+        pytest tests/integration/test_model.py -p no:cacheprovider
 """
 
 from __future__ import annotations
