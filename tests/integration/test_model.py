@@ -41,8 +41,11 @@ lose its reply after it ran, or time out without reaching Redis (redis-py's Time
 thrown in as the driver does), and so that another thread or process can act between a
 request and the reading of its reply, deterministically (no real threads):
 
-- lost replies: a parked waiter's attempt (``waiter_acts``, ``hand_over_in_trouble``), a
-  grant call of a thread whose sibling holds the resource (``sibling_recovers``);
+- lost replies: any request of an attempt at a set, or of a release (``lose_a_reply``: the
+  grant, the home call, the recovery's read-back, its give-back, the resend), a parked
+  waiter's attempt (``waiter_acts``,
+  ``hand_over_in_trouble``), a grant call of a thread whose sibling holds the resource
+  (``sibling_recovers``);
 - a stalled server: the attempt runs and times out, its recovery and the leave of the failed
   wait time out unsent; the ticket then holds its queue until it runs out;
 - several threads of one process: ``sibling_recovers`` releases the sibling's lease after
@@ -749,12 +752,17 @@ class LeaseModel(RuleBasedStateMachine):
         if not todo:
             return
         freed = self.store.release([g.held for g in todo if g.held is not None])
+        self._released(todo, freed)
+
+    def _released(self, todo: list[Grant], freed: list[bool], *, lost: bool = False) -> None:
+        """``freed``: what the release of ``todo`` said of each. After a lost reply (sent
+        again), a lease its holder no longer counts held may be said gone (release_recovered)."""
         reply = time.monotonic()
         for g, was_held in zip(todo, freed, strict=True):
             event(f"release: {'freed' if was_held else 'already gone'}")
-            if was_held and g.gone:
+            if was_held and g.gone and not lost:
                 violated(f"release freed {g.resource} of {g.owner}, a lease already gone")
-            if not was_held and g.surely_held(reply):
+            if not was_held and g.surely_held(reply) and not (lost and reply >= g.deadline):
                 violated(f"release found {g.resource} of {g.owner} gone while surely held")
             g.gone = True
             self.drop(g)
@@ -1059,6 +1067,51 @@ class LeaseModel(RuleBasedStateMachine):
             self.unknown_outcome(owner, [want.resource], ttl)
             return
         event(f"sibling_recovers: {'busy' if isinstance(outcome, Busy) else 'granted'}")
+        if isinstance(outcome, list):
+            self._record(owner, outcome, ttl, sent)
+
+    @rule(
+        node=st.integers(0, len(NODES) - 1),
+        slot=st.integers(0, SLOTS - 1),
+        picks=st.lists(
+            st.tuples(st.integers(0, SLOT_GROUPS * RESOURCES_PER_GROUP - 1), st.booleans()),
+            min_size=0,
+            max_size=3,
+            unique_by=lambda p: p[0],
+        ),
+        ttl=st.sampled_from(TTLS),
+        lose=st.integers(0, 3),
+    )
+    @traced
+    def lose_a_reply(
+        self, node: int, slot: int, picks: list[tuple[int, bool]], ttl: float, lose: int
+    ) -> None:
+        """A call of an owner whose request ``lose`` loses its reply after it ran: an attempt
+        at the set ``picks`` (its grant, the home call, the recovery's read-back or
+        give-back, the resend), or with no picks a release of what the owner holds (sent
+        again after its lost reply)."""
+        owner = self.owner_at(node, slot)
+        if not picks:
+            todo = [g for g in owner.grants if g.held is not None]
+            if todo:
+                release = _grants.release(
+                    self.store.engine, [g.held for g in todo], time.monotonic()
+                )
+                freed = Stepper(self.store, release, {lose: "lost"}).outcome()
+                self._released(todo, freed, lost=True)
+            return
+        wants = [self.want(i, shared) for i, shared in picks]
+        sent = time.monotonic()
+        engine = self.store.engine
+        op = Stepper(
+            self.store, _grants.try_acquire(engine, wants, owner.ident, ttl), {lose: "lost"}
+        )
+        try:
+            outcome = op.outcome()
+        except LeaseBackendError:
+            self.unknown_outcome(owner, [w.resource for w in wants], ttl)
+            return
+        event(f"lose_a_reply: {'busy' if isinstance(outcome, Busy) else 'granted'}")
         if isinstance(outcome, list):
             self._record(owner, outcome, ttl, sent)
 
