@@ -788,7 +788,11 @@ class LeaseModel(RuleBasedStateMachine):
         owner = self.owner_at(node, slot)
         resource = self.resources[index]
         now = time.monotonic()
-        held = sorted({g.resource for gs in self.grants.values() for g in gs if g.surely_held(now)})
+        # a lease held now (a unique claim's key is no resource a caller waits for)
+        held = sorted(
+            {g.resource for gs in self.grants.values() for g in gs if g.surely_held(now)}
+            & set(self.resources)
+        )
         if behind and held:
             resource = held[pick % len(held)]
         self._park(owner, resource, ttl)
