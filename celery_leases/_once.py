@@ -10,6 +10,7 @@ then makes a single attempt. Which errors leave the outcome unknown is :data:`UN
 from __future__ import annotations
 
 import copy
+import socket
 from contextvars import ContextVar
 from typing import Any, Final, TypeVar
 
@@ -18,7 +19,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from ._protocol import Failure
+from ._protocol import Failure, Send, SendReplicated
 
 T = TypeVar("T")
 
@@ -125,7 +126,29 @@ def once_on_cluster(client: Any) -> None:
     client.set_retry(once)
 
 
-def failure_of(exc: BaseException) -> Failure:
-    """A redis error as the protocol's Failure, thrown into the operation that sent it: lost
-    when the outcome is unknown (:data:`UNKNOWN`)."""
-    return Failure(exc, lost=isinstance(exc, UNKNOWN))
+#: causes of a client error that mean the connection was never made, so nothing was sent
+#: (a refused connection: nothing listens on the port; a name that does not resolve)
+NEVER_SENT: Final = (ConnectionRefusedError, socket.gaierror)
+
+
+def failure_of(exc: BaseException, op: object = None) -> Failure:
+    """A redis error as the protocol's Failure, thrown into the operation that sent ``op``:
+    lost when the outcome is unknown (:data:`UNKNOWN`). Not lost if ``op`` went out with one
+    attempt and its connection was never made (:data:`NEVER_SENT`): a refused connection is
+    no lost reply, and nothing it could have granted is to be read back (issue 27, item 4).
+    A request the client may retry is lost all the same: t0 the first attempt runs in Redis
+    and its connection is cut; t1 the retry's connection is refused, the error raised."""
+    single = (isinstance(op, Send) and op.once) or isinstance(op, SendReplicated)
+    return Failure(exc, lost=isinstance(exc, UNKNOWN) and not (single and never_sent(exc)))
+
+
+def never_sent(exc: BaseException) -> bool:
+    """True if ``exc`` (or what caused it) says the connection was never made."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, NEVER_SENT):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False

@@ -149,12 +149,12 @@ def drive(
     steps: Generator[S, Any, T],
     execute: Callable[[S], Any],
     caught: type[BaseException] | tuple[type[BaseException], ...],
-    thrown: Callable[[BaseException], BaseException] | None = None,
+    thrown: Callable[[BaseException, S], BaseException] | None = None,
 ) -> T:
     """Carry out ``steps``: each request it yields, ``execute``-d; each reply, sent back.
 
-    An error of the ``caught`` types is thrown back in, as ``thrown(error)`` if given (a
-    store makes it a :class:`Failure`); an unhandled Failure leaves as its cause (the
+    An error of the ``caught`` types is thrown back in, as ``thrown(error, request)`` if
+    given (a store makes it a :class:`Failure`); an unhandled Failure leaves as its cause (the
     client's error).
     """
     value: Any = None
@@ -170,14 +170,14 @@ def drive(
         try:
             value = execute(step)
         except caught as exc:
-            value, error = None, exc if thrown is None else thrown(exc)
+            value, error = None, exc if thrown is None else thrown(exc, step)
 
 
 async def adrive(
     steps: Generator[S, Any, T],
     execute: Callable[[S], Awaitable[Any]],
     caught: type[BaseException] | tuple[type[BaseException], ...],
-    thrown: Callable[[BaseException], BaseException] | None = None,
+    thrown: Callable[[BaseException, S], BaseException] | None = None,
 ) -> T:
     """:func:`drive`, with requests that are awaited."""
     value: Any = None
@@ -193,7 +193,7 @@ async def adrive(
         try:
             value = await execute(step)
         except caught as exc:
-            value, error = None, exc if thrown is None else thrown(exc)
+            value, error = None, exc if thrown is None else thrown(exc, step)
 
 
 def words_of(call: Call) -> tuple[Any, ...]:

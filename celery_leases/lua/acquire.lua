@@ -85,7 +85,10 @@ end
 local memory = ARGV[7]
 local sharing = {}  -- i -> true: resource i has live shared holders (read with memory "0")
 local ticket, wprefix, trust, ordering = ARGV[10], ARGV[11], ARGV[12] == '1', ARGV[14] ~= '0'
-local task = string.match(ARGV[9], '^(.-)%%c') or ARGV[9]  -- without the call id
+-- the task field without the call id (history events, handoff entries): only when needed
+local function task()
+  return string.match(ARGV[9], '^(.-)%%c') or ARGV[9]
+end
 
 local function ticket_of(i)
   return ARGV[a + 3 * i + 1] .. ticket
@@ -105,7 +108,7 @@ end
 
 -- the registry entry of a lease handed to this ticket (see ARGV[14])
 local function handed_entry()
-  return 'h ' .. string.match(ticket, '^%S+') .. ' ' .. task .. ' ' .. ARGV[a + 3]
+  return 'h ' .. string.match(ticket, '^%S+') .. ' ' .. task() .. ' ' .. ARGV[a + 3]
 end
 
 if ordering then
@@ -129,7 +132,7 @@ end
 local function busy(i, wait)
   if hist ~= '0' then
     local m, r = ARGV[a + 3 * i + 1], ARGV[a + 3 * i + 3]
-    event(i, 'busy', m .. ' 0 ' .. task .. ' ' .. r, 'o', owner, 'w', wait)
+    event(i, 'busy', m .. ' 0 ' .. task() .. ' ' .. r, 'o', owner, 'w', wait)
   end
   if ticket ~= '' then
     for j = 0, n - 1 do
@@ -218,7 +221,7 @@ for i = 0, n - 1 do
   -- hold spaces)
   entries[#entries + 1] = mode .. ' ' .. text .. ' ' .. ARGV[9] .. ' ' .. resource
   if hist ~= '0' then
-    event(i, 'granted', mode .. ' ' .. text .. ' ' .. task .. ' ' .. resource, 'o', owner, 'ttl',
+    event(i, 'granted', mode .. ' ' .. text .. ' ' .. task() .. ' ' .. resource, 'o', owner, 'ttl',
       ARGV[2])
     local rec = KEYS[hk + 2 * i + 3]
     redis.call('HINCRBY', rec, 'transitions', 1)

@@ -58,7 +58,7 @@ end
 local owner, wprefix, trust = ARGV[1], ARGV[2], ARGV[3] == '1'
 local a = 7
 local n = (#ARGV - a - 5) / 5
-local spare = tonumber(ARGV[7])
+local spare = ARGV[7] ~= '0' and tonumber(ARGV[7])
 local hist, rhist, hkeep = ARGV[#ARGV - 4], ARGV[#ARGV - 3], ARGV[#ARGV - 2]
 local kind, by = ARGV[#ARGV - 1], ARGV[#ARGV]
 local hk = 2 + 5 * n  -- the history keys start after hk
@@ -122,7 +122,7 @@ for i = 0, n - 1 do
       end
     end
   end
-  if spare > 0 and tonumber(token) >= spare then
+  if spare and tonumber(token) >= spare then
     freed = 2  -- granted after the pass looked at the owner: neither freed nor unlisted
   elseif mode == 'x' then
     if redis.call('GET', key) == token .. ' ' .. owner then
@@ -150,9 +150,9 @@ for i = 0, n - 1 do
     -- and its entry in either form (renew.lua writes it with its token at the first renewal)
     redis.call('ZREM', ekey, handed)
     redis.call('ZREM', hkey, handed)
-    local rest = string.match(entry, '^h %S+( .*)$')
-    if rest then
-      listed = listed + redis.call('SREM', KEYS[1], 'x ' .. token .. rest)
+    local rest = listed == 0 and string.match(entry, '^h %S+( .*)$')
+    if rest then  -- not found as given: written with its token by a renewal
+      listed = redis.call('SREM', KEYS[1], 'x ' .. token .. rest)
     end
   end
   if hist ~= '0' and (freed == 1 or listed > 0) then
