@@ -561,6 +561,13 @@ class LeaseStore:
         """
         return self.run(_claims.unique_claim(self.engine, key, task_id, ttl))
 
+    def unique_confirm(self, key: str, task_id: str, token: int, ttl: float) -> bool:
+        """Confirm the pending claim of ``key`` for ``task_id`` (published): it lives ``ttl``.
+
+        False, changing nothing, when it is no longer queued for that task and token.
+        """
+        return self.run(_claims.unique_confirm(self.engine, key, task_id, token, ttl))
+
     def unique_handover(
         self, key: str, task_id: str, ident: Identity, ttl: float
     ) -> Held | ClaimHolder:
