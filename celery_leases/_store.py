@@ -207,6 +207,10 @@ class LeaseStore:
                 call = calls[0]
                 if type(call) is Script:  # a grant, a release: on this thread's lane (_lanes)
                     return [self._lanes.send(self.client, call, op.once)]
+                if type(call) is Command and call.words[0] == "GET":
+                    # a plain read (the redelivery guard's, once per task): the same reply
+                    # as redis-py's (GET has no response callback), without its overhead
+                    return [self._lanes.send(self.client, call, op.once)]
             if op.once:
                 with one_attempt():
                     return self._send_op(op)
