@@ -60,6 +60,7 @@ __all__ = (
     "claim_waiting_time",
     "queued_claims",
     "unique_claim",
+    "unique_confirm",
     "unique_handover",
     "unique_holder",
     "unique_requeue",
@@ -202,9 +203,16 @@ def unique_claim(
 ) -> Steps[Claimed | ClaimHolder]:
     """Claim ``key`` for ``task_id``, about to be published, for ``ttl`` seconds.
 
+    The producer claims with the short ``unique_confirm_window`` (the claim is pending) and
+    confirms it with :func:`unique_confirm` once the message is published.
+
     Returns:
         :class:`Claimed` (``again`` when it was already queued for this task id), or the
         :class:`ClaimHolder` that has it.
+
+    Raises:
+        LeaseBackendError: with ``maybe_claimed`` set when the call's reply was lost and its
+            resend failed: the claim may have been made.
     """
     return (yield from _holder_read(lambda: _claim_attempt(engine, key, task_id, ttl)))
 
@@ -216,19 +224,57 @@ def _claim_attempt(
     Want(resource)  # a name without a UTF-8 form is a LeaseConfigError, not a redis one
     rk = engine.resource_keys(resource)
     keys = [rk.exclusive, rk.counter, engine.keys.unique_queued(rk.group)]
-    args: list[Any] = [escape(task_id), engine.ms(ttl), engine.token_memory_ms, resource]
+    args: list[Any] = [escape(task_id), engine.ms(ttl), engine.token_memory_ms, resource, ""]
+    call = Script("unique_claim", keys, args)
     try:
-        # idempotent: sent again, it finds the claim the lost call made, queued for this
-        # task id; that claim is this call's own (not an earlier publish's), so a failed
-        # publish gives it back
-        (reply,), lost = yield from resend_if_lost([Script("unique_claim", keys, args)])
+        # one attempt first: a failure after it may have run is told apart below
+        (reply,) = yield Send([call])
+        lost = False
     except Failure as failure:
-        raise engine.backend_error("claim a unique key", failure) from failure.cause
+        if not failure.lost:
+            raise engine.backend_error("claim a unique key", failure) from failure.cause
+        lost = True
+    if lost:
+        try:
+            # idempotent: sent again, it finds the claim the lost call made, queued for this
+            # task id; that claim is this call's own (not an earlier publish's), so a failed
+            # publish gives it back
+            (reply,) = yield Send([call], once=False)
+        except Failure as failure:
+            # the lost call may have claimed: the caller must know (nothing to give back
+            # by token; by task id once Redis answers), and the claim is pending meanwhile
+            error = engine.backend_error("claim a unique key", failure)
+            error.maybe_claimed, error.task_id, error.key = True, task_id, key
+            raise error from failure.cause
     code = int(reply[0])
     if code in (UniqueClaimReply.CLAIMED, UniqueClaimReply.CLAIMED_AGAIN):
         again = code == UniqueClaimReply.CLAIMED_AGAIN and not lost
         return Claimed(key, task_id, int(reply[1]), again=again)
     return (yield from _claim_holder(engine, key, resource, str(reply[1]), int(reply[2])))
+
+
+def unique_confirm(
+    engine: LeaseEngine, key: str, task_id: str, token: int, ttl: float
+) -> Steps[bool]:
+    """Confirm the pending claim of ``key`` for ``task_id`` (``token``): its message is
+    published; it now lives ``ttl`` seconds (the queue TTL).
+
+    Returns False, writing nothing, when the claim is no longer queued for that task and
+    token: a worker took it over (a fast worker may start the task before the confirm
+    lands), it was released (the task ran and ended) or it ran out. A confirm never brings
+    a claim back.
+    """
+    resource = engine.keys.unique_resource(key)
+    rk = engine.resource_keys(resource)
+    keys = [rk.exclusive, rk.counter, engine.keys.unique_queued(rk.group)]
+    args: list[Any] = [escape(task_id), engine.ms(ttl), engine.token_memory_ms, resource]
+    args.append(str(token))
+    try:
+        # idempotent (token-checked, only ever raises a TTL)
+        (reply,), _ = yield from resend_if_lost([Script("unique_claim", keys, args)])
+    except Failure as failure:
+        raise engine.backend_error("confirm a unique claim", failure) from failure.cause
+    return int(reply[0]) == UniqueClaimReply.CLAIMED
 
 
 def _holder_read(attempt: Callable[[], Steps[_Outcome]]) -> Steps[_Outcome]:

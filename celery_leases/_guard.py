@@ -12,7 +12,9 @@ strategies (``consumer.strategies``), so it sees each delivery of every task (pl
   owner registry's cleanups like any lease when its worker dies.
 - **A completion record.** The process that ran an ``acks_late`` task writes, before it reports
   back (``task_postrun``), the state the delivery ended in; the main process writes one when it
-  acks any other task. A copy that arrives after a lost ack finds it and is dropped.
+  acks any other task. Every delivery reads it once it has its lease, flagged redelivered
+  or not: a copy that arrives after a lost ack, or a second message of the same task id
+  (kombu's publish retry after a lost confirm), finds it and is dropped.
 - **A copy waits for the outcome.** A delivery whose lease is busy is not handed to Celery: it
   looks again every ``redelivery_recheck`` seconds on the worker's timer. Once it gets the
   lease, a completion record means the first copy finished: it is acked and dropped. No record
@@ -275,20 +277,21 @@ class RedeliveryGuard:
                 self._prefetch(-1)
             self._forget(d)
             return d.strategy(d.message, d.body, d.ack, d.reject, d.callbacks, **d.kwargs)
-        if d.redelivered or not first:
-            try:
-                done = self.ext.store.get_delivery_done(d.task_id, d.retries)
-            except LeaseError as exc:
-                logger.error(
-                    "leases: could not read the completion record of %s[%s]: %s",
-                    d.name,
-                    d.task_id,
-                    exc,
-                )
-                done = None
-            if done is not None:
-                self._drop(d, done)
-                return None
+        # every delivery, flagged redelivered or not: a second message of a task id that
+        # already ended (kombu's publish retry after a lost confirm sends one) is a copy too
+        try:
+            done = self.ext.store.get_delivery_done(d.task_id, d.retries)
+        except LeaseError as exc:
+            logger.error(
+                "leases: could not read the completion record of %s[%s]: %s",
+                d.name,
+                d.task_id,
+                exc,
+            )
+            done = None
+        if done is not None:
+            self._drop(d, done)
+            return None
         if first:
             self.keepalive.add(d.tag)
         else:

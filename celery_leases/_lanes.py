@@ -32,7 +32,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ._protocol import Script, words_of
+from ._protocol import Command, Script, words_of
 from ._scripts import SOURCE
 
 __all__ = ("Lanes", "direct_parser", "handoff", "pack", "skip_replies", "where")
@@ -290,8 +290,9 @@ class Lanes:
         self._all: weakref.WeakSet[_Lane] = weakref.WeakSet()
         self._lock = threading.Lock()
 
-    def send(self, client: Any, call: Script, once: bool) -> Any:
-        """EVALSHA ``call`` on this thread's connection of ``client``; its reply.
+    def send(self, client: Any, call: Script | Command, once: bool) -> Any:
+        """EVALSHA ``call`` (or a plain command without a response callback in redis-py,
+        such as ``GET``) on this thread's connection of ``client``; its reply.
 
         ``once``: a single attempt (no resend after a connection error). Raises redis-py's
         errors, as ``client.execute_command`` would.
@@ -306,6 +307,7 @@ class Lanes:
                 return _call(conn, packed)
             except NoScriptError:
                 # Redis restarted or SCRIPT FLUSH ran: the script did not run
+                assert isinstance(call, Script)  # only a script gets NOSCRIPT
                 conn.send_command("SCRIPT", "LOAD", SOURCE[call.name], check_health=False)
                 conn.read_response()
                 conn.send_packed_command(packed, check_health=False)

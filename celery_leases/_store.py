@@ -207,6 +207,10 @@ class LeaseStore:
                 call = calls[0]
                 if type(call) is Script:  # a grant, a release: on this thread's lane (_lanes)
                     return [self._lanes.send(self.client, call, op.once)]
+                if type(call) is Command and call.words[0] == "GET":
+                    # a plain read (the redelivery guard's, once per task): the same reply
+                    # as redis-py's (GET has no response callback), without its overhead
+                    return [self._lanes.send(self.client, call, op.once)]
             if op.once:
                 with one_attempt():
                     return self._send_op(op)
@@ -560,6 +564,13 @@ class LeaseStore:
             :class:`ClaimHolder` that has it.
         """
         return self.run(_claims.unique_claim(self.engine, key, task_id, ttl))
+
+    def unique_confirm(self, key: str, task_id: str, token: int, ttl: float) -> bool:
+        """Confirm the pending claim of ``key`` for ``task_id`` (published): it lives ``ttl``.
+
+        False, changing nothing, when it is no longer queued for that task and token.
+        """
+        return self.run(_claims.unique_confirm(self.engine, key, task_id, token, ttl))
 
     def unique_handover(
         self, key: str, task_id: str, ident: Identity, ttl: float

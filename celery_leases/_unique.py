@@ -70,9 +70,10 @@ _running_lock = threading.Lock()
 
 
 def _reset_after_fork() -> None:
-    global _running_lock
+    global _running_lock, _unsent_lock
     _running.clear()
     _running_lock = threading.Lock()
+    _unsent_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
@@ -223,18 +224,25 @@ def _publish_unique(
     # Timeline it guards: t0 claim; t1 the broker refuses the message; t2 without this, every
     # later publish of the key is refused for the whole queue TTL, for a task that never was.
     ours: int | None = None
+    # The pending claim to confirm once the message is out (see unique_claim.lua): until
+    # then it lives unique_confirm_window, so a claim left without its message (a producer
+    # that died, a claim whose reply was lost with Redis then unreachable) frees its key soon.
+    pending: int | None = None
     with _running_lock:
         running = _running.get(task_id)
     key = running.key if running is not None else task._unique_key(args or (), kwargs or {})
     try:
+        _give_back_unsent(ext)
         if running is not None and _requeue(ext, task_id, running, queue_ttl):
             ours = running.lease.token
         else:
-            outcome = store.unique_claim(key, task_id, queue_ttl)
+            window = min(ext.settings.unique_confirm_window, queue_ttl)
+            outcome = store.unique_claim(key, task_id, window)
             if isinstance(outcome, ClaimHolder):
                 return _duplicate(ext, task, name, policy, outcome, task_id, headers, options)
             if not outcome.again:
                 ours = outcome.token
+            pending = outcome.token
             logger.debug("leases: claimed unique key %r for %s[%s]", key, name, task_id)
     except LeaseBackendError as exc:
         # A task's retry of itself (self.retry, a busy retry, on_backend_error="retry") is
@@ -243,6 +251,10 @@ def _publish_unique(
         # still running under this process until the TTL) lets the worker that gets the
         # retry take the key over; a copy that got in meanwhile makes the retry a duplicate.
         if running is None and task.request.id != task_id:
+            if exc.maybe_claimed:
+                # nothing is published: a claim the lost call made is given back by task id
+                # at this process's next unique send, and frees itself within the window
+                _unsent(ext, key, task_id)
             raise
         logger.warning(
             "leases: %s[%s] sends its retry without renewing its unique claim %r: %s",
@@ -254,7 +266,7 @@ def _publish_unique(
     headers[UNIQUE_HEADER] = key
     options["headers"] = headers
     try:
-        return _send(send, name, args, kwargs, countdown, eta, task_id, rest, options)
+        result = _send(send, name, args, kwargs, countdown, eta, task_id, rest, options)
     except BaseException:
         if ours is not None:
             try:
@@ -269,6 +281,60 @@ def _publish_unique(
                     key,
                 )
         raise
+    if pending is not None:
+        _confirm(ext, name, key, task_id, pending, queue_ttl)
+    return result
+
+
+def _confirm(ext: Leases, name: str, key: str, task_id: str, token: int, ttl: float) -> None:
+    """The message of ``task_id`` is published: its pending claim now lives ``ttl``."""
+    try:
+        confirmed = ext.store.unique_confirm(key, task_id, token, ttl)
+    except LeaseBackendError as exc:
+        # the message is out: nothing to refuse; its claim lapses at the end of the window,
+        # after which the key may take another copy (a worker still runs one at a time)
+        logger.error(
+            "leases: %s[%s] is published but its unique claim %r could not be confirmed; it "
+            "lapses within unique_confirm_window (%.0fs): %s",
+            name,
+            task_id,
+            key,
+            ext.settings.unique_confirm_window,
+            exc,
+        )
+        return
+    if not confirmed:
+        # a worker took it over already (it may even have finished): nothing to confirm
+        logger.debug("leases: unique claim %r of %s[%s] was not pending", key, name, task_id)
+
+
+#: claims that a send's lost reply may have made for a task never published, per app:
+#: (id of the Leases, key) -> task id; given back at the next unique send of the process
+_unsent_claims: dict[tuple[int, str], str] = {}
+_unsent_lock = threading.Lock()
+
+
+def _unsent(ext: Leases, key: str, task_id: str) -> None:
+    with _unsent_lock:
+        _unsent_claims[(id(ext), key)] = task_id
+
+
+def _give_back_unsent(ext: Leases) -> None:
+    """Give back, by task id, the claims this process's failed sends may have left."""
+    with _unsent_lock:
+        todo = [(k, t) for (owner, k), t in _unsent_claims.items() if owner == id(ext)]
+    for key, task_id in todo:
+        try:
+            released = ext.store.unique_unclaim(key, task_id)
+        except LeaseBackendError:
+            return  # Redis still fails: the next send tries again (the window bounds it)
+        with _unsent_lock:
+            if _unsent_claims.get((id(ext), key)) == task_id:
+                del _unsent_claims[(id(ext), key)]
+        if released:
+            logger.info(
+                "leases: gave back unique key %r, claimed for %s whose send failed", key, task_id
+            )
 
 
 def _requeue(ext: Leases, task_id: str, running: _Running, queue_ttl: float) -> bool:

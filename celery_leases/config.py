@@ -320,6 +320,18 @@ class LeaseSettings(BaseSettings):
             "publishing, blocks its key at most this long."
         ),
     )
+    unique_confirm_window: float = Field(
+        30.0,
+        gt=0.0,
+        le=3600.0,
+        description=(
+            "Tasks with unique=: seconds a new claim lives until its producer confirms it, "
+            "once the message is published (the claim then lives unique_ttl). A claim whose "
+            "publish failed, whose producer died, or whose reply was lost with Redis then "
+            "unreachable frees its key within this window. It must exceed the time a publish "
+            "takes, broker retries included."
+        ),
+    )
     on_duplicate: OnDuplicate = Field(
         "existing",
         description=(

@@ -11,7 +11,8 @@ Catch :class:`LeaseError` to handle every one of them::
     ├── LeaseLost               our lease expired or was taken over; .resource, .held_for
     ├── StaleFence              a fenced write was refused: a newer token was accepted;
     │                           .name, .token, .last
-    └── LeaseBackendError       Redis failed or could not be reached; raised from the redis error
+    └── LeaseBackendError       Redis failed or could not be reached; raised from the redis error;
+                                .maybe_claimed (.task_id, .key) for a unique send
 
 No raw ``redis`` exception escapes the public API: each is wrapped in
 :class:`LeaseBackendError` with the original as ``__cause__``.
@@ -167,4 +168,17 @@ class LeaseBackendError(LeaseError):
     """Redis failed, timed out or could not be reached.
 
     The message never contains a password: URLs are shown without credentials.
+
+    Attributes:
+        maybe_claimed: a unique task's send: the claim call may have run in Redis although
+            its reply was lost (and its resend failed). Nothing was published; the claim, if
+            it was made, is pending and frees its key within ``unique_confirm_window``, and
+            this process gives it back by task id when Redis answers again (its next send of
+            the key). False for every other error.
+        task_id: with ``maybe_claimed``, the task id the claim may be queued for.
+        key: with ``maybe_claimed``, the rendered unique key.
     """
+
+    maybe_claimed: bool = False
+    task_id: str | None = None
+    key: str | None = None

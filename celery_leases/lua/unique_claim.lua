@@ -10,11 +10,26 @@
 -- ARGV[1] task id, escaped   ARGV[2] queue ttl in milliseconds
 -- ARGV[3] token counter memory in milliseconds ("0": none is written, one left is still read)
 -- ARGV[4] claim resource name (index member)
--- returns {1, token}          claimed for this task
---         {2, token}          already queued for this same task id (a re-publish): its TTL is
---                             raised to the queue ttl if it was shorter
---         {0, holder, pttl}   held by another: holder "<token> <owner>" (owner "%queued/<task>"
---                             while queued), pttl ms until it runs out unless renewed (-1: never)
+-- ARGV[5] "" to claim; a token to confirm the claim "<token> %queued/<task id>" (below)
+--
+-- A producer claims with a short ttl (the unique_confirm_window setting: the claim is
+-- pending) and, once its message is published, confirms it with the queue ttl. A claim whose
+-- producer died or whose publish failed (its reply lost, say, so it cannot give it back) so
+-- frees itself within the window, never blocking its key for the queue ttl.
+--
+-- returns, to a claim:
+--          {1, token}          claimed for this task
+--          {2, token}          already queued for this same task id (a re-publish): its TTL
+--                              is raised to ARGV[2] if it was shorter
+--          {0, holder, pttl}   held by another: holder "<token> <owner>" (owner
+--                              "%queued/<task>" while queued), pttl ms until it runs out unless
+--                              renewed (-1: never)
+-- returns, to a confirm:
+--          {1, token}          the claim is still queued for this task with this token: its
+--                              TTL is raised to ARGV[2] if it was shorter
+--          {0, holder, pttl}   it is not (a worker took it over, it was released or ran out,
+--                              another task claimed the key): nothing changed, nothing written
+--                              (a confirm never brings a claim back); holder "" when free
 
 local now, now_us, now_text = clock_of(redis.call('TIME'))
 local function num(x) return string.format('%.0f', x) end
@@ -32,6 +47,17 @@ local function index(expiry)
 end
 
 local current = redis.call('GET', KEYS[1])
+if ARGV[5] ~= '' then
+  if current ~= ARGV[5] .. ' ' .. mine then
+    return {0, current or '', current and redis.call('PTTL', KEYS[1]) or -2}
+  end
+  local pttl = redis.call('PTTL', KEYS[1])
+  if pttl >= 0 and pttl < ttl then
+    redis.call('PEXPIRE', KEYS[1], ttl)
+    index(now + ttl)
+  end
+  return {1, ARGV[5]}
+end
 if current then
   local space = string.find(current, ' ', 1, true)
   local pttl = redis.call('PTTL', KEYS[1])

@@ -6,10 +6,12 @@ arrived, or fail cleanly, and leave no orphan grant or claim behind.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 from urllib.parse import urlparse
 
 import pytest
@@ -18,6 +20,7 @@ from celery_leases import LeaseBackendError, Leases, Shared, _scripts
 from celery_leases._claims import Claimed, ClaimHolder
 from celery_leases._lease import Held, Want
 from celery_leases._store import LeaseStore
+from tests.support.polling import SCHEDULING, wait_until
 from tests.support.proxy import LossyProxy
 from tests.support.topologies import resources_in_distinct_groups
 
@@ -438,6 +441,96 @@ def test_a_failed_publish_gives_back_a_claim_whose_reply_was_lost(
         finally:
             ext.store.close()
             app.close()
+
+
+@contextlib.contextmanager
+def _unique_app_on_a_dead_broker(
+    lossy_url: str, leases_prefix: str, **settings: object
+) -> Iterator[Any]:
+    """The unique test app, its leases through the proxy, its broker a port nobody listens on
+    (nothing can be published)."""
+    from tests.integration.unique import unique_app
+    from tests.integration.unique.test_unique_producer import socket_nobody_listens_on
+
+    with socket_nobody_listens_on() as dead_port:
+        app = unique_app.make_app(
+            broker=f"redis://127.0.0.1:{dead_port}/0",
+            queue=f"q-{leases_prefix}",
+            backend=lossy_url,
+            redis_url=lossy_url,
+            key_prefix=leases_prefix,
+            socket_timeout=SOCKET_TIMEOUT,
+            **settings,
+        )
+        app.conf.broker_connection_retry = False
+        app.conf.broker_connection_max_retries = 0
+        try:
+            yield app
+        finally:
+            app.leases.store.close()
+            app.close()
+
+
+def _claim_lost_then_unreachable(app: Any, proxy: LossyProxy) -> LeaseBackendError:
+    """A unique send whose claim runs, whose reply is lost and whose resend finds Redis
+    unreachable (the proxy refuses connections until ``accept_again``)."""
+    proxy.drop_next_reply(sha(_scripts.UNIQUE_CLAIM), then_refuse=True)
+    try:
+        with pytest.raises(LeaseBackendError) as raised:
+            app.tasks["unique_app.raising"].apply_async(("k",), retry=False)
+    finally:
+        proxy.accept_again()
+    assert not proxy.armed()
+    return raised.value
+
+
+def test_a_claim_whose_reply_is_lost_and_resend_fails_frees_its_key_within_the_window(
+    lossy_url: str, leases_prefix: str, proxy: LossyProxy, make_leases: Callable[..., Leases]
+):
+    """Issue 26, part 9: nothing is published, and the claim the lost call made does not
+    block the key for unique_ttl (an hour) but for unique_confirm_window at most."""
+    direct = make_leases().store  # straight to Redis
+    with _unique_app_on_a_dead_broker(
+        lossy_url, leases_prefix, unique_ttl=3600, unique_confirm_window=2
+    ) as app:
+        error = _claim_lost_then_unreachable(app, proxy)
+        assert error.maybe_claimed
+        assert error.key == "job:k"
+        holder = direct.unique_holder("job:k")
+        # the lost call claimed, for the task id the error names, pending
+        assert holder is not None
+        assert holder.state == "queued"
+        assert holder.task_id == error.task_id
+        assert holder.expires_in is not None
+        assert holder.expires_in <= 2
+        # sendable again (by another producer) within the window, not after an hour
+        wait_until(
+            lambda: isinstance(direct.unique_claim("job:k", "task-2", 60), Claimed),
+            SCHEDULING,
+            "the key to be free again",
+            step=0.2,
+        )
+        assert direct.unique_unclaim("job:k", "task-2")
+
+
+def test_the_next_send_gives_back_a_claim_a_failed_send_may_have_made(
+    lossy_url: str, leases_prefix: str, proxy: LossyProxy, make_leases: Callable[..., Leases]
+):
+    """When Redis answers again, the producer's next unique send gives the claim back by
+    task id first: it is not refused as a duplicate of a task that was never sent."""
+    from kombu.exceptions import OperationalError
+
+    direct = make_leases().store
+    with _unique_app_on_a_dead_broker(lossy_url, leases_prefix, unique_confirm_window=600) as app:
+        error = _claim_lost_then_unreachable(app, proxy)
+        assert error.maybe_claimed
+        holder = direct.unique_holder("job:k")
+        assert holder is not None
+        assert holder.task_id == error.task_id
+        # the broker is dead: this send fails to publish, but not as a duplicate
+        with pytest.raises(OperationalError):
+            app.tasks["unique_app.raising"].apply_async(("k",), retry=False)
+        assert direct.unique_holder("job:k") is None
 
 
 @HOW

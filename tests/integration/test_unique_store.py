@@ -52,6 +52,46 @@ def test_a_republish_of_the_queued_task_id_is_its_own_claim(leases_store: LeaseS
     assert holder.expires_in > 1  # raised to the longer TTL
 
 
+def test_a_confirm_raises_a_pending_claims_ttl(leases_store: LeaseStore):
+    claimed = leases_store.unique_claim("k", "task-1", 2)  # pending: the confirm window
+    assert isinstance(claimed, Claimed)
+    assert leases_store.unique_confirm("k", "task-1", claimed.token, 600)
+    holder = leases_store.unique_holder("k")
+    assert holder is not None
+    assert holder.expires_in is not None
+    assert holder.expires_in > 2
+    # another task id or token confirms nothing
+    assert not leases_store.unique_confirm("k", "task-2", claimed.token, 600)
+    assert not leases_store.unique_confirm("k", "task-1", claimed.token + 1, 600)
+    (listed,) = leases_store.queued_claims()
+    assert listed.expires_in is not None
+    assert listed.expires_in > 2
+
+
+def test_a_task_taken_over_before_its_confirm_runs_and_is_not_brought_back(
+    leases_store: LeaseStore,
+):
+    """A fast worker may start the task before its producer's confirm lands: the worker
+    takes the pending claim over, and the late confirm neither touches the running claim
+    nor, once the task ended, brings the claim back."""
+    claimed = leases_store.unique_claim("k", "task-1", 2)
+    assert isinstance(claimed, Claimed)
+    held = leases_store.unique_handover("k", "task-1", A, 10)
+    assert isinstance(held, Held)
+
+    assert not leases_store.unique_confirm("k", "task-1", claimed.token, 600)
+    holder = leases_store.unique_holder("k")
+    assert holder is not None
+    assert (holder.state, holder.task_id, holder.owner) == ("running", "task-1", A.owner)
+    assert holder.expires_in is not None
+    assert holder.expires_in <= 10
+
+    assert leases_store.release([held]) == [True]
+    assert not leases_store.unique_confirm("k", "task-1", claimed.token, 600)
+    assert leases_store.unique_holder("k") is None
+    assert leases_store.queued_claims() == []
+
+
 def test_handover_is_checked_against_the_task_id(leases_store: LeaseStore):
     claimed = leases_store.unique_claim("k", "task-1", 60)
     assert isinstance(claimed, Claimed)

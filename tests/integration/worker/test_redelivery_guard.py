@@ -232,6 +232,29 @@ def test_a_completed_task_whose_ack_was_lost_does_not_run_again(
     _quiet_for(2 * VISIBILITY, once)
 
 
+def test_a_task_id_published_again_after_its_end_does_not_run_again(
+    start: Callable[..., WorkerProc], fleet: Fleet
+) -> None:
+    """A second message of a finished task id that the broker does not flag (kombu's publish
+    retry after a lost confirm sends one) is a copy too: the completion record drops it."""
+    worker = start(pool="solo", concurrency=1)
+    task_id = fleet.send("slow", 0.1)
+    wait_until(lambda: fleet.count("finished", task_id) >= 1, 30, "the task to end")
+    fleet.send("slow", 0.1, task_id=task_id)  # the same task id, not flagged redelivered
+    wait_until(
+        lambda: "already ended (SUCCESS)" in worker.log() or fleet.count("started", task_id) >= 2,
+        30,
+        "the second message to be handled",
+    )
+
+    def once() -> None:
+        n = fleet.count("started", task_id)
+        assert n == 1, f"n={n}"
+
+    _quiet_for(2, once)
+    assert "dropped a copy" in worker.log()
+
+
 def test_a_retry_with_the_same_task_id_is_not_taken_for_a_copy(
     start: Callable[..., WorkerProc], fleet: Fleet
 ) -> None:
