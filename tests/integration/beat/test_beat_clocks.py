@@ -136,6 +136,10 @@ def _minutely(nowfun: Callable[[], datetime]) -> dict[str, Any]:
     return {"cron": {"task": "clocks.cron", "schedule": crontab(minute="*", nowfun=nowfun)}}
 
 
+def _hhmm(minutes: list[int]) -> list[str]:
+    return [datetime.fromtimestamp(m * 60, tz=timezone.utc).strftime("%H:%M") for m in minutes]
+
+
 def _assert_interval_runs(sent: list[tuple[str, str, float]], every: float, end: float) -> None:
     times = [at for _, _, at in sent]
     assert times == sorted(times)
@@ -207,11 +211,10 @@ def test_a_replica_whose_clock_jumps_an_hour_ahead_neither_doubles_nor_silences_
     tolerance = 1.0  # beat_clock_tolerance's default
     minutes = [math.floor((at + tolerance) / 60) for _, _, at in f.sent]
     due = list(range(int(TEN) // 60 + 1, int(end) // 60 + 1))  # 10:01 .. 11:45
-    doubled = sorted({m for m in minutes if minutes.count(m) > 1})
-    missed = sorted(set(due) - set(minutes))
-    stamp = [datetime.fromtimestamp(m * 60, tz=timezone.utc).strftime("%H:%M") for m in missed]
-    assert not doubled, f"sent twice: {doubled}; missed: {stamp}"
-    assert not missed, f"missed: {stamp}"
+    doubled = _hhmm(sorted({m for m in minutes if minutes.count(m) > 1}))
+    missed = _hhmm(sorted(set(due) - set(minutes)))
+    assert not doubled, f"sent twice: {doubled}; missed ({len(missed)}): {missed}"
+    assert not missed, f"missed ({len(missed)}): {missed}"
     assert minutes == due
     # never sent before its minute is due by more than the tolerance, on the Redis clock
     assert all(at >= m * 60 - tolerance for m, (_, _, at) in zip(minutes, f.sent, strict=True))
@@ -235,3 +238,20 @@ def test_a_replica_alone_with_its_clock_ahead_sends_each_crontab_run_on_time(
     assert len(times) == len(due), times
     for at, d in zip(times, due, strict=True):
         assert d - 1.0 <= at <= d + 1.0, (at - d, times)
+
+
+def test_the_clock_offset_is_a_metric(fleet: Callable[[float], Fleet]) -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from celery_leases import metrics
+
+    registry = prometheus_client.CollectorRegistry()
+    installed = metrics.install(registry)
+    try:
+        f = fleet(TEN)
+        a = f.add("A", _minutely)
+        a.skew = 30.0
+        f.run_until(TEN + 61, 0.5)
+        offset = registry.get_sample_value("celery_leases_beat_clock_offset_seconds")
+        assert offset == pytest.approx(-30.0)
+    finally:
+        installed.uninstall()
