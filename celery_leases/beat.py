@@ -19,15 +19,23 @@ that replica dies).
 
 **claim mode** (the default, setting ``beat_mode="claim"``): every replica ticks; just before
 sending a due run it claims the run in Redis, and only the replica that wins sends it. A run
-is named by the entry and its due run, never by a replica's clock:
+is named by the entry and its due run, never by a replica's clock, and each claim is judged
+on the Redis clock:
 
-- crontab: the due time ``last + delta`` from ``schedule.remaining_delta(last_run_at)``, the
-  same on every replica;
+- crontab: the due time ``last + delta`` from ``schedule.remaining_delta(last_run_at)``. A
+  run due more than ``beat_clock_tolerance`` ahead of the Redis clock is not claimable yet:
+  the replica holds the entry and presents it again when it is due on the Redis clock. The
+  next run is named from the Redis time of the claim;
 - interval (``timedelta``/seconds): the bucket of the Redis clock, ``floor(redis_now /
-  run_every)``. After each claim the entry's next due time is moved to the middle of the next
-  bucket (on the Redis clock, whatever the replica's own clock says), so every replica looks
-  once per bucket and no bucket is skipped while one replica lives;
+  run_every)``; a run less than half an interval after the last claimed one is refused, and
+  the replica looks again when it may claim it. After each claim the entry's next due time is
+  moved to the middle of the next bucket (on the Redis clock, whatever the replica's own
+  clock says), so every replica looks once per bucket and no bucket is skipped while one
+  replica lives;
 - other schedules (solar, custom): sent by the leader only (see below).
+
+A replica whose clock disagrees with Redis's by more than ``beat_clock_tolerance`` logs a
+warning; the offset is the metric ``celery_leases_beat_clock_offset_seconds``.
 
 A replica that loses a claim advances the entry as if it had sent it, so it never retries in a
 tight loop. Claims only grow: a replica whose clock lags cannot send a run that was already
