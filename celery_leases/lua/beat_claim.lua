@@ -8,7 +8,8 @@
 --   last run was claimed (two replicas whose first looks straddle a bucket boundary would
 --   otherwise send two runs a moment apart);
 -- - a crontab run due more than the tolerance ahead of the Redis clock is refused as future
---   (a replica whose clock runs ahead must not claim, and so block, runs not yet due).
+--   (a replica whose clock runs ahead must not claim, and so block, runs not yet due); it may
+--   be claimed from its due time on.
 -- The key holds "<run id> <Redis ms of the claim> <replica>" (an older "<run id> <replica>"
 -- is still read).
 --
@@ -49,7 +50,7 @@ if due > last then
   if every == nil then
     local tolerance = tonumber(ARGV[5] or '0') or 0
     if due > now + tolerance then
-      return {3, id, at, '', string.format('%.0f', due - tolerance)}
+      return {3, id, at, '', id}
     end
   elseif last_ms ~= nil and (now - last_ms) * 2 < every then
     return {2, id, at, winner, string.format('%.0f', math.ceil(last_ms + every / 2))}

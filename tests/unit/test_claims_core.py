@@ -86,14 +86,14 @@ def test_a_beat_claim_refused_by_redis_is_a_backend_error_and_not_sent_again():
 
 def test_a_beat_claim_refused_as_early_or_future_says_why_and_from_when():
     engine = _engine()
-    reply = [BeatClaimReply.FUTURE, DUE_MS, DUE_MS - 30_000, "", str(DUE_MS - 1000)]
+    reply = [BeatClaimReply.FUTURE, DUE_MS, DUE_MS - 30_000, "", str(DUE_MS)]
     claim, _ = drive(
         _claims.claim_beat_run(
             engine, "nightly", due_ms=DUE_MS, bucket=None, replica="a", keep=60, tolerance=1
         ),
         replies([reply]),
     )
-    assert (claim.won, claim.refused, claim.retry_ms) == (False, "future", DUE_MS - 1000)
+    assert (claim.won, claim.refused, claim.retry_ms) == (False, "future", DUE_MS)
     reply = [BeatClaimReply.EARLY, 7, 14_100, "b", "15000"]
     claim, _ = drive(
         _claims.claim_beat_run(engine, "tick", due_ms=None, bucket=2.0, replica="a", keep=60),

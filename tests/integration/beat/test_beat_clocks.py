@@ -237,7 +237,7 @@ def test_a_replica_alone_with_its_clock_ahead_sends_each_crontab_run_on_time(
     due = [TEN + 60 * k for k in range(1, 11)]
     assert len(times) == len(due), times
     for at, d in zip(times, due, strict=True):
-        assert d - 1.0 <= at <= d + 1.0, (at - d, times)
+        assert d <= at <= d + 1.0, (at - d, times)  # held until due, then sent at once
 
 
 def test_the_clock_offset_is_a_metric(fleet: Callable[[float], Fleet]) -> None:
