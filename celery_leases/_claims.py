@@ -52,11 +52,14 @@ if TYPE_CHECKING:
     from ._identity import Identity
 
 __all__ = (
+    "BeatClaim",
     "BeatRun",
     "ClaimHolder",
     "Claimed",
     "beat_claim",
     "beat_runs",
+    "claim_beat_run",
+    "parse_beat_claim",
     "claim_waiting_time",
     "queued_claims",
     "unique_claim",
@@ -129,6 +132,21 @@ class BeatRun:
     expires_in: float  # seconds the claim is still remembered
 
 
+def parse_beat_claim(value: str) -> tuple[int, int | None, str] | None:
+    """``(run id, Redis ms of the claim or None, winner)`` of a claim key's value, or None.
+
+    The value is ``"<run id> <Redis ms> <replica>"``; a key written before the Redis ms was
+    recorded holds ``"<run id> <replica>"`` (a replica name never starts with a digit).
+    """
+    run, _, rest = value.partition(" ")
+    if not run.lstrip("-").isdigit():
+        return None
+    ms, _, replica = rest.partition(" ")
+    if ms.isdigit():
+        return int(run), int(ms), replica
+    return int(run), None, rest
+
+
 def beat_runs(engine: LeaseEngine, entries: Sequence[str]) -> Steps[list[BeatRun]]:
     """The last claimed run of each of ``entries`` (beat entry names) that has one.
 
@@ -146,12 +164,29 @@ def beat_runs(engine: LeaseEngine, entries: Sequence[str]) -> Steps[list[BeatRun
     out: list[BeatRun] = []
     for i, (entry, kind) in enumerate(wanted):
         value, pttl = replies[2 * i], replies[2 * i + 1]
-        if value is None:
-            continue
-        run, _, replica = str(value).partition(" ")
-        if run.lstrip("-").isdigit():
-            out.append(BeatRun(entry, kind, int(run), replica, max(int(pttl), 0) / 1000))
+        parsed = None if value is None else parse_beat_claim(str(value))
+        if parsed is not None:
+            run, _, replica = parsed
+            out.append(BeatRun(entry, kind, run, replica, max(int(pttl), 0) / 1000))
     return out
+
+
+@dataclass(frozen=True)
+class BeatClaim:
+    """The outcome of one beat claim.
+
+    ``refused`` says why a run newer than the last claimed one was not claimed: ``"early"``
+    (an interval run less than half an interval after the last claim, on the Redis clock) or
+    ``"future"`` (a crontab run due further ahead of the Redis clock than the tolerance);
+    ``retry_ms`` is then the Redis time from which it may be claimed.
+    """
+
+    won: bool
+    run: int
+    now_ms: int  # the Redis clock when the claim was judged
+    winner: str  # the replica that won this run ('' if not known)
+    refused: Literal["", "early", "future"] = ""
+    retry_ms: int | None = None
 
 
 def beat_claim(
@@ -163,16 +198,36 @@ def beat_claim(
     replica: str,
     keep: float,
 ) -> Steps[tuple[bool, int, int, str]]:
-    """Claim one due run of beat entry ``entry``.
+    """Claim one due run of beat entry ``entry`` (see :func:`claim_beat_run`).
+
+    Returns:
+        ``(won, run id, Redis time in ms, winner of that run)``.
+    """
+    claim = yield from claim_beat_run(
+        engine, entry, due_ms=due_ms, bucket=bucket, replica=replica, keep=keep
+    )
+    return claim.won, claim.run, claim.now_ms, claim.winner
+
+
+def claim_beat_run(
+    engine: LeaseEngine,
+    entry: str,
+    *,
+    due_ms: int | None,
+    bucket: float | None,
+    replica: str,
+    keep: float,
+    tolerance: float = 0.0,
+) -> Steps[BeatClaim]:
+    """Claim one due run of beat entry ``entry``, judged on the Redis clock.
 
     Args:
         due_ms: the run's due time in ms (crontab), or None to claim the current bucket
             of ``bucket`` seconds on the Redis clock (interval schedules).
         replica: the claimant's name, recorded with the claim.
         keep: seconds the claim is remembered after it was made.
-
-    Returns:
-        ``(won, run id, Redis time in ms, winner of that run)``.
+        tolerance: crontab: seconds a run may be due ahead of the Redis clock and still be
+            claimed.
     """
     kind = "every" if due_ms is None else "cron"
     args: list[Any] = [
@@ -180,6 +235,7 @@ def beat_claim(
         engine.ms(bucket or 1.0),
         engine.ms(keep),
         replica,
+        str(max(0, round(tolerance * 1000))),
     ]
     keys = [engine.keys.beat_claim(entry, kind)]
     try:
@@ -188,13 +244,21 @@ def beat_claim(
         (reply,), lost = yield from resend_if_lost([Script("beat_claim", keys, args)])
     except Failure as failure:
         raise engine.backend_error("claim a beat run", failure) from failure.cause
-    won = int(reply[0]) == BeatClaimReply.WON
+    code = int(reply[0])
+    won = code == BeatClaimReply.WON
     run, now, winner = int(reply[1]), int(reply[2]), str(reply[3])
+    retry = str(reply[4]) if len(reply) > 4 else ""
     if lost:
         won = own_beat_win(won, run, winner, replica, engine.beat_won.get(keys[0]))
     if won:
         engine.beat_won[keys[0]] = run
-    return won, run, now, winner
+        return BeatClaim(True, run, now, replica)
+    refused: Literal["", "early", "future"] = ""
+    if code == BeatClaimReply.EARLY:
+        refused = "early"
+    elif code == BeatClaimReply.FUTURE:
+        refused = "future"
+    return BeatClaim(False, run, now, winner, refused, int(retry) if retry else None)
 
 
 # --- claim (the producer) -----------------------------------------------------------------

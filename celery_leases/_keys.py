@@ -233,7 +233,8 @@ class Keyspace:
         return f"{self.tag(group)}:receipt:{escape(name)}"
 
     def beat_claim(self, entry: str, kind: str) -> str:
-        """STRING ``"<run id> <replica>"``: the last claimed run of a beat entry.
+        """STRING ``"<run id> <Redis ms of the claim> <replica>"``: the last claimed run of a
+        beat entry.
 
         ``kind`` is ``"cron"`` (run id = due time in ms) or ``"every"`` (Redis-time bucket).
         """

@@ -25,7 +25,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
     from types import TracebackType
 
 HOST: Final = "127.0.0.1"
@@ -172,6 +172,7 @@ class RedisServer(StartStop):
         detached: run the server in its own session so it outlives this process.
         tls: serve TLS only, on ``port``, with these certificates (no plain-text port); ``url``
             is then a ``rediss://`` URL with the client certificate.
+        env: variables added to the server's environment (e.g. ``LD_PRELOAD``).
     """
 
     def __init__(
@@ -184,7 +185,9 @@ class RedisServer(StartStop):
         stop_timeout: float = 5.0,
         detached: bool = False,
         tls: ServerTLS | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
+        self._env = dict(env) if env else None
         self._auto_port = port is None
         self._port = free_port() if port is None else port
         self._binary = binary
@@ -342,6 +345,7 @@ class RedisServer(StartStop):
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=self._detached,
+                env=None if self._env is None else {**os.environ, **self._env},
             )
         self._wait_ready(self._proc)
 

@@ -80,10 +80,13 @@ class ReleaseReply(IntEnum):
 
 
 class BeatClaimReply(IntEnum):
-    """beat_claim.lua's first reply element (run id, Redis ms and winner follow)."""
+    """beat_claim.lua's first reply element (run id, Redis ms, winner and the Redis ms from
+    which a refused run may be claimed follow)."""
 
     LOST = 0
     WON = 1
+    EARLY = 2  #: an interval run less than half an interval after the last claimed one
+    FUTURE = 3  #: a crontab run due further ahead of the Redis clock than the tolerance
 
 
 class CommitReceiptReply(IntEnum):

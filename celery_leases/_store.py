@@ -24,7 +24,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
 from . import _claims, _cleanup, _connect, _grants, _inspect, _lifetime, _scripts
-from ._claims import BeatRun, Claimed, ClaimHolder, claim_waiting_time
+from ._claims import BeatClaim, BeatRun, Claimed, ClaimHolder, claim_waiting_time
 from ._cleanup import CleanupReport
 from ._engine import LeaseEngine, ResourceKeys
 from ._grants import Busy, busy_error, waiting_time
@@ -548,6 +548,30 @@ class LeaseStore:
         return self.run(
             _claims.beat_claim(
                 self.engine, entry, due_ms=due_ms, bucket=bucket, replica=replica, keep=keep
+            )
+        )
+
+    def claim_beat_run(
+        self,
+        entry: str,
+        *,
+        due_ms: int | None,
+        bucket: float | None,
+        replica: str,
+        keep: float,
+        tolerance: float = 0.0,
+    ) -> BeatClaim:
+        """Claim one due run of beat entry ``entry``, judged on the Redis clock (see
+        :func:`_claims.claim_beat_run`)."""
+        return self.run(
+            _claims.claim_beat_run(
+                self.engine,
+                entry,
+                due_ms=due_ms,
+                bucket=bucket,
+                replica=replica,
+                keep=keep,
+                tolerance=tolerance,
             )
         )
 

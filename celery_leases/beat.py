@@ -19,15 +19,23 @@ that replica dies).
 
 **claim mode** (the default, setting ``beat_mode="claim"``): every replica ticks; just before
 sending a due run it claims the run in Redis, and only the replica that wins sends it. A run
-is named by the entry and its due run, never by a replica's clock:
+is named by the entry and its due run, never by a replica's clock, and each claim is judged
+on the Redis clock:
 
-- crontab: the due time ``last + delta`` from ``schedule.remaining_delta(last_run_at)``, the
-  same on every replica;
+- crontab: the due time ``last + delta`` from ``schedule.remaining_delta(last_run_at)``. A
+  run due more than ``beat_clock_tolerance`` ahead of the Redis clock is not claimable yet:
+  the replica holds the entry and presents it again when it is due on the Redis clock. The
+  next run is named from the Redis time of the claim;
 - interval (``timedelta``/seconds): the bucket of the Redis clock, ``floor(redis_now /
-  run_every)``. After each claim the entry's next due time is moved to the middle of the next
-  bucket (on the Redis clock, whatever the replica's own clock says), so every replica looks
-  once per bucket and no bucket is skipped while one replica lives;
+  run_every)``; a run less than half an interval after the last claimed one is refused, and
+  the replica looks again when it may claim it. After each claim the entry's next due time is
+  moved to the middle of the next bucket (on the Redis clock, whatever the replica's own
+  clock says), so every replica looks once per bucket and no bucket is skipped while one
+  replica lives;
 - other schedules (solar, custom): sent by the leader only (see below).
+
+A replica whose clock disagrees with Redis's by more than ``beat_clock_tolerance`` logs a
+warning; the offset is the metric ``celery_leases_beat_clock_offset_seconds``.
 
 A replica that loses a claim advances the entry as if it had sent it, so it never retries in a
 tight loop. Claims only grow: a replica whose clock lags cannot send a run that was already
@@ -49,6 +57,9 @@ from __future__ import annotations
 import math
 import os
 import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Final
 
@@ -63,15 +74,36 @@ from .config import get_settings
 from .exceptions import LeaseBusy, LeaseError
 
 if TYPE_CHECKING:
+    from ._claims import BeatClaim
     from .app import Leases
 
-__all__ = ("LeasedScheduler", "LeasedSchedulerMixin")
+__all__ = ("LeasedScheduler", "LeasedSchedulerMixin", "clock_observers")
+
+#: called with (replica, seconds the Redis clock is ahead of the replica's) after each claim
+ClockObserver = Callable[[str, float], None]
+clock_observers: Final[list[ClockObserver]] = []
 
 logger = get_logger(__name__)
 
 LEADER_RESOURCE: Final = "celery_leases:beat:leader"
 #: a crontab claim is kept at least this many gaps to the schedule's next run
 _CLAIM_PERIODS: Final = 3
+#: seconds between two warnings that a replica's clock disagrees with Redis's
+_SKEW_WARN_EVERY: Final = 300.0
+#: seconds after the Redis time a refused interval run may be claimed that a replica looks
+#: again (the offset between the clocks is measured to a round trip)
+_RETRY_MARGIN: Final = 0.02
+
+
+@dataclass(frozen=True)
+class _Decision:
+    """What a claim decided: send?, the ``last_run_at`` that names the entry's next run on
+    the Redis clock (None: the scheduler's own), and whether the run is held (not due yet on
+    the Redis clock: the entry is not advanced, and is looked at again at ``hold_until``)."""
+
+    send: bool
+    last_run_at: datetime | None = None
+    hold_until: float | None = None  # local epoch seconds
 
 
 def _replica_name() -> str:
@@ -182,9 +214,22 @@ class LeasedSchedulerMixin:
     # claims itself when it is asked to advance. Winners and losers advance alike, in the
     # scheduler's own store (its reserve: the schedule file, the database row, redbeat's hash).
 
+    def is_due(self, entry: ScheduleEntry) -> Any:
+        """The scheduler's ``is_due``, except for a crontab run held until the Redis clock
+        reaches it (this replica's clock runs ahead): ``(False, seconds left)`` until then."""
+        holds = self._hold_times()
+        held = holds.get(str(entry.name))
+        if held is not None:
+            left = held - self._local_now(entry).timestamp()
+            if left > 0:
+                return False, left
+            del holds[str(entry.name)]
+        return super().is_due(entry)  # type: ignore[misc]
+
     def reserve(self, entry: ScheduleEntry) -> Any:  # celery-types says event_t: it is wrong
-        """Claim ``entry``'s due run, then advance the entry past it (winner or loser)."""
-        new_entry, send, aligned = self._claim_and_advance(entry)
+        """Claim ``entry``'s due run, then advance the entry past it (winner or loser); a run
+        not yet due on the Redis clock is held: the entry is not advanced."""
+        new_entry, send, realigned = self._claim_and_advance(entry, hold=True)
         name = entry.name
         # django-celery-beat's reserve leaves the old entry (and its old last_run_at) in
         # self.schedule; the heap is rebuilt from there (below, and whenever the schedule
@@ -192,7 +237,7 @@ class LeasedSchedulerMixin:
         schedule = self.schedule  # type: ignore[attr-defined]
         if name in schedule and schedule[name] is not new_entry:
             schedule[name] = new_entry
-        if aligned:
+        if realigned:
             # the heap holds the time to look at the entry next; tick() re-checks is_due then
             self._heap = None
         self._pending = (entry, send)
@@ -204,10 +249,11 @@ class LeasedSchedulerMixin:
         if pending is not None and pending[0] is entry:
             send = pending[1]
         else:  # called without reserve(): claim now (the entry is not advanced here)
-            send, last_run_at = self._claim(entry)
+            decision = self._claim(entry)
+            send = decision.send
             current = self.schedule.get(entry.name)  # type: ignore[attr-defined]
-            if last_run_at is not None and current is not None:
-                self._store_last_run_at(current, last_run_at)
+            if decision.last_run_at is not None and current is not None:
+                self._store_last_run_at(current, decision.last_run_at)
                 self._heap = None
         if send:
             super().apply_entry(entry, producer=producer)  # type: ignore[misc]
@@ -220,7 +266,7 @@ class LeasedSchedulerMixin:
         """Send ``entry``; with ``advance`` (redbeat's ``maybe_due``), only if this replica
         wins the due run, advancing the entry either way. Returns the result, or None."""
         if advance:
-            new_entry, send, _ = self._claim_and_advance(entry)
+            new_entry, send, _ = self._claim_and_advance(entry, hold=False)
             if not send:
                 logger.debug("leases: %s is sent by another replica", entry.name)
                 return None
@@ -230,86 +276,151 @@ class LeasedSchedulerMixin:
         )
 
     _pending: tuple[ScheduleEntry, bool] | None = None
+    #: entry name -> local epoch seconds until which its crontab run is held
+    _holds: dict[str, float] | None = None
+    _skew_warned: float = 0.0
 
-    def _claim_and_advance(self, entry: ScheduleEntry) -> tuple[ScheduleEntry, bool, bool]:
+    def _hold_times(self) -> dict[str, float]:
+        if self._holds is None:
+            self._holds = {}
+        return self._holds
+
+    def _claim_and_advance(
+        self, entry: ScheduleEntry, *, hold: bool
+    ) -> tuple[ScheduleEntry, bool, bool]:
         """Claim the due run, advance the entry with the scheduler's ``reserve``.
 
-        Returns ``(advanced entry, send it?, realigned on the Redis clock?)``.
-        """
-        send, last_run_at = self._claim(entry)
-        new_entry: ScheduleEntry = super().reserve(entry)  # type: ignore[misc]
-        if last_run_at is not None:
-            self._store_last_run_at(new_entry, last_run_at)
-        return new_entry, send, last_run_at is not None
+        A run held (not yet due on the Redis clock) leaves the entry as it is when ``hold``
+        (the scheduler asks :meth:`is_due` before it looks again), else advances it as lost.
 
-    def _claim(self, entry: ScheduleEntry) -> tuple[bool, datetime | None]:
-        """``(send?, last_run_at that aligns the entry on the Redis clock, or None)``."""
+        Returns ``(advanced entry, send it?, heap to rebuild?)``.
+        """
+        decision = self._claim(entry)
+        if decision.hold_until is not None:
+            if hold:
+                self._hold_times()[str(entry.name)] = decision.hold_until
+                return entry, False, True
+            new_entry: ScheduleEntry = super().reserve(entry)  # type: ignore[misc]
+            return new_entry, False, False
+        new_entry = super().reserve(entry)  # type: ignore[misc]
+        if decision.last_run_at is not None:
+            self._store_last_run_at(new_entry, decision.last_run_at)
+        return new_entry, decision.send, decision.last_run_at is not None
+
+    def _claim(self, entry: ScheduleEntry) -> _Decision:
         try:
             return self._should_send(entry)
         except LeaseError as exc:
             logger.error("leases: beat could not claim %s, not sending it: %s", entry.name, exc)
-            return False, None
+            return _Decision(False)
 
-    def _should_send(self, entry: ScheduleEntry) -> tuple[bool, datetime | None]:
+    def _should_send(self, entry: ScheduleEntry) -> _Decision:
         schedule = entry.schedule
         name = str(entry.name or entry.task)
         if self.lease_mode == "leader":
-            return self._is_leader(), None
+            return _Decision(self._is_leader())
         if isinstance(schedule, crontab):
             last, delta, _ = schedule.remaining_delta(entry.last_run_at or self._local_now(entry))
             due: datetime = last + delta
-            due_ms = round(due.timestamp() * 1000)
-            won, _, _, winner = self.leases.store.beat_claim(
+            local_before = self._local_now(entry)
+            claim = self.leases.store.claim_beat_run(
                 name,
-                due_ms=due_ms,
+                due_ms=round(due.timestamp() * 1000),
                 bucket=None,
                 replica=self.replica,
                 keep=self._cron_keep(schedule, due),
+                tolerance=self._tolerance(),
             )
-            self._log_claim(entry, won, winner, due.isoformat())
-            return won, None
+            offset = self._clock_offset(entry, claim, local_before)
+            if claim.refused == "future":
+                assert claim.retry_ms is not None
+                ahead = due.timestamp() - claim.now_ms / 1000
+                logger.info(
+                    "leases: beat holds %s (%s): due in %.1fs on the Redis clock",
+                    entry.name,
+                    due.isoformat(),
+                    ahead,
+                )
+                return _Decision(False, hold_until=claim.retry_ms / 1000 - offset)
+            self._log_claim(entry, claim.won, claim.winner, due.isoformat())
+            # name the next run from the Redis clock, never from this replica's: a clock
+            # that jumps ahead must not make the next run presented one far in the future
+            redis_now = datetime.fromtimestamp(claim.now_ms / 1000, tz=due.tzinfo)
+            return _Decision(claim.won, max(redis_now, due))
         run_every = getattr(schedule, "run_every", None)
         if isinstance(schedule, interval_schedule) and isinstance(run_every, timedelta):
             every = run_every.total_seconds()
             if not every > 0 or not math.isfinite(every):
-                return self._is_leader(), None
+                return _Decision(self._is_leader())
             local_before = self._local_now(entry)
-            won, bucket, redis_ms, winner = self.leases.store.beat_claim(
+            claim = self.leases.store.claim_beat_run(
                 name,
                 due_ms=None,
                 bucket=every,
                 replica=self.replica,
                 keep=max(self._keep(), 3 * every),
             )
-            aligned = self._align(entry, every, bucket, redis_ms, local_before)
-            self._log_claim(entry, won, winner, f"bucket {bucket}")
-            return won, aligned
-        return self._is_leader(), None
+            offset = self._clock_offset(entry, claim, local_before)
+            if claim.refused == "early":
+                # the last run was claimed less than half an interval ago (on the Redis
+                # clock): look again when this bucket's run may be claimed
+                assert claim.retry_ms is not None
+                logger.info(
+                    "leases: beat skips %s (bucket %s): too soon after the last run, "
+                    "looks again in %.3fs",
+                    entry.name,
+                    claim.run,
+                    claim.retry_ms / 1000 - claim.now_ms / 1000,
+                )
+                next_due = claim.retry_ms / 1000 + _RETRY_MARGIN - offset
+                return _Decision(False, self._local_datetime(next_due - every, local_before))
+            self._log_claim(entry, claim.won, claim.winner, f"bucket {claim.run}")
+            next_due = (claim.run + 1.5) * every - offset
+            return _Decision(claim.won, self._local_datetime(next_due - every, local_before))
+        return _Decision(self._is_leader())
 
-    # --- interval alignment ---------------------------------------------------------------
+    # --- clocks ---------------------------------------------------------------------------
+    def _tolerance(self) -> float:
+        return get_settings(self.app).beat_clock_tolerance
+
+    def _clock_offset(self, entry: ScheduleEntry, claim: BeatClaim, before: datetime) -> float:
+        """Seconds the Redis clock is ahead of this replica's (as the schedule sees it),
+        measured around ``claim``; tells the observers, and warns when it is off by more
+        than ``beat_clock_tolerance``."""
+        after = self._local_now(entry)
+        mid = before + (after - before) / 2
+        offset = claim.now_ms / 1000 - mid.timestamp()
+        for observer in tuple(clock_observers):
+            try:
+                observer(self.replica, offset)
+            except Exception:  # an observer's bug must not stop beat
+                logger.exception("leases: beat clock observer failed")
+        tolerance = self._tolerance()
+        if abs(offset) > tolerance:
+            now = time.monotonic()
+            if not self._skew_warned or now - self._skew_warned >= _SKEW_WARN_EVERY:
+                self._skew_warned = now
+                logger.warning(
+                    "leases: beat replica %s's clock is %.3fs %s Redis's (more than "
+                    "beat_clock_tolerance, %ss): its runs are judged on the Redis clock; "
+                    "fix this host's time (NTP)",
+                    self.replica,
+                    abs(offset),
+                    "behind" if offset > 0 else "ahead of",
+                    tolerance,
+                )
+        elif self._skew_warned:
+            self._skew_warned = 0.0
+            logger.info("leases: beat replica %s's clock agrees with Redis's again", self.replica)
+        return offset
+
+    def _local_datetime(self, epoch: float, like: datetime) -> datetime:
+        return datetime.fromtimestamp(epoch, tz=like.tzinfo)
+
+    # --- the entry's store -----------------------------------------------------------------
     def _local_now(self, entry: ScheduleEntry) -> datetime:
         now: datetime = entry.default_now()
         return now
-
-    def _align(
-        self,
-        entry: ScheduleEntry,
-        every: float,
-        bucket: int,
-        redis_ms: int,
-        local_before: datetime,
-    ) -> datetime:
-        """The ``last_run_at`` that makes the entry due in the middle of the next bucket.
-
-        ``offset`` = Redis clock - this replica's clock (as the schedule sees it), measured
-        around the claim; the next due time on the Redis clock is ``(bucket + 1.5) * every``,
-        which is ``that - offset`` on ours. Skew between replicas therefore does not matter.
-        """
-        local_after = self._local_now(entry)
-        local_mid = local_before + (local_after - local_before) / 2
-        offset = redis_ms / 1000 - local_mid.timestamp()
-        next_due_local = (bucket + 1.5) * every - offset
-        return datetime.fromtimestamp(next_due_local - every, tz=local_mid.tzinfo)
 
     def _store_last_run_at(self, entry: ScheduleEntry, last_run_at: datetime) -> None:
         """Set an advanced entry's ``last_run_at`` where its scheduler keeps it."""

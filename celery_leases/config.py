@@ -309,6 +309,16 @@ class LeaseSettings(BaseSettings):
             "entry's for three weeks), an interval entry's at least three intervals."
         ),
     )
+    beat_clock_tolerance: float = Field(
+        1.0,
+        gt=0.0,
+        le=3600.0,
+        description=(
+            "Seconds a beat replica's clock may disagree with the Redis clock: a crontab run "
+            "due further ahead of the Redis clock is not claimed yet (it is held until then), "
+            "and a replica whose clock is off by more logs a warning."
+        ),
+    )
     unique_ttl: float = Field(
         3600.0,
         gt=0.0,

@@ -31,6 +31,7 @@ from celery.utils.log import get_logger
 from . import signals
 from ._heartbeat import renew_observers
 from ._keys import pid_of_owner
+from .beat import clock_observers
 from .worker import cleanup_observers
 
 if TYPE_CHECKING:
@@ -139,6 +140,8 @@ class LeaseMetrics:
             freed by the worker's cleanup passes.
         redelivery_total: Counter (``outcome``: waiting|dropped|ran|unguarded), deliveries
             of a task that met another copy of it, with the redelivery guard on.
+        beat_clock_offset_seconds: Gauge, seconds the Redis clock is ahead of this beat
+            replica's (negative: the replica's clock is ahead), measured at its last claim.
 
     .. versionadded:: 0.1
     """
@@ -151,6 +154,7 @@ class LeaseMetrics:
     lost_total: Counter
     cleanup_released_total: Counter
     redelivery_total: Counter
+    beat_clock_offset_seconds: Gauge
 
     def __init__(self, prometheus: ModuleType, registry: CollectorRegistry, namespace: str) -> None:
         self.registry = registry
@@ -196,6 +200,12 @@ class LeaseMetrics:
             ["outcome"],
             **common,
         )
+        self.beat_clock_offset_seconds = prometheus.Gauge(
+            "beat_clock_offset_seconds",
+            "Seconds the Redis clock is ahead of this beat replica's, at its last claim",
+            multiprocess_mode="mostrecent",
+            **common,
+        )
         # export every known series from the start, at 0
         for mode in ("exclusive", "shared"):
             self.leases_held.labels(mode)
@@ -230,6 +240,7 @@ class LeaseMetrics:
             )
         renew_observers.append(self.observe_renew)
         cleanup_observers.append(self.observe_cleanup)
+        clock_observers.append(self.observe_beat_clock)
 
     def _uid(self, name: str) -> str:
         return f"celery_leases.metrics.{id(self)}.{name}"
@@ -244,6 +255,7 @@ class LeaseMetrics:
                 getattr(signals, name).disconnect(dispatch_uid=self._uid(name))
             renew_observers.remove(self.observe_renew)
             cleanup_observers.remove(self.observe_cleanup)
+            clock_observers.remove(self.observe_beat_clock)
             for collector in (
                 self.leases_held,
                 self.acquire_seconds,
@@ -253,6 +265,7 @@ class LeaseMetrics:
                 self.lost_total,
                 self.cleanup_released_total,
                 self.redelivery_total,
+                self.beat_clock_offset_seconds,
             ):
                 self.registry.unregister(collector)
 
@@ -347,6 +360,11 @@ class LeaseMetrics:
         self.cleanup_released_total.labels(kind).inc(len(report.released))
         if kind == "reaper":
             _mark_dead(report.owners)
+
+    def observe_beat_clock(self, replica: str, offset: float) -> None:
+        """Beat hook: a claim of ``replica`` measured the Redis clock ``offset`` seconds ahead
+        of the replica's."""
+        self.beat_clock_offset_seconds.set(offset)
 
 
 def _multiproc_dir() -> str | None:

@@ -2,36 +2,64 @@
 -- A run is identified by a number that only grows: the due time in ms (crontab, identical
 -- on every replica) or the index of the Redis-time bucket of the interval. The claim is won
 -- by the first replica that presents a run newer than the last one claimed; every later or
--- older claim of that run loses, whatever the replicas' clocks say.
+-- older claim of that run loses, whatever the replicas' clocks say. The claim is judged on
+-- the Redis clock:
+-- - an interval run is refused as early while less than half a bucket has passed since the
+--   last run was claimed (two replicas whose first looks straddle a bucket boundary would
+--   otherwise send two runs a moment apart);
+-- - a crontab run due more than the tolerance ahead of the Redis clock is refused as future
+--   (a replica whose clock runs ahead must not claim, and so block, runs not yet due); it may
+--   be claimed from its due time on.
+-- The key holds "<run id> <Redis ms of the claim> <replica>" (an older "<run id> <replica>"
+-- is still read).
 --
 -- KEYS[1] claim key of the entry
 -- ARGV[1] due run id, or "" to use the current Redis-time bucket
 -- ARGV[2] bucket length in ms (when ARGV[1] is "")   ARGV[3] claim key ttl in ms
 -- ARGV[4] claimant (replica) name
--- returns {won (1 or 0), run id, Redis time in ms, winner of the run ('' if not known)}
+-- ARGV[5] crontab: ms a due run may be ahead of the Redis clock and still be claimed
+-- returns {won (1), lost (0), early (2) or future (3), run id, Redis time in ms,
+--          winner of the run ('' if not known), Redis ms from which it may be claimed
+--          (early and future; else '')}
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local due
+local due, every
 if ARGV[1] == '' then
-  due = math.floor(now / tonumber(ARGV[2]))
+  every = tonumber(ARGV[2])
+  due = math.floor(now / every)
 else
   due = tonumber(ARGV[1])
 end
-local last, winner = -1, ''
+local last, last_ms, winner = -1, nil, ''
 local current = redis.call('GET', KEYS[1])
 if current then
-  local space = string.find(current, ' ', 1, true)
-  last = tonumber(string.sub(current, 1, space - 1))
-  winner = string.sub(current, space + 1)
+  local run, ms, who = string.match(current, '^(%-?%d+) (%d+) (.*)$')
+  if run then
+    last, last_ms, winner = tonumber(run), tonumber(ms), who
+  else
+    run, who = string.match(current, '^(%-?%d+) (.*)$')
+    if run then
+      last, winner = tonumber(run), who
+    end
+  end
 end
 local id = string.format('%.0f', due)
+local at = string.format('%.0f', now)
 if due > last then
-  redis.call('SET', KEYS[1], id .. ' ' .. ARGV[4], 'PX', ARGV[3])
-  return {1, id, string.format('%.0f', now), ARGV[4]}
+  if every == nil then
+    local tolerance = tonumber(ARGV[5] or '0') or 0
+    if due > now + tolerance then
+      return {3, id, at, '', id}
+    end
+  elseif last_ms ~= nil and (now - last_ms) * 2 < every then
+    return {2, id, at, winner, string.format('%.0f', math.ceil(last_ms + every / 2))}
+  end
+  redis.call('SET', KEYS[1], id .. ' ' .. at .. ' ' .. ARGV[4], 'PX', ARGV[3])
+  return {1, id, at, ARGV[4], ''}
 end
 -- the key holds the winner of the last claimed run only: of an older run, it is not known
 if due < last then
   winner = ''
 end
-return {0, id, string.format('%.0f', now), winner}
+return {0, id, at, winner, ''}

@@ -162,12 +162,13 @@ def test_beat_claims(
     ext: Leases, leases_redis: redis.Redis, leases_prefix: str, slot_groups: int
 ) -> None:
     p = leases_prefix
-    won, run, _, winner = ext.store.beat_claim(
+    won, run, now_ms, winner = ext.store.beat_claim(
         "e 1", due_ms=1_700_000_000_000, bucket=None, replica="beat@h 1", keep=60
     )
     assert (won, run, winner) == (True, 1_700_000_000_000, "beat@h 1")
     cron = f"{{{p}:{_group(slot_groups, 14)}}}:beat-cron:e%201"
-    assert leases_redis.get(cron) == "1700000000000 beat@h 1"  # "<run id> <winner>"
+    # "<run id> <Redis ms of the claim> <winner>"
+    assert leases_redis.get(cron) == f"1700000000000 {now_ms} beat@h 1"
 
     won, run, now_ms, winner = ext.store.beat_claim(
         "e 1", due_ms=None, bucket=10.0, replica="beat@h 1", keep=60
@@ -175,7 +176,25 @@ def test_beat_claims(
     assert (won, winner) == (True, "beat@h 1")
     assert run == now_ms // 10_000  # the run id of an interval: the Redis-time bucket
     every = f"{{{p}:{_group(slot_groups, 4)}}}:beat-every:e%201"
-    assert leases_redis.get(every) == f"{run} beat@h 1"
+    assert leases_redis.get(every) == f"{run} {now_ms} beat@h 1"
+
+
+def test_a_beat_claim_key_of_the_older_form_is_still_read(
+    ext: Leases, leases_redis: redis.Redis, leases_prefix: str, slot_groups: int
+) -> None:
+    """A key written by a replica of a version before the Redis ms was recorded:
+    ``"<run id> <replica>"``. Its run and winner still count; no early check applies."""
+    cron = f"{{{leases_prefix}:{_group(slot_groups, 14)}}}:beat-cron:e%201"
+    leases_redis.set(cron, "1700000000000 beat@old 1", px=60_000)
+    won, _, _, winner = ext.store.beat_claim(
+        "e 1", due_ms=1_700_000_000_000, bucket=None, replica="beat@h 1", keep=60
+    )
+    assert (won, winner) == (False, "beat@old 1")
+    won, _, now_ms, _ = ext.store.beat_claim(
+        "e 1", due_ms=1_700_000_060_000, bucket=None, replica="beat@h 1", keep=60
+    )
+    assert won
+    assert leases_redis.get(cron) == f"1700000060000 {now_ms} beat@h 1"
 
 
 def test_queued_unique_claim(

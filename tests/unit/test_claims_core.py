@@ -84,6 +84,32 @@ def test_a_beat_claim_refused_by_redis_is_a_backend_error_and_not_sent_again():
         drive(_beat(_engine()), replies(refused()))
 
 
+def test_a_beat_claim_refused_as_early_or_future_says_why_and_from_when():
+    engine = _engine()
+    reply = [BeatClaimReply.FUTURE, DUE_MS, DUE_MS - 30_000, "", str(DUE_MS)]
+    claim, _ = drive(
+        _claims.claim_beat_run(
+            engine, "nightly", due_ms=DUE_MS, bucket=None, replica="a", keep=60, tolerance=1
+        ),
+        replies([reply]),
+    )
+    assert (claim.won, claim.refused, claim.retry_ms) == (False, "future", DUE_MS)
+    reply = [BeatClaimReply.EARLY, 7, 14_100, "b", "15000"]
+    claim, _ = drive(
+        _claims.claim_beat_run(engine, "tick", due_ms=None, bucket=2.0, replica="a", keep=60),
+        replies([reply]),
+    )
+    assert (claim.won, claim.refused, claim.retry_ms, claim.winner) == (False, "early", 15000, "b")
+    assert engine.beat_won == {}
+
+
+def test_a_claim_key_is_read_in_its_current_and_its_older_form():
+    assert _claims.parse_beat_claim("17 1700000000123 beat@h/1") == (17, 1700000000123, "beat@h/1")
+    assert _claims.parse_beat_claim("17 beat@h 1") == (17, None, "beat@h 1")
+    assert _claims.parse_beat_claim("-1 5 r") == (-1, 5, "r")
+    assert _claims.parse_beat_claim("x r") is None
+
+
 # --- unique claim ---------------------------------------------------------------------------
 def test_a_unique_claim_whose_reply_is_lost_and_whose_resend_says_claimed_again_is_its_own():
     engine = _engine()

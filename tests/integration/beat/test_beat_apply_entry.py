@@ -17,6 +17,7 @@ from celery.beat import ScheduleEntry, Scheduler
 from celery.schedules import crontab, schedule
 
 from celery_leases import Leases
+from celery_leases._claims import parse_beat_claim
 from celery_leases.beat import LeasedMemoryScheduler
 from tests.support.polling import wait_until
 
@@ -55,8 +56,10 @@ def _scheduler(app: Celery, last_run_at: datetime) -> LeasedMemoryScheduler:
 def _claim(leases: Leases, entry: str, kind: str) -> tuple[int, str]:
     value = leases.store.client.get(leases.store.keys.beat_claim(entry, kind))
     assert value is not None
-    run, replica = str(value).split(" ", 1)
-    return int(run), replica
+    parsed = parse_beat_claim(str(value))  # "<run> <Redis ms> <replica>"
+    assert parsed is not None
+    run, _, replica = parsed
+    return run, replica
 
 
 def test_same_crontab_run_is_sent_by_one_replica_and_the_other_advances(
