@@ -145,6 +145,15 @@ class LeaseSettings(BaseSettings):
         "retry",
         description="Default busy policy of LeasedTask: retry, skip, fail or wait.",
     )
+    skip_result: Literal["marker", "none"] = Field(
+        "marker",
+        description=(
+            "What a task skipped by on_busy='skip' returns (state SUCCESS either way). "
+            "marker: a small dict {'celery_leases.skipped': {'resource': ..., 'holder_task': "
+            "...}} that celery_leases.is_skipped(result) recognises; none: None, as before "
+            "0.1.0 (a skip then looks like a body that returned None)."
+        ),
+    )
     on_lost: OnLost = Field(
         "interrupt",
         description=(

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import pickle
 
 import pytest
+from celery import Celery
 
-from celery_leases import LeaseBusy, Shared
+from celery_leases import LeaseBusy, Shared, is_skipped
 
 
 def test_a_nested_hold_says_it_is_the_same_owner(leases):
@@ -50,3 +52,43 @@ def test_a_full_shared_limit_is_not_blamed_on_the_asking_owner(leases):
         pass
     assert info.value.same_owner is False
     assert "another owner" in str(info.value)
+
+
+# --- item 6: a skipped task can be told from one that returned None ---------------------------
+def _skipping_app(make_leases, **settings):
+    app = Celery("skipper", set_as_current=False)
+    app.conf.task_store_eager_result = False
+    ext = make_leases(app, **settings)
+
+    @app.task(shared=False, lease="report:{account_id}", on_busy="skip")
+    def build_report(account_id):
+        return None  # a body that returns None, as a skip did
+
+    return ext, build_report
+
+
+def test_a_skipped_task_returns_a_marker_is_skipped_tells(make_leases):
+    ext, build_report = _skipping_app(make_leases)
+    ran = build_report.apply((7,))
+    assert ran.successful()
+    assert ran.result is None
+    assert not is_skipped(ran.result)
+    assert not is_skipped(ran)
+    with ext.hold("report:7"):
+        skipped = build_report.apply((7,))
+    assert skipped.successful()  # a skip is not an error
+    assert is_skipped(skipped.result)
+    assert is_skipped(skipped)
+    assert skipped.result == {
+        "celery_leases.skipped": {"resource": "report:7", "holder_task": None}
+    }
+    assert json.loads(json.dumps(skipped.result)) == skipped.result  # any result backend
+
+
+def test_skip_result_none_keeps_the_old_none(make_leases):
+    ext, build_report = _skipping_app(make_leases, skip_result="none")
+    with ext.hold("report:8"):
+        skipped = build_report.apply((8,))
+    assert skipped.successful()
+    assert skipped.result is None
+    assert not is_skipped(skipped)
