@@ -765,6 +765,22 @@ def adopt(task: object) -> bool:
     return True
 
 
+def unleased_tasks(app: Any) -> dict[str, list[str]]:
+    """Tasks of ``app`` that set lease options without being :class:`LeasedTask`.
+
+    On an app with ``Leases(app)`` they are adopted (see :func:`adopt`); on an app without it
+    nothing would read their options. Returns task name -> the options it sets.
+    """
+    found: dict[str, list[str]] = {}
+    for name, task in sorted(app.tasks.items()):
+        if isinstance(task, LeasedTask) or not isinstance(task, Task):
+            continue
+        given = [o for o in LEASE_OPTIONS if getattr(type(task), o, None) is not None]
+        if given:
+            found[str(name)] = given
+    return found
+
+
 def adopt_tasks(app: Any) -> None:
     """Adopt (see :func:`adopt`) every task of ``app`` with lease options, now and later.
 

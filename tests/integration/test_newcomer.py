@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from celery import Celery
 
-from celery_leases import LeaseBusy, Shared, is_skipped
+from celery_leases import LeaseBusy, LeasedTask, Leases, Shared, is_skipped
+from celery_leases.cli import unleased_problem
+from tests.support.polling import SCHEDULING
 
 
 def test_a_nested_hold_says_it_is_the_same_owner(leases):
@@ -92,3 +98,69 @@ def test_skip_result_none_keeps_the_old_none(make_leases):
     assert skipped.successful()
     assert skipped.result is None
     assert not is_skipped(skipped)
+
+
+# --- item 1: lease options on an app without Leases(app) --------------------------------------
+UNLEASED_APP = """
+from celery import Celery
+
+app = Celery("unleased", broker="memory://", backend="cache+memory://")
+
+
+@app.task(lease="report:{account_id}", on_busy="skip")   # a celery-once migrant's first task
+def build_report(account_id): ...
+
+
+@app.task(unique="sync:{repo}")
+def sync(repo): ...
+
+
+@app.task
+def plain(): ...
+"""
+
+
+def _worker(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "unleased_app.py").write_text(source)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    command = [sys.executable, "-m", "celery", "-A", "unleased_app", "worker", "--pool", "solo"]
+    command += ["--without-heartbeat", "--without-mingle", "--without-gossip", "-l", "INFO"]
+    try:
+        return subprocess.run(
+            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=SCHEDULING
+        )
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stderr or b"").decode() if isinstance(exc.stderr, bytes) else exc.stderr
+        pytest.fail(f"the worker started and ran (it should have refused):\n{out}")
+
+
+def test_a_worker_refuses_lease_options_on_an_app_without_leases(tmp_path: Path) -> None:
+    # the app's code never imports celery_leases: Celery's CLI loads the package's entry point
+    assert "celery_leases" not in UNLEASED_APP
+    done = _worker(tmp_path, UNLEASED_APP)
+    assert done.returncode == 78, done.stderr  # EX_CONFIG
+    assert "refusing to start" in done.stderr
+    assert "unleased_app.build_report (lease, on_busy)" in done.stderr
+    assert "unleased_app.sync (unique)" in done.stderr
+    assert "unleased_app.plain" not in done.stderr
+    assert "Leases(app)" in done.stderr
+
+
+def test_unleased_problem_names_only_plain_tasks_of_apps_without_leases() -> None:
+    app = Celery("mixed", set_as_current=False)
+
+    @app.task(shared=False, lease="a:{x}")
+    def plain_with_lease(x): ...
+
+    @app.task(shared=False, base=LeasedTask, lease="b:{x}")
+    def leased(x): ...  # LeasedTask makes Leases(app) itself, with a warning
+
+    problem = unleased_problem(app)
+    assert problem is not None
+    assert "plain_with_lease (lease)" in problem
+    assert ".leased" not in problem
+    ext = Leases(app, redis_url="redis://127.0.0.1:1/0")  # never connects
+    try:
+        assert unleased_problem(app) is None
+    finally:
+        ext.store.close()
