@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from celery import Celery
@@ -133,3 +137,62 @@ def test_a_bad_key_prefix_is_shown_once() -> None:
     with pytest.raises(LeaseConfigError) as info:
         Leases(Celery("p", set_as_current=False), key_prefix="my prefix!")
     assert str(info.value).count("(got 'my prefix!')") == 1
+
+
+# --- the README's first command: scripts/demo -------------------------------------------------
+ROOT = Path(__file__).resolve().parents[2]
+
+# the venv's python, replaced by a recorder: pip and the demo are logged, not run; `pick` (the
+# Redis chooser) is the real one, told that every URL answers
+STUB = """#!/bin/sh
+echo "$*" >> "$STUB_LOG"
+case "$*" in
+  *tests.support.servers\\ pick*)
+    shift 2
+    exec "$REAL_PYTHON" -c 'import sys; import tests.support.servers as s; \\
+s.url_answers = lambda url: True; sys.exit(s.main(sys.argv[1:]))' "$@" ;;
+  *example_project.demo*) echo "demo REDIS_URL=$REDIS_URL" >> "$STUB_LOG" ;;
+esac
+"""
+
+
+def run_demo(tmp_path: Path, redis_url: str) -> list[str]:
+    repo = tmp_path / "clone"
+    (repo / "scripts").mkdir(parents=True)
+    for name in ("demo", "_env.sh"):
+        shutil.copy(ROOT / "scripts" / name, repo / "scripts" / name)
+    venv_bin = repo / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "activate").write_text(f'PATH="{venv_bin}:$PATH"\n')
+    python = venv_bin / "python"
+    python.write_text(STUB)
+    python.chmod(0o755)
+    log = tmp_path / "log"
+    env = {
+        **os.environ,
+        "REDIS_URL": redis_url,
+        "STUB_LOG": str(log),
+        "REAL_PYTHON": sys.executable,
+        "PYTHONPATH": str(ROOT),
+    }
+    done = subprocess.run(
+        ["bash", str(repo / "scripts" / "demo")], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return log.read_text().splitlines()
+
+
+def test_the_demo_installs_the_package_alone(tmp_path: Path) -> None:
+    lines = run_demo(tmp_path, "redis://127.0.0.1:6379")
+    (install,) = [line for line in lines if "pip install" in line]
+    assert install.endswith("-e .")  # not '.[dev,docs]': gevent, playwright, django, ...
+
+
+def test_the_demo_honours_the_database_in_redis_url(tmp_path: Path) -> None:
+    assert "demo REDIS_URL=redis://127.0.0.1:6379/3" in run_demo(
+        tmp_path / "a", "redis://127.0.0.1:6379/3"
+    )
+    # a URL without a database: 14, as before
+    assert "demo REDIS_URL=redis://127.0.0.1:6379/14" in run_demo(
+        tmp_path / "b", "redis://127.0.0.1:6379"
+    )
