@@ -182,10 +182,11 @@ def run_demo(tmp_path: Path, redis_url: str) -> list[str]:
     return log.read_text().splitlines()
 
 
-def test_the_demo_installs_the_package_alone(tmp_path: Path) -> None:
+def test_the_demo_installs_only_what_it_needs(tmp_path: Path) -> None:
     lines = run_demo(tmp_path, "redis://127.0.0.1:6379")
     (install,) = [line for line in lines if "pip install" in line]
-    assert install.endswith("-e .")  # not '.[dev,docs]': gevent, playwright, django, ...
+    # not '.[dev,docs]': gevent, eventlet, playwright, django, psycopg, mypy, mkdocs, ...
+    assert install.endswith("-e .[demo]")
 
 
 def test_the_demo_honours_the_database_in_redis_url(tmp_path: Path) -> None:
