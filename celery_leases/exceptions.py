@@ -5,7 +5,7 @@ Catch :class:`LeaseError` to handle every one of them::
     LeaseError                  root; catch this one
     ├── LeaseConfigError        also a ValueError: invalid settings or task options
     ├── LeaseBusy               another holder has it; .resource, .retry_after,
-    │                           .holder_task
+    │                           .holder_task, .same_owner (a nested hold)
     │   └── DuplicateTask       a unique task's key is claimed by a queued or running copy;
     │                           .key, .task_id, .state
     ├── LeaseLost               our lease expired or was taken over; .resource, .held_for
@@ -80,8 +80,9 @@ class LeaseBusy(LeaseError):
 
     def __str__(self) -> str:
         if self.same_owner:
+            task = f", task {self.holder_task}" if self.holder_task else ""
             msg = (
-                f"lease on {self.resource!r} is held by this same owner (this process): "
+                f"lease on {self.resource!r} is held by this same owner (this process{task}): "
                 "leases are not reentrant, a nested hold of a resource the process already "
                 "holds is busy until the outer one is released"
             )
