@@ -33,7 +33,7 @@ from .exceptions import (
     StaleFence,
 )
 from .fence import AsyncFencedRedis, FencedRedis
-from .task import LeasedTask, current_leases
+from .task import LeasedTask, current_leases, is_skipped
 
 try:
     __version__ = _version("celery-leases")
@@ -45,6 +45,7 @@ __all__ = (
     "current_leases",
     "DuplicateTask",
     "FencedRedis",
+    "is_skipped",
     "Lease",
     "LeaseBackendError",
     "LeaseBusy",

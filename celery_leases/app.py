@@ -98,14 +98,17 @@ class Leases:
     def settings(self) -> LeaseSettings:
         """The settings in force (resolved at first use, then fixed; see the configuration docs).
 
+        Reading them is not a use: before the first lease they are resolved from the config
+        as it is now, and a key set afterwards still counts.
+
         .. versionadded:: 0.1
         """
-        return self._settings.current()
+        return self._settings.view()
 
     @property
     def store(self) -> LeaseStore:
         """The Redis store, on the settings in force (see :attr:`settings`)."""
-        return self._store_for(self.settings)
+        return self._store_for(self._settings.current())
 
     def _store_for(self, settings: LeaseSettings) -> LeaseStore:
         """The store of ``settings`` (the settings in force, read by the caller)."""
@@ -250,7 +253,9 @@ class Leases:
         try:
             granted = store.acquire(wants, ident, ttl, wait, task_id)
         except LeaseBusy as busy:
-            _busy(busy, task_id, time.monotonic() - started)
+            _busy(busy, wants, ttl, task_id, time.monotonic() - started)
+            if _held_here(busy, wants, ident, store, heartbeat().snapshot()):
+                raise _same_owner(busy) from None
             raise
         beat = heartbeat()
         for held in granted:
@@ -389,7 +394,10 @@ class Leases:
         try:
             granted = await astore.acquire(wants, ident, ttl, wait)
         except LeaseBusy as busy:
-            _busy(busy, None, time.monotonic() - started)
+            _busy(busy, wants, ttl, None, time.monotonic() - started)
+            mine = [*loop_heartbeat().snapshot(), *heartbeat().snapshot()]
+            if _held_here(busy, wants, ident, self.store, mine):
+                raise _same_owner(busy) from None
             raise
         beat = loop_heartbeat()
         for held in granted:
@@ -558,7 +566,9 @@ def _wants(what: str, resources: Sequence[object]) -> list[Want]:
     ]
 
 
-def _busy(busy: LeaseBusy, task_id: str | None, elapsed: float) -> None:
+def _busy(
+    busy: LeaseBusy, wants: Sequence[Want], ttl: float, task_id: str | None, elapsed: float
+) -> None:
     # DEBUG: what the busy leads to (a task's retry, skip or failure, or LeaseBusy to the
     # caller of hold) is logged or raised once, by whoever decides it
     logger.debug(
@@ -567,12 +577,53 @@ def _busy(busy: LeaseBusy, task_id: str | None, elapsed: float) -> None:
         busy,
         busy.retry_after or 0,
     )
+    want = next((w for w in wants if w.resource == busy.resource), None)
     _send(
         signals.lease_busy,
         busy.resource,
         retry_after=busy.retry_after,
         task_id=task_id,
         elapsed=elapsed,
+        shared=want is not None and want.mode == "s",
+        ttl=ttl,
+    )
+
+
+def _held_here(
+    busy: LeaseBusy,
+    wants: Sequence[Want],
+    ident: Identity,
+    store: LeaseStore,
+    held: Sequence[Held],
+) -> bool:
+    """True if the busy resource is held by the asking process itself (same owner, same
+    prefix) in a way that alone makes it busy: a nested hold, which leases do not let
+    through (they are not reentrant). A full shared limit, where its own shared lease is
+    only one of the holders, is not counted."""
+    if busy.same_owner:
+        return False
+    asked = [w for w in wants if w.resource == busy.resource]
+    if not asked:
+        return False
+    exclusive = asked[0].mode != "s"
+    prefix = store.keys.prefix
+    return any(
+        h.resource == busy.resource
+        and h.owner == ident.owner
+        and h.store.keys.prefix == prefix
+        and (exclusive or h.mode != "s")
+        for h in held
+    )
+
+
+def _same_owner(busy: LeaseBusy) -> LeaseBusy:
+    """``busy`` told as what it is: this owner already holds the resource."""
+    return LeaseBusy(
+        busy.resource,
+        retry_after=busy.retry_after,
+        waited=busy.waited,
+        holder_task=busy.holder_task,
+        same_owner=True,
     )
 
 

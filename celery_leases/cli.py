@@ -89,6 +89,7 @@ from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 
 import click
+from celery import signals as _signals
 from celery._state import get_current_app
 from celery.bin.base import CeleryCommand, CLIContext
 from celery.utils.log import get_logger
@@ -106,6 +107,7 @@ from ._store import LeaseStore
 from .app import Leases, find_leases
 from .config import safe_url
 from .exceptions import LeaseBackendError, LeaseConfigError, LeaseError
+from .task import unleased_tasks
 from .worker import RECONCILE_RESOURCE, run_reconcile
 
 if TYPE_CHECKING:
@@ -1232,3 +1234,48 @@ def web(
     mode = "forced release enabled (bearer token)" if allow_release else "read-only"
     click.echo(f"celery leases web: {where.url}/ ({mode})", err=True)
     view.serve(asgi, where)
+
+
+# --- a worker whose tasks carry lease options nothing would read -----------------------------
+def unleased_problem(app: Celery) -> str | None:
+    """Why a worker of ``app`` must not start: tasks that set lease options on an app without
+    ``Leases(app)`` (nothing would take their leases); None when there are none."""
+    if find_leases(app) is not None:
+        return None
+    tasks = unleased_tasks(app)
+    if not tasks:
+        return None
+    listed = "; ".join(f"{name} ({', '.join(options)})" for name, options in tasks.items())
+    which = "the task" if len(tasks) == 1 else "the tasks"
+    return (
+        f"celery_leases: refusing to start: {which} {listed} of app {app.main!r} set lease "
+        "options, but the app has no Leases(app), so nothing would take their leases and "
+        "copies would run at once. Create it next to the app (from celery_leases import "
+        "Leases; Leases(app)), or declare them with base=LeasedTask. See "
+        "docs/tasks.md#without-baseleasedtask."
+    )
+
+
+def on_worker_init(sender: Any = None, **kwargs: Any) -> None:
+    """``worker_init``: refuse to start (exit 78) a worker whose tasks carry lease options on
+    an app without ``Leases(app)``.
+
+    The exception to "a handler never raises": it ends the process on purpose, with
+    ``SystemExit``, which Celery's signal dispatch does not swallow. Anything else that goes
+    wrong here is logged and the worker starts.
+    """
+    try:
+        problem = unleased_problem(sender.app)
+    except Exception:
+        logger.exception("leases: could not check the worker's tasks for lease options")
+        return
+    if problem is not None:
+        click.echo(problem, err=True)
+        raise SystemExit(EX_CONFIG)
+
+
+# The style exception of this module (docs/architecture.md, "Rules"): importing it connects a
+# signal. Celery's CLI imports this module, the package's celery.commands entry point, in every
+# `celery` process, so a `celery worker` sees tasks whose lease options an app without
+# Leases(app) would silently ignore, even when the app's code never imports celery_leases.
+_signals.worker_init.connect(on_worker_init, dispatch_uid="celery_leases.unleased", weak=False)

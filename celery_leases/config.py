@@ -17,6 +17,7 @@ lazy, and a key set after ``Leases(app)`` counts; one changed after first use is
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import threading
@@ -28,6 +29,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple
 from urllib.parse import parse_qsl, quote, urlsplit
 
+from celery.utils.log import get_logger
 from pydantic import Field, ValidationError, field_serializer, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -142,6 +144,15 @@ class LeaseSettings(BaseSettings):
     on_busy: OnBusy = Field(
         "retry",
         description="Default busy policy of LeasedTask: retry, skip, fail or wait.",
+    )
+    skip_result: Literal["marker", "none"] = Field(
+        "marker",
+        description=(
+            "What a task skipped by on_busy='skip' returns (state SUCCESS either way). "
+            "marker: a small dict {'celery_leases.skipped': {'resource': ..., 'holder_task': "
+            "...}} that celery_leases.is_skipped(result) recognises; none: None, as before "
+            "0.1.0 (a skip then looks like a body that returned None)."
+        ),
     )
     on_lost: OnLost = Field(
         "interrupt",
@@ -398,7 +409,8 @@ class LeaseSettings(BaseSettings):
     @classmethod
     def _check_prefix(cls, value: str) -> str:
         if not _PREFIX_RE.fullmatch(value):
-            msg = f"must be 1-64 characters from A-Z a-z 0-9 _ . : - (got {value!r})"
+            # the value itself is added once, by _config_error's "(got ...)"
+            msg = "must be 1-64 characters from A-Z a-z 0-9 _ . : -"
             raise ValueError(msg)
         return value
 
@@ -575,13 +587,110 @@ def _describe_source(field: str, kwargs: Mapping[str, Any], conf: Mapping[str, A
     return "its default"
 
 
+def _closest(name: str) -> str | None:
+    """The setting ``name`` was probably meant to be (difflib's closest match), or None."""
+    close = difflib.get_close_matches(name.lower(), LeaseSettings.model_fields, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _did_you_mean(field: str, where: str) -> str:
+    """``: did you mean ...?`` for an unknown setting, spelt as it was given (a keyword,
+    an ``app.conf`` key, a namespaced config key, an environment variable); else ``""``."""
+    close = _closest(field)
+    if close is None:
+        return ""
+    if where.startswith("keyword argument"):
+        return f": did you mean {close}=?"
+    origin = _origins.get().get(CONF_PREFIX + field)
+    if origin is not None and origin != CONF_PREFIX + field:  # CELERY_LEASES_TTLL
+        spelt = origin[: len(origin) - len(field)] + _match_case(close, origin)
+        return f": did you mean {spelt}?"
+    if where.startswith("environment"):
+        return f": did you mean {ENV_PREFIX}{close.upper()}?"
+    return f": did you mean {CONF_PREFIX}{close}?"
+
+
+#: the word a key meant for celery_leases starts with, once its namespace is taken off:
+#: ``lease_``, ``leases_`` (``leasesx`` is somebody else's)
+_LEASE_WORD: Final = re.compile(r"leases?[_\-.]")
+#: environment variables of the project's own test and fault suites, which are not settings
+_DEV_ENV: Final = ("CELERY_LEASES_TEST_", "CELERY_LEASES_MODEL_", "CELERY_LEASES_FAULTS_")
+_warned_env: set[str] = set()
+logger: Final = get_logger(__name__)
+
+
+def _near_misses(app: Celery | None) -> list[str]:
+    """Config keys that look meant for celery_leases but are not read as its settings.
+
+    ``CELERY_LEASE_LOST_MARGIN`` (singular) in a config loaded with ``namespace="CELERY"``,
+    ``lease_ttl``, or ``CELERY_LEASES_TTL`` in a config without a namespace (Celery reads
+    only ``leases_ttl`` there): Celery would keep them and nothing would read them.
+    """
+    if app is None:
+        return []
+    conf = _loaded_conf(app)
+    namespaced = _namespaced(conf)
+    # the namespace as a lower-cased prefix: "celery_" (or "celery_" unread, without one)
+    ns = (namespaced or "celery_leases_").lower().removesuffix(CONF_PREFIX)
+    lines = []
+    for key in list(conf.keys()):
+        if not isinstance(key, str) or key.startswith(CONF_PREFIX):
+            continue
+        if namespaced is not None and key.startswith(namespaced):
+            continue
+        low = key.lower()
+        if low.startswith(ns + "lease"):
+            rest = low[len(ns) :]  # CELERY_LEASE_TTL; CELERY_LEASES_TTL without a namespace
+        elif key.startswith("lease"):
+            rest = key  # lease_ttl, leasesttl: a Celery-style key
+        else:
+            continue
+        word = _LEASE_WORD.match(rest)
+        if word is None:
+            continue
+        name = rest[word.end() :]
+        close = _closest(name) if name else None
+        if close is None:
+            meant = None
+        elif namespaced is not None and key.isupper():
+            meant = _match_case(namespaced + close, namespaced)
+        else:
+            meant = CONF_PREFIX + close
+        hint = f": did you mean {meant}?" if meant else ""
+        why = "" if namespaced is not None or not key.isupper() else " (it has no namespace)"
+        lines.append(f"unknown setting key {key!r} in the Celery config{why}{hint}")
+    return lines
+
+
+def _warn_unknown_env() -> None:
+    """Log once per process each ``CELERY_LEASES_*`` environment variable that is not a
+    setting (the environment is shared with other programs: told, not refused)."""
+    for key in list(os.environ):
+        upper = key.upper()
+        if not upper.startswith(("CELERY_LEASES_", "CELERY_LEASE_")) or key in _warned_env:
+            continue
+        if upper.startswith(_DEV_ENV):
+            continue
+        name = upper.removeprefix("CELERY_LEASES_").removeprefix("CELERY_LEASE_").lower()
+        if upper.startswith(ENV_PREFIX) and name in LeaseSettings.model_fields:
+            continue
+        _warned_env.add(key)
+        close = _closest(name)
+        hint = f": did you mean {ENV_PREFIX}{close.upper()}?" if close else ""
+        logger.warning(
+            "leases: environment variable %s is not a celery_leases setting and is ignored%s",
+            key,
+            hint,
+        )
+
+
 def _config_error(exc: ValidationError, kwargs: Mapping[str, Any], conf: Mapping[str, Any]) -> str:
     lines = []
     for err in exc.errors():
         field = str(err["loc"][0]) if err["loc"] else ""
         if err["type"] == "extra_forbidden":
             where = _describe_source(field, kwargs, conf)
-            lines.append(f"unknown setting {field!r} (from {where})")
+            lines.append(f"unknown setting {field!r} (from {where}){_did_you_mean(field, where)}")
         elif not field:
             lines.append(str(err["msg"]).removeprefix("Value error, "))
         else:
@@ -799,14 +908,21 @@ def _resolve(
 ) -> LeaseSettings:
     conf = {key: value for key, (value, _) in found.items()}
     origins = {key: origin for key, (_, origin) in found.items()}
+    _warn_unknown_env()
+    near = _near_misses(app)
     token = _origins.set(origins)
     try:
         with _conf_context(conf):
             settings = LeaseSettings(**kwargs)
     except ValidationError as exc:
-        raise LeaseConfigError(_config_error(exc, kwargs, conf)) from None
+        text = _config_error(exc, kwargs, conf)
+        if near:
+            text += "; " + "; ".join(near)
+        raise LeaseConfigError(text) from None
     finally:
         _origins.reset(token)
+    if near:
+        raise LeaseConfigError("invalid celery_leases settings: " + "; ".join(near))
     if settings.redis_url is None:
         settings = settings.model_copy(update={"redis_url": _broker_default(app)})
     return settings
@@ -843,6 +959,24 @@ class AppSettings:
 
     def peek(self) -> LeaseSettings:
         """The settings as resolved last, without counting as a use."""
+        return self._value
+
+    def view(self) -> LeaseSettings:
+        """The settings as they would be used now, without counting as a use.
+
+        Once fixed, those in force; before, resolved again from the config and the
+        environment as they are now (the same object when nothing changed), and still free
+        to change until the first use.
+        """
+        if self._fixed:
+            return self._value
+        with self._lock:
+            if not self._fixed:
+                found = _conf_with_origins(self._app)
+                value = _resolve(self._app, self._kwargs, found)
+                if value != self._value:
+                    self._value = value
+                self._found = found
         return self._value
 
     def current(self) -> LeaseSettings:

@@ -5,7 +5,7 @@ Catch :class:`LeaseError` to handle every one of them::
     LeaseError                  root; catch this one
     ├── LeaseConfigError        also a ValueError: invalid settings or task options
     ├── LeaseBusy               another holder has it; .resource, .retry_after,
-    │                           .holder_task
+    │                           .holder_task, .same_owner (a nested hold)
     │   └── DuplicateTask       a unique task's key is claimed by a queued or running copy;
     │                           .key, .task_id, .state
     ├── LeaseLost               our lease expired or was taken over; .resource, .held_for
@@ -49,6 +49,8 @@ class LeaseBusy(LeaseError):
         waited: seconds spent waiting before giving up.
         holder_task: the id of the task that holds the resource, when the holder is a
             leased task and Redis could tell (an exclusive lease); else None.
+        same_owner: True when the holder is the very process that asked (a nested ``hold``
+            of a resource it already holds): leases are not reentrant.
 
     The details are kept in ``args`` (not just in the message), so the exception survives
     Celery's JSON result serialisation, which rebuilds an exception as ``cls(*args)``.
@@ -60,10 +62,14 @@ class LeaseBusy(LeaseError):
         retry_after: float | None = None,
         waited: float = 0.0,
         holder_task: str | None = None,
+        same_owner: bool = False,
     ) -> None:
-        # holder_task joins args only when known: the 3-tuple of earlier releases stays what
-        # every busy without a known holder pickles to, for workers of either release
-        if holder_task is None:
+        # holder_task (and same_owner) join args only when known: the 3-tuple of earlier
+        # releases stays what every busy without a known holder pickles to, for workers of
+        # either release
+        if same_owner:
+            super().__init__(resource, retry_after, waited, holder_task, True)
+        elif holder_task is None:
             super().__init__(resource, retry_after, waited)
         else:
             super().__init__(resource, retry_after, waited, holder_task)
@@ -71,8 +77,19 @@ class LeaseBusy(LeaseError):
         self.retry_after = retry_after
         self.waited = waited
         self.holder_task = holder_task
+        self.same_owner = same_owner
 
     def __str__(self) -> str:
+        if self.same_owner:
+            task = f", task {self.holder_task}" if self.holder_task else ""
+            msg = (
+                f"lease on {self.resource!r} is held by this same owner (this process{task}): "
+                "leases are not reentrant, a nested hold of a resource the process already "
+                "holds is busy until the outer one is released"
+            )
+            if self.waited > 0:
+                msg += f" (waited {self.waited:.1f}s)"
+            return msg
         holder = f"task {self.holder_task}" if self.holder_task else "another owner"
         msg = f"lease on {self.resource!r} is held by {holder}"
         if self.waited > 0:

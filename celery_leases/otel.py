@@ -22,6 +22,7 @@ Spans (all ``INTERNAL``; attributes under ``celery_leases.``, the task's under `
   ``outcome`` (``ok`` or ``failed``, with an error status).
 - ``celery_leases.cleanup``: a worker cleanup pass (``kind``: startup, reaper, reconcile,
   shutdown), ended when the pass reports: ``owners``, ``released``, ``expired``, ``errors``.
+  A reaper or reconcile pass that did nothing makes none.
 
 The spans are made from the signals of :mod:`celery_leases.signals` and the heartbeat's and
 worker's observer hooks, with their measured start times, in the thread that sends them (a
@@ -57,6 +58,8 @@ logger = get_logger(__name__)
 
 #: leases remembered as lost, so that their later release ends no second hold span
 MAX_LOST: Final = 10_000
+#: cleanup passes that run on a timer: traced only when they did something
+_PERIODIC: Final = frozenset({"reaper", "reconcile"})
 _SIGNALS: Final = ("lease_acquired", "lease_busy", "lease_released", "lease_lost")
 
 _installed: LeaseTracing | None = None
@@ -200,8 +203,10 @@ class LeaseTracing:
         try:
             attributes = {
                 "celery_leases.resource": kwargs["resource"],
+                "celery_leases.mode": "shared" if kwargs.get("shared") else "exclusive",
                 "celery_leases.outcome": "busy",
                 "celery_leases.wait_seconds": kwargs.get("elapsed"),
+                "celery_leases.ttl": kwargs.get("ttl"),
                 "celery_leases.retry_after": kwargs.get("retry_after"),
                 **self._task(kwargs.get("task_id")),
             }
@@ -273,7 +278,13 @@ class LeaseTracing:
         )
 
     def observe_cleanup(self, kind: str, report: CleanupReport) -> None:
-        """Worker hook: a cleanup pass of ``kind`` reported."""
+        """Worker hook: a cleanup pass of ``kind`` reported.
+
+        A periodic pass (reaper, reconcile) that did nothing makes no span: the reaper runs
+        every ttl / 3 in every worker, and its empty passes were only noise.
+        """
+        if kind in _PERIODIC and not _did_something(report):
+            return
         self._span(
             "celery_leases.cleanup",
             0.0,
@@ -286,3 +297,8 @@ class LeaseTracing:
             },
             error=f"{len(report.errors)} owner(s) could not be cleaned" if report.errors else None,
         )
+
+
+def _did_something(report: CleanupReport) -> bool:
+    """True if a cleanup pass looked at an owner, freed, dropped, kept or failed anything."""
+    return bool(report.owners or report.released or report.expired or report.kept or report.errors)

@@ -17,7 +17,8 @@ a receiver is logged and never stops celery_leases.
   ``elapsed`` (seconds the acquire took, waiting included; the same value for every lease of
   one all-or-nothing acquire)
 - ``lease_busy``: ``resource``, ``retry_after``, ``task_id``, ``elapsed`` (seconds the
-  acquire took before it gave up, waiting included)
+  acquire took before it gave up, waiting included), ``shared`` (the mode asked for),
+  ``ttl``
 - ``lease_released``: ``resource``, ``token``, ``owner``, ``held_for``, ``task_id``,
   ``elapsed`` (seconds the release took, its round trip to Redis included; the same value
   for every lease of one release)

@@ -32,9 +32,9 @@ Options (each also an app-wide setting, see the configuration reference):
 - ``lease_ttl``: seconds a lease lives without renewal (setting ``ttl``).
 - ``on_busy``: ``"retry"`` (default: retry with exponential backoff and jitter, without using
   the task's own ``max_retries``, until ``busy_timeout`` has passed, then fail with
-  :class:`LeaseBusy`), ``"skip"`` (return ``None`` without running the body), ``"fail"`` (raise
-  :class:`LeaseBusy`), ``"wait"`` (block the worker slot up to ``wait_timeout``, woken by the
-  release).
+  :class:`LeaseBusy`), ``"skip"`` (return a marker without running the body: see
+  :func:`is_skipped`), ``"fail"`` (raise :class:`LeaseBusy`), ``"wait"`` (block the worker slot
+  up to ``wait_timeout``, woken by the release).
 - ``on_backend_error``: what a task does when Redis fails or cannot be reached as it takes its
   leases (or its unique claim): ``"retry"`` (default: ``self.retry`` with the same backoff as
   ``on_busy="retry"``; it counts against the task's ``max_retries``, after which
@@ -87,6 +87,7 @@ from typing import Any, ClassVar, Final, NoReturn, get_args
 
 from celery import Task
 from celery.exceptions import Retry
+from celery.result import AsyncResult
 from celery.utils.log import get_logger
 
 from ._lease import Held, Lease, Shared, Want, check_name_size, check_user_name
@@ -104,7 +105,7 @@ try:
 except ImportError:  # pragma: no cover - an interpreter without CPython's _signal
     _set_handler, _DEFAULT_ACTION = signal.signal, signal.SIG_DFL
 
-__all__ = ("LeasedTask", "current_leases")
+__all__ = ("LeasedTask", "current_leases", "is_skipped")
 
 logger = get_logger(__name__)
 
@@ -114,6 +115,34 @@ BUSY_ATTEMPT_HEADER: Final = "lease_busy_attempt"
 
 _current: ContextVar[tuple[Lease, ...]] = ContextVar("celery_leases_current", default=())
 _extension_lock = threading.Lock()
+
+
+#: the one key of the result of a task skipped by ``on_busy="skip"`` (see :func:`is_skipped`)
+SKIPPED_KEY: Final = "celery_leases.skipped"
+
+
+def is_skipped(result: object) -> bool:
+    """True if ``result`` is that of a task skipped by ``on_busy="skip"``.
+
+    A skipped task ends SUCCESS without running its body; its result is a small dict,
+    ``{"celery_leases.skipped": {"resource": ..., "holder_task": ...}}`` (JSON-safe, so it
+    crosses any result backend), unless the ``skip_result`` setting is ``"none"``. ::
+
+        result = build_report.delay(42)
+        if is_skipped(result.get()):
+            ...  # another copy held the report's lease
+
+    Args:
+        result: a task's return value, or its ``AsyncResult`` (a finished one is read
+            without waiting; an unfinished one is not skipped yet).
+
+    .. versionadded:: 0.1
+    """
+    if isinstance(result, AsyncResult):
+        if not result.successful():
+            return False
+        result = result.result
+    return isinstance(result, dict) and len(result) == 1 and SKIPPED_KEY in result
 
 
 def current_leases() -> tuple[Lease, ...]:
@@ -589,7 +618,9 @@ class LeasedTask(Task[Any, Any]):
     ) -> Any:
         if policy == "skip":
             logger.info("leases: %s[%s] skipped: %s", self.name, self.request.id, busy)
-            return None
+            if get_settings(self.app).skip_result == "none":
+                return None
+            return {SKIPPED_KEY: {"resource": busy.resource, "holder_task": busy.holder_task}}
         if policy in ("fail", "wait"):
             raise busy
         return self._retry_busy(busy, args, kwargs)
@@ -732,6 +763,22 @@ def adopt(task: object) -> bool:
         raise LeaseConfigError(msg) from None
     logger.debug("leases: task %s given LeasedTask's behaviour for %s", name, ", ".join(given))
     return True
+
+
+def unleased_tasks(app: Any) -> dict[str, list[str]]:
+    """Tasks of ``app`` that set lease options without being :class:`LeasedTask`.
+
+    On an app with ``Leases(app)`` they are adopted (see :func:`adopt`); on an app without it
+    nothing would read their options. Returns task name -> the options it sets.
+    """
+    found: dict[str, list[str]] = {}
+    for name, task in sorted(app.tasks.items()):
+        if isinstance(task, LeasedTask) or not isinstance(task, Task):
+            continue
+        given = [o for o in LEASE_OPTIONS if getattr(type(task), o, None) is not None]
+        if given:
+            found[str(name)] = given
+    return found
 
 
 def adopt_tasks(app: Any) -> None:

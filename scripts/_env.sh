@@ -1,8 +1,11 @@
 # Shared setup for scripts/test and scripts/demo. Source it, with `set -euo pipefail` on.
 #
 # In:  LEASES_DB        database number to use on the chosen Redis (default 15)
+#      LEASES_DEFAULT_DB   instead of LEASES_DB: the database when REDIS_URL names none
+#                          (the one it names is kept)
+#      LEASES_EXTRAS    the extras to install (default 'dev,docs'; '' for the package alone)
 #      REDIS_URL        Redis to use if it answers (default redis://127.0.0.1:6379)
-# Out: the repo root as working directory, .venv active with '.[dev,docs]' installed, and
+# Out: the repo root as working directory, .venv active with '.[LEASES_EXTRAS]' installed, and
 #      LEASES_REDIS_URL: REDIS_URL with its database replaced by LEASES_DB, or a private
 #      server started here and stopped when the sourcing script exits (trap EXIT).
 #      The private server comes from tests/support/servers.py (dev-only, not in the wheel),
@@ -29,8 +32,10 @@ if [[ ! -f .venv/bin/activate ]]; then
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
-echo "==> pip install -e '.[dev,docs]'"
-python -m pip install -q --disable-pip-version-check -e '.[dev,docs]'
+LEASES_EXTRAS=${LEASES_EXTRAS-dev,docs}
+_leases_target=.${LEASES_EXTRAS:+[$LEASES_EXTRAS]}
+echo "==> pip install -e '$_leases_target'"
+python -m pip install -q --disable-pip-version-check -e "$_leases_target"
 
 _leases_redact() { sed -E 's#//[^@/]*@#//***@#' <<<"$1"; }
 
@@ -43,9 +48,14 @@ _leases_stop_server() {
     fi
 }
 
-LEASES_DB=${LEASES_DB:-15}
+if [[ -n ${LEASES_DEFAULT_DB:-} ]]; then
+    _leases_db_args=(--default-db "$LEASES_DEFAULT_DB")
+else
+    LEASES_DB=${LEASES_DB:-15}
+    _leases_db_args=(--db "$LEASES_DB")
+fi
 if LEASES_REDIS_URL=$(REDIS_URL=${REDIS_URL:-redis://127.0.0.1:6379} \
-    python -m tests.support.servers pick --db "$LEASES_DB"); then
+    python -m tests.support.servers pick "${_leases_db_args[@]}"); then
     echo "==> redis: using $(_leases_redact "$LEASES_REDIS_URL")"
 else
     echo "==> redis: $(_leases_redact "${REDIS_URL:-redis://127.0.0.1:6379}") does not answer;" \
@@ -58,7 +68,7 @@ else
     python -m tests.support.servers serve \
         --pidfile "$_leases_server_dir/pid" --urlfile "$_leases_server_dir/url" >/dev/null
     LEASES_REDIS_URL=$(REDIS_URL=$(<"$_leases_server_dir/url") \
-        python -m tests.support.servers pick --db "$LEASES_DB")
+        python -m tests.support.servers pick "${_leases_db_args[@]}")
     echo "==> redis: private server $LEASES_REDIS_URL"
 fi
 export LEASES_REDIS_URL

@@ -36,8 +36,12 @@ for a setting the config does not have.
 A wrong value fails at `Leases(app)` with a `LeaseConfigError` (also a `ValueError`) that names
 the setting and where it came from, e.g. `setting 'ttl' from app.conf.leases_ttl: Input should
 be greater than or equal to 0.05 (got -1)`. An unknown key is an error too, under either
-spelling (`leases_ttll`, or `CELERY_LEASES_TTLL` in a namespaced config object), so a typo never
-goes unnoticed.
+spelling (`leases_ttll`, or `CELERY_LEASES_TTLL` in a namespaced config object), and so is a
+near-miss of the namespace that nothing would read (`CELERY_LEASE_LOST_MARGIN`, `lease_ttl`, or
+`CELERY_LEASES_TTL` in a config loaded without `namespace=`); an unknown `CELERY_LEASES_*`
+environment variable is logged (WARNING, once per process) and ignored, since the environment
+is shared with other programs. Each names the setting it was probably meant to be (`did you
+mean CELERY_LEASES_LOST_MARGIN?`), so a typo never goes unnoticed.
 
 ## When settings are read
 
@@ -46,7 +50,8 @@ Celery reads its configuration lazily, so `Leases(app)` may come before the conf
 `app.config_from_object`). The settings are resolved at `Leases(app)`, so that a wrong value
 fails there, and **again at first use** — the first lease, `once`, receipt read, worker start
 or beat start — which is what they then stay. A key set between `Leases(app)` and the first use
-counts; an invalid one fails at the first use.
+counts; an invalid one fails at the first use. Reading `leases.settings` is not a use: before
+the first use it shows the settings resolved from the config as it is then.
 
 After the first use they never change, and are never half-applied. A `leases_*` or
 `CELERY_LEASES_*` key changed later is refused with a `LeaseConfigError` naming it and both

@@ -20,6 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E4
 from opentelemetry.trace import StatusCode  # noqa: E402
 
 from celery_leases import LeaseBusy, otel  # noqa: E402
+from celery_leases._cleanup import CleanupReport  # noqa: E402
 from celery_leases._lease import Want  # noqa: E402
 from celery_leases.worker import run_reconcile  # noqa: E402
 from tests.support.polling import wait_until  # noqa: E402
@@ -93,6 +94,9 @@ def test_a_busy_acquire_records_its_wait(spans, leases):
     ]
     (span,) = busy
     assert span.attributes["celery_leases.resource"] == "r"
+    # the attributes docs/tracing.md lists for every acquire span
+    assert span.attributes["celery_leases.mode"] == "exclusive"
+    assert span.attributes["celery_leases.ttl"] == leases.settings.ttl
     assert span.attributes["celery_leases.wait_seconds"] >= 0.3
     assert (span.end_time - span.start_time) / 1e9 >= 0.3
 
@@ -105,12 +109,36 @@ def test_renewal_rounds_are_spans(spans, leases):
     assert renew.attributes["celery_leases.outcome"] == "ok"
 
 
-def test_a_cleanup_pass_is_a_span(spans, make_leases):
+def test_a_busy_shared_acquire_says_shared(spans, leases):
+    first = leases.acquire([Want("pool", "x")], ttl=7)
+    try:
+        with pytest.raises(LeaseBusy):
+            leases.acquire([Want("pool", "s")], ttl=9)
+    finally:
+        leases.release(first)
+    (span,) = [
+        s
+        for s in named(spans, "celery_leases.acquire")
+        if s.attributes["celery_leases.outcome"] == "busy"
+    ]
+    assert span.attributes["celery_leases.mode"] == "shared"
+    assert span.attributes["celery_leases.ttl"] == 9
+
+
+def test_a_cleanup_pass_that_did_something_is_a_span(spans, make_leases):
     ext = make_leases(node="otel-node")
     assert run_reconcile(ext) is not None
-    (cleanup,) = named(spans, "celery_leases.cleanup")
-    assert cleanup.attributes["celery_leases.kind"] == "reconcile"
-    assert cleanup.attributes["celery_leases.released"] == 0
+    # nothing to reconcile: a periodic pass that did nothing makes no span
+    assert named(spans, "celery_leases.cleanup") == []
+    observer = otel.install()  # the one the fixture installed
+    observer.observe_cleanup("reaper", CleanupReport())
+    assert named(spans, "celery_leases.cleanup") == []
+    observer.observe_cleanup("reaper", CleanupReport(owners=["n:i:1"], released=[("n:i:1", "r")]))
+    observer.observe_cleanup("startup", CleanupReport())  # once per worker: always told
+    first, second = named(spans, "celery_leases.cleanup")
+    assert first.attributes["celery_leases.kind"] == "reaper"
+    assert first.attributes["celery_leases.released"] == 1
+    assert second.attributes["celery_leases.kind"] == "startup"
 
 
 def test_nothing_of_opentelemetry_is_imported_without_install():

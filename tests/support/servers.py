@@ -6,7 +6,8 @@ and by the benchmarks:
 
     python -m tests.support.servers serve --pidfile P --urlfile U [--port N] [--binary B]
     python -m tests.support.servers stop --pidfile P
-    python -m tests.support.servers pick [--db N]    # $REDIS_URL (with db N) if it answers
+    python -m tests.support.servers pick [--db N | --default-db N]
+                                                # $REDIS_URL (with db N) if it answers
 """
 
 from __future__ import annotations
@@ -155,10 +156,20 @@ def _stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def has_db(url: str) -> bool:
+    """True if ``url`` names a database (``redis://host/3``, ``unix:///s.sock?db=3``)."""
+    parts = urlsplit(url)
+    if any(k == "db" for k, _ in parse_qsl(parts.query)):
+        return True
+    return parts.scheme != "unix" and parts.path.strip("/") != ""
+
+
 def _pick(args: argparse.Namespace) -> int:
     url = os.environ.get("REDIS_URL", "")
     if url and args.db is not None:
         url = _with_db(url, args.db)
+    elif url and args.default_db is not None and not has_db(url):
+        url = _with_db(url, args.default_db)
     if not url or not url_answers(url):
         return 1
     print(url)
@@ -179,7 +190,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop.add_argument("--timeout", type=float, default=5.0)
     stop.set_defaults(func=_stop)
     pick = commands.add_parser("pick", help="print $REDIS_URL if it answers, else exit 1")
-    pick.add_argument("--db", type=int, default=None)
+    pick.add_argument("--db", type=int, default=None, help="replace the URL's database")
+    pick.add_argument(
+        "--default-db", type=int, default=None, help="the database when the URL names none"
+    )
     pick.set_defaults(func=_pick)
     args = parser.parse_args(argv)
     code: int = args.func(args)

@@ -108,10 +108,12 @@ def test_precedence_app_conf_then_namespaced_object_then_plain_key_then_env(
 
 
 def test_without_a_namespace_upper_case_keys_are_not_settings() -> None:
-    """As for Celery's own keys: CELERY_LEASES_TTL in an un-namespaced config is not read."""
+    """As for Celery's own keys: CELERY_LEASES_TTL in an un-namespaced config is not read,
+    and so it is refused rather than silently ignored (issue 27)."""
     app = Celery("plain", set_as_current=False)
     app.config_from_object(DjangoStyle)
-    assert resolve_settings(app).ttl == 30.0
+    with pytest.raises(LeaseConfigError, match=r"'CELERY_LEASES_TTL'.*no namespace"):
+        resolve_settings(app)
 
 
 # --- item 2: settings made after Leases(app) ---------------------------------------------------
@@ -150,7 +152,7 @@ def test_invalid_late_setting_is_refused_at_first_use() -> None:
 def test_setting_changed_after_first_use_is_refused_not_half_applied() -> None:
     app = Celery("changed", set_as_current=False)
     leases = Leases(app, redis_url="redis://127.0.0.1:1/0")
-    first = leases.settings  # first use: fixed from here on
+    first = leases._check_settings()  # first use (as every acquire): fixed from here on
     app.conf.leases_ttl = 9.0
     with pytest.raises(LeaseConfigError, match=r"changed after their first use.*leases_ttl"):
         leases._check_settings()
@@ -195,7 +197,7 @@ def test_config_object_changed_after_first_use_is_refused_at_worker_start() -> N
 
     app = namespaced_app(Mutable)
     leases = Leases(app)
-    assert leases.settings.ttl == 12.0
+    assert leases._check_settings().ttl == 12.0  # the first use
     Mutable.CELERY_LEASES_TTL = 15.0
     leases._check_settings()  # the cheap check looks at app.conf writes only
     with pytest.raises(LeaseConfigError, match=r"CELERY_LEASES_TTL \(12.0 -> 15.0\)"):

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_leases import LeaseBusy, Leases
+from celery_leases import LeaseBusy, Leases, is_skipped
 from celery_leases.task import BUSY_ATTEMPT_HEADER, BUSY_SINCE_HEADER
 
 from .conftest import WorkerProc, wait_until
@@ -62,7 +62,7 @@ def check_skip(c: Ctx, rid: str) -> None:
     runs_before = c.ledger.runs()
     with c.test_leases.hold(resource, ttl=LONG_HOLD_TTL):
         result = c.send(c.worker_app.busy_skip, rid, 0.0)
-        assert result.get(timeout=RESULT_TIMEOUT) is None
+        assert is_skipped(result.get(timeout=RESULT_TIMEOUT))
         assert result.state == "SUCCESS"
         # the test still holds it: the skipped task neither ran nor took anything
         assert [h.owner for h in c.test_leases.store.holders(resource)] == [
