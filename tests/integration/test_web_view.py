@@ -182,3 +182,19 @@ def test_without_the_extra_the_command_names_it(leases_redis_url: str, missing: 
     assert "needs the extra 'web'" in out.stderr
     assert "pip install 'celery-leases[web]'" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_names_come_with_their_cli_form(ext: Leases, view: httpx.Client) -> None:
+    # the page draws only "shown": the names escaped by the CLI's own function
+    names = ["\u202eevil", "a\nb", "a\tb"]
+    with ext.hold(names, ttl=30):
+        listed = view.get("/api/leases").json()
+        assert sorted(x["resource"] for x in listed) == sorted(names)
+        assert sorted(x["shown"]["resource"] for x in listed) == ["\\u202eevil", "a\\nb", "a\\tb"]
+        for row in listed:
+            assert row["shown"]["owner"] == row["owner"]  # a plain name is shown as it is
+        record = view.get("/api/lease", params={"resource": "a\nb"}).json()
+        assert record["resource"] == "a\nb"
+        assert record["shown"]["resource"] == "a\\nb"
+        assert record["holders"]  # its holder, every text in it escaped in "shown"
+        assert "a\nb" not in json.dumps(record["shown"], ensure_ascii=False)

@@ -30,8 +30,12 @@ pytestmark = pytest.mark.worker
 
 TOKEN = "s3cret-token-for-the-test"
 CHROMIUM = os.environ.get("LEASES_CHROMIUM", "/usr/bin/chromium")
-#: what changes between two reads of the same leases: the clocks
-MOVING = ("expires_in", "liveness", "renewed_ago")
+#: what changes between two reads of the same leases: the clocks (and the view's escaped copy)
+MOVING = ("expires_in", "liveness", "renewed_ago", "shown")
+#: names a terminal or a page would not show as they are: a bidi override, a newline, a tab
+HOSTILE = ("res:\u202eevil", "res:a\nb", "res:a\tb")
+#: the same, as the CLI's tables show them (celery_leases._text.printable)
+HOSTILE_SHOWN = ("res:\\u202eevil", "res:a\\nb", "res:a\\tb")
 
 
 def free_port() -> int:
@@ -248,6 +252,7 @@ def test_the_page_shows_a_worker_lease_and_releases_it(
     send: Any,
     ledger: Any,
     test_leases: Any,
+    worker_env: dict[str, str],
 ) -> None:
     sync_playwright = _browser_or_skip()
     w = start_worker("prefork", 2, env=LIVE)
@@ -257,8 +262,15 @@ def test_the_page_shows_a_worker_lease_and_releases_it(
     ledger.wait_event("started:other")
     view = start_view("--allow-release", "--token", TOKEN)
     shots = os.environ.get("LEASES_SCREENSHOTS")
+    cli = Cli({**worker_env, **LIVE})
 
-    with sync_playwright() as p:
+    with test_leases.hold(list(HOSTILE), ttl=30), sync_playwright() as p:
+        # the CLI's table writes the hostile names escaped, one line each
+        listed = cli("ls")
+        assert listed.returncode == 0, listed.stderr
+        for raw, escaped in zip(HOSTILE, HOSTILE_SHOWN, strict=True):
+            assert escaped in listed.stdout
+            assert raw not in listed.stdout
         browser = p.chromium.launch(
             executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
         )
@@ -296,8 +308,38 @@ def test_the_page_shows_a_worker_lease_and_releases_it(
             assert "token" in page.locator("#message").inner_text()
             assert not page.locator("#confirm").is_visible()
             page.fill("#token", TOKEN)
-            row.locator("button.release").click()
+
+            # hostile names: distinct rows, each shown exactly as the CLI shows it, and so in
+            # the release confirmation
+            names = page.locator("#leases tbody tr td:first-child")
+
+            def hostile_drawn() -> bool:
+                return set(HOSTILE_SHOWN) <= set(names.all_inner_texts())
+
+            wait_until(
+                hostile_drawn, 20, f"the rows {HOSTILE_SHOWN}, got {names.all_inner_texts()}"
+            )
+            drawn = names.all_inner_texts()
+            for escaped in HOSTILE_SHOWN:
+                assert drawn.count(escaped) == 1, drawn
+            for raw in HOSTILE:
+                assert raw not in drawn
+            evil = page.locator("#leases tbody tr", has_text=HOSTILE_SHOWN[0])
+            evil.locator("button.release").click()
             dialog = page.locator("#confirm")
+            dialog.wait_for(state="visible")
+            assert page.locator("#confirm-resource").inner_text() == HOSTILE_SHOWN[0]
+            assert "\u202e" not in dialog.inner_text()
+            page.click("#confirm-cancel")
+            dialog.wait_for(state="hidden")
+            newline = page.locator("#leases tbody tr", has_text=HOSTILE_SHOWN[1])
+            newline.locator("button.release").click()
+            dialog.wait_for(state="visible")
+            assert page.locator("#confirm-resource").inner_text() == HOSTILE_SHOWN[1]
+            page.click("#confirm-cancel")
+            dialog.wait_for(state="hidden")
+
+            row.locator("button.release").click()
             dialog.wait_for(state="visible")
             assert "res:page" in dialog.inner_text()
             assert held.id in dialog.inner_text()
