@@ -363,3 +363,46 @@ def test_the_page_shows_a_worker_lease_and_releases_it(
     assert [h.resource for h in test_leases.store.holders("res:other")] == ["res:other"]
     # the holder learns at its next renewal (LeaseLost interrupts the body by default)
     wait_until(lambda: held.state == "FAILURE", 60, "the released task to fail with LeaseLost")
+
+
+def test_the_owners_tab_shows_an_idle_worker_alive(
+    start_worker: Any,
+    start_view: Callable[..., View],
+    worker_app: Any,
+    send: Any,
+    ledger: Any,
+    worker_env: dict[str, str],
+) -> None:
+    sync_playwright = _browser_or_skip()
+    # the pool process renews its liveness only while it holds a lease: 6 s after its task it
+    # has run out, while the worker marks its node alive every 2 s
+    idle = {"CELERY_LEASES_TTL": "6", "CELERY_LEASES_RECONCILE_INTERVAL": "0"}
+    w = start_worker("prefork", 1, env=idle)
+    send(worker_app.sleeper, "idle", 0)
+    ledger.wait_event("started:idle")
+    view = start_view()  # with LIVE's settings: the view reads the node's mark all the same
+
+    def ran_out() -> bool:
+        rows = [o for o in view.get("/api/owners").json() if o["node"] == w.hostname]
+        return bool(rows) and all(o["liveness"] < 0 for o in rows)
+
+    wait_until(ran_out, 60, "the idle owner's liveness to run out")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 600})
+            page.goto(view.url + "/")
+            page.click('nav button[data-tab="owners"]')
+            owners = page.locator("#owners")
+            wait_until(lambda: w.hostname in owners.inner_text(), 20, "the owners tab")
+            text = owners.inner_text()
+            assert "idle (holds nothing; its node is alive)" in text, text
+            assert "dead" not in text, text
+            lines = [line for line in text.splitlines() if "owners alive" in line]
+            assert lines, text
+            assert all(" 0 of " not in line for line in lines), lines
+            assert any("idle)" in line for line in lines), lines
+        finally:
+            browser.close()
