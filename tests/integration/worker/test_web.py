@@ -264,13 +264,7 @@ def test_the_page_shows_a_worker_lease_and_releases_it(
     shots = os.environ.get("LEASES_SCREENSHOTS")
     cli = Cli({**worker_env, **LIVE})
 
-    with test_leases.hold(list(HOSTILE), ttl=30), sync_playwright() as p:
-        # the CLI's table writes the hostile names escaped, one line each
-        listed = cli("ls")
-        assert listed.returncode == 0, listed.stderr
-        for raw, escaped in zip(HOSTILE, HOSTILE_SHOWN, strict=True):
-            assert escaped in listed.stdout
-            assert raw not in listed.stdout
+    with sync_playwright() as p:
         browser = p.chromium.launch(
             executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
         )
@@ -309,36 +303,48 @@ def test_the_page_shows_a_worker_lease_and_releases_it(
             assert not page.locator("#confirm").is_visible()
             page.fill("#token", TOKEN)
 
-            # hostile names: distinct rows, each shown exactly as the CLI shows it, and so in
-            # the release confirmation
-            names = page.locator("#leases tbody tr td:first-child")
+            # hostile names (held here, out of the screenshots): the CLI's table writes them
+            # escaped, one line each
+            with test_leases.hold(list(HOSTILE), ttl=30):
+                listed = cli("ls")
+                assert listed.returncode == 0, listed.stderr
+                for raw, escaped in zip(HOSTILE, HOSTILE_SHOWN, strict=True):
+                    assert escaped in listed.stdout
+                    assert raw not in listed.stdout
+                # the page: distinct rows, each shown exactly as the CLI shows it, and so in the
+                # release confirmation
+                names = page.locator("#leases tbody tr td:first-child")
 
-            def hostile_drawn() -> bool:
-                return set(HOSTILE_SHOWN) <= set(names.all_inner_texts())
+                def hostile_drawn() -> bool:
+                    return set(HOSTILE_SHOWN) <= set(names.all_inner_texts())
 
+                wait_until(
+                    hostile_drawn, 20, f"the rows {HOSTILE_SHOWN}, got {names.all_inner_texts()}"
+                )
+                drawn = names.all_inner_texts()
+                for escaped in HOSTILE_SHOWN:
+                    assert drawn.count(escaped) == 1, drawn
+                for raw in HOSTILE:
+                    assert raw not in drawn
+                evil = page.locator("#leases tbody tr", has_text=HOSTILE_SHOWN[0])
+                evil.locator("button.release").click()
+                dialog = page.locator("#confirm")
+                dialog.wait_for(state="visible")
+                assert page.locator("#confirm-resource").inner_text() == HOSTILE_SHOWN[0]
+                assert "\u202e" not in dialog.inner_text()
+                page.click("#confirm-cancel")
+                dialog.wait_for(state="hidden")
+                newline = page.locator("#leases tbody tr", has_text=HOSTILE_SHOWN[1])
+                newline.locator("button.release").click()
+                dialog.wait_for(state="visible")
+                assert page.locator("#confirm-resource").inner_text() == HOSTILE_SHOWN[1]
+                page.click("#confirm-cancel")
+                dialog.wait_for(state="hidden")
             wait_until(
-                hostile_drawn, 20, f"the rows {HOSTILE_SHOWN}, got {names.all_inner_texts()}"
+                lambda: not set(HOSTILE_SHOWN) & set(names.all_inner_texts()),
+                20,
+                "the hostile rows to go once released",
             )
-            drawn = names.all_inner_texts()
-            for escaped in HOSTILE_SHOWN:
-                assert drawn.count(escaped) == 1, drawn
-            for raw in HOSTILE:
-                assert raw not in drawn
-            evil = page.locator("#leases tbody tr", has_text=HOSTILE_SHOWN[0])
-            evil.locator("button.release").click()
-            dialog = page.locator("#confirm")
-            dialog.wait_for(state="visible")
-            assert page.locator("#confirm-resource").inner_text() == HOSTILE_SHOWN[0]
-            assert "\u202e" not in dialog.inner_text()
-            page.click("#confirm-cancel")
-            dialog.wait_for(state="hidden")
-            newline = page.locator("#leases tbody tr", has_text=HOSTILE_SHOWN[1])
-            newline.locator("button.release").click()
-            dialog.wait_for(state="visible")
-            assert page.locator("#confirm-resource").inner_text() == HOSTILE_SHOWN[1]
-            page.click("#confirm-cancel")
-            dialog.wait_for(state="hidden")
-
             row.locator("button.release").click()
             dialog.wait_for(state="visible")
             assert "res:page" in dialog.inner_text()
