@@ -315,12 +315,16 @@ def test_the_page_shows_a_worker_lease_and_releases_it(
                 # release confirmation
                 names = page.locator("#leases tbody tr td:first-child")
 
-                def hostile_drawn() -> bool:
-                    return set(HOSTILE_SHOWN) <= set(names.all_inner_texts())
+                seen: list[str] = []
 
-                wait_until(
-                    hostile_drawn, 20, f"the rows {HOSTILE_SHOWN}, got {names.all_inner_texts()}"
-                )
+                def hostile_drawn() -> bool:
+                    seen[:] = names.all_inner_texts()
+                    return set(HOSTILE_SHOWN) <= set(seen)
+
+                try:
+                    wait_until(hostile_drawn, 20, f"the rows {HOSTILE_SHOWN}")
+                except AssertionError as exc:
+                    raise AssertionError(f"{exc}; the rows drawn: {seen}") from None
                 drawn = names.all_inner_texts()
                 for escaped in HOSTILE_SHOWN:
                     assert drawn.count(escaped) == 1, drawn
