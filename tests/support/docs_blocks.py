@@ -62,9 +62,13 @@ def python_blocks(page: str) -> list[str]:
 
 
 def pages() -> list[Path]:
-    """README.md and every page of docs/ that has a ```python block."""
+    """README.md and every page of docs/ that has a ```python block, but generated ones."""
     found = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    return [p for p in found if _FENCE.search(p.read_text())]
+    return [
+        p
+        for p in found
+        if _FENCE.search(p.read_text()) and not p.read_text().startswith("<!-- generated")
+    ]
 
 
 @dataclass(frozen=True)
