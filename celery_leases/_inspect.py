@@ -36,6 +36,7 @@ __all__ = (
     "lease_record",
     "mark_node_alive",
     "node_alive",
+    "node_marks",
     "nodes",
     "owned",
     "owners",
@@ -542,6 +543,21 @@ def mark_node_alive(engine: LeaseEngine, node: str, incarnation: str) -> Steps[N
     key = engine.keys.node_alive(node)
     command = Command(("SET", key, incarnation, "PX", engine.ms(engine.settings.ttl)))
     yield from engine.send("mark the node alive", [command])
+
+
+def node_marks(engine: LeaseEngine, nodes: Sequence[str]) -> Steps[dict[str, str | None]]:
+    """The incarnation each of ``nodes`` marked alive (:func:`mark_node_alive`); None: no mark.
+
+    One round trip of GETs (the marks share a slot group, as every node key does).
+    """
+    if not nodes:
+        return {}
+    calls = [Command(("GET", engine.keys.node_alive(node))) for node in nodes]
+    replies = yield from engine.send("read the nodes' marks", calls)
+    return {
+        node: None if reply is None else str(reply)
+        for node, reply in zip(nodes, replies, strict=True)
+    }
 
 
 def node_alive(engine: LeaseEngine, node: str) -> Steps[float | None]:

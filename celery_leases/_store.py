@@ -478,6 +478,10 @@ class LeaseStore:
         """Seconds left on ``node``'s mark of life; None: none (see :func:`_inspect.node_alive`)."""
         return self.run(_inspect.node_alive(self.engine, node))
 
+    def node_marks(self, nodes: Sequence[str]) -> dict[str, str | None]:
+        """The incarnation each node marked alive; None: none (see :func:`_inspect.node_marks`)."""
+        return self.run(_inspect.node_marks(self.engine, nodes))
+
     def recent_events(self, seconds: float) -> tuple[list[dict[str, Any]], float]:
         """The fleet's events of the last ``seconds`` (see :func:`_inspect.recent_events`)."""
         return self.run(_inspect.recent_events(self.engine, seconds))

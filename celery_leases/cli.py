@@ -57,6 +57,8 @@ The commands run against the ``-A`` app's settings (its ``Leases(app)``, or one 
   ``status`` and ``renewed_ago`` to the seconds left, negative once it ran out) and the number
   of leases it holds. An owner whose liveness ran out is dead, or alive
   but idle: a process holding nothing does not renew its liveness; a reconcile forgets it.
+  One that holds nothing on a node whose worker marked itself alive (with the owner's
+  incarnation, as ``health --node`` reads it) shows ``idle``, not late or dead.
 - ``reconcile``: one orphan-reconcile pass now (what workers do every ``reconcile_interval``):
   frees the leases of owners whose liveness ran out, and reports them.
 - ``stats``: owners alive and dead, leases held (exclusive, shared), stale registry entries,
@@ -245,7 +247,9 @@ def liveness_state(liveness: float | None, renewals: Renewals) -> str:
     return "alive"
 
 
-def _liveness_text(liveness: float | None, renewals: Renewals) -> str:
+def _liveness_text(liveness: float | None, renewals: Renewals, *, idle: bool = False) -> str:
+    if idle:
+        return "idle (holds nothing; its node is alive)"
     state = liveness_state(liveness, renewals)
     if liveness is None:
         return "dead (not registered)"
@@ -929,15 +933,16 @@ def owners(ctx: click.Context, as_json: bool) -> None:
     """List the owners by node.
 
     With the seconds left on each one's liveness (negative: it ran out) and the number of
-    leases it holds.
+    leases it holds; an owner that holds nothing on a node whose worker is alive is idle.
     """
     store = _ext(ctx).store
     renewals = Renewals.of(store.settings)
     census = _census(store)
     counts = _counts(census)
+    idle = _idle_owners(store, census, renewals)
     listed = sorted(census.liveness, key=lambda o: (node_of_owner(o), o))
     if as_json:
-        _echo_json(_owners_json(census, renewals))
+        _echo_json(_owners_json(census, renewals, idle))
     elif not listed:
         click.echo("no owners registered")
     else:
@@ -945,7 +950,7 @@ def owners(ctx: click.Context, as_json: bool) -> None:
             [
                 node_of_owner(owner),
                 owner,
-                _liveness_text(census.liveness[owner], renewals),
+                _liveness_text(census.liveness[owner], renewals, idle=owner in idle),
                 counts.get(owner, 0),
             ]
             for owner in listed
@@ -960,7 +965,32 @@ def _counts(census: _Census) -> dict[str, int]:
     return counts
 
 
-def _owners_json(census: _Census, renewals: Renewals) -> list[dict[str, object]]:
+def _idle_owners(store: LeaseStore, census: _Census, renewals: Renewals) -> set[str]:
+    """The owners that are idle: late or expired, holding nothing, their node alive.
+
+    A process renews its liveness only while it holds a lease, so a healthy worker's idle
+    pool processes run out of it. Their worker's main process marks the node alive at every
+    reaper pass (what ``health --node`` reads), with its incarnation: an owner of that
+    incarnation that holds nothing is idle, not dead. One of an older incarnation (a worker
+    restarted since) is dead all the same.
+    """
+    counts = _counts(census)
+    candidates = [
+        owner
+        for owner, liveness in census.liveness.items()
+        if liveness is not None
+        and not counts.get(owner)
+        and liveness_state(liveness, renewals) in ("late", "expired")
+    ]
+    if not candidates:
+        return set()
+    marks = store.node_marks(sorted({node_of_owner(o) for o in candidates}))
+    return {o for o in candidates if marks.get(node_of_owner(o)) == split_owner(o).incarnation}
+
+
+def _owners_json(
+    census: _Census, renewals: Renewals, idle: set[str] | frozenset[str] = frozenset()
+) -> list[dict[str, object]]:
     counts = _counts(census)
     out: list[dict[str, object]] = []
     for owner in sorted(census.liveness, key=lambda o: (node_of_owner(o), o)):
@@ -974,7 +1004,7 @@ def _owners_json(census: _Census, renewals: Renewals) -> list[dict[str, object]]
                 "pid": int(pid) if pid.isdigit() else pid,
                 "liveness": _round(liveness),
                 "alive": liveness is not None and liveness > 0,
-                "status": liveness_state(liveness, renewals),
+                "status": "idle" if owner in idle else liveness_state(liveness, renewals),
                 "renewed_ago": _round(renewed_ago(liveness, renewals)),
                 "leases": counts.get(owner, 0),
             }
@@ -984,7 +1014,8 @@ def _owners_json(census: _Census, renewals: Renewals) -> list[dict[str, object]]
 
 def owners_json(store: LeaseStore) -> list[dict[str, object]]:
     """What ``owners --json`` prints (the web view's ``GET /api/owners`` serves the same)."""
-    return _owners_json(_census(store), Renewals.of(store.settings))
+    census, renewals = _census(store), Renewals.of(store.settings)
+    return _owners_json(census, renewals, _idle_owners(store, census, renewals))
 
 
 @leases.command("reconcile", cls=_Command)

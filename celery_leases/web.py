@@ -10,12 +10,15 @@ The page (``GET /``) lists the held leases (filtered by resource, node or task),
 and their nodes with their liveness, the unique claims, the beat claims of the app's
 ``beat_schedule`` and the recent history, refreshed every two seconds. The JSON behind it:
 
-- ``GET /api/leases``: exactly what ``celery leases ls --json`` prints (``?owner=NODE`` and
+- ``GET /api/leases``: what ``celery leases ls --json`` prints (``?owner=NODE`` and
   ``?resource=PATTERN`` as ``--owner`` and ``--resource``);
 - ``GET /api/owners``: what ``celery leases owners --json`` prints;
 - ``GET /api/beat``: the last claimed run of each entry of the app's ``beat_schedule``;
 - ``GET /api/history`` and ``GET /api/lease?resource=R``, where this version records them;
 - ``GET /healthz``: 200 ``{"ok": true}`` while Redis answers, 503 otherwise.
+
+Each object listed carries ``shown`` (see :func:`with_shown`): its texts as the CLI's tables
+show them. The page draws names from it only.
 
 ``POST /api/leases/release`` with ``{"resource": R}`` frees every lease on ``R``, a live
 holder's too, exactly as ``celery leases release R --force --yes`` does (same code, same log
@@ -53,12 +56,13 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from ._text import printable
 from .exceptions import LeaseBackendError, LeaseError
 
 if TYPE_CHECKING:
     from ._store import LeaseStore
 
-__all__ = ("Bind", "WebData", "check_bind", "create_app", "page", "serve")
+__all__ = ("Bind", "WebData", "check_bind", "create_app", "page", "serve", "shown", "with_shown")
 
 logger = logging.getLogger("celery_leases.web")
 
@@ -163,6 +167,31 @@ def _host_name(header: str) -> str:
     return header.rpartition(":")[0] if ":" in header else header
 
 
+def shown(value: object) -> object:
+    """``value`` with every text in it (keys too) as the CLI shows it (:func:`printable`).
+
+    Lists and objects are copied through; numbers, booleans and null stay as they are.
+    """
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {printable(str(k)): shown(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [shown(v) for v in value]
+    return value
+
+
+def with_shown(row: dict[str, object]) -> dict[str, object]:
+    """``row`` and, under ``shown``, each of its texts as the CLI's tables show it.
+
+    The page draws names only from ``shown``: a control character, a bidi override or an
+    escape sequence in a name is written as the CLI writes it (``\\n``, ``\\u202e``, ...),
+    by the one function that escapes names for both. The raw fields stay as they are, for
+    filters, requests and scripts.
+    """
+    return {**row, "shown": {k: printable(v) for k, v in row.items() if isinstance(v, str)}}
+
+
 def _jsonable(value: object) -> object:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
@@ -251,12 +280,13 @@ def create_app(
         pattern = request.query_params.get("resource") or None
 
         def read() -> list[dict[str, object]]:
-            return data.leases(owner=owner, pattern=pattern)
+            return [with_shown(row) for row in data.leases(owner=owner, pattern=pattern)]
 
         return JSONResponse(await run_in_threadpool(read))
 
     async def owners(request: Request) -> Response:
-        return JSONResponse(await run_in_threadpool(data.owners))
+        listed = await run_in_threadpool(data.owners)
+        return JSONResponse([with_shown(row) for row in listed])
 
     async def beat(request: Request) -> Response:
         runs = await run_in_threadpool(store.beat_runs, list(beat_entries))
@@ -264,13 +294,15 @@ def create_app(
             {
                 "entries": list(beat_entries),
                 "claims": [
-                    {
-                        "entry": r.entry,
-                        "kind": r.kind,
-                        "run": r.run,
-                        "replica": r.replica,
-                        "expires_in": round(r.expires_in, 3),
-                    }
+                    with_shown(
+                        {
+                            "entry": r.entry,
+                            "kind": r.kind,
+                            "run": r.run,
+                            "replica": r.replica,
+                            "expires_in": round(r.expires_in, 3),
+                        }
+                    )
                     for r in runs
                 ],
             }
@@ -287,7 +319,7 @@ def create_app(
             return _error(400, "n must be an integer")
         resource, node = params.get("resource") or None, params.get("node") or None
         records = await run_in_threadpool(lambda: read(resource=resource, node=node, count=count))
-        return JSONResponse(records)
+        return JSONResponse([with_shown(r) for r in records])
 
     async def lease(request: Request) -> Response:
         read: Callable[[str], object] | None = getattr(store, "lease_record", None)
@@ -299,7 +331,10 @@ def create_app(
         record = await run_in_threadpool(read, resource)
         if record is None:
             return _error(404, f"no record of {resource!r}")
-        return JSONResponse(_jsonable(record))
+        body = _jsonable(record)
+        if isinstance(body, dict):
+            body = {**body, "shown": shown(body)}
+        return JSONResponse(body)
 
     async def release(request: Request) -> Response:
         if not allow_release:
@@ -321,7 +356,8 @@ def create_app(
         freed = await run_in_threadpool(lambda: data.release(resource, via=via))
         if not freed:
             return _error(404, f"no lease is held on {resource!r}")
-        return JSONResponse({"resource": resource, "released": freed})
+        released = [with_shown(row) for row in freed]
+        return JSONResponse({"resource": resource, "released": released})
 
     routes = [
         Route("/", guarded(index)),

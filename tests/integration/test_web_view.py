@@ -25,7 +25,7 @@ import uvicorn
 from celery import Celery
 
 from celery_leases import LeaseLost, Leases, Shared
-from celery_leases.cli import _WebData
+from celery_leases.cli import _WebData, owners_json
 from celery_leases.web import Bind, create_app
 from tests.support.polling import wait_until
 
@@ -182,3 +182,50 @@ def test_without_the_extra_the_command_names_it(leases_redis_url: str, missing: 
     assert "needs the extra 'web'" in out.stderr
     assert "pip install 'celery-leases[web]'" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_names_come_with_their_cli_form(ext: Leases, view: httpx.Client) -> None:
+    # the page draws only "shown": the names escaped by the CLI's own function
+    names = ["\u202eevil", "a\nb", "a\tb"]
+    with ext.hold(names, ttl=30):
+        listed = view.get("/api/leases").json()
+        assert sorted(x["resource"] for x in listed) == sorted(names)
+        assert sorted(x["shown"]["resource"] for x in listed) == ["\\u202eevil", "a\\nb", "a\\tb"]
+        for row in listed:
+            assert row["shown"]["owner"] == row["owner"]  # a plain name is shown as it is
+        record = view.get("/api/lease", params={"resource": "a\nb"}).json()
+        assert record["resource"] == "a\nb"
+        assert record["shown"]["resource"] == "a\\nb"
+        assert record["holders"]  # its holder, every text in it escaped in "shown"
+        assert "a\nb" not in json.dumps(record["shown"], ensure_ascii=False)
+
+
+def test_an_idle_owner_of_a_live_node_is_idle(make_leases: Any) -> None:
+    # a process renews its liveness only while it holds something: once idle it runs out,
+    # and only its node's mark of life (set by its worker at every reaper pass) says it is
+    # alive, as `celery leases health --node` reads it
+    app = Celery("web-idle", set_as_current=False, broker="memory://")
+    ext = make_leases(app=app, ttl=1)
+    with ext.hold("r"):
+        pass
+    ident = ext.identity()
+
+    def mine() -> dict[str, Any]:
+        (row,) = [o for o in owners_json(ext.store) if o["node"] == ident.node]
+        return row
+
+    wait_until(lambda: mine()["liveness"] < 0, 60, "the idle owner's liveness to run out")
+    assert mine()["status"] == "expired"  # no mark: nothing says the node lives
+    ext.store.mark_node_alive(ident.node, "an-older-incarnation")
+    assert mine()["status"] == "expired"  # a mark of another incarnation of the node
+    ext.store.mark_node_alive(ident.node, ident.incarnation)
+    assert mine()["status"] == "idle"
+    assert mine()["leases"] == 0
+    for view in client_of(ext):
+        ext.store.mark_node_alive(ident.node, ident.incarnation)
+        (listed,) = [o for o in view.get("/api/owners").json() if o["node"] == ident.node]
+        assert listed["status"] == "idle"
+    # an owner that holds a lease is never idle
+    with ext.hold("s", ttl=30):
+        ext.store.mark_node_alive(ident.node, ident.incarnation)
+        assert mine()["status"] != "idle"

@@ -1,4 +1,5 @@
-"""The configuration reference is generated from the settings model, never hand-copied."""
+"""The references are generated (configuration from the settings model, the API's plain
+Markdown from docs/api.md and the docstrings), never hand-copied."""
 
 from __future__ import annotations
 
@@ -26,3 +27,13 @@ def test_every_setting_is_documented() -> None:
     for name, field in LeaseSettings.model_fields.items():
         assert field.description, f"setting {name} has no description"
         assert f"`{name}`" in text
+
+
+def test_api_reference_markdown_is_up_to_date() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_api_docs.py"), "--check"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -57,6 +57,36 @@ def holder_of(test_leases: Any, resource: str) -> Any:
 
 
 # --- liveness ---------------------------------------------------------------------------------
+def test_an_idle_worker_shows_idle_never_dead(
+    start_worker: Any, worker_app: Any, send: Any, ledger: Any, worker_env: dict[str, str]
+) -> None:
+    # a process renews its liveness only while it holds a lease: 6 s after its task, the
+    # pool process's liveness has run out, while the worker marks its node alive every 2 s
+    idle = {"CELERY_LEASES_TTL": "6", "CELERY_LEASES_RECONCILE_INTERVAL": "0"}
+    env = {**worker_env, **idle}
+    w = start_worker("prefork", 1, env=idle)
+    send(worker_app.sleeper, "idle", 0)
+    ledger.wait_event("started:idle")
+
+    def ran_out() -> list[dict[str, Any]] | None:
+        rows = [
+            o
+            for o in json.loads(leases_cli(env, "owners", "--json").stdout)
+            if o["node"] == w.hostname
+        ]
+        return rows if any(o["liveness"] < 0 for o in rows) else None
+
+    rows = wait_until(ran_out, 60, "the idle owner's liveness to run out")
+    assert all(o["leases"] == 0 for o in rows)
+    assert "idle" in {o["status"] for o in rows}, rows
+    assert not {o["status"] for o in rows} & {"late", "expired"}, rows
+    lines = [line for line in leases_cli(env, "owners").stdout.splitlines() if w.hostname in line]
+    assert lines
+    assert any("idle (holds nothing; its node is alive)" in line for line in lines), lines
+    assert not [line for line in lines if "dead" in line or "renewed" in line], lines
+    assert f"node {w.hostname} is alive" in leases_cli(env, "health", "--node", w.hostname).stdout
+
+
 def test_a_killed_worker_shows_renewed_n_s_ago_never_alive_until_it_expires(
     start_worker: Any, worker_app: Any, send: Any, ledger: Any, worker_env: dict[str, str]
 ) -> None:

@@ -30,8 +30,12 @@ pytestmark = pytest.mark.worker
 
 TOKEN = "s3cret-token-for-the-test"
 CHROMIUM = os.environ.get("LEASES_CHROMIUM", "/usr/bin/chromium")
-#: what changes between two reads of the same leases: the clocks
-MOVING = ("expires_in", "liveness", "renewed_ago")
+#: what changes between two reads of the same leases: the clocks (and the view's escaped copy)
+MOVING = ("expires_in", "liveness", "renewed_ago", "shown")
+#: names a terminal or a page would not show as they are: a bidi override, a newline, a tab
+HOSTILE = ("res:\u202eevil", "res:a\nb", "res:a\tb")
+#: the same, as the CLI's tables show them (celery_leases._text.printable)
+HOSTILE_SHOWN = ("res:\\u202eevil", "res:a\\nb", "res:a\\tb")
 
 
 def free_port() -> int:
@@ -248,6 +252,7 @@ def test_the_page_shows_a_worker_lease_and_releases_it(
     send: Any,
     ledger: Any,
     test_leases: Any,
+    worker_env: dict[str, str],
 ) -> None:
     sync_playwright = _browser_or_skip()
     w = start_worker("prefork", 2, env=LIVE)
@@ -257,6 +262,7 @@ def test_the_page_shows_a_worker_lease_and_releases_it(
     ledger.wait_event("started:other")
     view = start_view("--allow-release", "--token", TOKEN)
     shots = os.environ.get("LEASES_SCREENSHOTS")
+    cli = Cli({**worker_env, **LIVE})
 
     with sync_playwright() as p:
         browser = p.chromium.launch(
@@ -296,8 +302,54 @@ def test_the_page_shows_a_worker_lease_and_releases_it(
             assert "token" in page.locator("#message").inner_text()
             assert not page.locator("#confirm").is_visible()
             page.fill("#token", TOKEN)
+
+            # hostile names (held here, out of the screenshots): the CLI's table writes them
+            # escaped, one line each
+            with test_leases.hold(list(HOSTILE), ttl=30):
+                listed = cli("ls")
+                assert listed.returncode == 0, listed.stderr
+                for raw, escaped in zip(HOSTILE, HOSTILE_SHOWN, strict=True):
+                    assert escaped in listed.stdout
+                    assert raw not in listed.stdout
+                # the page: distinct rows, each shown exactly as the CLI shows it, and so in the
+                # release confirmation
+                names = page.locator("#leases tbody tr td:first-child")
+
+                seen: list[str] = []
+
+                def hostile_drawn() -> bool:
+                    seen[:] = names.all_inner_texts()
+                    return set(HOSTILE_SHOWN) <= set(seen)
+
+                try:
+                    wait_until(hostile_drawn, 20, f"the rows {HOSTILE_SHOWN}")
+                except AssertionError as exc:
+                    raise AssertionError(f"{exc}; the rows drawn: {seen}") from None
+                drawn = names.all_inner_texts()
+                for escaped in HOSTILE_SHOWN:
+                    assert drawn.count(escaped) == 1, drawn
+                for raw in HOSTILE:
+                    assert raw not in drawn
+                evil = page.locator("#leases tbody tr", has_text=HOSTILE_SHOWN[0])
+                evil.locator("button.release").click()
+                dialog = page.locator("#confirm")
+                dialog.wait_for(state="visible")
+                assert page.locator("#confirm-resource").inner_text() == HOSTILE_SHOWN[0]
+                assert "\u202e" not in dialog.inner_text()
+                page.click("#confirm-cancel")
+                dialog.wait_for(state="hidden")
+                newline = page.locator("#leases tbody tr", has_text=HOSTILE_SHOWN[1])
+                newline.locator("button.release").click()
+                dialog.wait_for(state="visible")
+                assert page.locator("#confirm-resource").inner_text() == HOSTILE_SHOWN[1]
+                page.click("#confirm-cancel")
+                dialog.wait_for(state="hidden")
+            wait_until(
+                lambda: not set(HOSTILE_SHOWN) & set(names.all_inner_texts()),
+                20,
+                "the hostile rows to go once released",
+            )
             row.locator("button.release").click()
-            dialog = page.locator("#confirm")
             dialog.wait_for(state="visible")
             assert "res:page" in dialog.inner_text()
             assert held.id in dialog.inner_text()
@@ -321,3 +373,46 @@ def test_the_page_shows_a_worker_lease_and_releases_it(
     assert [h.resource for h in test_leases.store.holders("res:other")] == ["res:other"]
     # the holder learns at its next renewal (LeaseLost interrupts the body by default)
     wait_until(lambda: held.state == "FAILURE", 60, "the released task to fail with LeaseLost")
+
+
+def test_the_owners_tab_shows_an_idle_worker_alive(
+    start_worker: Any,
+    start_view: Callable[..., View],
+    worker_app: Any,
+    send: Any,
+    ledger: Any,
+    worker_env: dict[str, str],
+) -> None:
+    sync_playwright = _browser_or_skip()
+    # the pool process renews its liveness only while it holds a lease: 6 s after its task it
+    # has run out, while the worker marks its node alive every 2 s
+    idle = {"CELERY_LEASES_TTL": "6", "CELERY_LEASES_RECONCILE_INTERVAL": "0"}
+    w = start_worker("prefork", 1, env=idle)
+    send(worker_app.sleeper, "idle", 0)
+    ledger.wait_event("started:idle")
+    view = start_view()  # with LIVE's settings: the view reads the node's mark all the same
+
+    def ran_out() -> bool:
+        rows = [o for o in view.get("/api/owners").json() if o["node"] == w.hostname]
+        return bool(rows) and all(o["liveness"] < 0 for o in rows)
+
+    wait_until(ran_out, 60, "the idle owner's liveness to run out")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 600})
+            page.goto(view.url + "/")
+            page.click('nav button[data-tab="owners"]')
+            owners = page.locator("#owners")
+            wait_until(lambda: w.hostname in owners.inner_text(), 20, "the owners tab")
+            text = owners.inner_text()
+            assert "idle (holds nothing; its node is alive)" in text, text
+            assert "dead" not in text, text
+            lines = [line for line in text.splitlines() if "owners alive" in line]
+            assert lines, text
+            assert all(" 0 of " not in line for line in lines), lines
+            assert any("idle)" in line for line in lines), lines
+        finally:
+            browser.close()
