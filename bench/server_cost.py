@@ -104,7 +104,7 @@ def contenders() -> list[Contender]:
             "no_registry",
             "without the owner registry (SADD, SREM)",
             without(a, "record_grants(KEYS[2], entries, ARGV[8])", ""),
-            without(r, "local listed = redis.call('SREM', KEYS[1], entry)", "local listed = 1"),
+            without(r, "listed = redis.call('SREM', KEYS[1], entry)", "listed = 1"),
         ),
         Contender("no_home", "without the home call (liveness ZADD GT)", a, r, home=False),
         Contender(
