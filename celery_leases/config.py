@@ -972,11 +972,7 @@ class AppSettings:
             return self._value
         with self._lock:
             if not self._fixed:
-                found = _conf_with_origins(self._app)
-                value = _resolve(self._app, self._kwargs, found)
-                if value != self._value:
-                    self._value = value
-                self._found = found
+                self._resolve_again()
         return self._value
 
     def current(self) -> LeaseSettings:
@@ -985,17 +981,20 @@ class AppSettings:
             return self._value
         with self._lock:
             if not self._fixed:
-                # the config and the environment as they are now; the same object when
-                # nothing changed, so the store made at Leases(app) stays
-                found = _conf_with_origins(self._app)
-                value = _resolve(self._app, self._kwargs, found)
-                if value != self._value:
-                    self._value = value
-                self._found = found
+                self._resolve_again()
                 self._conf = _loaded_conf(self._app)
                 self._note_changes()
                 self._fixed = True
         return self._value
+
+    def _resolve_again(self) -> None:
+        """Resolve from the config and the environment as they are now (under the lock);
+        the same object when nothing changed, so the store made at Leases(app) stays."""
+        found = _conf_with_origins(self._app)
+        value = _resolve(self._app, self._kwargs, found)
+        if value != self._value:
+            self._value = value
+        self._found = found
 
     def check(self, *, full: bool = False) -> LeaseSettings:
         """:meth:`current`, refusing a ``leases_*`` key changed since the first use.
