@@ -286,10 +286,7 @@ def _claim_attempt(
 ) -> Steps[Claimed | ClaimHolder]:
     resource = engine.keys.unique_resource(key)
     Want(resource)  # a name without a UTF-8 form is a LeaseConfigError, not a redis one
-    rk = engine.resource_keys(resource)
-    keys = [rk.exclusive, rk.counter, engine.keys.unique_queued(rk.group)]
-    args: list[Any] = [escape(task_id), engine.ms(ttl), engine.token_memory_ms, resource, ""]
-    call = Script("unique_claim", keys, args)
+    call = _unique_claim_call(engine, resource, task_id, ttl)
     try:
         # one attempt first: a failure after it may have run is told apart below
         (reply,) = yield Send([call])
@@ -328,17 +325,25 @@ def unique_confirm(
     lands), it was released (the task ran and ended) or it ran out. A confirm never brings
     a claim back.
     """
-    resource = engine.keys.unique_resource(key)
-    rk = engine.resource_keys(resource)
-    keys = [rk.exclusive, rk.counter, engine.keys.unique_queued(rk.group)]
-    args: list[Any] = [escape(task_id), engine.ms(ttl), engine.token_memory_ms, resource]
-    args.append(str(token))
+    call = _unique_claim_call(engine, engine.keys.unique_resource(key), task_id, ttl, token)
     try:
         # idempotent (token-checked, only ever raises a TTL)
-        (reply,), _ = yield from resend_if_lost([Script("unique_claim", keys, args)])
+        (reply,), _ = yield from resend_if_lost([call])
     except Failure as failure:
         raise engine.backend_error("confirm a unique claim", failure) from failure.cause
     return int(reply[0]) == UniqueClaimReply.CLAIMED
+
+
+def _unique_claim_call(
+    engine: LeaseEngine, resource: str, task_id: str, ttl: float, token: int | None = None
+) -> Script:
+    """unique_claim.lua for ``task_id``'s claim of ``resource``: a pending claim of ``ttl``,
+    or with the claim's ``token``, its confirm (the claim now lives ``ttl``)."""
+    rk = engine.resource_keys(resource)
+    keys = [rk.exclusive, rk.counter, engine.keys.unique_queued(rk.group)]
+    args: list[Any] = [escape(task_id), engine.ms(ttl), engine.token_memory_ms, resource]
+    args.append("" if token is None else str(token))
+    return Script("unique_claim", keys, args)
 
 
 def _holder_read(attempt: Callable[[], Steps[_Outcome]]) -> Steps[_Outcome]:
