@@ -47,8 +47,9 @@ INTERVAL_MS = round(beat_app.INTERVAL * 1000)
 #: longest gap allowed between consecutive interval sends: one interval, plus as much again
 #: for a takeover (the survivors are aligned on the same Redis buckets)
 MAX_GAP_MS = 2 * INTERVAL_MS
-#: the replicas are started this long before the minute boundary of the window
-LEAD_MS = 22_000
+#: the replicas are started this long before the minute boundary of the window: six beat
+#: processes (django and redbeat) need most of it to start on a busy 2-core machine
+LEAD_MS = 34_000
 #: the victim is killed this long before the boundary; the window ends this long after it
 KILL_BEFORE_MS = 6_000
 TAIL_MS = 10_000
