@@ -22,6 +22,7 @@ from ._heartbeat import (
     tick_steps,
 )
 from ._protocol import adrive
+from .config import renewal_interval
 from .exceptions import LeaseError
 
 if TYPE_CHECKING:
@@ -37,13 +38,13 @@ class AsyncHeartbeat:
     """Renews the leases held on one event loop, as the sync heartbeat thread does.
 
     One task, started on the first lease and ended after a second with nothing held. Every
-    ``min(ttl) / 3`` it sends one renewal per store and owner (the owner id is the process's,
-    as on the sync side: both renew its liveness with ``ZADD GT``, so neither can shorten what
-    the other set). Each renewal has a deadline, the time left before its first lease would
-    count as lost, so a stalled Redis cannot hide a loss: the lease is marked lost at
-    ``last confirmed renewal + horizon`` on the monotonic clock, before Redis could expire it.
-    A blocked event loop stops this task too; the deadline check then marks the leases lost
-    as soon as the loop runs again.
+    ``renewal_interval(min(horizon))`` it sends one renewal per store and owner (the owner id
+    is the process's, as on the sync side: both renew its liveness with ``ZADD GT``, so
+    neither can shorten what the other set). Each renewal has a deadline, the time left
+    before its first lease would count as lost, so a stalled Redis cannot hide a loss: the
+    lease is marked lost at ``last confirmed renewal + horizon`` on the monotonic clock,
+    before Redis could expire it. A blocked event loop stops this task too; the deadline
+    check then marks the leases lost as soon as the loop runs again.
     """
 
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
@@ -63,7 +64,7 @@ class AsyncHeartbeat:
         """Start renewing ``held`` through ``store``; starts the task if it is not running."""
         idle = not self.snapshot()
         self._held[held] = store
-        due = held.confirmed_at + held.horizon / 3
+        due = held.confirmed_at + renewal_interval(held.horizon)
         self.next_renew = due if idle else min(self.next_renew, due)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(

@@ -15,6 +15,7 @@ from celery.utils.log import get_logger
 
 from . import signals
 from ._protocol import drive
+from .config import renewal_interval
 from .exceptions import LeaseError
 
 if TYPE_CHECKING:
@@ -43,7 +44,8 @@ renew_observers: Final[list[RenewObserver]] = []
 
 
 class Heartbeat:
-    """Renews held leases every ``min(ttl) / 3`` with one Redis call per store and owner.
+    """Renews held leases every ``renewal_interval(min(horizon))`` (a third of the shortest)
+    with one Redis call per store and owner.
 
     It records, on the monotonic clock, when each lease was last confirmed (the time the
     renewal was *sent*, which is no later than when Redis extended it). A lease not confirmed
@@ -92,7 +94,7 @@ class Heartbeat:
         with self.lock:
             idle = len(self._held) == 0  # released and lost leases are discarded
             self._held[held] = None
-            due = held.confirmed_at + held.horizon / 3
+            due = held.confirmed_at + renewal_interval(held.horizon)
             # with nothing held, an old next_renew is meaningless
             self.next_renew = due if idle else min(self.next_renew, due)
             # _running, not Thread.is_alive(): that takes the thread's state lock, at every add
@@ -261,7 +263,7 @@ class RenewRound(Generic[S]):
     ) -> None:
         self._beat = beat
         self._log = log
-        self.interval = min(h.horizon for h in held) / 3
+        self.interval = renewal_interval(min(h.horizon for h in held))
         groups: dict[tuple[int, str], list[Held]] = {}
         self._stores: dict[int, S] = {}
         for h in held:

@@ -107,7 +107,7 @@ from ._registry import QUEUED_OWNER, Entry
 from ._render import printable, table
 from ._store import LeaseStore
 from .app import Leases, find_leases
-from .config import safe_url
+from .config import safe_url, timing
 from .exceptions import LeaseBackendError, LeaseConfigError, LeaseError
 from .task import unleased_tasks
 from .worker import RECONCILE_RESOURCE, run_reconcile
@@ -210,9 +210,9 @@ class Renewals(NamedTuple):
     @classmethod
     def of(cls, settings: LeaseSettings) -> Renewals:
         """The renewals that workers with ``settings`` make."""
-        # the heartbeat renews every min(lease horizon) / 3, a horizon being at most
-        # ttl * margin_fraction (see LeaseStore.horizon)
-        return cls(settings.ttl, settings.ttl * settings.margin_fraction / 3)
+        # the heartbeat renews at the renewal interval of the shortest lease horizon, a
+        # horizon being at most ttl * margin_fraction (see LeaseStore.horizon)
+        return cls(settings.ttl, timing(settings).every)
 
 
 def renewed_ago(liveness: float | None, renewals: Renewals) -> float | None:

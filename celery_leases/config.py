@@ -484,14 +484,23 @@ class LeaseSettings(BaseSettings):
 #: seconds the heartbeat waits before it tries a failed renewal again (at most)
 RENEW_RETRY_AFTER: Final = 1.0
 
+#: renewals per lease horizon: the heartbeat renews every ``horizon / RENEWALS_PER_HORIZON``
+#: (a third), so two renewals in a row may fail before a lease counts as lost
+RENEWALS_PER_HORIZON: Final = 3
+
+
+def renewal_interval(horizon: float) -> float:
+    """Seconds between two renewals of leases whose shortest horizon is ``horizon``."""
+    return horizon / RENEWALS_PER_HORIZON
+
 
 class Timing(NamedTuple):
     """The heartbeat's timing under some settings, as Kubernetes' leader election names it.
 
     ``horizon``: seconds after a confirmed renewal that a lease counts as held (the lease
     duration less the margin: ``ttl * (1 - lost_margin)``); ``every``: the renewal interval
-    (``horizon / 3``); ``slack``: the time a renewal sent on time has before its lease
-    counts as lost (the renew deadline, ``horizon - every``).
+    (:func:`renewal_interval`, a third of the horizon); ``slack``: the time a renewal sent on
+    time has before its lease counts as lost (the renew deadline, ``horizon - every``).
     """
 
     horizon: float
@@ -502,7 +511,8 @@ class Timing(NamedTuple):
 def timing(settings: LeaseSettings) -> Timing:
     """The :class:`Timing` of leases of the ``ttl`` setting (a shorter lease ttl is faster)."""
     horizon = settings.ttl * settings.margin_fraction
-    return Timing(horizon, horizon / 3, horizon - horizon / 3)
+    every = renewal_interval(horizon)
+    return Timing(horizon, every, horizon - every)
 
 
 def _lead(settings: LeaseSettings, t: Timing) -> str:

@@ -33,7 +33,7 @@ from ._keys import split_owner
 from ._lease import Want
 from ._store import safe_url
 from ._text import printable
-from .config import DEFAULT_REDIS_URL, timing_warnings
+from .config import DEFAULT_REDIS_URL, renewal_interval, timing_warnings
 from .exceptions import LeaseBackendError, LeaseError
 
 if TYPE_CHECKING:
@@ -263,7 +263,7 @@ class LeaseBootstep(bootsteps.StartStopStep):
         timer = getattr(worker, "timer", None)
         if timer is None:
             return
-        reap_every = max(0.5, ext.settings.ttl / 3)
+        reap_every = max(0.5, renewal_interval(ext.settings.ttl))
         self._timers.append(timer.call_repeatedly(reap_every, self.reap, priority=10))
         if ext.settings.reconcile_interval > 0:
             self._timers.append(
