@@ -72,6 +72,24 @@ def test_tasks_svg_has_throughput_commands_and_server_time(tmp_path: Path) -> No
     assert "leased/plain 0.88: MISS" in words
 
 
+def test_a_cost_target_is_drawn_as_the_lease_against_one_hold_cycle(tmp_path: Path) -> None:
+    # solo's target: the lease's own time a task (1000/640 - 1000/900 = 0.45 ms) against one
+    # hold() cycle of the same run (0.30 ms); prefork keeps its leased/plain ratio
+    solo = {
+        **pool("solo", 1, 900.0, 640.0),
+        "target_kind": "cost",
+        "lease_ms": 1000 / 640 - 1000 / 900,
+        "hold_cycle_ms_median": 0.30,
+        "pass": False,
+    }
+    prefork = {**pool("prefork", 2, 1000.0, 950.0), "target_kind": "ratio", "pass": True}
+    write(tmp_path / "tasks.json", {"target": 0.9, "pools": [solo, prefork]})
+    words = texts(plot.render_tasks(tmp_path) or "")
+    assert "lease +0.45 ms = 1.50x hold(): MISS" in words
+    assert "leased/plain 0.95: PASS" in words
+    assert not any(w.startswith("leased/plain 0.71") for w in words)
+
+
 def test_tasks_svg_without_counts_draws_throughput_only(tmp_path: Path) -> None:
     # a run against --redis-url: no counts (null), and an old tasks.md: its first table only
     entry = pool("solo", 1, 900.0, 850.0)
