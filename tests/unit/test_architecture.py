@@ -20,7 +20,20 @@ SCRIPT = re.compile(r"`(lua/\w+\.lua)`")
 #: the layers of the page's table: a module may import its own layer and those above it
 LAYERS: dict[str, int] = {
     **dict.fromkeys(("exceptions", "signals", "_text", "_connect"), 0),
-    **dict.fromkeys(("config", "_keys", "_lease", "_identity", "_render", "_registry"), 1),
+    **dict.fromkeys(
+        (
+            "config",
+            "_config_source",
+            "_config_diagnostics",
+            "_timing",
+            "_keys",
+            "_lease",
+            "_identity",
+            "_render",
+            "_registry",
+        ),
+        1,
+    ),
     **dict.fromkeys(("_scripts", "_protocol"), 2),
     **dict.fromkeys(
         (
