@@ -57,7 +57,9 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(
         (
             "app",
+            "_outcomes",
             "task",
+            "_interrupt",
             "worker",
             "beat",
             "once",
