@@ -22,7 +22,9 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(("exceptions", "signals", "_text", "_connect"), 0),
     **dict.fromkeys(("config", "_keys", "_lease", "_identity", "_render", "_registry"), 1),
     **dict.fromkeys(("_scripts", "_protocol"), 2),
-    **dict.fromkeys(("_engine", "_lostreply", "_grants", "_cleanup", "_inspect", "_claims"), 3),
+    **dict.fromkeys(
+        ("_engine", "_lostreply", "_grants", "_cleanup", "_inspect", "_claims", "_wait"), 3
+    ),
     **dict.fromkeys(
         ("_store", "_astore", "_lanes", "_lifetime", "_once", "_renewlines", "_subscribers"), 4
     ),
