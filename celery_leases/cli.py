@@ -1305,6 +1305,32 @@ def on_worker_init(sender: Any = None, **kwargs: Any) -> None:
         raise SystemExit(EX_CONFIG)
 
 
+# --- wait: block until a resource is free ----------------------------------------------------
+@leases.command("wait", cls=_Command)
+@click.argument("resource")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0),
+    metavar="S",
+    allow_from_autoenv=False,
+    help="Give up after S seconds (exit 75). Default: wait as long as it takes.",
+)
+@click.pass_context
+def wait(ctx: click.Context, resource: str, timeout: float | None) -> None:
+    """Block until RESOURCE has no holder (exit 0), or until --timeout passes (exit 75).
+
+    For scripts and Kubernetes init containers. It takes no lease and no place in the
+    waiter queue; it is woken by a release (no polling), or by the holder's expiry at the
+    latest. Exit 69: Redis could not be reached or failed.
+    """
+    _non_empty("RESOURCE", resource)
+    if _ext(ctx).store.wait_until_free(resource, timeout):
+        click.echo(f"{printable(resource)}: free")
+        return
+    click.echo(f"{printable(resource)}: still held after {timeout:g} s", err=True)
+    ctx.exit(EX_TEMPFAIL)
+
+
 # The style exception of this module (docs/architecture.md, "Rules"): importing it connects a
 # signal. Celery's CLI imports this module, the package's celery.commands entry point, in every
 # `celery` process, so a `celery worker` sees tasks whose lease options an app without
