@@ -40,7 +40,6 @@ from ._once import (
 from ._protocol import (
     Call,
     Command,
-    Listen,
     Op,
     Script,
     Send,
@@ -207,13 +206,9 @@ class LeaseStore:
         Interrupted (an exception from here, not from the wait: a signal, a soft time
         limit), the wait is stopped where it stood and gives back what it must.
         """
-        with self._subscribers.listening() as listening:
-
-            def execute(op: Op) -> Any:
-                return listening.listen(op) if type(op) is Listen else self._execute(op)
-
+        with self._subscribers.listening(self._execute) as listening:
             try:
-                return drive(wait.steps, execute, RedisError, failure_of)
+                return drive(wait.steps, listening.execute, RedisError, failure_of)
             except BaseException as exc:
                 if _wait.stopped(wait, exc):
                     self.run(wait.give_back(None))

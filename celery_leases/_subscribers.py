@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Final
+from typing import Any, Final
 
 import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -34,7 +34,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._lanes import direct_parser, handoff, skip_replies
-from ._protocol import Heard, Listen
+from ._protocol import Heard, Listen, Op
 
 __all__ = ("Listening", "Subscribers")
 
@@ -55,9 +55,10 @@ class Subscribers:
         # in this process; a forked child starts its own)
         self._returner: _Returner | None = None
 
-    def listening(self) -> Listening:
-        """A wait's subscription on one of these connections (see :class:`Listening`)."""
-        return Listening(self)
+    def listening(self, send: Callable[[Op], Any]) -> Listening:
+        """A wait's subscription on one of these connections (see :class:`Listening`); its
+        other requests go to ``send``."""
+        return Listening(self, send)
 
     def close(self) -> None:
         """Close this process's idle subscriber connections, once its returner thread has
@@ -127,11 +128,12 @@ class Listening:
     """One wait's subscription: made at its first :class:`~celery_leases._protocol.Listen`,
     kept to the end of the wait, then handed to the returner (or closed after a failure).
 
-    A context manager: ``with subscribers.listening() as listening: ... listening.listen(op)``.
+    A context manager: ``with subscribers.listening(send) as listening: ...``, each request of
+    the wait given to :meth:`execute`.
     """
 
-    def __init__(self, subscribers: Subscribers) -> None:
-        self._subscribers = subscribers
+    def __init__(self, subscribers: Subscribers, send: Callable[[Op], Any]) -> None:
+        self._subscribers, self._send = subscribers, send
         self._pubsub: redis.client.PubSub | None = None
         self._channels: list[str] = []
         self._parser: object | None = None
@@ -147,6 +149,10 @@ class Listening:
             self._subscribers._give_back_later(pubsub, self._channels)
         else:
             pubsub.close()
+
+    def execute(self, op: Op) -> Any:
+        """Carry out ``op``: a Listen here, any other request by ``send``."""
+        return self.listen(op) if type(op) is Listen else self._send(op)
 
     def listen(self, op: Listen) -> Heard:
         """Subscribe to ``op.channels`` (at the wait's first listen), then wait up to

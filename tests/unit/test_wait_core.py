@@ -221,8 +221,12 @@ class _Listens:
     def __init__(self, answer: Callable[[Op], Any], made: list[Op]) -> None:
         self.answer, self.made = answer, made
 
-    def listening(self) -> _Listens:
+    def listening(self, send: Callable[[Op], Any]) -> _Listens:
+        self.send = send
         return self
+
+    def execute(self, op: Op) -> Any:
+        return self.listen(op) if isinstance(op, Listen) else self.send(op)
 
     def __enter__(self) -> _Listens:
         return self
