@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from celery_leases import _subscribers
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
 from celery_leases._store import LeaseStore
@@ -132,3 +133,20 @@ def test_redis_unreachable_is_exit_69_and_one_line(start_wait):
     assert "Traceback" not in err
     (line,) = err.strip().splitlines()
     assert line.startswith("Error: redis at redis://127.0.0.1:1/0 failed to wait for a release")
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-read", "redis-py-read"])
+def test_a_listen_longer_than_the_socket_timeout_holds(
+    make_leases_store: Callable[..., LeaseStore], monkeypatch: pytest.MonkeyPatch, direct: bool
+):
+    """The wait the command runs, in process: its listen (to the holder's expiry, about 3 s)
+    outlasts a 1 s socket timeout, on the direct socket read and on redis-py's path (TLS, or
+    no hiredis)."""
+    if not direct:
+        monkeypatch.setattr(_subscribers, "direct_parser", lambda conn: None)
+    store = make_leases_store(socket_timeout=1.0)
+    ttl = 3.0
+    store.acquire([Want("res:6")], HOLDER, ttl)
+    granted = time.monotonic()
+    assert store.wait_until_free("res:6", SLOW) is True
+    assert time.monotonic() - granted >= ttl - 0.5  # the expiry ended it, not an error
