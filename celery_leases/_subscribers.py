@@ -132,6 +132,8 @@ class Listening:
     the wait given to :meth:`execute`.
     """
 
+    __slots__ = ("_channels", "_parser", "_pubsub", "_send", "_subscribers")
+
     def __init__(self, subscribers: Subscribers, send: Callable[[Op], Any]) -> None:
         self._subscribers, self._send = subscribers, send
         self._pubsub: redis.client.PubSub | None = None

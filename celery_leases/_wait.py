@@ -44,7 +44,7 @@ FOR_RELEASE: Final = "wait for a release"
 FOR_CLAIM: Final = "wait for a unique claim"
 
 
-@dataclass
+@dataclass(slots=True)
 class Wait(Generic[T]):
     """One wait, for a driver's ``run_wait``.
 
