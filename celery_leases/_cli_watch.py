@@ -22,7 +22,7 @@ from ._census import (
     seconds,
     take_census,
 )
-from ._cli_base import Command, Failure, app_of, leases_of, non_empty
+from ._cli_base import EX_TEMPFAIL, Command, Failure, app_of, leases_of, non_empty
 from ._render import printable
 from ._store import LeaseStore
 from .config import safe_url
@@ -269,4 +269,30 @@ def web(
     view.serve(asgi, where)
 
 
-COMMANDS: Final = (health, top, web)
+# --- wait: block until a resource is free ----------------------------------------------------
+@click.command("wait", cls=Command)
+@click.argument("resource")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0),
+    metavar="S",
+    allow_from_autoenv=False,
+    help="Give up after S seconds (exit 75). Default: wait as long as it takes.",
+)
+@click.pass_context
+def wait(ctx: click.Context, resource: str, timeout: float | None) -> None:
+    """Block until RESOURCE has no holder (exit 0), or until --timeout passes (exit 75).
+
+    For scripts and Kubernetes init containers. It takes no lease and no place in the
+    waiter queue; it is woken by a release (no polling), or by the holder's expiry at the
+    latest. Exit 69: Redis could not be reached or failed.
+    """
+    non_empty("RESOURCE", resource)
+    if leases_of(ctx).store.wait_until_free(resource, timeout):
+        click.echo(f"{printable(resource)}: free")
+        return
+    click.echo(f"{printable(resource)}: still held after {timeout:g} s", err=True)
+    ctx.exit(EX_TEMPFAIL)
+
+
+COMMANDS: Final = (health, top, web, wait)

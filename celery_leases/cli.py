@@ -13,6 +13,7 @@ The commands run against the ``-A`` app's settings (its ``Leases(app)``, or one 
     celery -A proj leases reconcile [--json]
     celery -A proj leases stats [--json]
     celery -A proj leases audit [-n N] [--json]
+    celery -A proj leases wait RESOURCE [--timeout S]
 
 - ``ls``: every held lease, found through the owners index and each owner's registry (never a
   keyspace scan): resource, mode (``exclusive``/``shared``), fencing token, owner, node, the
@@ -64,6 +65,8 @@ The commands run against the ``-A`` app's settings (its ``Leases(app)``, or one 
 - ``stats``: owners alive and dead, leases held (exclusive, shared), stale registry entries,
   per node.
 - ``audit``: the last ``N`` releases made with ``release`` (default 20; the list keeps 1000).
+- ``wait RESOURCE``: blocks until the resource has no holder (exit 0) or ``--timeout`` passes
+  (exit 75); it takes no lease and no place in the queue. For scripts and init containers.
 
 ``--force`` and ``--yes`` are never read from the environment (celery's CLI would otherwise
 take ``CELERY_LEASES_RELEASE_FORCE``), nor is any other option of these commands.
@@ -71,7 +74,8 @@ take ``CELERY_LEASES_RELEASE_FORCE``), nor is any other option of these commands
 Exit status: 0 done; 1 refused, nothing held, aborted, or a reconcile that could not clean
 every owner (``health``: Redis does not answer); 2 bad usage (``health``: the node is
 stale); 69 Redis could not be reached or failed; 75 another process is reconciling (try
-again); 78 invalid settings. Errors are one line on stderr, URLs without their password.
+again; ``wait``: still held at its timeout); 78 invalid settings. Errors are one line on
+stderr, URLs without their password.
 
 .. versionadded:: 0.1
 """

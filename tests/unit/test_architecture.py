@@ -49,6 +49,7 @@ LAYERS: dict[str, int] = {
             "_cleanup",
             "_inspect",
             "_claims",
+            "_wait",
         ),
         3,
     ),
@@ -222,7 +223,6 @@ MODULE_EXEMPTIONS: dict[str, str] = {
 }
 CLASS_EXEMPTIONS: dict[str, str] = {
     "_store.py::LeaseStore": "the sync driver's one-line delegates, thinned by the driver move",
-    "_astore.py::AsyncLeaseStore": "the asyncio driver, split into _aio/ by the driver move",
 }
 
 
