@@ -118,7 +118,7 @@ def test_a_killed_worker_shows_renewed_n_s_ago_never_alive_until_it_expires(
 
     # its liveness has not run out: the old view said "alive (N s left)" all this time
     late, line = wait_until(
-        lambda: owner_row("renewed", "late"), 30, "the killed owner to show late"
+        lambda: owner_row(" s ago, expires in ", "late"), 30, "the killed owner to show late"
     )
     assert late["liveness"] > 0
     assert late["alive"] is True  # not run out yet: a reconcile or release leaves it alone
