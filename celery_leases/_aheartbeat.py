@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 from celery.utils.log import get_logger
 
-from ._heartbeat import (
+from ._protocol import adrive
+from ._renewround import (
     IDLE_LOOK,
     RETRY_AFTER_FAILURE,
     RenewCall,
@@ -21,7 +22,6 @@ from ._heartbeat import (
     send_lease_lost,
     tick_steps,
 )
-from ._protocol import adrive
 from .config import renewal_interval
 from .exceptions import LeaseError
 

@@ -28,7 +28,6 @@ from ._connect import aclose_client, parse_target
 from ._connect import make_async_client as make_deployment_client
 from ._grants import Busy, busy_error, waiting_time
 from ._identity import Identity
-from ._lanes import handoff, pack, where
 from ._lease import Held, Want
 from ._once import (
     AsyncOnceRetry,
@@ -50,7 +49,8 @@ from ._protocol import (
     words_of,
 )
 from ._scripts import SOURCE
-from ._store import LeaseStore
+from ._sync.driver import LeaseStore
+from ._wire import handoff, pack, where
 from .config import LeaseSettings, safe_url
 from .exceptions import LeaseBusy, LeaseConfigError
 

@@ -22,7 +22,7 @@ from .config import LeaseSettings, safe_url
 from .exceptions import LeaseBackendError
 
 if TYPE_CHECKING:
-    from ._store import LeaseStore
+    from ._sync.driver import LeaseStore
 
 __all__ = ("OFF", "RESOURCE_HISTORY", "LeaseEngine", "ResourceKeys", "grace_arg", "kept_grace")
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Final, Literal
 from .exceptions import LeaseConfigError, LeaseLost
 
 if TYPE_CHECKING:
-    from ._store import LeaseStore
+    from ._sync.driver import LeaseStore
 
 __all__ = (
     "MAX_NAME_BYTES",

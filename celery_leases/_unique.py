@@ -19,8 +19,8 @@ from kombu.utils.uuid import uuid
 
 from . import signals
 from ._claims import ClaimHolder
-from ._heartbeat import heartbeat
 from ._lease import Held, Lease, held_of
+from ._sync.heartbeat import heartbeat
 from .config import OnDuplicate
 from .exceptions import DuplicateTask, LeaseBackendError, LeaseConfigError
 

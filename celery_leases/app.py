@@ -33,10 +33,10 @@ from . import once as _once
 from . import signals
 from ._aheartbeat import loop_heartbeat
 from ._astore import AsyncLeaseStore, shielded
-from ._heartbeat import heartbeat
 from ._identity import Identity, current_identity
 from ._lease import Held, Lease, LeaseArgumentError, Shared, Want, held_of, want_of
-from ._store import LeaseStore, safe_url
+from ._sync.driver import LeaseStore, safe_url
+from ._sync.heartbeat import heartbeat
 from ._unique import install as install_unique
 from .config import AppSettings, LeaseSettings, set_settings
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseLost

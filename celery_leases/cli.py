@@ -105,7 +105,7 @@ from ._inspect import AUDIT_KEEP, Holder
 from ._keys import node_of_owner, split_owner, unescape
 from ._registry import QUEUED_OWNER, Entry
 from ._render import printable, table
-from ._store import LeaseStore
+from ._sync.driver import LeaseStore
 from .app import Leases, find_leases
 from .config import safe_url, timing
 from .exceptions import LeaseBackendError, LeaseConfigError, LeaseError

@@ -20,7 +20,7 @@ from celery_leases._astore import AsyncLeaseStore
 from celery_leases._claims import Claimed
 from celery_leases._identity import Identity
 from celery_leases._lease import Held, Want
-from celery_leases._store import LeaseStore
+from celery_leases._sync.driver import LeaseStore
 from tests.support.polling import wait_until
 
 TTL = 2.0  # the ttl setting: the owner's liveness; every lease here has this ttl too

@@ -32,7 +32,7 @@ from celery_leases._identity import Identity
 from celery_leases._lease import Held, Want
 from celery_leases._once import failure_of
 from celery_leases._protocol import Command, Op, Script, Send, adrive, drive
-from celery_leases._store import LeaseStore
+from celery_leases._sync.driver import LeaseStore
 
 OWNER = Identity("part8@host", "inca", 4242)  # threads A and B
 OTHER = Identity("part8-other@host", "inca", 4343)  # another process

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from celery_leases._heartbeat import Heartbeat
 from celery_leases._identity import Identity
 from celery_leases._lease import Held, Want
 from celery_leases._redis_server import RedisServer
-from celery_leases._store import LeaseStore
+from celery_leases._sync.driver import LeaseStore
+from celery_leases._sync.heartbeat import Heartbeat
 from celery_leases.config import resolve_settings
 from tests.support.polling import wait_until
 

@@ -22,11 +22,11 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(("exceptions", "signals", "_text", "_connect"), 0),
     **dict.fromkeys(("config", "_keys", "_lease", "_identity", "_render", "_registry"), 1),
     **dict.fromkeys(("_scripts", "_protocol"), 2),
-    **dict.fromkeys(("_engine", "_lostreply", "_grants", "_cleanup", "_inspect", "_claims"), 3),
     **dict.fromkeys(
-        ("_store", "_astore", "_lanes", "_lifetime", "_once", "_renewlines", "_subscribers"), 4
+        ("_engine", "_lostreply", "_grants", "_cleanup", "_inspect", "_claims", "_renewround"), 3
     ),
-    **dict.fromkeys(("_heartbeat", "_aheartbeat"), 5),
+    **dict.fromkeys(("_astore", "_lifetime", "_once", "_wire", "_sync"), 4),
+    **dict.fromkeys(("_aheartbeat",), 5),
     **dict.fromkeys(
         (
             "app",

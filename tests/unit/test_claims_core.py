@@ -21,7 +21,7 @@ from celery_leases._scripts import (
     UniqueHandoverReply,
     UniqueRequeueReply,
 )
-from celery_leases._store import LeaseStore
+from celery_leases._sync.driver import LeaseStore
 from celery_leases.config import LeaseSettings
 from celery_leases.exceptions import LeaseBackendError
 from tests.support.steps import drive, lost, refused, replies, scripts

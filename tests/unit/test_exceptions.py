@@ -18,7 +18,7 @@ from celery_leases import (
     StaleFence,
 )
 from celery_leases._redis_server import free_port
-from celery_leases._store import LeaseStore, safe_url
+from celery_leases._sync.driver import LeaseStore, safe_url
 from celery_leases.config import resolve_settings
 
 

@@ -16,7 +16,7 @@ from celery_leases._lostreply import BOOK
 from celery_leases._protocol import Script, Send, SendWithin
 from celery_leases._registry import Entry
 from celery_leases._scripts import AcquireReply, ReleaseReply
-from celery_leases._store import LeaseStore
+from celery_leases._sync.driver import LeaseStore
 from celery_leases.config import LeaseSettings
 from celery_leases.exceptions import LeaseBackendError
 from tests.support.steps import drive, lost, refused, replies, scripts

@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from celery_leases._heartbeat import RETRY_AFTER_FAILURE, Heartbeat
 from celery_leases._keys import Keyspace
 from celery_leases._lease import Held
+from celery_leases._renewround import RETRY_AFTER_FAILURE
+from celery_leases._sync.heartbeat import Heartbeat
 from celery_leases.exceptions import LeaseBackendError
 
 # Binary fractions keep the fake clock exact: 1.5 s horizon -> renew every 0.5 s.

@@ -1,13 +1,13 @@
-"""Subscribers: the sync driver's subscriber connections, and a wait for a release on them.
+"""Subscriber: the sync driver's subscriber connections, and a wait for a release on them.
 
 A waiter subscribes to the release channels of what it wants, then tries again; it is woken
 by a release at once (no polling), and by the blocking holder's expiry at the latest. Waiters
 keep their connections: opening one costs redis-py's handshake (several round trips), which
 a waiter would otherwise pay on every wait. (The asyncio driver has one subscriber per
-event loop, ``_astore._Subscriber``.)
+event loop, its twin ``_aio/subscriber.py::Subscriber``.)
 
 A wake-up is read off the socket directly where it is a plain one read with hiredis
-(``_lanes.skip_replies``): each message only says "try again", and redis-py's
+(``lanes.skip_replies``): each message only says "try again", and redis-py's
 ``get_message`` costs about 37 µs a message on the benchmark VM.
 
 A waiter that got its grant hands its connection to a returner thread, which sends the
@@ -31,15 +31,16 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ._lanes import direct_parser, handoff, skip_replies
+from .._wire import handoff
+from .lanes import direct_parser, skip_replies
 
-__all__ = ("Subscribers",)
+__all__ = ("Subscriber",)
 
 #: idle subscriber connections a store keeps per process for waiters
 IDLE_SUBSCRIBERS: Final = 4
 
 
-class Subscribers:
+class Subscriber:
     """A store's idle subscriber connections in this process (dropped after a fork)."""
 
     def __init__(self, client: Callable[[], redis.Redis], confirm_timeout: float) -> None:
@@ -64,7 +65,7 @@ class Subscribers:
         Any other return is how many seconds to wait for a message before the next attempt
         (a release, or the blocking holder's expiry at the latest; a message of an earlier
         wait on this connection costs one extra attempt). A lease handed over on
-        ``handed_on`` (one of ``channels``: see :func:`~celery_leases._lanes.handoff`) ends
+        ``handed_on`` (one of ``channels``: see :func:`~celery_leases._wire.handoff`) ends
         the wait if ``accept`` takes its token, which is returned (else None; a token not
         taken is a wake-up). Raises redis errors.
         """
