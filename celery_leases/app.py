@@ -31,8 +31,9 @@ from celery.utils.log import get_logger
 
 from . import once as _once
 from . import signals
-from ._aheartbeat import loop_heartbeat
-from ._astore import AsyncLeaseStore, shielded
+from ._aio.driver import AsyncLeaseStore
+from ._aio.heartbeat import loop_heartbeat
+from ._aio.shields import shielded
 from ._identity import Identity, current_identity
 from ._lease import Held, Lease, LeaseArgumentError, Shared, Want, held_of, want_of
 from ._sync.driver import LeaseStore, safe_url
@@ -288,7 +289,9 @@ class Leases:
             with self._astore_lock:
                 astore = self._astore
                 if astore is None:
-                    astore = self._astore = AsyncLeaseStore(self.store)
+                    store = self.store
+                    astore = AsyncLeaseStore(store.settings, engine=store.engine)
+                    self._astore = astore
         return astore
 
     @overload

@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_leases import _grants
-from celery_leases._astore import AsyncLeaseStore
+from celery_leases._aio.driver import AsyncLeaseStore
 from celery_leases._grants import Busy
 from celery_leases._identity import Identity
 from celery_leases._lease import Held, Want
@@ -117,7 +117,7 @@ def test_an_asyncio_lost_grant_never_adopts_the_token_its_sibling_just_released(
     resource = f"part8:aio:{round_}"
 
     async def scenario() -> tuple[list[Held] | Busy, int]:
-        astore = AsyncLeaseStore(store)
+        astore = AsyncLeaseStore(store.settings, engine=store.engine)
         try:
             b = await astore.try_acquire([Want(resource)], OWNER, TTL)
             assert isinstance(b, list)

@@ -25,8 +25,7 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(
         ("_engine", "_lostreply", "_grants", "_cleanup", "_inspect", "_claims", "_renewround"), 3
     ),
-    **dict.fromkeys(("_astore", "_lifetime", "_once", "_wire", "_sync"), 4),
-    **dict.fromkeys(("_aheartbeat",), 5),
+    **dict.fromkeys(("_lifetime", "_once", "_wire", "_sync", "_aio"), 4),
     **dict.fromkeys(
         (
             "app",
