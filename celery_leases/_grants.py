@@ -2,8 +2,8 @@
 
 Each operation is a generator of protocol requests (see ``_protocol``): it plans its script
 calls, reads their replies and chooses the next step, and either driver carries it out
-(``LeaseStore.run``, ``AsyncLeaseStore.run``). A lost reply's recovery (``_lostreply``) and
-the give-back of a partial grant over several slot groups are written here only. No I/O.
+(its ``run``). A lost reply's recovery (``_lostreply``) and the give-back of a partial
+grant over several slot groups are written here only. No I/O.
 """
 
 from __future__ import annotations
@@ -707,7 +707,7 @@ def handed(
     w, owner = wants[0], ticket.owner
     token = int(token)
     held = Held(
-        engine.store,
+        engine,
         owner,
         w.resource,
         "x",
@@ -761,11 +761,10 @@ def granted(
     owner, now, ttl, task_id = call.owner, call.now, call.ttl, call.task_id
     _booked(engine, call)
     horizon = engine.horizon(ttl)
-    store = engine.store
     tokens = [int(token) for token in reply[1:]]
     out = [
         Held(
-            store,
+            engine,
             owner,
             w.resource,
             w.mode,

@@ -260,7 +260,7 @@ class Leases:
             raise
         beat = heartbeat()
         for held in granted:
-            beat.add(held)
+            beat.add(held, store)
         return _granted(granted, ttl, task_id, on_lost, time.monotonic() - started)
 
     def release(self, leases: Sequence[Lease]) -> list[Lease]:
@@ -613,7 +613,7 @@ def _held_here(
     return any(
         h.resource == busy.resource
         and h.owner == ident.owner
-        and h.store.keys.prefix == prefix
+        and h.engine.keys.prefix == prefix
         and (exclusive or h.mode != "s")
         for h in held
     )

@@ -55,7 +55,6 @@ class LeaseStore(Operations):
         self.settings = settings
         #: the protocol's memory in this process, shared with the asyncio driver
         self.engine = engine = LeaseEngine(settings)
-        engine.store = self
         self.keys = engine.keys
         self.url = settings.url
         self._lock = threading.Lock()
@@ -67,7 +66,7 @@ class LeaseStore(Operations):
         self._target = _connect.parse_target(self.url)
         self._client: redis.Redis | None = make_client(self._target, self.keys, settings)
         #: True on a Redis Cluster (grants, renewals and cleanups go per node there)
-        self.cluster = engine.cluster = _connect.is_cluster(self._client)
+        self.cluster = engine.cluster
         self._pid = os.getpid()
 
     # --- clients --------------------------------------------------------------------------

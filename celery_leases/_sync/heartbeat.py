@@ -61,7 +61,7 @@ class Heartbeat:
         self._lost_callback = lost_callback
         # False: add() starts no thread and the owner drives tick() (tests with a fake clock)
         self._autostart = autostart
-        self._held: weakref.WeakKeyDictionary[Held, None] = weakref.WeakKeyDictionary()
+        self._held: weakref.WeakKeyDictionary[Held, LeaseStore] = weakref.WeakKeyDictionary()
         self.lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -75,15 +75,15 @@ class Heartbeat:
         self.renewals = 0  # number of renew calls sent (for benchmarks and tests)
 
     # --- registry --------------------------------------------------------------------------
-    def add(self, held: Held) -> None:
-        """Start renewing ``held``; starts the thread on first use.
+    def add(self, held: Held, store: LeaseStore) -> None:
+        """Start renewing ``held`` through ``store``; starts the thread on first use.
 
         The thread is woken only when the new lease needs a renewal sooner than the thread
         planned to look again: waking it for every acquire would cost more than the acquire.
         """
         with self.lock:
             idle = len(self._held) == 0  # released and lost leases are discarded
-            self._held[held] = None
+            self._held[held] = store
             due = held.confirmed_at + renewal_interval(held.horizon)
             # with nothing held, an old next_renew is meaningless
             self.next_renew = due if idle else min(self.next_renew, due)
@@ -147,17 +147,13 @@ class Heartbeat:
 
     def tick(self) -> float | None:
         """Do what is due now; return seconds until something is due (None: nothing held)."""
-        return drive(tick_steps(self, _store_of, logger), _renew_call, LeaseError)
+        return drive(tick_steps(self, self._held.get, logger), _renew_call, LeaseError)
 
     def lose(self, held: Held, why: str) -> None:
         if not held.mark_lost():
             return
         self.discard(held)
         report_lost(held, why, self.clock(), self._lost_callback)
-
-
-def _store_of(held: Held) -> LeaseStore:
-    return held.store
 
 
 def _renew_call(call: RenewCall) -> set[int]:
