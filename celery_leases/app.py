@@ -34,6 +34,7 @@ from . import signals
 from ._aio.driver import AsyncLeaseStore
 from ._aio.heartbeat import loop_heartbeat
 from ._aio.shields import shielded
+from ._engine import LeaseEngine
 from ._identity import Identity, current_identity
 from ._lease import Held, Lease, LeaseArgumentError, Shared, Want, held_of, want_of
 from ._sync.driver import LeaseStore, safe_url
@@ -83,9 +84,15 @@ class Leases:
         # config lazily: a key set after Leases(app) still counts), then fixed
         self._settings = AppSettings(app, settings)
         set_settings(app, self._settings)
-        self._store = LeaseStore(self._settings.peek())  # a cluster URL is tried here
+        # each driver is made at first use, on the one engine of the settings in force
+        self._lock = threading.Lock()
+        self._engine = LeaseEngine(self._settings.peek())
+        self._store: LeaseStore | None = None
         self._astore: AsyncLeaseStore | None = None
-        self._astore_lock = threading.Lock()
+        if self._engine.cluster:
+            # a cluster client reads the slot map as it is made: an unreachable cluster is an
+            # error here, as a bad URL is (the settings' checks found that one already)
+            self._store_for(self._engine.settings)
         # task.py imports this module (LeasedTask needs Leases): imported here, not at the top
         from .task import adopt_tasks
 
@@ -114,14 +121,22 @@ class Leases:
     def _store_for(self, settings: LeaseSettings) -> LeaseStore:
         """The store of ``settings`` (the settings in force, read by the caller)."""
         store = self._store
-        if store.settings is not settings:
-            # first use found settings made after Leases(app): nothing used the old store
-            with self._astore_lock:
+        if store is None or store.settings is not settings:
+            with self._lock:
                 store = self._store
-                if store.settings is not settings:
-                    store.close()
-                    store = self._store = LeaseStore(settings)
+                if store is None or store.settings is not settings:
+                    if store is not None:
+                        # first use found settings made after Leases(app): nothing used the
+                        # old store
+                        store.close()
+                    store = self._store = LeaseStore(settings, engine=self._engine_of(settings))
         return store
+
+    def _engine_of(self, settings: LeaseSettings) -> LeaseEngine:
+        """The engine of ``settings``, shared by both drivers (the caller holds the lock)."""
+        if self._engine.settings is not settings:
+            self._engine = LeaseEngine(settings)
+        return self._engine
 
     def _check_settings(self, *, full: bool = False) -> LeaseSettings:
         """The settings, refusing a ``leases_*`` key changed since their first use."""
@@ -283,15 +298,16 @@ class Leases:
     # --- asyncio --------------------------------------------------------------------------
     @property
     def astore(self) -> AsyncLeaseStore:
-        """The asyncio store (made on first use; it shares :attr:`store`'s keys and caches)."""
+        """The asyncio store (made on first use; it shares :attr:`store`'s engine: its keys
+        and caches)."""
         astore = self._astore
         if astore is None:
-            with self._astore_lock:
+            settings = self._settings.current()
+            with self._lock:
                 astore = self._astore
                 if astore is None:
-                    store = self.store
-                    astore = AsyncLeaseStore(store.settings, engine=store.engine)
-                    self._astore = astore
+                    engine = self._engine_of(settings)
+                    astore = self._astore = AsyncLeaseStore(settings, engine=engine)
         return astore
 
     @overload

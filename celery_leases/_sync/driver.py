@@ -51,10 +51,10 @@ class LeaseStore(Operations):
     raised as :class:`~celery_leases.exceptions.LeaseBackendError`.
     """
 
-    def __init__(self, settings: LeaseSettings) -> None:
+    def __init__(self, settings: LeaseSettings, *, engine: LeaseEngine | None = None) -> None:
         self.settings = settings
-        #: the protocol's memory in this process, shared with the asyncio driver
-        self.engine = engine = LeaseEngine(settings)
+        #: the protocol's memory in this process (pass the asyncio driver's to share it)
+        self.engine = engine = LeaseEngine(settings) if engine is None else engine
         self.keys = engine.keys
         self.url = settings.url
         self._lock = threading.Lock()
