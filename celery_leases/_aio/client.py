@@ -15,7 +15,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from .._connect import make_async_client as make_deployment_client
 from .._connect import parse_target
-from .._once import AsyncOnceRetry, once_on_cluster
+from .._one_attempt import AsyncOnceRetry, once_on_cluster
 from .._protocol import Call, Script, words_of
 from .._scripts import SOURCE
 from ..config import LeaseSettings, safe_url
@@ -45,7 +45,7 @@ def make_async_client(
     The one place asyncio clients are made. A client's connections belong to the event loop
     that opened them, so the store makes one per loop. Its pool blocks when all of its
     connections are in use (up to ``socket_timeout``) rather than failing. ``on_connect``
-    runs first on each new connection (the restart check: see _lifetime).
+    runs first on each new connection (the restart check: see _restart_check).
     """
     common: dict[str, Any] = {
         "decode_responses": True,

@@ -21,13 +21,13 @@ from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
 
-from .. import _grants, _lifetime
+from .. import _grants, _restart_check
 from .._connect import aclose_client, parse_target
 from .._engine import LeaseEngine
 from .._grants import Busy, busy_error, waiting_time
 from .._identity import Identity
 from .._lease import Held, Want
-from .._once import failure_of, one_attempt
+from .._one_attempt import failure_of, one_attempt
 from .._protocol import Op, Script, Send, SendReplicated, SendWithin, Sleep, Steps, adrive
 from ..config import LeaseSettings
 from ..exceptions import LeaseBusy
@@ -92,9 +92,9 @@ class AsyncLeaseStore(Operations):
             return state
 
     def _connect_check(self) -> Callable[[Any], Awaitable[None]] | None:
-        """The restart check each new connection runs first (see _lifetime)."""
+        """The restart check each new connection runs first (see _restart_check)."""
         cluster = parse_target(self.settings.url).kind == "cluster"
-        return _lifetime.aconnect_hook(self.keys, self.settings, cluster=cluster)
+        return _restart_check.aconnect_hook(self.keys, self.settings, cluster=cluster)
 
     async def aclose(self) -> None:
         """Close the running event loop's connections (new ones are made on next use)."""

@@ -16,7 +16,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .._once import one_attempt
+from .._one_attempt import one_attempt
 from .._protocol import Send, words_of
 from .._wire import pack, where
 from .client import round_trip
@@ -71,7 +71,7 @@ class Lane:
         if not conn.is_connected:
             conn.socket_timeout = self._timeout  # a connect's reads: as on any connection
             try:
-                await conn.connect()  # with the restart check (see _lifetime)
+                await conn.connect()  # with the restart check (see _restart_check)
             finally:
                 conn.socket_timeout = None
         packed = pack(conn, words)

@@ -17,7 +17,7 @@ from redis.exceptions import AskError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .._engine import LeaseEngine
-from .._once import AsyncOnceRetry
+from .._one_attempt import AsyncOnceRetry
 from .._protocol import Command, Script
 from .client import MAX_CONNECTIONS, RENEW_CONNECTIONS, LoopState, round_trip
 

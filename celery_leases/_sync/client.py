@@ -14,9 +14,9 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisClusterException, RedisError
 
-from .. import _connect, _lifetime
+from .. import _connect, _restart_check
 from .._keys import Keyspace
-from .._once import OnceRetry, once_on_cluster
+from .._one_attempt import OnceRetry, once_on_cluster
 from .._protocol import Call, Command, Script, Send, words_of
 from .._scripts import SOURCE
 from ..config import LeaseSettings, safe_url
@@ -34,7 +34,7 @@ def make_client(
         LeaseConfigError: the URL is not usable (a sync cluster client reads the slot map
             as it is made: an unreachable cluster shows here).
     """
-    check = _lifetime.connect_hook(keys, settings, cluster=target.kind == "cluster")
+    check = _restart_check.connect_hook(keys, settings, cluster=target.kind == "cluster")
     try:
         client = _connect.make_client(
             target,

@@ -28,7 +28,7 @@ from .._engine import LeaseEngine
 from .._grants import Busy, busy_error, waiting_time
 from .._identity import Identity
 from .._lease import Held, Want
-from .._once import failure_of, one_attempt
+from .._one_attempt import failure_of, one_attempt
 from .._protocol import Command, Op, Script, Send, SendReplicated, SendWithin, Sleep, Steps, drive
 from ..config import LeaseSettings, safe_url
 from ..exceptions import LeaseBackendError

@@ -6,7 +6,7 @@ recorders, the retry wrapper, event dispatch): measured at about 75 µs of a 115
 loopback, against 38 µs for the same call written and read on a connection directly. So a
 thread keeps one connection of its own (a lane) and sends a single script call on it
 directly, with the client's semantics kept: the connection's own connect step (the restart
-check of ``_lifetime`` runs on every new connection), its socket timeouts, one resend after
+check of ``_restart_check`` runs on every new connection), its socket timeouts, one resend after
 a connection error only when the call allows it (``Send.once`` is False), NOSCRIPT loading
 the script and sending again (the script did not run), and a connection that failed in the
 middle of a call dropped, so no later call can read a stale reply. On a plain socket read

@@ -31,7 +31,7 @@ from celery_leases._aio.driver import AsyncLeaseStore
 from celery_leases._grants import Busy, Ticket, new_ticket
 from celery_leases._identity import Identity
 from celery_leases._lease import Held, Want
-from celery_leases._once import failure_of
+from celery_leases._one_attempt import failure_of
 from celery_leases._protocol import Op, Script, Send, Steps, adrive, drive
 from celery_leases.exceptions import LeaseBackendError
 from tests.support.holders import hold_by_hand

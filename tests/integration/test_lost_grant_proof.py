@@ -30,7 +30,7 @@ from celery_leases._aio.driver import AsyncLeaseStore
 from celery_leases._grants import Busy
 from celery_leases._identity import Identity
 from celery_leases._lease import Held, Want
-from celery_leases._once import failure_of
+from celery_leases._one_attempt import failure_of
 from celery_leases._protocol import Command, Op, Script, Send, adrive, drive
 from celery_leases._sync.driver import LeaseStore
 

@@ -25,7 +25,7 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(
         ("_engine", "_lostreply", "_grants", "_cleanup", "_inspect", "_claims", "_renewround"), 3
     ),
-    **dict.fromkeys(("_lifetime", "_once", "_wire", "_sync", "_aio"), 4),
+    **dict.fromkeys(("_restart_check", "_one_attempt", "_wire", "_sync", "_aio"), 4),
     **dict.fromkeys(
         (
             "app",
