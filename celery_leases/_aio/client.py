@@ -13,8 +13,10 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
+from .. import _restart_check
 from .._connect import make_async_client as make_deployment_client
 from .._connect import parse_target
+from .._keys import Keyspace
 from .._one_attempt import AsyncOnceRetry, once_on_cluster
 from .._protocol import Call, Script, words_of
 from .._scripts import SOURCE
@@ -25,7 +27,14 @@ if TYPE_CHECKING:
     from .lanes import Lane
     from .subscriber import Subscriber
 
-__all__ = ("MAX_CONNECTIONS", "RENEW_CONNECTIONS", "LoopState", "make_async_client", "round_trip")
+__all__ = (
+    "MAX_CONNECTIONS",
+    "RENEW_CONNECTIONS",
+    "LoopState",
+    "make_async_client",
+    "restart_check",
+    "round_trip",
+)
 
 #: connections of one event loop's client; more concurrent commands wait for a free one
 #: (up to the socket timeout) instead of opening thousands of connections under load
@@ -73,6 +82,15 @@ def make_async_client(
         msg = f"redis_url {safe_url(settings.url)!r} is not usable: {exc}"
         raise LeaseConfigError(msg) from None
     return aredis.Redis.from_pool(pool)
+
+
+def restart_check(
+    keys: Keyspace, settings: LeaseSettings
+) -> Callable[[Any], Awaitable[None]] | None:
+    """The restart check each new connection of a loop's client runs first (see
+    ``_restart_check``); None when neither restart case is checked."""
+    cluster = parse_target(settings.url).kind == "cluster"
+    return _restart_check.aconnect_hook(keys, settings, cluster=cluster)
 
 
 @dataclass

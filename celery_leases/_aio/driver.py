@@ -15,14 +15,14 @@ import math
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
 
-from .. import _grants, _restart_check
-from .._connect import aclose_client, parse_target
+from .. import _grants
+from .._connect import aclose_client
 from .._engine import LeaseEngine
 from .._grants import Busy, busy_error, waiting_time
 from .._identity import Identity
@@ -31,7 +31,7 @@ from .._one_attempt import failure_of, one_attempt
 from .._protocol import Op, Script, Send, SendReplicated, SendWithin, Sleep, Steps, adrive
 from ..config import LeaseSettings
 from ..exceptions import LeaseBusy
-from .client import RENEW_CONNECTIONS, LoopState, make_async_client, round_trip
+from .client import RENEW_CONNECTIONS, LoopState, make_async_client, restart_check, round_trip
 from .lanes import Lane
 from .operations import Operations
 from .renewals import RenewalLines
@@ -79,7 +79,9 @@ class AsyncLeaseStore(Operations):
                 del self._loops[old]  # its connections went with it
             state = self._loops.get(loop)
             if state is None:
-                client = make_async_client(self.settings, on_connect=self._connect_check())
+                client = make_async_client(
+                    self.settings, on_connect=restart_check(self.keys, self.settings)
+                )
                 state = self._loops[loop] = LoopState(
                     client=client,
                     renew_client=make_async_client(
@@ -90,11 +92,6 @@ class AsyncLeaseStore(Operations):
                 if not self.engine.cluster and pool is not None and Lane.usable(pool):
                     state.lane = Lane(pool, self.settings.socket_timeout)
             return state
-
-    def _connect_check(self) -> Callable[[Any], Awaitable[None]] | None:
-        """The restart check each new connection runs first (see _restart_check)."""
-        cluster = parse_target(self.settings.url).kind == "cluster"
-        return _restart_check.aconnect_hook(self.keys, self.settings, cluster=cluster)
 
     async def aclose(self) -> None:
         """Close the running event loop's connections (new ones are made on next use)."""
