@@ -37,10 +37,10 @@ from ._aio.shields import shielded
 from ._engine import LeaseEngine
 from ._identity import Identity, current_identity
 from ._lease import Held, Lease, LeaseArgumentError, Shared, Want, held_of, want_of
-from ._sync.driver import LeaseStore, safe_url
+from ._sync.driver import LeaseStore
 from ._sync.heartbeat import heartbeat
 from ._unique import install as install_unique
-from .config import AppSettings, LeaseSettings, set_settings
+from .config import AppSettings, LeaseSettings, safe_url, set_settings
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseLost
 from .worker import install
 

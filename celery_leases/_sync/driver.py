@@ -30,7 +30,7 @@ from .._identity import Identity
 from .._lease import Held, Want
 from .._one_attempt import failure_of, one_attempt
 from .._protocol import Command, Op, Script, Send, SendReplicated, SendWithin, Sleep, Steps, drive
-from ..config import LeaseSettings, safe_url
+from ..config import LeaseSettings
 from ..exceptions import LeaseBackendError
 from .client import make_client, node_of, send_op
 from .lanes import Lanes
@@ -41,7 +41,7 @@ from .subscriber import Subscriber
 
 T = TypeVar("T")
 
-__all__ = ("LeaseStore", "safe_url")
+__all__ = ("LeaseStore",)
 
 
 class LeaseStore(Operations):
