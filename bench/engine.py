@@ -46,7 +46,7 @@ import redis.asyncio as aredis
 import redis_lock
 from celery import Celery
 
-from celery_leases import LeaseLost, Leases, Shared, _grants
+from celery_leases import LeaseLost, Leases, Shared, _grants, _releases
 from celery_leases._lease import Want
 from celery_leases._protocol import Script, words_of
 from celery_leases._registry import Entry
@@ -281,7 +281,7 @@ def hold_calls_cycle(url: str, leases: Leases, resource: str) -> Callable[[], No
     call = _grants.acquire_call(engine, group, [want], ident, 30.0, True)
     conn: Any = redis.Redis.from_url(url).connection_pool.get_connection()
     acquire = pack(conn, words_of(Script("acquire", call.keys, call.args)))
-    keys = _grants.release_keys(engine, ident.owner, group, [Entry("x", 0, None, resource)])
+    keys = _releases.release_keys(engine, ident.owner, group, [Entry("x", 0, None, resource)])
 
     def cycle() -> None:
         conn.send_packed_command(acquire)
@@ -289,7 +289,7 @@ def hold_calls_cycle(url: str, leases: Leases, resource: str) -> Callable[[], No
         if int(reply[0]) != 1:
             raise RuntimeError(f"hold()'s calls: {resource} was not free ({reply!r})")
         entry = Entry("x", int(reply[1]), None, resource)
-        args = _grants.release_args(engine, ident.owner, [entry])
+        args = _releases.release_args(engine, ident.owner, [entry])
         conn.send_packed_command(pack(conn, words_of(Script("release", keys, args))))
         if conn.read_response() != [1]:
             raise RuntimeError(f"hold()'s calls: {resource} was not ours at release")

@@ -9,11 +9,12 @@ It is a measurement, not a test: it prints what it measured and exits 0 (1 witho
 A hold() cycle sends two script calls: acquire.lua (with the owner's home call, as every
 grant of a lease whose ttl is at least the ttl setting sends it) and release.lua. Their keys
 and arguments are made here by the library's own code (``_grants.acquire_call``,
-``release_keys``, ``release_args``), so they are what hold() sends. Each contender runs N
-cycles against a PRIVATE redis-server that runs under valgrind's callgrind, and the server's
-instructions for N2 cycles less those for N1 cycles, over N2 - N1, are its instructions per
-cycle: the same on every run, unlike server microseconds on a shared VM. Only what runs
-within ``processInputBuffer`` is counted: parsing, the commands and scripts themselves.
+``_releases.release_keys``, ``_releases.release_args``), so they are what hold() sends.
+Each contender runs N cycles against a PRIVATE redis-server that runs under valgrind's
+callgrind, and the server's instructions for N2 cycles less those for N1 cycles, over
+N2 - N1, are its instructions per cycle: the same on every run, unlike server microseconds
+on a shared VM. Only what runs within ``processInputBuffer`` is counted: parsing, the
+commands and scripts themselves.
 
 The contenders are the shipped scripts, the raw floor of the engine benchmark (SET NX PX,
 then a compare-and-delete script), the two calls with bodies that only return (what the
@@ -42,7 +43,7 @@ from typing import Final
 
 import redis
 
-from celery_leases import _grants, _scripts
+from celery_leases import _grants, _releases, _scripts
 from celery_leases._engine import LeaseEngine
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
@@ -156,8 +157,8 @@ def cycles_runner(contender: Contender, prefix: str) -> Callable[[redis.Redis, i
             reply = client.evalsha(acquire, len(call.keys), *call.keys, *call.args)
             token = int(reply[1])
             entry = Entry("x", token, None, "res")
-            keys = _grants.release_keys(engine, ident.owner, 0, [entry])
-            args = _grants.release_args(engine, ident.owner, [entry])
+            keys = _releases.release_keys(engine, ident.owner, 0, [entry])
+            args = _releases.release_args(engine, ident.owner, [entry])
             client.evalsha(release, len(keys), *keys, *args)
             if contender.key == "calls":
                 client.delete(engine.resource_keys("res").exclusive)  # as the others' release

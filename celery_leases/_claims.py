@@ -22,21 +22,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 
 from ._engine import LeaseEngine
-from ._grants import (
-    EXPIRY_SLACK,
-    Busy,
-    GrantsInFlight,
-    acquire_call,
-    acquire_group,
-    acquire_outcome,
-    log_unrecovered,
-    recover_grant,
-)
+from ._grants import EXPIRY_SLACK, Busy, acquire_call, acquire_group, acquire_outcome
 from ._inspect import OPS_BATCH, registry_task
 from ._keys import UNIQUE_PREFIX, escape, holder_parts, holder_value, unescape
 from ._lease import Held, Want
 from ._lostreply import BOOK, own_beat_win, requeue_recovered, resend_if_lost
 from ._protocol import Call, Command, Failure, Script, Send, Steps
+from ._readback import GrantsInFlight, log_unrecovered, recover_grant
 from ._registry import QUEUED_OWNER, held_entry
 from ._scripts import (
     AcquireReply,

@@ -2,7 +2,7 @@
 
 Each operation is a generator of protocol requests (see ``_protocol``), carried out by
 either driver (its ``run``). A cleanup reads an owner's registries, releases what
-they list (through :func:`_grants.release_entries`, in batches) and forgets the owner; the
+they list (through :func:`_releases.release_entries`, in batches) and forgets the owner; the
 reconcile pass does so for every owner whose liveness ran out, sparing the leases granted
 after that (read against the Redis clocks, :func:`clocks_us`). No I/O.
 """
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from . import _grants
+from . import _releases
 from ._engine import LeaseEngine
 from ._keys import escaped_node_of_owner, node_of_owner, split_owner
 from ._protocol import Command, Script, Steps, clock_us, pairs
@@ -128,7 +128,7 @@ def cleanup_owner(
         # in batches, so that a dead owner of thousands of leases never blocks Redis long
         for start in range(0, len(entries), _RELEASE_BATCH):
             batch = entries[start : start + _RELEASE_BATCH]
-            codes = yield from _grants.release_codes(
+            codes = yield from _releases.release_codes(
                 engine, owner, group, batch, event="freed", by=by, spare_from_us=before or 0
             )
             for entry, code in zip(batch, codes, strict=True):

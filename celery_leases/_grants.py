@@ -1,9 +1,11 @@
-"""Grants, written once: acquire over slot groups, renew, release, and once's receipts.
+"""Grants, written once: acquire over slot groups, the home call, the waiter's ticket.
 
 Each operation is a generator of protocol requests (see ``_protocol``): it plans its script
 calls, reads their replies and chooses the next step, and either driver carries it out
-(its ``run``). A lost reply's recovery (``_lostreply``) and the give-back of a partial
-grant over several slot groups are written here only. No I/O.
+(its ``run``). The give-back of a partial grant over several
+slot groups is written here only; a lost grant's read-back is ``_readback``'s, releases are
+``_releases``', renewals ``_renew``'s, once's receipts and delivery records ``_receipts``'.
+No I/O.
 """
 
 from __future__ import annotations
@@ -18,24 +20,28 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
-from ._keys import escape, escaped_node_of_owner, holder_value, unescape
 from ._lease import Held, Want
-from ._lostreply import BOOK, grant_recovery, parse_holder, release_recovered, resend_if_lost
+from ._lostreply import BOOK
 from ._protocol import (
-    Command,
     Failure,
     ReplicaShortfall,
     Script,
     Send,
     SendReplicated,
-    SendWithin,
-    Sleep,
     Steps,
-    clock_ms,
-    pairs,
 )
-from ._registry import Entry, counted_held, entry_text, held_entry, parse_entry, task_field
-from ._scripts import AcquireReply, CommitReceiptReply, ReleaseReply
+from ._readback import adopted_call, book_keys, recover_call
+from ._receipts import (
+    commit_receipt,
+    delete_receipt,
+    get_delivery_done,
+    get_receipt,
+    put_delivery_done,
+)
+from ._registry import TICKET_SLACK_MS, Entry, task_field, ticket_text
+from ._releases import release, release_entries, release_quietly, trusted_receivers
+from ._renew import renew
+from ._scripts import AcquireReply
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError
 
 if TYPE_CHECKING:
@@ -45,25 +51,23 @@ if TYPE_CHECKING:
 __all__ = (
     "AcquireCall",
     "Busy",
-    "RenewPlan",
     "Ticket",
     "acquire_group",
     "handed",
+    "leave_queues",
+    "try_acquire",
+    # the drivers' names for these until they call the modules that define them
     "commit_receipt",
     "delete_receipt",
+    "get_delivery_done",
     "get_receipt",
-    "leave_queues",
-    "record_lost",
+    "put_delivery_done",
     "release",
-    "release_entries",
+    "release_quietly",
     "renew",
-    "try_acquire",
 )
 
 logger = logging.getLogger(__name__)
-
-#: seconds between looks at the grant calls still in flight, in a lost reply's recovery
-QUIET_POLL: Final = 0.005
 
 
 @dataclass
@@ -94,21 +98,8 @@ class AcquireCall(NamedTuple):
     call_id: str  # this call's id, in the registry entries of its grants (see _registry)
 
 
-class RenewPlan(NamedTuple):
-    """The renew.lua calls of one renewal: ``(indices into held, keys, args)`` per group."""
-
-    calls: list[tuple[list[int], list[str], list[Any]]]
-    sent: float  # monotonic time the renewal was planned (no later than it reaches Redis)
-    registry: dict[int, float]  # slot group -> registry expiry the call sets, in seconds
-
-
 #: extra sleep after a holder's expiry before a waiter tries again
 EXPIRY_SLACK: Final = 0.002
-
-
-#: milliseconds a queued ticket outlives the wait its waiter was told: the waiter's next
-#: attempt (which refreshes it) comes by then, unless it died or hangs
-TICKET_SLACK_MS: Final = 3000
 
 
 #: the ids of this process's grant calls: each call's registry entries bear its own, so that a
@@ -169,15 +160,6 @@ def new_ticket(
     if ticket.handoff:
         ticket.text = ticket_text(ticket.id, engine.ms(ttl), task_id, owner)
     return ticket
-
-
-def ticket_text(ticket_id: object, ttl_ms: int, task_id: str | None, owner: str) -> str:
-    """A ticket with its order, ``"<id> <ttl ms> <task> <owner>"`` (lua/_waiters.lua)."""
-    return f"{ticket_id} {ttl_ms} {escape(task_id) if task_id else '-'} {owner}"
-
-
-class GrantsInFlight(Exception):
-    """A lost grant's recovery found other grant calls of this process still in flight."""
 
 
 # --- acquire ------------------------------------------------------------------------------
@@ -296,15 +278,6 @@ def busy_error(outcome: Busy, holder_task: str | None, waited: float = 0.0) -> L
     )
 
 
-def release_quietly(engine: LeaseEngine, held: Sequence[Held]) -> Steps[None]:
-    """Release ``held`` where a failure has nobody to tell: it runs out by its TTL (and
-    the owner registry lets a cleanup free it sooner)."""
-    try:
-        yield from release(engine, held, time.monotonic())
-    except LeaseBackendError as exc:
-        logger.error("leases: could not release %d lease(s): %s", len(held), exc)
-
-
 def _acquire_with_home(
     engine: LeaseEngine,
     group: int,
@@ -335,7 +308,7 @@ def _acquire_with_home(
             # read-back: the grant is adopted if it was made; the home call is idempotent
             BOOK.lost(call.owner, book)
             lost = True
-            tokens = yield from _recover_grant_logged(engine, call, failure)
+            tokens = yield from recover_call(engine, call, failure)
             adopted = (
                 None
                 if tokens is None
@@ -424,7 +397,7 @@ def acquire_group(
                 if wants:
                     BOOK.lost(call.owner, book)
                     lost = True
-                    tokens = yield from _recover_grant_logged(engine, call, failure)
+                    tokens = yield from recover_call(engine, call, failure)
                     if tokens is not None:
                         return acquire_outcome(
                             engine, adopted_call(call), [AcquireReply.GRANTED, *tokens]
@@ -452,138 +425,6 @@ def _grant_replicated(engine: LeaseEngine, call: AcquireCall) -> Steps[Any]:
             yield from release(engine, granted, time.monotonic())  # no replica can hand it on
         engine.check_replicated(acked, "grant")
     return reply
-
-
-def book_keys(engine: LeaseEngine, wants: Sequence[Want]) -> list[str]:
-    """The keys :data:`~celery_leases._lostreply.BOOK` knows ``wants``' grants by."""
-    return [engine.resource_keys(w.resource).exclusive for w in wants]
-
-
-def _recover_grant_logged(
-    engine: LeaseEngine, call: AcquireCall, lost: Failure
-) -> Steps[list[int] | None]:
-    """:func:`recover_grant` for ``call``; a recovery that fails is logged, and raised.
-
-    The call of a wait that leaves orders: the wait does not count as in flight while it
-    recovers its own call (see :func:`ordering`), and takes no handoff on trust after.
-    """
-    wants = [(w.resource, w.mode) for w in call.wants]
-    own: list[str] = []
-    if call.order_s and call.ticket is not None:
-        own = book_keys(engine, call.wants)
-        call.ticket.trusted = False
-        BOOK.end(call.owner, own)
-    try:
-        return (
-            yield from recover_grant(
-                engine,
-                call.owner,
-                call.group,
-                wants,
-                call.task_id,
-                adopt_until(engine, call),
-                call.call_id,
-            )
-        )
-    except (Failure, GrantsInFlight, LeaseBackendError) as failed:
-        log_unrecovered([r for r, _ in wants], lost.cause, failed)
-        if isinstance(failed, LeaseBackendError):
-            raise
-        cause = failed.cause if isinstance(failed, Failure) else failed
-        raise engine.backend_error("acquire", cause) from cause
-    finally:
-        if own:
-            BOOK.begin(call.owner, own)
-
-
-def adopted_call(call: AcquireCall) -> AcquireCall:
-    """``call`` as its adopted grant is counted: from its send, or for a wait that leaves
-    orders, from its first order's (``Ticket.ordered_at``, earlier): the lease the call found
-    may have been handed to the wait by a release before the call was sent."""
-    ticket = call.ticket
-    if call.order_s and ticket is not None and ticket.ordered_at is not None:
-        return call._replace(now=min(call.now, ticket.ordered_at))
-    return call
-
-
-def adopt_until(engine: LeaseEngine, call: AcquireCall) -> float:
-    """Until when (monotonic) a lost grant of ``call`` may be adopted rather than given back.
-
-    An adopted lease counts as confirmed when the call was sent, the latest time it can
-    have been granted: adopted with little of its horizon left, it would count as lost
-    before the heartbeat could renew it. With min_replicas, never (0): the replicas'
-    answer was lost too.
-    """
-    if engine.wait_replicas:
-        return 0.0
-    return call.now + engine.horizon(call.ttl) / 2
-
-
-def log_unrecovered(resources: Sequence[str], lost: BaseException, failed: BaseException) -> None:
-    """Tell the operator about a grant that may be left behind by a lost reply."""
-    if isinstance(failed, Failure):
-        failed = failed.cause
-    logger.error(
-        "leases: the reply to a grant of %s was lost (%s) and it could not be read back "
-        "(%s): a grant it made is held until its TTL runs out (the owner's registry "
-        "records it, so a cleanup frees it sooner)",
-        ", ".join(repr(r) for r in resources),
-        lost,
-        failed,
-    )
-
-
-def recover_grant(
-    engine: LeaseEngine,
-    owner: str,
-    group: int,
-    wants: Sequence[tuple[str, str]],
-    task_id: str | None,
-    adopt_until: float,
-    call_id: str,
-) -> Steps[list[int] | None]:
-    """After a grant call's reply was lost: its tokens if it granted, else None.
-
-    Waits until no other grant call of this process on these resources is in flight
-    (each ends within the socket timeout), reads back this owner's grants of them and its
-    registry, and decides with :func:`~celery_leases._lostreply.grant_recovery`: the lost
-    call's grant is adopted (returned) only if the registry shows it was made by this very
-    call (its entries bear ``call_id``) and Redis still has it; else what the call granted
-    (if anything) is released, and None returned (the caller sends the call again). A
-    grant that merely looks unclaimed is never adopted nor given back: t0 thread A's grant
-    loses its reply; t1 A's recovery reads T, held by sibling thread B of the same owner;
-    t2 B releases T; t3 T looks like nobody's, but it is not A's (issue 26, part 8). A
-    grant is adopted only until ``adopt_until`` (monotonic; see :func:`adopt_until`).
-    Raises Failure if Redis cannot be read, and GrantsInFlight if other calls are still in
-    flight after twice the socket timeout.
-    """
-    book = [engine.resource_keys(r).exclusive for r, _ in wants]
-    registry = engine.registry_key(owner, group)
-    calls: list[Command | Script] = []
-    for resource, _ in wants:
-        rk = engine.resource_keys(resource)
-        calls += [
-            Command(("GET", rk.exclusive)),
-            Command(("ZRANGE", rk.shared, 0, -1, "WITHSCORES")),
-        ]
-    # with the Redis clock, on the registry's node: a shared member that ran out is no grant
-    calls += [Command(("SMEMBERS", registry)), Script("now", [registry], [])]
-    end = time.monotonic() + 2 * engine.settings.socket_timeout
-    while True:
-        seq = BOOK.quiet(owner, book)
-        if seq is not None:
-            *replies, now = yield Send(calls, once=False)  # reads: the client may retry
-            if BOOK.unchanged(owner, book, seq):  # see GrantBook
-                break
-        if time.monotonic() >= end:
-            raise GrantsInFlight("other grant calls of this process are still in flight")
-        yield Sleep(QUIET_POLL)
-    for i in range(len(wants)):
-        replies[2 * i + 1] = pairs(replies[2 * i + 1])
-    adopted, orphans = settle_lost_grant(owner, wants, replies, clock_ms(now), adopt_until, call_id)
-    if orphans:
-        yield from release_entries(engine, owner, group, orphans)
-    return adopted
 
 
 def acquire_call(
@@ -783,332 +624,6 @@ def granted(
     return out
 
 
-def settle_lost_grant(
-    owner: str,
-    wants: Sequence[tuple[str, str]],
-    replies: Sequence[Any],
-    now_ms: int,
-    adopt_until: float,
-    call_id: str,
-) -> tuple[list[int] | None, list[Entry]]:
-    """What a grant whose reply was lost left, read back: ``(tokens adopted, orphans)``.
-
-    The decision a lost grant's recovery makes once Redis was read quietly (see
-    :func:`~celery_leases._lostreply.grant_recovery`): the lost call's grant is adopted if
-    the registry entries bearing its ``call_id`` prove it, or those grants (the call's own,
-    and only those) are to be released by the caller.
-    """
-    found, entries = own_grants(owner, [r for r, _ in wants], replies, now_ms)
-    mine: dict[str, list[tuple[str, int]]] = {}
-    for (resource, mode, token), entry in entries.items():
-        if entry.call == call_id:
-            mine.setdefault(resource, []).append((mode, token))
-    decision = grant_recovery(wants, found, mine, may_adopt=time.monotonic() < adopt_until)
-    if decision.adopt is not None:
-        logger.info("leases: a grant of %s whose reply was lost is kept", wants[0][0])
-        return decision.adopt, []
-    orphans = [entries[(r, m, t)] for r, m, t in decision.give_back]
-    if orphans:
-        logger.info(
-            "leases: %d grant(s) whose reply was lost are given back (%s)",
-            len(orphans),
-            ", ".join(repr(e.resource) for e in orphans),
-        )
-    return None, orphans
-
-
-def own_grants(
-    owner: str, resources: Sequence[str], replies: Sequence[Any], now_ms: int
-) -> tuple[dict[str, list[tuple[str, int]]], dict[tuple[str, str, int], Entry]]:
-    """``owner``'s grants in what :func:`recover_grant` read back.
-
-    ``replies``: per resource its exclusive key's value and its shared members with their
-    expiry (Redis time in ms, as pairs), then the owner's registry; ``now_ms``: the Redis
-    clock after the read. Returns per resource ``(mode, token)`` of the live grants, and the
-    registry entries by ``(resource, mode, token)`` (to release them by their exact text).
-    """
-    found: dict[str, list[tuple[str, int]]] = {}
-    for i, resource in enumerate(resources):
-        value, members = replies[2 * i], replies[2 * i + 1]
-        live = [m for m, score in members if float(score) > now_ms]
-        grants = found[resource] = []
-        for mode, holder in [("x", value), *(("s", m) for m in live)]:
-            parsed = None if holder is None else parse_holder(holder)
-            if parsed is not None and parsed[1] == owner:
-                grants.append((mode, parsed[0]))
-    entries: dict[tuple[str, str, int], Entry] = {}
-    for member in replies[-1]:
-        entry = parse_entry(str(member))
-        if entry is not None:
-            entries[(entry.resource, entry.mode, entry.token)] = entry
-    return found, entries
-
-
-# --- renew --------------------------------------------------------------------------------
-def renew(engine: LeaseEngine, held: Sequence[Held], owner: str, timeout: float) -> Steps[set[int]]:
-    """Renew ``held`` (all of one owner) and refresh the owner's liveness.
-
-    One script call per slot group, sent together in one round trip per node, under a
-    deadline of ``timeout`` seconds (:class:`~celery_leases._protocol.SendWithin`: the
-    heartbeat uses the time left before the first lease would count as lost). Idempotent
-    after a lost reply: the driver never resends it (the caller hears of the failure), and
-    the next renewal runs it again, token-checked; run twice it only extends the same
-    leases twice.
-
-    Returns:
-        the indices (into ``held``) of leases Redis no longer has for us.
-    """
-    plan = renew_calls(engine, held, owner)
-    scripts = [Script("renew", keys, args) for _, keys, args in plan.calls]
-    try:
-        replies, acked = yield SendWithin(scripts, timeout)
-        for count in acked:  # one WAIT reply per node (none without min_replicas)
-            engine.check_replicated(count, "renewal")
-    except Failure as failure:
-        raise engine.backend_error("renew", failure) from failure.cause
-    except ReplicaShortfall as exc:
-        raise engine.backend_error("renew", exc) from exc
-    lost = renew_outcome(engine, plan, replies, owner)
-    if lost and engine.history:
-        yield from record_lost(engine, [held[i] for i in sorted(lost)])
-    return lost
-
-
-def record_lost(engine: LeaseEngine, lost: Sequence[Held]) -> Steps[None]:
-    """Write a ``lost`` event for each of ``lost`` (a renewal found them gone) to the history.
-
-    The rare path, so written here rather than in renew.lua; a failure is only logged (the
-    lease is lost either way, and its holder is told).
-    """
-    hist, rhist, keep = engine.history_args
-    calls: list[Command] = []
-    for h in lost:
-        text = entry_text(h.mode, h.token, h.task_id, h.resource)  # as granted, with its token
-        fields = ("e", "lost", "x", text, "o", h.owner)
-        key = engine.resource_keys(h.resource).history
-        calls += [
-            Command(("XADD", engine.keys.history(h.group), "MAXLEN", "~", hist, "*", *fields)),
-            Command(("XADD", key, "MAXLEN", "~", rhist, "*", *fields)),
-            Command(("PEXPIRE", key, keep)),
-        ]
-    try:
-        yield Send(calls, once=True)
-    except Failure as failure:
-        logger.warning("leases: could not record %d lost lease(s): %s", len(lost), failure.cause)
-
-
-def renew_calls(engine: LeaseEngine, held: Sequence[Held], owner: str) -> RenewPlan:
-    """The renew.lua calls of :func:`renew`, one per slot group."""
-    by_group: dict[int, list[int]] = {0: []}
-    for i, h in enumerate(held):
-        by_group.setdefault(h.group, []).append(i)
-    longest = max([h.ttl for h in held] + [engine.settings.ttl])
-    sent = time.monotonic()
-    # A registry's expiry is never cut short here: another renewer of the same owner (the
-    # asyncio heartbeat next to the thread, or the other way round) may hold longer leases
-    # in it. t0 the thread renews a lease of ttl=3600 (registry: 4 h); t1 the asyncio
-    # heartbeat renews one of ttl=30 (registry: 2 min); t2 the process dies; t3 the registry
-    # runs out, and no cleanup finds the first lease for the next hour.
-    registry: dict[int, float] = {}
-    calls: list[tuple[list[int], list[str], list[Any]]] = []
-    for group, idx in sorted(by_group.items()):
-        left = engine.registry_until.get((owner, group), 0.0) - sent
-        registry[group] = max(4 * longest, left)
-        keys = [engine.registry_key(owner, group)]
-        args: list[Any] = [owner, engine.ms(registry[group])]
-        if group == 0:
-            node = escaped_node_of_owner(owner)
-            keys += engine.home_keys(unescape(node))
-            args += ["1", engine.liveness, node]
-        else:
-            args += ["0", 0, ""]
-        for i in idx:
-            h = held[i]
-            rk = engine.resource_keys(h.resource)
-            keys.append(rk.exclusive if h.mode == "x" else rk.shared)
-            args += [h.mode, h.token, engine.ms(h.ttl), held_entry(h).text]
-        calls.append((idx, keys, args))
-    return RenewPlan(calls, sent, registry)
-
-
-def renew_outcome(
-    engine: LeaseEngine, plan: RenewPlan, replies: Sequence[Any], owner: str
-) -> set[int]:
-    """The indices of the leases renew.lua's ``replies`` report lost; records the renewal."""
-    lost: set[int] = set()
-    for (idx, _, _), reply in zip(plan.calls, replies, strict=True):
-        lost.update(idx[int(n) - 1] for n in reply)
-    # this call refreshed the owner's liveness and its registries' expiry
-    sent = plan.sent
-    engine.registered[owner] = max(engine.registered.get(owner, sent), sent)
-    for group, registry_s in plan.registry.items():
-        engine.registry_until[(owner, group)] = sent + registry_s
-    return lost
-
-
-# --- release ------------------------------------------------------------------------------
-def release(engine: LeaseEngine, held: Sequence[Held], now: float) -> Steps[list[bool]]:
-    """Release ``held`` (any owners); True for each lease that was still ours.
-
-    One script call per (owner, slot group). Idempotent: releasing a lease again, or one that
-    already ran out, returns False and changes nothing but the registry entry. ``now``: the
-    monotonic time, to tell which leases still counted as held (see release_recovered).
-    """
-    if len(held) == 1:  # the hot path
-        h = held[0]
-        entry = release_entry(engine, h)
-        counted = [counted_held(h, now)]
-        return (yield from release_entries(engine, h.owner, h.group, [entry], counted))
-    out: dict[int, bool] = {}
-    groups: dict[tuple[str, int], list[int]] = {}
-    for i, h in enumerate(held):
-        groups.setdefault((h.owner, h.group), []).append(i)
-    for (owner, group), idx in groups.items():
-        entries = [release_entry(engine, held[i]) for i in idx]
-        counted = [counted_held(held[i], now) for i in idx]
-        freed = yield from release_entries(engine, owner, group, entries, counted)
-        out.update(zip(idx, freed, strict=True))
-    return [out[i] for i in range(len(held))]
-
-
-def release_entry(engine: LeaseEngine, held: Held) -> Entry:
-    """The registry entry of ``held``, to release it; for a lease handed to it, with the
-    ticket it was handed to (release.lua takes it out of the handed ZSET)."""
-    entry = held_entry(held)
-    if held.ticket:
-        text = ticket_text(held.ticket, engine.ms(held.ttl), held.task_id, held.owner)
-        entry = entry._replace(handed="x" + text)
-    return entry
-
-
-def release_entries(
-    engine: LeaseEngine,
-    owner: str,
-    group: int,
-    entries: Sequence[Entry],
-    counted: Sequence[bool] | None = None,
-    event: str = "released",
-    by: str = "",
-) -> Steps[list[bool]]:
-    """release.lua for ``entries`` of ``owner`` in ``group``; True for each that was held.
-
-    ``event`` and ``by``: what the history records for a lease freed now (``released`` by
-    its holder; ``freed`` by a cleanup, the reaper or a reconcile; ``forced`` by an operator).
-    See :func:`release_codes`.
-    """
-    codes = yield from release_codes(engine, owner, group, entries, counted, event, by)
-    return [code == ReleaseReply.RELEASED for code in codes]
-
-
-def release_codes(
-    engine: LeaseEngine,
-    owner: str,
-    group: int,
-    entries: Sequence[Entry],
-    counted: Sequence[bool] | None = None,
-    event: str = "released",
-    by: str = "",
-    spare_from_us: int = 0,
-) -> Steps[list[ReleaseReply]]:
-    """release.lua for ``entries`` of ``owner`` in ``group``: its reply for each.
-
-    ``spare_from_us`` (Redis time in microseconds; 0: none): a cleanup pass's bound. A lease
-    whose token is that or more was granted after the pass looked at the owner, and is
-    spared (:attr:`ReleaseReply.SPARED`), its entry kept, whatever the entry says: t0 a
-    reconcile reads an owner whose liveness ran out; t1 the owner, alive again, is granted
-    R; t2 the pass releases an entry of the owner's that names R (issue 26, part 1).
-
-    ``counted``: whether each still counted as held (None: not known, as in a cleanup).
-    Either way the entries' tokens are then dropped from the book (:func:`released`). If the
-    driver is abandoned mid-call (an asyncio caller cancelled), they are not: the release
-    goes on in its own task, and its tokens stay counted as live leases until it is done.
-    """
-    call = Script(
-        "release",
-        release_keys(engine, owner, group, entries),
-        release_args(engine, owner, entries, event, by, spare_from_us),
-    )
-    lost = False
-    try:
-        try:
-            (reply,) = yield Send([call])  # the hot path: resend_if_lost, inlined
-        except Failure as failure:
-            if not failure.lost:
-                raise
-            lost = True  # idempotent (token-checked): sent again, the client may retry
-            (reply,) = yield Send([call], once=False)
-    except Failure as failure:
-        released(engine, owner, entries)
-        raise engine.backend_error("release", failure) from failure.cause
-    released(engine, owner, entries)
-    codes = [ReleaseReply(int(x)) for x in reply]
-    if lost and counted is not None:
-        # the second run finds no lease the lost run released (see release_recovered)
-        freed = [x == ReleaseReply.RELEASED for x in codes]
-        return [
-            ReleaseReply.RELEASED if f else c
-            for f, c in zip(release_recovered(freed, counted), codes, strict=True)
-        ]
-    return codes
-
-
-def release_keys(
-    engine: LeaseEngine, owner: str, group: int, entries: Sequence[Entry]
-) -> list[str]:
-    """The keys of one release.lua call: the registry and the group's lifetime record, then
-    each lease key, its waiter queue (with the tickets' expiry and orders) and its token
-    counter (for a handoff)."""
-    keys = [engine.registry_key(owner, group), engine.lifetime_key(group)]
-    for e in entries:
-        rk = engine.resource_keys(e.resource)
-        key = rk.exclusive if e.mode == "x" else rk.shared
-        keys += (key, rk.waiters, rk.ticket_expiry, rk.handed, rk.counter)
-    if engine.history and entries:
-        keys.append(engine.keys.history(group))
-        for e in entries:
-            rk = engine.resource_keys(e.resource)
-            keys += (rk.history, rk.record)
-    return keys
-
-
-def release_args(
-    engine: LeaseEngine,
-    owner: str,
-    entries: Sequence[Entry],
-    event: str = "released",
-    by: str = "",
-    spare_from_us: int = 0,
-) -> list[Any]:
-    """The arguments of one release.lua call (``event``, ``by``: for the history;
-    ``spare_from_us``: see :func:`release_codes`)."""
-    args: list[Any] = [
-        owner,
-        engine.waiter_prefix,
-        trusted_receivers(engine),
-        engine.grace_ms,
-        engine.token_memory_ms,
-        TICKET_SLACK_MS,
-        spare_from_us,
-    ]
-    for e in entries:
-        args += (e.mode, e.token, e.text, engine.resource_keys(e.resource).channel, e.handed)
-    args += (*engine.history_args, event, by)
-    return args
-
-
-def released(engine: LeaseEngine, owner: str, entries: Sequence[Entry]) -> None:
-    """The release of ``entries`` is over (done or failed): no live lease of this process
-    has their tokens any more, so a lost reply's recovery may give such a grant back."""
-    for e in entries:
-        BOOK.drop(owner, engine.resource_keys(e.resource).exclusive, e.token)
-
-
-def trusted_receivers(engine: LeaseEngine) -> str:
-    """ "1" when PUBLISH's count of receivers is exact, so a queued waiter nobody listens
-    for is gone (not on a cluster, where a subscriber may sit on another node)."""
-    return "0" if engine.cluster else "1"
-
-
 # --- the waiter queues --------------------------------------------------------------------
 def leave_queues(engine: LeaseEngine, wants: Sequence[Want], ticket: Ticket) -> Steps[None]:
     """Take ``ticket`` out of the waiter queues of ``wants``, waking the next waiter where
@@ -1160,59 +675,3 @@ def leave_queues(engine: LeaseEngine, wants: Sequence[Want], ticket: Ticket) -> 
             failure.cause if isinstance(failure, Failure) else failure,
             TICKET_SLACK_MS,
         )
-
-
-# --- once receipts ------------------------------------------------------------------------
-def get_receipt(engine: LeaseEngine, name: str) -> Steps[str | None]:
-    """The stored receipt (JSON text) of ``once(name)``, or None."""
-    (value,) = yield from engine.send(
-        "read a receipt", [Command(("GET", engine.keys.receipt(name)))]
-    )
-    return None if value is None else str(value)
-
-
-def put_delivery_done(
-    engine: LeaseEngine, task_id: str, retries: int, state: str, ttl: float
-) -> Steps[None]:
-    """Record that a delivery of a task ended in ``state`` (kept ``ttl`` seconds).
-
-    The redelivery guard's completion record: a copy of the same delivery that arrives later
-    (its ack was lost) is dropped. Idempotent: a resend writes the same value again.
-    """
-    key = engine.keys.delivery_done(task_id, retries)
-    command = Command(("SET", key, state, "PX", engine.ms(ttl)))
-    yield from engine.send("record a delivery's end", [command])
-
-
-def get_delivery_done(engine: LeaseEngine, task_id: str, retries: int) -> Steps[str | None]:
-    """The state in which a delivery of a task ended, or None (no completion record)."""
-    key = engine.keys.delivery_done(task_id, retries)
-    (value,) = yield from engine.send("read a delivery's end", [Command(("GET", key))])
-    if value is None:
-        return None
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def commit_receipt(
-    engine: LeaseEngine, name: str, held: Held, receipt: str, ttl: float | None
-) -> Steps[bool]:
-    """Store ``receipt`` if ``held`` (the once-lease) is still ours; False if it is not."""
-    keys = [engine.resource_keys(held.resource).exclusive, engine.keys.receipt(name)]
-    args: list[Any] = [
-        holder_value(held.token, held.owner),
-        receipt,
-        0 if ttl is None else engine.ms(ttl),
-    ]
-    try:
-        # idempotent: the same receipt, stored again while the holder still holds
-        (reply,), _ = yield from resend_if_lost([Script("commit_receipt", keys, args)])
-    except Failure as failure:
-        raise engine.backend_error("store a receipt", failure) from failure.cause
-    return int(reply) == CommitReceiptReply.STORED
-
-
-def delete_receipt(engine: LeaseEngine, name: str) -> Steps[bool]:
-    """Delete the receipt of ``once(name)``; True if there was one."""
-    command = Command(("DEL", engine.keys.receipt(name)))
-    (deleted,) = yield from engine.send("delete a receipt", [command])
-    return bool(deleted)

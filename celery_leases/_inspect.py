@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from . import _grants
+from . import _releases
 from ._engine import RESOURCE_HISTORY, LeaseEngine
 from ._keys import holder_parts, holder_value, node_of_owner, pid_of_owner, unescape
 from ._protocol import Call, Command, Script, Steps, clock_ms, pairs
@@ -256,7 +256,7 @@ def force_release(
         Entry(holder.mode, holder.token, None, resource),
     )
     group = engine.resource_keys(resource).group
-    freed = yield from _grants.release_entries(
+    freed = yield from _releases.release_entries(
         engine, holder.owner, group, [entry], event=event, by=by
     )
     return freed[0]

@@ -9,7 +9,9 @@ written once, as generators in the core modules (``_grants``, ``_cleanup``, ``_i
 - :class:`SendReplicated`: script calls, each Redis node's followed by ``WAIT`` on the same
   connection (``min_replicas``) -> ``(replies, WAIT replies)``;
 - :class:`SendWithin`: a renewal's script calls, under a deadline;
-- :class:`Sleep`: wait a while (a sync driver sleeps, an asyncio one awaits).
+- :class:`Sleep`: wait a while (a sync driver sleeps, an asyncio one awaits);
+- :class:`Listen`: in a wait (``_wait``), be subscribed to release channels and wait for a
+  message -> :class:`Heard`.
 
 A request that fails is thrown back into the generator as :class:`Failure`, which says
 whether its outcome is unknown (the connection was cut or timed out after it was sent:
@@ -30,6 +32,8 @@ from ._scripts import SHA
 __all__ = (
     "Command",
     "Failure",
+    "Heard",
+    "Listen",
     "Op",
     "ReplicaShortfall",
     "Script",
@@ -116,7 +120,29 @@ class Sleep(NamedTuple):
     seconds: float
 
 
-Op = Send | SendReplicated | SendWithin | Sleep
+class Listen(NamedTuple):
+    """Be subscribed to ``channels``, then wait up to ``timeout`` seconds for a message.
+
+    Only a wait run by a driver's ``run_wait`` yields it (see ``_wait``). The driver keeps
+    one subscription for the whole wait: made at its first Listen (so a wait yields one with
+    ``timeout`` 0 before the attempt that must not miss a release), given back at its end.
+    A message on ``handed_on`` that hands the wait a lease (see ``_wire.handoff``) ends the
+    listen at once. The reply: :class:`Heard`.
+    """
+
+    channels: Sequence[str]
+    timeout: float
+    handed_on: str | None = None
+
+
+class Heard(NamedTuple):
+    """What a :class:`Listen` heard: ``token``, of a lease handed over on its ``handed_on``;
+    None: a message came or the time ran out (either way, look again)."""
+
+    token: str | None
+
+
+Op = Send | SendReplicated | SendWithin | Sleep | Listen
 #: a core operation: yields requests, is sent their replies, returns its outcome
 Steps = Generator[Op, Any, T]
 

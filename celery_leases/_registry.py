@@ -12,8 +12,9 @@ written with the token once the waiter learns it: acquire.lua, renew.lua); and t
 ``"~"`` (:data:`KEEPER`), which keeps the set and its expiry while the owner holds nothing
 (see lua/_registry.lua). An
 exclusive lease key's value is ``"<token> <owner id>"``, or, for a queued unique claim,
-``"<token> %queued/<escaped task id>"``. This module reads and writes those texts, and
-nothing else does. No I/O.
+``"<token> %queued/<escaped task id>"``. A waiter's ticket with its order, the member of a
+waiter queue, is ``"<id> <ttl ms> <task> <owner>"`` (:func:`ticket_text`). This module reads
+and writes those texts, and nothing else does. No I/O.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ __all__ = (
     "CALL_MARK",
     "KEEPER",
     "QUEUED_OWNER",
+    "TICKET_SLACK_MS",
     "Entry",
     "counted_held",
     "entry_text",
@@ -38,6 +40,7 @@ __all__ = (
     "split_holder",
     "task_field",
     "task_in_registry",
+    "ticket_text",
 )
 
 #: the member of every registry that is no entry: it keeps the set, and its expiry, through
@@ -150,3 +153,13 @@ def parse_entry(member: str) -> Entry | None:
     if mode == "h":
         return Entry("x", 0, task_id, resource, int(token))
     return Entry(mode, int(token), task_id, resource, call=call)
+
+
+#: milliseconds a queued ticket outlives the wait its waiter was told: the waiter's next
+#: attempt (which refreshes it) comes by then, unless it died or hangs
+TICKET_SLACK_MS: Final = 3000
+
+
+def ticket_text(ticket_id: object, ttl_ms: int, task_id: str | None, owner: str) -> str:
+    """A ticket with its order, ``"<id> <ttl ms> <task> <owner>"`` (lua/_waiters.lua)."""
+    return f"{ticket_id} {ttl_ms} {escape(task_id) if task_id else '-'} {owner}"

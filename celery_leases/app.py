@@ -17,7 +17,6 @@ Example::
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,18 +29,26 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar, cast, overload
 from celery.utils.log import get_logger
 
 from . import once as _once
-from . import signals
 from ._aio.driver import AsyncLeaseStore
 from ._aio.heartbeat import loop_heartbeat
 from ._aio.shields import shielded
 from ._engine import LeaseEngine
 from ._identity import Identity, current_identity
 from ._lease import Held, Lease, LeaseArgumentError, Shared, Want, held_of, want_of
+from ._outcomes import (
+    busy_seen,
+    granted_leases,
+    held_here,
+    raise_first_lost,
+    released_leases,
+    same_owner_busy,
+    to_release,
+)
 from ._sync.driver import LeaseStore
 from ._sync.heartbeat import heartbeat
 from ._unique import install as install_unique
 from .config import AppSettings, LeaseSettings, safe_url, set_settings
-from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseLost
+from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError
 from .worker import install
 
 if TYPE_CHECKING:
@@ -269,14 +276,14 @@ class Leases:
         try:
             granted = store.acquire(wants, ident, ttl, wait, task_id)
         except LeaseBusy as busy:
-            _busy(busy, wants, ttl, task_id, time.monotonic() - started)
-            if _held_here(busy, wants, ident, store, heartbeat().snapshot()):
-                raise _same_owner(busy) from None
+            busy_seen(busy, wants, ttl, task_id, time.monotonic() - started)
+            if held_here(busy, wants, ident, store, heartbeat().snapshot()):
+                raise same_owner_busy(busy) from None
             raise
         beat = heartbeat()
         for held in granted:
             beat.add(held, store)
-        return _granted(granted, ttl, task_id, on_lost, time.monotonic() - started)
+        return granted_leases(granted, ttl, task_id, on_lost, time.monotonic() - started)
 
     def release(self, leases: Sequence[Lease]) -> list[Lease]:
         """Stop renewing ``leases`` and give them back; returns those found lost.
@@ -285,7 +292,7 @@ class Leases:
         out by its TTL (and the owner registry lets a cleanup pass free it sooner).
         """
         beat = heartbeat()
-        todo, lost, asked = _to_release(leases, beat.discard)
+        todo, lost, asked = to_release(leases, beat.discard)
         if not todo:
             return lost
         try:
@@ -293,7 +300,7 @@ class Leases:
         except LeaseBackendError as exc:
             logger.error("leases: could not release %d lease(s): %s", len(todo), exc)
             return lost
-        return _released(todo, freed, lost, asked)
+        return released_leases(todo, freed, lost, asked)
 
     # --- asyncio --------------------------------------------------------------------------
     @property
@@ -413,19 +420,19 @@ class Leases:
         try:
             granted = await astore.acquire(wants, ident, ttl, wait)
         except LeaseBusy as busy:
-            _busy(busy, wants, ttl, None, time.monotonic() - started)
+            busy_seen(busy, wants, ttl, None, time.monotonic() - started)
             mine = [*loop_heartbeat().snapshot(), *heartbeat().snapshot()]
-            if _held_here(busy, wants, ident, self.store, mine):
-                raise _same_owner(busy) from None
+            if held_here(busy, wants, ident, self.store, mine):
+                raise same_owner_busy(busy) from None
             raise
         beat = loop_heartbeat()
         for held in granted:
             beat.add(held, astore)
-        return _granted(granted, ttl, None, None, time.monotonic() - started)
+        return granted_leases(granted, ttl, None, None, time.monotonic() - started)
 
     async def arelease(self, leases: Sequence[Lease]) -> list[Lease]:
         """:meth:`release` for asyncio; never raises for Redis trouble."""
-        todo, lost, asked = _to_release(leases, loop_heartbeat().discard)
+        todo, lost, asked = to_release(leases, loop_heartbeat().discard)
         if not todo:
             return lost
         try:
@@ -433,7 +440,7 @@ class Leases:
         except LeaseBackendError as exc:
             logger.error("leases: could not release %d lease(s): %s", len(todo), exc)
             return lost
-        return _released(todo, freed, lost, asked)
+        return released_leases(todo, freed, lost, asked)
 
 
 class _Block:
@@ -485,7 +492,7 @@ class _AHold(_Block, AbstractAsyncContextManager[T]):
         # shielded: a holder cancelled again on its way out still gives its leases back
         lost = await shielded(self._ext.arelease(self._leases))
         if exc_type is None:
-            _raise_first_lost(lost)
+            raise_first_lost(lost)
 
 
 def find_leases(app: object) -> Leases | None:
@@ -529,7 +536,7 @@ class _Holding(_Block):
         assert self._leases is not None
         lost = self._ext.release(self._leases)
         if exc_type is None:
-            _raise_first_lost(lost)
+            raise_first_lost(lost)
 
 
 def ttl_of(ext: Leases, ttl: float | None) -> float:
@@ -583,161 +590,3 @@ def _wants(what: str, resources: Sequence[object]) -> list[Want]:
         want_of(r, f"{what}(resource)" if len(resources) == 1 else f"{what}(resource[{i}])")  # type: ignore[arg-type]
         for i, r in enumerate(resources)
     ]
-
-
-def _busy(
-    busy: LeaseBusy, wants: Sequence[Want], ttl: float, task_id: str | None, elapsed: float
-) -> None:
-    # DEBUG: what the busy leads to (a task's retry, skip or failure, or LeaseBusy to the
-    # caller of hold) is logged or raised once, by whoever decides it
-    logger.debug(
-        "leases: %s is busy: %s; its holder runs out in %.1fs unless it renews",
-        busy.resource,
-        busy,
-        busy.retry_after or 0,
-    )
-    want = next((w for w in wants if w.resource == busy.resource), None)
-    _send(
-        signals.lease_busy,
-        busy.resource,
-        retry_after=busy.retry_after,
-        task_id=task_id,
-        elapsed=elapsed,
-        shared=want is not None and want.mode == "s",
-        ttl=ttl,
-    )
-
-
-def _held_here(
-    busy: LeaseBusy,
-    wants: Sequence[Want],
-    ident: Identity,
-    store: LeaseStore,
-    held: Sequence[Held],
-) -> bool:
-    """True if the busy resource is held by the asking process itself (same owner, same
-    prefix) in a way that alone makes it busy: a nested hold, which leases do not let
-    through (they are not reentrant). A full shared limit, where its own shared lease is
-    only one of the holders, is not counted."""
-    if busy.same_owner:
-        return False
-    asked = [w for w in wants if w.resource == busy.resource]
-    if not asked:
-        return False
-    exclusive = asked[0].mode != "s"
-    prefix = store.keys.prefix
-    return any(
-        h.resource == busy.resource
-        and h.owner == ident.owner
-        and h.engine.keys.prefix == prefix
-        and (exclusive or h.mode != "s")
-        for h in held
-    )
-
-
-def _same_owner(busy: LeaseBusy) -> LeaseBusy:
-    """``busy`` told as what it is: this owner already holds the resource."""
-    return LeaseBusy(
-        busy.resource,
-        retry_after=busy.retry_after,
-        waited=busy.waited,
-        holder_task=busy.holder_task,
-        same_owner=True,
-    )
-
-
-def _granted(
-    granted: Sequence[Held],
-    ttl: float,
-    task_id: str | None,
-    on_lost: Callable[[Held], None] | None,
-    elapsed: float,
-) -> list[Lease]:
-    """The Leases of fresh grants (already being renewed); logs and signals each."""
-    leases = []
-    # asked once per call, not per lease: a worker at -l warning logs neither line
-    info = logger.isEnabledFor(logging.INFO)
-    debug = info and logger.isEnabledFor(logging.DEBUG)
-    for held in granted:
-        if on_lost is not None:
-            held.on_lost.append(on_lost)
-        lease = Lease(held.resource, held.token, held.ttl, held.mode == "s", held)
-        leases.append(lease)
-        if info:
-            logger.info("leases: acquired %s for %.1fs", held.resource, ttl)
-        if debug:
-            logger.debug("leases: %s token %d owner %s", held.resource, held.token, held.owner)
-        if signals.lease_acquired.receivers:  # no receivers: not even the arguments are built
-            _send(
-                signals.lease_acquired,
-                held.resource,
-                token=held.token,
-                owner=held.owner,
-                ttl=ttl,
-                shared=held.mode == "s",
-                task_id=task_id,
-                elapsed=elapsed,
-            )
-    return leases
-
-
-def _to_release(
-    leases: Sequence[Lease], discard: Callable[[Held], None]
-) -> tuple[list[Lease], list[Lease], float]:
-    """``(leases to give back now, leases found lost, when)``; marks them released.
-
-    ``when`` (monotonic) is the one clock read of the loss checks; it is also when the
-    release began (``lease_released``'s ``elapsed``), so that costs no clock read more.
-    """
-    todo: list[Lease] = []
-    lost: list[Lease] = []
-    now = time.monotonic()
-    for lease in leases:
-        held = held_of(lease)
-        discard(held)
-        was_lost = held.is_lost(now)
-        if not held.mark_released():
-            continue
-        if was_lost:
-            lost.append(lease)
-        todo.append(lease)
-    return todo, lost, now
-
-
-def _released(
-    todo: list[Lease], freed: Sequence[bool], lost: list[Lease], asked: float
-) -> list[Lease]:
-    """Log and signal the release of ``todo``; returns ``lost`` and those found not held."""
-    now = time.monotonic()
-    info = logger.isEnabledFor(logging.INFO)
-    for lease, ok in zip(todo, freed, strict=True):
-        held = held_of(lease)
-        if not ok and lease not in lost:
-            lost.append(lease)
-        if info:
-            logger.info("leases: released %s", held.resource)
-        if signals.lease_released.receivers:
-            _send(
-                signals.lease_released,
-                held.resource,
-                token=held.token,
-                owner=held.owner,
-                held_for=now - held.acquired_at,
-                task_id=held.task_id,
-                elapsed=now - asked,
-            )
-    return lost
-
-
-def _send(signal: Any, resource: str, **kwargs: Any) -> None:
-    try:
-        signal.send(sender=resource, resource=resource, **kwargs)
-    except Exception:
-        logger.exception("leases: a receiver of %s failed", signal.name)
-
-
-def _raise_first_lost(lost: Sequence[Lease]) -> None:
-    """Leaving a ``hold`` block: say that a lease was lost inside it (the first one)."""
-    if lost:
-        first = lost[0]
-        raise LeaseLost(first.resource, held_for=time.monotonic() - held_of(first).acquired_at)

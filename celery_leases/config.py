@@ -17,35 +17,53 @@ lazy, and a key set after ``Leases(app)`` counts; one changed after first use is
 
 from __future__ import annotations
 
-import difflib
-import os
 import re
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from contextvars import ContextVar
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple
-from urllib.parse import parse_qsl, quote, urlsplit
+from typing import TYPE_CHECKING, Any, Final, Literal
 
-from celery.utils.log import get_logger
 from pydantic import Field, ValidationError, field_serializer, field_validator, model_validator
-from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
-from redis.connection import Connection, SSLConnection, parse_url
-from redis.exceptions import RedisError
 
+from ._config_diagnostics import (
+    config_error,
+    near_misses,
+    safe_url,
+    url_problem,
+    warn_unknown_env,
+)
+from ._config_source import (
+    CONF_PREFIX,
+    DEFAULT_REDIS_URL,
+    ENV_PREFIX,
+    AppConfSource,
+    broker_default,
+    changes_of,
+    conf_context,
+    conf_origins,
+    conf_with_origins,
+    loaded_conf,
+)
 from ._connect import parse_target
+from ._timing import (
+    RENEWALS_PER_HORIZON,
+    Timing,
+    renewal_interval,
+    timing,
+    timing_problem,
+    timing_warnings,
+)
 from .exceptions import LeaseConfigError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from celery import Celery
 
 __all__ = (
+    "CONF_PREFIX",
+    "DEFAULT_REDIS_URL",
     "ENV_PREFIX",
+    "RENEWALS_PER_HORIZON",
     "LeaseSettings",
     "OnBackendError",
     "OnBusy",
@@ -53,15 +71,14 @@ __all__ = (
     "OnLost",
     "Timing",
     "get_settings",
+    "renewal_interval",
     "resolve_settings",
+    "safe_url",
     "timing",
     "timing_problem",
     "timing_warnings",
 )
 
-ENV_PREFIX: Final = "CELERY_LEASES_"
-CONF_PREFIX: Final = "leases_"
-DEFAULT_REDIS_URL: Final = "redis://localhost:6379/0"
 
 OnBusy = Literal["retry", "skip", "fail", "wait"]
 OnLost = Literal["interrupt", "log"]
@@ -69,26 +86,6 @@ OnBackendError = Literal["retry", "fail"]
 OnDuplicate = Literal["existing", "raise", "ignore"]
 
 _PREFIX_RE: Final = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
-
-_app_conf: ContextVar[Mapping[str, Any]] = ContextVar(
-    "celery_leases_app_conf", default=MappingProxyType({})
-)
-# leases_<name> -> the config key it was read from (CELERY_LEASES_TTL under a namespace)
-_origins: ContextVar[Mapping[str, str]] = ContextVar(
-    "celery_leases_conf_origins", default=MappingProxyType({})
-)
-
-
-class _AppConfSource(PydanticBaseSettingsSource):
-    """Reads ``leases_*`` keys of the Celery app config being resolved."""
-
-    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        conf = _app_conf.get()
-        key = CONF_PREFIX + field_name
-        return conf.get(key), key, False
-
-    def __call__(self) -> dict[str, Any]:
-        return {k.removeprefix(CONF_PREFIX): v for k, v in _app_conf.get().items()}
 
 
 class LeaseSettings(BaseSettings):
@@ -99,7 +96,7 @@ class LeaseSettings(BaseSettings):
     """
 
     # hide_input_in_errors: a ValidationError's text would show the rejected redis_url whole,
-    # password included; _config_error shows it through safe_url instead.
+    # password included; config_error shows it through safe_url instead.
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
         frozen=True,
@@ -409,7 +406,7 @@ class LeaseSettings(BaseSettings):
     @classmethod
     def _check_prefix(cls, value: str) -> str:
         if not _PREFIX_RE.fullmatch(value):
-            # the value itself is added once, by _config_error's "(got ...)"
+            # the value itself is added once, by config_error's "(got ...)"
             msg = "must be 1-64 characters from A-Z a-z 0-9 _ . : -"
             raise ValueError(msg)
         return value
@@ -424,7 +421,7 @@ class LeaseSettings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _check_url_options(cls, value: str | None) -> str | None:
-        problem = None if value is None else _url_problem(value)
+        problem = None if value is None else url_problem(value)
         if problem is not None:
             raise ValueError(problem)
         return value
@@ -468,7 +465,7 @@ class LeaseSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, _AppConfSource(settings_cls), env_settings)
+        return (init_settings, AppConfSource(settings_cls), env_settings)
 
     @property
     def url(self) -> str:
@@ -479,423 +476,6 @@ class LeaseSettings(BaseSettings):
     def margin_fraction(self) -> float:
         """1 - lost_margin: the part of a TTL a lease may go unconfirmed."""
         return 1.0 - self.lost_margin
-
-
-#: seconds the heartbeat waits before it tries a failed renewal again (at most)
-RENEW_RETRY_AFTER: Final = 1.0
-
-#: renewals per lease horizon: the heartbeat renews every ``horizon / RENEWALS_PER_HORIZON``
-#: (a third), so two renewals in a row may fail before a lease counts as lost
-RENEWALS_PER_HORIZON: Final = 3
-
-
-def renewal_interval(horizon: float) -> float:
-    """Seconds between two renewals of leases whose shortest horizon is ``horizon``."""
-    return horizon / RENEWALS_PER_HORIZON
-
-
-class Timing(NamedTuple):
-    """The heartbeat's timing under some settings, as Kubernetes' leader election names it.
-
-    ``horizon``: seconds after a confirmed renewal that a lease counts as held (the lease
-    duration less the margin: ``ttl * (1 - lost_margin)``); ``every``: the renewal interval
-    (:func:`renewal_interval`, a third of the horizon); ``slack``: the time a renewal sent on
-    time has before its lease counts as lost (the renew deadline, ``horizon - every``).
-    """
-
-    horizon: float
-    every: float
-    slack: float
-
-
-def timing(settings: LeaseSettings) -> Timing:
-    """The :class:`Timing` of leases of the ``ttl`` setting (a shorter lease ttl is faster)."""
-    horizon = settings.ttl * settings.margin_fraction
-    every = renewal_interval(horizon)
-    return Timing(horizon, every, horizon - every)
-
-
-def _lead(settings: LeaseSettings, t: Timing) -> str:
-    return (
-        f"ttl {settings.ttl:g} s with lost_margin {settings.lost_margin:g} leaves "
-        f"{t.horizon:.3g} s after each renewal; renewed every {t.every:.3g} s, a renewal has "
-        f"{t.slack:.3g} s before its lease counts as lost"
-    )
-
-
-def timing_problem(settings: LeaseSettings) -> str | None:
-    """Why the timing settings cannot work together, with the numbers; None if they can.
-
-    Refused: ``min_replicas`` with a ``min_replicas_timeout`` that a renewal cannot wait
-    for (every renewal waits for the replicas: one that must wait that long could never be
-    confirmed before its lease counts as lost).
-    """
-    t = timing(settings)
-    if settings.min_replicas and settings.min_replicas_timeout >= t.slack:
-        return (
-            f"{_lead(settings, t)}: min_replicas_timeout ({settings.min_replicas_timeout:g} s) "
-            f"must be below {t.slack:.3g} s, or the ttl above "
-            f"{settings.min_replicas_timeout * 3 / 2 / settings.margin_fraction:.3g} s"
-        )
-    return None
-
-
-def timing_warnings(settings: LeaseSettings) -> list[str]:
-    """Timing settings that work, but are risky: a grace shorter than the ttl, or a
-    renewal with no room for a second try.
-
-    A renewal that hangs is cut at its lease's deadline (its budget is the time left, at
-    most ``socket_timeout``); if one attempt of ``socket_timeout`` plus the pause before a
-    retry does not fit in the renewal's slack, one stalled connection loses the lease.
-    A worker logs these at start-up (INFO).
-    """
-    t = timing(settings)
-    out: list[str] = []
-    for name in ("restart_grace", "restore_grace"):
-        grace = getattr(settings, name)
-        if grace and grace < settings.ttl:
-            out.append(
-                f"{name} ({grace:g} s) is below the ttl ({settings.ttl:g} s): a holder counts "
-                "its lease held up to ttl after its last renewal, so a grant made when the "
-                "grace ends may overlap a holder that has not learnt of the restart yet"
-            )
-    room = t.slack - min(t.every, RENEW_RETRY_AFTER)
-    if settings.socket_timeout >= room:
-        # the horizon that fits one attempt and the pause before the next in the slack
-        sock = settings.socket_timeout
-        needed = 3 * sock if sock <= RENEW_RETRY_AFTER else 1.5 * (sock + RENEW_RETRY_AFTER)
-        ttl_needed = needed / settings.margin_fraction
-        out.append(
-            f"{_lead(settings, t)}: with socket_timeout {settings.socket_timeout:g} s a "
-            f"renewal that hangs is not tried again before its lease counts as lost; "
-            f"socket_timeout < {max(room, 0):.3g} s (or a ttl of {ttl_needed:.3g} s or more) "
-            "leaves room for a second try"
-        )
-    return out
-
-
-@contextmanager
-def _conf_context(conf: Mapping[str, Any]) -> Iterator[None]:
-    token = _app_conf.set(conf)
-    try:
-        yield
-    finally:
-        _app_conf.reset(token)
-
-
-def _describe_source(field: str, kwargs: Mapping[str, Any], conf: Mapping[str, Any]) -> str:
-    if field in kwargs:
-        return f"keyword argument {field}="
-    origin = _origins.get().get(CONF_PREFIX + field)
-    if origin is not None and origin != CONF_PREFIX + field:
-        return f"{origin} in the Celery config"
-    if CONF_PREFIX + field in conf:
-        return f"app.conf.{CONF_PREFIX}{field}"
-    env = ENV_PREFIX + field.upper()
-    if any(k.upper() == env for k in os.environ):
-        return f"environment variable {env}"
-    return "its default"
-
-
-def _closest(name: str) -> str | None:
-    """The setting ``name`` was probably meant to be (difflib's closest match), or None."""
-    close = difflib.get_close_matches(name.lower(), LeaseSettings.model_fields, n=1, cutoff=0.6)
-    return close[0] if close else None
-
-
-def _did_you_mean(field: str, where: str) -> str:
-    """``: did you mean ...?`` for an unknown setting, spelt as it was given (a keyword,
-    an ``app.conf`` key, a namespaced config key, an environment variable); else ``""``."""
-    close = _closest(field)
-    if close is None:
-        return ""
-    if where.startswith("keyword argument"):
-        return f": did you mean {close}=?"
-    origin = _origins.get().get(CONF_PREFIX + field)
-    if origin is not None and origin != CONF_PREFIX + field:  # CELERY_LEASES_TTLL
-        spelt = origin[: len(origin) - len(field)] + _match_case(close, origin)
-        return f": did you mean {spelt}?"
-    if where.startswith("environment"):
-        return f": did you mean {ENV_PREFIX}{close.upper()}?"
-    return f": did you mean {CONF_PREFIX}{close}?"
-
-
-#: the word a key meant for celery_leases starts with, once its namespace is taken off:
-#: ``lease_``, ``leases_`` (``leasesx`` is somebody else's)
-_LEASE_WORD: Final = re.compile(r"leases?[_\-.]")
-#: environment variables of the project's own test and fault suites, which are not settings
-_DEV_ENV: Final = ("CELERY_LEASES_TEST_", "CELERY_LEASES_MODEL_", "CELERY_LEASES_FAULTS_")
-_warned_env: set[str] = set()
-logger: Final = get_logger(__name__)
-
-
-def _near_misses(app: Celery | None) -> list[str]:
-    """Config keys that look meant for celery_leases but are not read as its settings.
-
-    ``CELERY_LEASE_LOST_MARGIN`` (singular) in a config loaded with ``namespace="CELERY"``,
-    ``lease_ttl``, or ``CELERY_LEASES_TTL`` in a config without a namespace (Celery reads
-    only ``leases_ttl`` there): Celery would keep them and nothing would read them.
-    """
-    if app is None:
-        return []
-    conf = _loaded_conf(app)
-    namespaced = _namespaced(conf)
-    # the namespace as a lower-cased prefix: "celery_" (or "celery_" unread, without one)
-    ns = (namespaced or "celery_leases_").lower().removesuffix(CONF_PREFIX)
-    lines = []
-    for key in list(conf.keys()):
-        if not isinstance(key, str) or key.startswith(CONF_PREFIX):
-            continue
-        if namespaced is not None and key.startswith(namespaced):
-            continue
-        low = key.lower()
-        if low.startswith(ns + "lease"):
-            rest = low[len(ns) :]  # CELERY_LEASE_TTL; CELERY_LEASES_TTL without a namespace
-        elif key.startswith("lease"):
-            rest = key  # lease_ttl, leasesttl: a Celery-style key
-        else:
-            continue
-        word = _LEASE_WORD.match(rest)
-        if word is None:
-            continue
-        name = rest[word.end() :]
-        close = _closest(name) if name else None
-        if close is None:
-            meant = None
-        elif namespaced is not None and key.isupper():
-            meant = _match_case(namespaced + close, namespaced)
-        else:
-            meant = CONF_PREFIX + close
-        hint = f": did you mean {meant}?" if meant else ""
-        why = "" if namespaced is not None or not key.isupper() else " (it has no namespace)"
-        lines.append(f"unknown setting key {key!r} in the Celery config{why}{hint}")
-    return lines
-
-
-def _warn_unknown_env() -> None:
-    """Log once per process each ``CELERY_LEASES_*`` environment variable that is not a
-    setting (the environment is shared with other programs: told, not refused)."""
-    for key in list(os.environ):
-        upper = key.upper()
-        if not upper.startswith(("CELERY_LEASES_", "CELERY_LEASE_")) or key in _warned_env:
-            continue
-        if upper.startswith(_DEV_ENV):
-            continue
-        name = upper.removeprefix("CELERY_LEASES_").removeprefix("CELERY_LEASE_").lower()
-        if upper.startswith(ENV_PREFIX) and name in LeaseSettings.model_fields:
-            continue
-        _warned_env.add(key)
-        close = _closest(name)
-        hint = f": did you mean {ENV_PREFIX}{close.upper()}?" if close else ""
-        logger.warning(
-            "leases: environment variable %s is not a celery_leases setting and is ignored%s",
-            key,
-            hint,
-        )
-
-
-def _config_error(exc: ValidationError, kwargs: Mapping[str, Any], conf: Mapping[str, Any]) -> str:
-    lines = []
-    for err in exc.errors():
-        field = str(err["loc"][0]) if err["loc"] else ""
-        if err["type"] == "extra_forbidden":
-            where = _describe_source(field, kwargs, conf)
-            lines.append(f"unknown setting {field!r} (from {where}){_did_you_mean(field, where)}")
-        elif not field:
-            lines.append(str(err["msg"]).removeprefix("Value error, "))
-        else:
-            where = _describe_source(field, kwargs, conf)
-            message = str(err["msg"]).removeprefix("Value error, ")
-            shown = err["input"]
-            if field == "redis_url" and isinstance(shown, str):
-                shown = safe_url(shown)
-            lines.append(f"setting {field!r} from {where}: {message} (got {shown!r})")
-    return "invalid celery_leases settings: " + "; ".join(lines)
-
-
-def safe_url(url: str) -> str:
-    """``url`` without its passwords (user info, ``password=`` queries), for logs and errors.
-
-    Handles every lease URL form: several hosts (``host:1,host:2``) and Celery's ``;``-joined
-    sentinel lists included.
-    """
-    return ";".join(_safe_one(part) for part in url.split(";"))
-
-
-def _safe_one(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return "<unparsable redis url>"
-    cut = min([i for i in (rest.find(c) for c in "/?#") if i >= 0], default=len(rest))
-    netloc, tail = rest[:cut], rest[cut:]
-    if "@" not in netloc and "@" in tail:
-        # a password holding an unescaped / ? or # ends the host part early, and the rest of
-        # it would show as the path or query: redis://:pa/ss@host/0
-        return "<unparsable redis url>"
-    if "@" in netloc:
-        userinfo, hosts = netloc.rsplit("@", 1)
-        if ":" in userinfo:
-            netloc = f"{userinfo.split(':', 1)[0]}:***@{hosts}"
-    # redis-py also takes passwords as query arguments: redis://host/0?password=...
-    return f"{scheme}://{netloc}{_QUERY_PASSWORD.sub(_REDACTED, tail)}"
-
-
-_QUERY_PASSWORD: Final = re.compile(r"(?i)(?<=[?&])((?:sentinel_)?(?:ssl_)?password)=[^&#]*")
-_REDACTED: Final = r"\1=***"
-
-
-def _url_problem(url: str) -> str | None:
-    """Why redis-py would refuse ``url`` at its first command, found without connecting.
-
-    redis-py hands every query option it does not know to the connection class, which raises
-    ``TypeError`` only when the first connection is made; a misspelt TLS option
-    (``ssl_ca_cert=``) or one on a ``redis://`` URL would surface late and raw. Files named by
-    the options are not opened here: they need to exist only where leases are used.
-    """
-    try:
-        target = parse_target(url)
-        if target.kind == "single":
-            kwargs: dict[str, Any] = parse_url(url)  # type: ignore[no-untyped-call, unused-ignore]
-        else:  # the options of the master's or the nodes' connections
-            kwargs = _with_connection_class(target.options)
-    except ValueError:
-        return None  # _check_url names what is wrong
-    problem = _connection_problem(kwargs)
-    if problem is not None:
-        if problem.startswith(_UNKNOWN) and "'ssl_" in problem:
-            hint = {
-                "single": "a rediss:// URL",
-                "cluster": "a rediss+cluster:// URL",
-                "sentinel": "ssl=true",
-            }[target.kind]
-            if kwargs.get("connection_class") is not SSLConnection:
-                problem += f" (TLS options need {hint})"
-        return problem
-    if target.kind == "sentinel" and target.sentinel_options:
-        written = {k for part in url.split(";") for k, _ in parse_qsl(urlsplit(part).query)}
-        sentinel = _with_connection_class(target.sentinel_options)
-        return _connection_problem(sentinel, lambda name: f"sentinel_{name}" in written)
-    return None
-
-
-_UNKNOWN: Final = "redis-py does not take the URL option"
-
-
-def _with_connection_class(options: Mapping[str, Any]) -> dict[str, Any]:
-    kwargs = dict(options)
-    if kwargs.pop("ssl", False):
-        kwargs["connection_class"] = SSLConnection
-    return kwargs
-
-
-def _connection_problem(
-    kwargs: dict[str, Any], sentinel_only: Callable[[str], bool] = lambda name: False
-) -> str | None:
-    """Why redis-py's connection class refuses ``kwargs``; an option for which
-    ``sentinel_only`` is true was written with the ``sentinel_`` prefix."""
-    connection_class = kwargs.pop("connection_class", Connection)
-    try:
-        connection_class(**kwargs)  # builds the object only; nothing connects
-    except TypeError as exc:
-        found = re.search(r"keyword argument '(\w+)'", str(exc))
-        if found is None:
-            return f"redis-py refuses its options: {exc}"
-        name = found.group(1)
-        return f"{_UNKNOWN} {('sentinel_' if sentinel_only(name) else '') + name!r}"
-    except RedisError as exc:  # e.g. ssl_cert_reqs=CERT_REQUIRED
-        return f"redis-py refuses its options: {exc}"
-    finally:
-        kwargs["connection_class"] = connection_class
-    return None
-
-
-def _conf_of(app: Celery | None) -> dict[str, Any]:
-    """The ``leases_*`` settings of ``app.conf``, read the way Celery reads its own.
-
-    After ``app.config_from_object(obj, namespace="CELERY")`` Celery looks a setting up as
-    ``CELERY_<NAME>`` first and then as ``<name>``, in each of its maps in turn (changes made
-    with ``app.conf.x = ...`` first, then the config object); ``app.conf.get`` does exactly
-    that, so every key found under either spelling is read through it. The result maps
-    ``leases_<name>`` to the value in force.
-    """
-    return {key: value for key, (value, _) in _conf_with_origins(app).items()}
-
-
-def _loaded_conf(app: Celery) -> Any:
-    """``app.conf`` as Celery's Settings (a pending configuration is loaded now, as any read
-    of it would)."""
-    conf: Any = app.conf
-    # Until a key is read, app.conf is a view over a PendingConfiguration: the first read
-    # loads the config (config_from_object's object, its namespace) into the same object.
-    finalize = getattr(conf, "finalize", None)
-    if callable(finalize):
-        finalize()
-    return conf
-
-
-def _namespaced(conf: Any) -> str | None:
-    """``CELERY_LEASES_`` (cased as Celery matches it) when ``conf`` has a namespace."""
-    prefix = conf.__dict__.get("prefix") if hasattr(conf, "__dict__") else None
-    if not isinstance(prefix, str) or not prefix:
-        return None
-    return _match_case(prefix + CONF_PREFIX, prefix)
-
-
-def _match_case(text: str, like: str) -> str:
-    """celery.utils.text.match_case: ``text`` upper-cased if ``like`` is, else lower-cased."""
-    return text.upper() if like.isupper() else text.lower()
-
-
-def _conf_with_origins(app: Celery | None) -> dict[str, tuple[Any, str]]:
-    """``leases_<name>`` -> (value in force, the config key it came from)."""
-    if app is None:
-        return {}
-    conf = _loaded_conf(app)
-    namespaced = _namespaced(conf)
-    found: dict[str, tuple[Any, str]] = {}
-    for key in list(conf.keys()):
-        if not isinstance(key, str):
-            continue
-        if namespaced is not None and key.startswith(namespaced) and len(key) > len(namespaced):
-            name = CONF_PREFIX + key[len(namespaced) :].lower()
-        elif key.startswith(CONF_PREFIX):
-            name = key
-        else:
-            continue
-        if name in found:
-            continue
-        # Celery's own lookup: the namespaced spelling wins within each map
-        spelled = (
-            _match_case(namespaced + name.removeprefix(CONF_PREFIX), namespaced)
-            if (namespaced is not None)
-            else None
-        )
-        origin = name
-        for mapping in conf.maps:
-            if spelled is not None and spelled in mapping:
-                origin = spelled
-                break
-            if name in mapping:
-                break
-        found[name] = (conf.get(name), origin)
-    return found
-
-
-def _broker_default(app: Celery | None) -> str:
-    if app is None:
-        return DEFAULT_REDIS_URL
-    broker = app.conf.broker_url
-    if isinstance(broker, str) and broker.startswith(("redis://", "rediss://")):
-        return broker.split(";")[0]
-    if isinstance(broker, str) and broker.startswith("sentinel://"):
-        # Celery's form: the sentinels in the URL, the master's name in the transport options
-        master = (app.conf.broker_transport_options or {}).get("master_name")
-        if master and "master_name=" not in broker:
-            first, *rest = broker.split(";")
-            joiner = "&" if "?" in first else "?"
-            return ";".join([f"{first}{joiner}master_name={quote(str(master))}", *rest])
-        return broker
-    return DEFAULT_REDIS_URL
 
 
 def resolve_settings(app: Celery | None = None, **kwargs: Any) -> LeaseSettings:
@@ -910,7 +490,7 @@ def resolve_settings(app: Celery | None = None, **kwargs: Any) -> LeaseSettings:
         LeaseConfigError: a value is invalid or a ``leases_*`` key is unknown; the message
             names the setting and the place it came from.
     """
-    return _resolve(app, kwargs, _conf_with_origins(app))
+    return _resolve(app, kwargs, conf_with_origins(app))
 
 
 def _resolve(
@@ -918,23 +498,23 @@ def _resolve(
 ) -> LeaseSettings:
     conf = {key: value for key, (value, _) in found.items()}
     origins = {key: origin for key, (_, origin) in found.items()}
-    _warn_unknown_env()
-    near = _near_misses(app)
-    token = _origins.set(origins)
+    warn_unknown_env(LeaseSettings.model_fields)
+    near = near_misses(app, LeaseSettings.model_fields)
+    token = conf_origins.set(origins)
     try:
-        with _conf_context(conf):
+        with conf_context(conf):
             settings = LeaseSettings(**kwargs)
     except ValidationError as exc:
-        text = _config_error(exc, kwargs, conf)
+        text = config_error(exc, kwargs, conf, LeaseSettings.model_fields)
         if near:
             text += "; " + "; ".join(near)
         raise LeaseConfigError(text) from None
     finally:
-        _origins.reset(token)
+        conf_origins.reset(token)
     if near:
         raise LeaseConfigError("invalid celery_leases settings: " + "; ".join(near))
     if settings.redis_url is None:
-        settings = settings.model_copy(update={"redis_url": _broker_default(app)})
+        settings = settings.model_copy(update={"redis_url": broker_default(app)})
     return settings
 
 
@@ -951,7 +531,7 @@ class AppSettings:
     def __init__(self, app: Celery, kwargs: Mapping[str, Any]) -> None:
         self._app = app
         self._kwargs = dict(kwargs)
-        self._found = _conf_with_origins(app)
+        self._found = conf_with_origins(app)
         self._value = _resolve(app, self._kwargs, self._found)
         self._fixed = False
         self._lock = threading.Lock()
@@ -992,7 +572,7 @@ class AppSettings:
         with self._lock:
             if not self._fixed:
                 self._resolve_again()
-                self._conf = _loaded_conf(self._app)
+                self._conf = loaded_conf(self._app)
                 self._note_changes()
                 self._fixed = True
         return self._value
@@ -1000,7 +580,7 @@ class AppSettings:
     def _resolve_again(self) -> None:
         """Resolve from the config and the environment as they are now (under the lock);
         the same object when nothing changed, so the store made at Leases(app) stays."""
-        found = _conf_with_origins(self._app)
+        found = conf_with_origins(self._app)
         value = _resolve(self._app, self._kwargs, found)
         if value != self._value:
             self._value = value
@@ -1020,15 +600,15 @@ class AppSettings:
         conf: Any = self._app.conf  # a new config_from_object makes a new (pending) one
         if not full and conf is self._conf and self._unchanged(conf):
             return settings
-        found = _conf_with_origins(self._app)
+        found = conf_with_origins(self._app)
         if found != self._found:
             raise LeaseConfigError(self._changed_message(found))
-        self._conf = _loaded_conf(self._app)
+        self._conf = loaded_conf(self._app)
         self._note_changes()
         return settings
 
     def _note_changes(self) -> None:
-        self._changes = _changes_of(self._conf)
+        self._changes = changes_of(self._conf)
         changes = self._conf.__dict__.get("changes")
         self._all_changes = dict(changes) if isinstance(changes, dict) else None
 
@@ -1040,7 +620,7 @@ class AppSettings:
                 return True
         except Exception:  # a value whose == raises (an array, say): compare ours alone
             pass
-        if _changes_of(conf) != self._changes:
+        if changes_of(conf) != self._changes:
             return False
         self._all_changes = dict(changes) if isinstance(changes, dict) else None
         return True
@@ -1070,15 +650,6 @@ def _shown(name: str, found: Mapping[str, tuple[Any, str]]) -> str:
     if name == CONF_PREFIX + "redis_url" and isinstance(value, str):
         value = safe_url(value)
     return repr(value)
-
-
-def _changes_of(conf: Any) -> dict[str, Any]:
-    """The ``leases_*`` keys (either spelling) of what was set on ``conf`` directly."""
-    changes = conf.__dict__.get("changes")
-    if not isinstance(changes, dict):
-        return {}
-    starts = (CONF_PREFIX, _namespaced(conf) or CONF_PREFIX)
-    return {k: v for k, v in changes.items() if isinstance(k, str) and k.startswith(starts)}
 
 
 _cache: weakref.WeakKeyDictionary[Celery, LeaseSettings | AppSettings] = weakref.WeakKeyDictionary()

@@ -11,7 +11,6 @@ loop (``client``), the lane (``lanes``), the subscriber (``subscriber``), the re
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import threading
 import time
@@ -21,23 +20,22 @@ from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
 
-from .. import _grants
+from .. import _wait
 from .._connect import aclose_client
 from .._engine import LeaseEngine
-from .._grants import Busy, busy_error, waiting_time
 from .._identity import Identity
 from .._lease import Held, Want
 from .._one_attempt import failure_of, one_attempt
 from .._protocol import Op, Script, Send, SendReplicated, SendWithin, Sleep, Steps, adrive
+from .._wait import Wait
 from ..config import LeaseSettings
-from ..exceptions import LeaseBusy
 from .client import RENEW_CONNECTIONS, LoopState, make_async_client, restart_check, round_trip
 from .lanes import Lane
 from .operations import Operations
 from .renewals import RenewalLines
 from .replicated import send_replicated
 from .shields import carried_here, carry, shielded
-from .subscriber import Subscriber
+from .subscriber import Listening
 
 __all__ = ("AsyncLeaseStore",)
 
@@ -177,49 +175,6 @@ class AsyncLeaseStore(Operations):
         raise TypeError(f"not a request of the lease protocol: {op!r}")
 
     # --- acquire --------------------------------------------------------------------------
-    async def _attempt(
-        self,
-        wants: Sequence[Want],
-        ident: Identity,
-        ttl: float,
-        task_id: str | None,
-        ticket: _grants.Ticket | None = None,
-    ) -> list[Held] | Busy:
-        """:meth:`try_acquire`, and if the caller is cancelled meanwhile, nothing is kept.
-
-        Timeline: t0 the acquire script runs in Redis and grants; t1 the caller is cancelled
-        before the reply is read; t2 nobody would release the grant until its TTL. So the
-        attempt runs shielded, and a grant that comes back to a cancelled caller is released.
-        """
-        state = self._state()
-        attempt, outcome = carry(self.try_acquire(wants, ident, ttl, task_id, ticket))
-        try:
-            return await outcome
-        except asyncio.CancelledError:
-            # also when it is done already: it may have completed just as we were cancelled
-            state.tasks.add(attempt)  # aclose() waits for it, and its release
-            attempt.add_done_callback(lambda done: self._release_orphan(state, done, wants, ticket))
-            raise
-
-    def _release_orphan(
-        self,
-        state: LoopState,
-        attempt: asyncio.Future[list[Held] | Busy | None],
-        wants: Sequence[Want],
-        ticket: _grants.Ticket | None,
-    ) -> None:
-        state.tasks.discard(attempt)
-        if attempt.cancelled() or attempt.exception() is not None:
-            return
-        granted = attempt.result()
-        engine = self.engine
-        if isinstance(granted, list) and granted:
-            self._spawn(state, self.run(_grants.release_quietly(engine, granted)))
-        elif isinstance(granted, Busy) and ticket is not None:
-            # it queued the ticket after its caller left (and left the queues): leave again
-            ticket.queued = {w.resource for w in wants}
-            self._spawn(state, self.run(_grants.leave_queues(engine, wants, ticket)))
-
     async def acquire(
         self,
         wants: Sequence[Want],
@@ -230,100 +185,57 @@ class AsyncLeaseStore(Operations):
     ) -> list[Held]:
         """Acquire all of ``wants`` or none, waiting up to ``wait`` seconds (None: no limit).
 
-        As :meth:`LeaseStore.acquire`: a waiter takes a ticket and is woken alone, on its
-        own channel, when a release makes it the head of the waiter queue (first come, first
-        served, across processes and loops: 200 coroutines waiting for one resource cost
-        one attempt per release, not 200), and by the blocking holder's expiry at the
-        latest; it holds nothing while it waits. The waiters of one event loop share one
-        subscriber connection. A cancelled waiter leaves nothing behind: no subscription,
-        no lease, no place in the queue (it leaves in a task of its own).
+        As :meth:`LeaseStore.acquire` (see :func:`_wait.acquire`): 200 coroutines waiting
+        for one resource cost one attempt per release, not 200; the waiters of one event
+        loop share one subscriber connection. A cancelled waiter leaves nothing behind: no
+        subscription, no lease, no place in the queue (see :meth:`run_wait`).
 
         Raises:
             LeaseBusy: still busy when the wait ran out; ``.resource`` names the first busy one.
             LeaseBackendError: Redis failed.
         """
-        start = time.monotonic()
-        outcome = await self._attempt(wants, ident, ttl, task_id)
-        if not isinstance(outcome, Busy):
-            return outcome
-        if wait is not None and wait <= 0:
-            raise busy_error(outcome, await self.holder_task(outcome.resource))
-        deadline = math.inf if wait is None else start + wait
+        return await self.run_wait(_wait.acquire(self.engine, wants, ident, ttl, wait, task_id))
+
+    async def run_wait(self, wait: Wait[T]) -> T:
+        """Carry out a wait (see ``_wait``) on the running loop, its Listens on the loop's
+        subscriber (:class:`~celery_leases._aio.subscriber.Listening`).
+
+        The whole wait runs in a task of its own, so an attempt is never cut short. Timeline:
+        t0 the acquire script runs in Redis and grants; t1 the caller is cancelled before
+        the reply is read; t2 nobody would release the grant until its TTL. So a cancelled
+        caller gets its ``CancelledError`` at once, and the task stops the wait at its next
+        Listen (or at its end) and gives back what it has: the grant released, the queues
+        left. The cancelled caller never waits for that.
+        """
         state = self._state()
-        ticket = _grants.new_ticket(self.engine, wants, ident.owner, ttl, task_id)
-        done = False
+        send = partial(self._execute, state)
+        listening = Listening(state, send, self.settings.socket_timeout)
+        task, outcome = carry(self._waiting(wait, listening))
+        listening.caller = outcome
         try:
-            with _grants.ordering(self.engine, wants, ticket):
-                granted = await self._wait(
-                    state, wants, ident, ttl, task_id, start, deadline, ticket
-                )
-            done = True
-            return granted
-        except LeaseBusy:
-            done = True  # timed out: queued only where it was last blocked
+            return await outcome
+        except asyncio.CancelledError:
+            listening.wake()
+            state.tasks.add(task)  # aclose() waits for it, and what it gives back
+            task.add_done_callback(state.tasks.discard)
+            if not outcome.cancelled() and outcome.exception() is None:
+                # it ended just as we were cancelled: its outcome came back to nobody
+                self._spawn(state, self.run(wait.give_back(outcome.result())))
+            raise
+
+    async def _waiting(self, wait: Wait[T], listening: Listening) -> T:
+        """:meth:`run_wait`'s task: the wait, then the give-back if its caller went away."""
+        try:
+            outcome = await adrive(wait.steps, listening.execute, RedisError, failure_of)
+        except BaseException as exc:
+            if _wait.stopped(wait, exc):  # abandoned at a Listen, or the loop is closing
+                await self.run(wait.give_back(None))
             raise
         finally:
-            if not done:  # failed or cancelled: it may be queued anywhere it waited
-                ticket.queued = {w.resource for w in wants}
-            if ticket.queued:  # leave, and wake the next waiter; never waited for
-                self._spawn(state, self.run(_grants.leave_queues(self.engine, wants, ticket)))
-
-    async def _wait(
-        self,
-        state: LoopState,
-        wants: Sequence[Want],
-        ident: Identity,
-        ttl: float,
-        task_id: str | None,
-        start: float,
-        deadline: float,
-        ticket: _grants.Ticket,
-    ) -> list[Held]:
-        """Subscribe, then try again on each wake-up (or expiry) until granted or ``deadline``,
-        or until a release hands the lease over (lua/release.lua)."""
-        keys = self.engine.resource_keys
-        channels = sorted({keys(w.resource).channel for w in wants})
-        mine = self.keys.waiter_channel(ticket.id)
-        channels.append(mine)
-        loop = asyncio.get_running_loop()
-        event = asyncio.Event()
-        subscriber = await self._subscribe(state, channels, event)
-        try:
-            while True:
-                event.clear()  # before the attempt: a release from now on wakes us
-                outcome = await self._attempt(wants, ident, ttl, task_id, ticket)
-                now = time.monotonic()
-                pause = waiting_time(outcome, now, deadline)
-                if pause is None:
-                    if not isinstance(outcome, Busy):
-                        return outcome
-                    raise busy_error(outcome, await self.holder_task(outcome.resource), now - start)
-                # woken by a release, or by the blocking holder's expiry at the latest
-                timer = loop.call_later(pause, event.set)
-                try:
-                    await event.wait()
-                finally:
-                    timer.cancel()
-                token = subscriber.handed.pop(mine, None)
-                if token is not None and ticket.accepts(token):
-                    return _grants.handed(self.engine, wants, ttl, ticket, token)
-                if subscriber.broken is not None:
-                    subscriber.remove(channels, event)
-                    subscriber = await self._subscribe(state, channels, event)
-        finally:
-            subscriber.remove(channels, event)
-
-    async def _subscribe(
-        self, state: LoopState, channels: list[str], event: asyncio.Event
-    ) -> Subscriber:
-        subscriber = state.subscriber
-        if subscriber is None or subscriber.broken is not None:
-            subscriber = state.subscriber = Subscriber(state.client, self.settings.socket_timeout)
-        try:
-            await subscriber.add(channels, event)
-        except RedisError as exc:
-            raise self.engine.backend_error("wait for a release", exc) from exc
-        return subscriber
+            listening.close()
+        if listening.abandoned:  # the outcome came back to nobody
+            await self.run(wait.give_back(outcome))
+        return outcome
 
     def subscribed_channels(self) -> set[str]:
         """The release channels the running loop's subscriber listens to (for tests)."""

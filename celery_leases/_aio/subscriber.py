@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aredis
 from redis.asyncio.client import PubSub
@@ -15,10 +15,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .._protocol import Heard, Listen, Op
 from .._wire import handoff
 from .shields import shielded, within
 
-__all__ = ("Subscriber",)
+if TYPE_CHECKING:
+    from .client import LoopState
+
+__all__ = ("Abandoned", "Listening", "Subscriber")
 
 
 class Subscriber:
@@ -201,3 +205,78 @@ class Subscriber:
             await asyncio.gather(reader, return_exceptions=True)
         with contextlib.suppress(RedisError, OSError):
             await self._pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
+
+
+class Abandoned(Exception):
+    """The caller of a wait went away: its :class:`Listening` listens no more."""
+
+
+class Listening:
+    """One wait's listening on its loop's :class:`Subscriber` (see ``AsyncLeaseStore.run_wait``);
+    the twin of ``_sync/subscriber.py::Listening``.
+
+    It registers one event for the wait's channels at its first Listen, and keeps it to the
+    end of the wait; a subscriber that broke is replaced and subscribed to again before the
+    next attempt. Once the caller went away, a listen under way ends and none is made.
+    """
+
+    def __init__(
+        self, state: LoopState, send: Callable[[Op], Awaitable[Any]], confirm_timeout: float
+    ) -> None:
+        self._state, self._send, self._timeout = state, send, confirm_timeout
+        self._subscriber: Subscriber | None = None
+        self._channels: Sequence[str] = ()
+        self._event = asyncio.Event()
+        #: what the wait's caller awaits: cancelled when the caller went away
+        self.caller: asyncio.Future[Any] | None = None
+
+    @property
+    def abandoned(self) -> bool:
+        """The caller went away: a listen under way ends (:meth:`wake`), and none is made."""
+        return self.caller is not None and self.caller.cancelled()
+
+    def wake(self) -> None:
+        """End a listen under way."""
+        self._event.set()
+
+    async def execute(self, op: Op) -> Any:
+        """Carry out ``op``: a Listen here, any other request by the store."""
+        if type(op) is Listen:
+            return await self.listen(op)
+        return await self._send(op)
+
+    async def listen(self, op: Listen) -> Heard:
+        subscriber, event = self._subscriber, self._event
+        if subscriber is None:
+            self._channels = op.channels
+            subscriber = await self._subscribe()
+        if op.timeout > 0 and not self.abandoned:
+            # woken by a release, or by the blocking holder's expiry at the latest
+            timer = asyncio.get_running_loop().call_later(op.timeout, event.set)
+            try:
+                await event.wait()
+            finally:
+                timer.cancel()
+        event.clear()  # before the next attempt: a release from now on wakes us
+        if self.abandoned:
+            raise Abandoned
+        token = subscriber.handed.pop(op.handed_on, None) if op.handed_on else None
+        if token is None and subscriber.broken is not None:
+            subscriber.remove(self._channels, event)
+            await self._subscribe()
+        return Heard(token)
+
+    async def _subscribe(self) -> Subscriber:
+        state = self._state
+        subscriber = state.subscriber
+        if subscriber is None or subscriber.broken is not None:
+            subscriber = state.subscriber = Subscriber(state.client, self._timeout)
+        await subscriber.add(self._channels, self._event)
+        self._subscriber = subscriber
+        return subscriber
+
+    def close(self) -> None:
+        """Stop listening (never waits: the UNSUBSCRIBE goes in a task of its own)."""
+        subscriber, self._subscriber = self._subscriber, None
+        if subscriber is not None:
+            subscriber.remove(self._channels, self._event)

@@ -11,7 +11,6 @@ methods that run one operation each are in ``operations``. Its twin is
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -22,14 +21,14 @@ from typing import Any, TypeVar
 import redis
 from redis.exceptions import RedisError
 
-from .. import _connect, _grants, _scripts
-from .._claims import ClaimHolder, claim_waiting_time
+from .. import _connect, _scripts, _wait
+from .._claims import ClaimHolder
 from .._engine import LeaseEngine
-from .._grants import Busy, busy_error, waiting_time
 from .._identity import Identity
 from .._lease import Held, Want
 from .._one_attempt import failure_of, one_attempt
 from .._protocol import Command, Op, Script, Send, SendReplicated, SendWithin, Sleep, Steps, drive
+from .._wait import Wait
 from ..config import LeaseSettings
 from ..exceptions import LeaseBackendError
 from .client import make_client, node_of, send_op
@@ -123,6 +122,20 @@ class LeaseStore(Operations):
         """
         return drive(steps, self._execute, RedisError, failure_of)
 
+    def run_wait(self, wait: Wait[T]) -> T:
+        """Carry out a wait (see ``_wait``): :meth:`run`, its Listens on one subscription.
+
+        Interrupted (an exception from here, not from the wait: a signal, a soft time
+        limit), the wait is stopped where it stood and gives back what it must.
+        """
+        with self._subscribers.listening(self._execute) as listening:
+            try:
+                return drive(wait.steps, listening.execute, RedisError, failure_of)
+            except BaseException as exc:
+                if _wait.stopped(wait, exc):
+                    self.run(wait.give_back(None))
+                raise
+
     def _execute(self, op: Op) -> Any:
         if type(op) is Send:
             calls = op.calls
@@ -158,53 +171,14 @@ class LeaseStore(Operations):
     ) -> list[Held]:
         """Acquire all of ``wants`` or none, waiting up to ``wait`` seconds (None: no limit).
 
-        A waiter takes a ticket, subscribes to its own channel (and the release channels of
-        every resource it wants), then tries again. A busy attempt queues the ticket at the
-        resource that blocks it (lua/_waiters.lua): a release wakes the head of that queue
-        alone, at once (no polling), and the blocking holder's expiry wakes it at the latest,
-        since each failed attempt says when that holder runs out. Within a slot group,
-        waiters are served first come, first served. While it waits it holds none of the
-        resources; when it stops waiting without a grant it leaves the queues.
+        See :func:`_wait.acquire`: woken by a release (no polling), first come, first
+        served; it holds nothing while it waits, and leaves the queues when it stops.
 
         Raises:
             LeaseBusy: still busy when the wait ran out; ``.resource`` names the first busy one.
             LeaseBackendError: Redis failed.
         """
-        start = time.monotonic()
-        outcome = self.run(_grants.try_acquire(self.engine, wants, ident, ttl, task_id))
-        if not isinstance(outcome, Busy):
-            return outcome
-        if wait is not None and wait <= 0:
-            raise busy_error(outcome, self.holder_task(outcome.resource))
-        deadline = math.inf if wait is None else start + wait
-        # a place in the waiter queues: woken alone, on its own channel, when its turn comes
-        # (and handed the lease there, when it is one exclusive lease: see lua/release.lua)
-        ticket = _grants.new_ticket(self.engine, wants, ident.owner, ttl, task_id)
-
-        def attempt() -> float | None:
-            nonlocal outcome
-            outcome = self.run(_grants.try_acquire(self.engine, wants, ident, ttl, task_id, ticket))
-            return waiting_time(outcome, time.monotonic(), deadline)
-
-        channels = sorted({self.resource_keys(w.resource).channel for w in wants})
-        mine = self.keys.waiter_channel(ticket.id)
-        channels.append(mine)
-        done = False
-        try:
-            with self._backend("wait for a release"), _grants.ordering(self.engine, wants, ticket):
-                token = self._subscribers.wait(channels, attempt, mine, ticket.accepts)
-                if token is not None:
-                    outcome = _grants.handed(self.engine, wants, ttl, ticket, token)
-            done = True
-        finally:
-            if not done:  # failed or interrupted: it may be queued anywhere it waited
-                ticket.queued = {w.resource for w in wants}
-            if ticket.queued:  # timed out (or failed): leave, and wake the next waiter
-                self.run(_grants.leave_queues(self.engine, wants, ticket))
-        if isinstance(outcome, Busy):
-            waited = time.monotonic() - start
-            raise busy_error(outcome, self.holder_task(outcome.resource), waited)
-        return outcome
+        return self.run_wait(_wait.acquire(self.engine, wants, ident, ttl, wait, task_id))
 
     def node_of(self, key: str) -> str:
         """The name of the cluster node serving ``key`` ("" off a cluster)."""
@@ -213,26 +187,11 @@ class LeaseStore(Operations):
     def unique_take(
         self, key: str, task_id: str, ident: Identity, ttl: float, wait: float
     ) -> Held | ClaimHolder:
-        """Take over ``key``'s claim for ``task_id``, waiting where waiting can help.
+        """Take over ``key``'s claim for ``task_id``, waiting up to ``wait`` seconds where
+        waiting can help (see :func:`_wait.unique_take`)."""
+        return self.run_wait(_wait.unique_take(self.engine, key, task_id, ident, ttl, wait))
 
-        While the claim is held by a run of this same task id in another process (a
-        redelivered message; the first run may be dead and its lease about to be freed) or
-        Redis is in its restart grace, wait up to ``wait`` seconds, woken by the claim's
-        release (no polling) or the holder's expiry. A claim of another task id is answered
-        at once: waiting cannot make it ours.
-        """
-        start = time.monotonic()
-        outcome = self.unique_handover(key, task_id, ident, ttl)
-        if isinstance(outcome, Held) or not outcome.waits_for(task_id) or wait <= 0:
-            return outcome
-        deadline = start + wait
-
-        def attempt() -> float | None:
-            nonlocal outcome
-            outcome = self.unique_handover(key, task_id, ident, ttl)
-            return claim_waiting_time(outcome, task_id, time.monotonic(), deadline)
-
-        channel = self.resource_keys(self.keys.unique_resource(key)).channel
-        with self._backend("wait for a unique claim"):
-            self._subscribers.wait([channel], attempt)
-        return outcome
+    def wait_until_free(self, resource: str, timeout: float | None) -> bool:
+        """Wait until ``resource`` has no holder (True) or ``timeout`` seconds pass (False;
+        None: no limit), taking nothing (see :func:`_wait.until_free`)."""
+        return self.run_wait(_wait.until_free(self.engine, resource, timeout))

@@ -1,7 +1,9 @@
-"""Subscriber: the sync driver's subscriber connections, and a wait for a release on them.
+"""Subscriber: the sync driver's subscriber connections, and a wait's listening on them.
 
-A waiter subscribes to the release channels of what it wants, then tries again; it is woken
-by a release at once (no polling), and by the blocking holder's expiry at the latest. Waiters
+A wait (``_wait``) subscribes to the release channels of what it wants, then tries again; it
+is woken by a release at once (no polling), and by the blocking holder's expiry at the
+latest. Each :class:`~celery_leases._protocol.Listen` it yields is carried out by its
+:class:`Listening`. Waiters
 keep their connections: opening one costs redis-py's handshake (several round trips), which
 a waiter would otherwise pay on every wait. (The asyncio driver has one subscriber per
 event loop, its twin ``_aio/subscriber.py::Subscriber``.)
@@ -24,17 +26,18 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Final
+from typing import Any, Final
 
 import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .._protocol import Heard, Listen, Op
 from .._wire import handoff
 from .lanes import direct_parser, skip_replies
 
-__all__ = ("Subscriber",)
+__all__ = ("Listening", "Subscriber")
 
 #: idle subscriber connections a store keeps per process for waiters
 IDLE_SUBSCRIBERS: Final = 4
@@ -53,57 +56,10 @@ class Subscriber:
         # in this process; a forked child starts its own)
         self._returner: _Returner | None = None
 
-    def wait(
-        self,
-        channels: list[str],
-        attempt: Callable[[], float | None],
-        handed_on: str | None = None,
-        accept: Callable[[str], bool] = lambda token: True,
-    ) -> str | None:
-        """Subscribe to ``channels``, then call ``attempt`` until it returns None.
-
-        Any other return is how many seconds to wait for a message before the next attempt
-        (a release, or the blocking holder's expiry at the latest; a message of an earlier
-        wait on this connection costs one extra attempt). A lease handed over on
-        ``handed_on`` (one of ``channels``: see :func:`~celery_leases._wire.handoff`) ends
-        the wait if ``accept`` takes its token, which is returned (else None; a token not
-        taken is a wake-up). Raises redis errors.
-        """
-        pubsub = self._take()
-        healthy = False
-        try:
-            pubsub.subscribe(*channels)
-            self._await_subscribed(pubsub, channels)
-            conn = pubsub.connection
-            parser = direct_parser(conn)
-            token = None
-            while token is None and (pause := attempt()) is not None:
-                # every message but a handoff says "try again": read past redis-py's pub/sub
-                # machinery where the socket allows it. The confirmations of this wait's
-                # SUBSCRIBE were read by _await_subscribed, and those of the UNSUBSCRIBE of
-                # an earlier wait on this connection came before them, so only messages
-                # are left.
-                if parser is not None:
-                    try:
-                        token = skip_replies(conn, parser, pause, handed_on)
-                    except RedisConnectionError:
-                        # killed, or the server restarted: redis-py's path from here on,
-                        # which connects again and subscribes again
-                        parser = None
-                if parser is None:
-                    message = pubsub.get_message(timeout=pause)
-                    if message is not None and handed_on is not None:
-                        kind, channel = message.get("type"), message.get("channel")
-                        token = handoff(kind, channel, message.get("data"), handed_on)
-                if token is not None and not accept(token):
-                    token = None
-            healthy = True
-            return token
-        finally:
-            if healthy:
-                self._give_back_later(pubsub, channels)
-            else:
-                pubsub.close()
+    def listening(self, send: Callable[[Op], Any]) -> Listening:
+        """A wait's subscription on one of these connections (see :class:`Listening`); its
+        other requests go to ``send``."""
+        return Listening(self, send)
 
     def close(self) -> None:
         """Close this process's idle subscriber connections, once its returner thread has
@@ -167,6 +123,70 @@ class Subscriber:
             message = pubsub.get_message(timeout=left)
             if message is not None and message.get("type") == "subscribe":
                 waiting.discard(str(message.get("channel")))
+
+
+class Listening:
+    """One wait's subscription: made at its first :class:`~celery_leases._protocol.Listen`,
+    kept to the end of the wait, then handed to the returner (or closed after a failure).
+
+    A context manager: ``with subscribers.listening(send) as listening: ...``, each request of
+    the wait given to :meth:`execute`.
+    """
+
+    __slots__ = ("_channels", "_parser", "_pubsub", "_send", "_subscribers")
+
+    def __init__(self, subscribers: Subscriber, send: Callable[[Op], Any]) -> None:
+        self._subscribers, self._send = subscribers, send
+        self._pubsub: redis.client.PubSub | None = None
+        self._channels: list[str] = []
+        self._parser: object | None = None
+
+    def __enter__(self) -> Listening:
+        return self
+
+    def __exit__(self, kind: object, error: object, trace: object) -> None:
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is None:
+            return
+        if error is None:
+            self._subscribers._give_back_later(pubsub, self._channels)
+        else:
+            pubsub.close()
+
+    def execute(self, op: Op) -> Any:
+        """Carry out ``op``: a Listen here, any other request by ``send``."""
+        return self.listen(op) if type(op) is Listen else self._send(op)
+
+    def listen(self, op: Listen) -> Heard:
+        """Subscribe to ``op.channels`` (at the wait's first listen), then wait up to
+        ``op.timeout`` for a message (a release, or a handoff on ``op.handed_on``). A
+        message of an earlier wait on this connection costs one extra attempt. Raises redis
+        errors."""
+        pubsub = self._pubsub
+        if pubsub is None:
+            pubsub = self._subscribers._take()
+            self._pubsub, self._channels = pubsub, list(op.channels)
+            pubsub.subscribe(*self._channels)
+            self._subscribers._await_subscribed(pubsub, self._channels)
+            self._parser = direct_parser(pubsub.connection)
+        token = None
+        # every message but a handoff says "try again": read past redis-py's pub/sub
+        # machinery where the socket allows it. The confirmations of this wait's SUBSCRIBE
+        # were read by _await_subscribed, and those of the UNSUBSCRIBE of an earlier wait on
+        # this connection came before them, so only messages are left.
+        if self._parser is not None:
+            try:
+                token = skip_replies(pubsub.connection, self._parser, op.timeout, op.handed_on)
+                return Heard(token)
+            except RedisConnectionError:
+                # killed, or the server restarted: redis-py's path from here on, which
+                # connects again and subscribes again
+                self._parser = None
+        message = pubsub.get_message(timeout=op.timeout)
+        if message is not None and op.handed_on is not None:
+            kind, channel = message.get("type"), message.get("channel")
+            token = handoff(kind, channel, message.get("data"), op.handed_on)
+        return Heard(token)
 
 
 class _Returner:

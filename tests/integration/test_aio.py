@@ -703,13 +703,13 @@ async def test_ahold_after_its_connection_was_killed_loses_no_reply(
     from celery_leases import _grants
 
     recoveries: list[object] = []
-    recover = _grants._recover_grant_logged
+    recover = _grants.recover_call
 
     def counted(*args: Any) -> Any:
         recoveries.append(args)
         return recover(*args)
 
-    monkeypatch.setattr(_grants, "_recover_grant_logged", counted)
+    monkeypatch.setattr(_grants, "recover_call", counted)
     async with aleases.ahold("r"):
         pass
     lane = aleases.astore._state().lane

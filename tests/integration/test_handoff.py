@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_leases import Leases, _grants, cli
+from celery_leases import Leases, _census, _grants
 from celery_leases._grants import TICKET_SLACK_MS, Busy, Ticket, leave_queues, new_ticket
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
@@ -201,7 +201,7 @@ def test_the_handed_lease_is_the_waiters_and_a_cleanup_of_it_finds_it(
     assert leases_redis.pttl(leases.store.keys.exclusive("r")) > 9000
     assert registry(leases_redis, leases, WAITER) == {f"h {ticket.id} - r"}
     # `celery leases ls` lists it, with its token
-    rows = [r for r in cli._census(leases.store).held if r.resource == "r"]
+    rows = [r for r in _census.take_census(leases.store).held if r.resource == "r"]
     assert [(r.owner, r.mode, r.token) for r in rows] == [(WAITER.owner, "x", token)]
     # the waiter died holding it: the cleanup of its owner frees it, by that entry
     report = leases.store.cleanup_owner(WAITER.owner, dead=True)

@@ -262,7 +262,7 @@ def test_a_lost_grant_is_adopted_only_with_time_left_on_its_horizon(
     # would count as lost before the heartbeat could renew it, so it is given back and the
     # grant made again; one of ttl 30 s is kept
     lose(proxy, _scripts.ACQUIRE, "timeout")
-    with caplog.at_level(logging.INFO, logger="celery_leases._grants"):
+    with caplog.at_level(logging.INFO, logger="celery_leases._readback"):
         (lease,) = mine.acquire([Want("printer")], ttl=ttl)
     try:
         messages = " ".join(r.getMessage() for r in caplog.records)

@@ -107,7 +107,7 @@ from redis.client import PubSub
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from celery_leases import LeaseBusy, Leases, _cleanup, _grants
+from celery_leases import LeaseBusy, Leases, _cleanup, _grants, _releases
 from celery_leases._claims import Claimed, ClaimHolder
 from celery_leases._grants import TICKET_SLACK_MS, Busy
 from celery_leases._identity import Identity
@@ -1101,7 +1101,7 @@ class LeaseModel(RuleBasedStateMachine):
         if not picks:
             todo = [g for g in owner.grants if g.held is not None]
             if todo:
-                release = _grants.release(
+                release = _releases.release(
                     self.store.engine, [g.held for g in todo], time.monotonic()
                 )
                 freed = Stepper(self.store, release, {lose: "lost"}).outcome()

@@ -1,6 +1,6 @@
 """The web view's ASGI app served by uvicorn in a thread of this process, on a real Redis.
 
-The view is given the CLI's own data functions (``cli._WebData``), as ``celery leases web``
+The view is given the CLI's own data functions (``_census.CensusData``), as ``celery leases web``
 does; the subprocess, a real worker and the browser are in tests/integration/worker/test_web.py.
 """
 
@@ -25,7 +25,7 @@ import uvicorn
 from celery import Celery
 
 from celery_leases import LeaseLost, Leases, Shared
-from celery_leases.cli import _WebData, owners_json
+from celery_leases._census import CensusData, owners_json
 from celery_leases.web import Bind, create_app
 from tests.support.polling import wait_until
 
@@ -49,7 +49,7 @@ def client_of(ext: Leases, **kwargs: Any) -> Iterator[httpx.Client]:
         port = s.getsockname()[1]
     asgi = create_app(
         ext.store,
-        _WebData(ext.app, ext.store),
+        CensusData(ext.app, ext.store),
         bind=Bind("127.0.0.1", port),
         beat_entries=sorted(ext.app.conf.beat_schedule),
         **kwargs,
@@ -154,8 +154,9 @@ def test_healthz_answers_503_when_redis_is_gone(make_leases: Any, make_redis_ser
 
 
 def test_release_without_a_token_is_refused_at_creation(ext: Leases) -> None:
+    data = CensusData(ext.app, ext.store)
     with pytest.raises(ValueError, match="needs --token"):
-        create_app(ext.store, _WebData(ext.app, ext.store), bind=Bind("::1", 1), allow_release=True)
+        create_app(ext.store, data, bind=Bind("::1", 1), allow_release=True)
 
 
 @pytest.mark.parametrize("missing", ["starlette", "uvicorn"])

@@ -37,3 +37,13 @@ def test_api_reference_markdown_is_up_to_date() -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_architecture_sizes_are_up_to_date() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_architecture_sizes.py"), "--check"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from celery_leases import _grants
+from celery_leases import _grants, _releases, _renew
 from celery_leases._engine import LeaseEngine
 from celery_leases._grants import Busy
 from celery_leases._identity import Identity
@@ -29,7 +29,7 @@ def _engine() -> LeaseEngine:
 def test_a_release_whose_reply_is_lost_is_sent_again_and_counts_a_held_lease_freed():
     engine = _engine()
     entry = Entry("x", 7, None, "r")
-    steps = _grants.release_entries(engine, "o/1/2", 0, [entry], [True])
+    steps = _releases.release_entries(engine, "o/1/2", 0, [entry], [True])
     freed, made = drive(steps, replies(lost(), [[ReleaseReply.NOT_HELD]]))
     assert freed == [True]  # the lost run released it; the second found nothing
     assert [op.once for op in made if isinstance(op, Send)] == [True, False]
@@ -38,7 +38,7 @@ def test_a_release_whose_reply_is_lost_is_sent_again_and_counts_a_held_lease_fre
 
 def test_a_release_refused_by_redis_is_a_backend_error_and_not_sent_again():
     engine = _engine()
-    steps = _grants.release_entries(engine, "o/1/2", 0, [Entry("x", 7, None, "r")], None)
+    steps = _releases.release_entries(engine, "o/1/2", 0, [Entry("x", 7, None, "r")], None)
     with pytest.raises(LeaseBackendError, match="failed to release"):
         drive(steps, replies(refused()))
     assert BOOK.held("o/1/2", engine.resource_keys("r").exclusive) == set()
@@ -153,7 +153,7 @@ def test_a_renewal_reports_the_indices_redis_no_longer_has_and_refreshes_the_liv
         Held(grouped.engine, WORKER.owner, name, "x", token, 10.0, now, now, 9.0)
         for name, token in ((a, 5), (b, 6))
     ]
-    steps = _grants.renew(grouped.engine, held, WORKER.owner, 1.0)
+    steps = _renew.renew(grouped.engine, held, WORKER.owner, 1.0)
     # one call per group: the home group (liveness only), then a's group, then b's
     lost_indices, made = drive(steps, replies(([[], [], [1]], [])))
     assert lost_indices == {1}
@@ -169,7 +169,7 @@ def test_a_renewal_that_too_few_replicas_confirm_is_a_backend_error():
     store = LeaseStore(settings)
     now = time.monotonic()
     held = [Held(store.engine, WORKER.owner, "a", "x", 5, 10.0, now, now, 9.0)]
-    steps = _grants.renew(store.engine, held, WORKER.owner, 1.0)
+    steps = _renew.renew(store.engine, held, WORKER.owner, 1.0)
     with pytest.raises(LeaseBackendError, match="reached 0 of the 1 replicas"):
         drive(steps, replies(([[]], [0])))  # one call (the home group), WAIT says 0
     store.close()

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from celery_leases import _grants
+from celery_leases import _receipts
 from celery_leases._engine import LeaseEngine
 from celery_leases._guard import (
     KeepAlive,
@@ -71,16 +71,16 @@ def test_a_task_id_cannot_break_the_records_hash_tag():
 
 def test_the_completion_record_is_one_set_with_an_expiry_and_one_get():
     engine = _engine()
-    _, made = drive(_grants.put_delivery_done(engine, "id", 0, "SUCCESS", 60), replies([True]))
+    _, made = drive(_receipts.put_delivery_done(engine, "id", 0, "SUCCESS", 60), replies([True]))
     (op,) = made
     assert isinstance(op, Send)
     (command,) = op.calls
     assert isinstance(command, Command)
     assert command.words[2:] == ("SUCCESS", "PX", 60000)
-    state, made = drive(_grants.get_delivery_done(engine, "id", 0), replies([b"FAILURE"]))
+    state, made = drive(_receipts.get_delivery_done(engine, "id", 0), replies([b"FAILURE"]))
     assert state == "FAILURE"
     assert scripts(made) == ["cmd:GET"]
-    state, _ = drive(_grants.get_delivery_done(engine, "id", 0), replies([None]))
+    state, _ = drive(_receipts.get_delivery_done(engine, "id", 0), replies([None]))
     assert state is None
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from celery_leases import _grants, _inspect
+from celery_leases import _grants, _inspect, _releases
 from celery_leases._engine import RESOURCE_HISTORY, LeaseEngine
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
@@ -46,13 +46,13 @@ def test_the_history_arguments_come_last_and_its_keys_only_when_on(monkeypatch):
 def test_a_release_names_its_event_and_who_frees_last():
     on = _engine(history=500)
     entries = [Entry("x", 7, "t1", "a")]
-    args = _grants.release_args(on, "o/1/2", entries, "freed", "reaper")
-    assert args[:-5] == _grants.release_args(_engine(), "o/1/2", entries)[:-5]
+    args = _releases.release_args(on, "o/1/2", entries, "freed", "reaper")
+    assert args[:-5] == _releases.release_args(_engine(), "o/1/2", entries)[:-5]
     assert args[-5:] == [500, 100, 86_400_000, "freed", "reaper"]
-    keys = _grants.release_keys(on, "o/1/2", 0, entries)
+    keys = _releases.release_keys(on, "o/1/2", 0, entries)
     rk = on.resource_keys("a")
     assert keys[-3:] == [on.keys.history(0), rk.history, rk.record]
-    assert on.keys.history(0) not in _grants.release_keys(_engine(), "o/1/2", 0, entries)
+    assert on.keys.history(0) not in _releases.release_keys(_engine(), "o/1/2", 0, entries)
 
 
 def test_an_event_is_read_from_its_stream_entry():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from celery_leases.cli import Renewals, _liveness_text, liveness_state, renewed_ago
+from celery_leases._census import Renewals, liveness_state, liveness_text, renewed_ago
 from celery_leases.config import LeaseSettings
 
 #: the defaults: ttl 30, renewed every 30 * 0.9 / 3 = 9 s at most, shown alive up to 10 s after
@@ -30,7 +30,7 @@ def test_renewals_follow_the_heartbeat_interval() -> None:
 )
 def test_liveness_text_follows_the_last_renewal(left: float | None, state: str, text: str) -> None:
     assert liveness_state(left, RENEWALS) == state
-    assert _liveness_text(left, RENEWALS) == text
+    assert liveness_text(left, RENEWALS) == text
 
 
 def test_renewed_ago_is_the_ttl_less_what_is_left() -> None:

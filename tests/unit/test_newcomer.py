@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
-from celery_leases import Leases
-from celery_leases import config as config_module
+from celery_leases import Leases, _config_diagnostics
 from celery_leases.config import resolve_settings
 from celery_leases.exceptions import LeaseConfigError
 
@@ -27,7 +26,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.upper().startswith("CELERY_LEASE"):
             monkeypatch.delenv(name)
-    monkeypatch.setattr(config_module, "_warned_env", set(), raising=False)
+    monkeypatch.setattr(_config_diagnostics, "_warned_env", set(), raising=False)
 
 
 def namespaced_app(obj: object) -> Celery:

@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from rich.cells import cell_len
 
+from celery_leases._census import LIMITS, ROW_HEADERS, text_table
 from celery_leases._render import ELLIPSIS, printable, shorten
-from celery_leases.cli import _LIMITS, _ROW_HEADERS, _table
 
 NASTY = [
     "line\nbreak",
@@ -42,7 +42,7 @@ def column_start(line: str, text: str) -> int:
 
 
 def test_every_row_is_one_line_with_no_control_character_left() -> None:
-    out = _table(_ROW_HEADERS, [row(name, f"m{i}") for i, name in enumerate(NASTY)])
+    out = text_table(ROW_HEADERS, [row(name, f"m{i}") for i, name in enumerate(NASTY)])
     lines = out.split("\n")
     assert len(lines) == 1 + len(NASTY)
     for line in lines:
@@ -59,7 +59,7 @@ def test_every_row_is_one_line_with_no_control_character_left() -> None:
 
 
 def test_markup_and_emoji_codes_are_shown_as_they_are() -> None:
-    out = _table(_ROW_HEADERS, [row("[bold]markup[/bold]", "m"), row(":smile:", "n")])
+    out = text_table(ROW_HEADERS, [row("[bold]markup[/bold]", "m"), row(":smile:", "n")])
     assert "[bold]markup[/bold]" in out
     assert ":smile:" in out
     assert "😄" not in out
@@ -67,21 +67,21 @@ def test_markup_and_emoji_codes_are_shown_as_they_are() -> None:
 
 def test_columns_line_up_by_display_width() -> None:
     names = ["a", "日本語のリソース", "emoji 😀🎉", "寿" * 200, "x" * 300, "line\nbreak"]
-    out = _table(_ROW_HEADERS, [row(name, f"m{i}") for i, name in enumerate(names)])
+    out = text_table(ROW_HEADERS, [row(name, f"m{i}") for i, name in enumerate(names)])
     header, *lines = out.split("\n")
     start = column_start(header, "MODE")
     assert [column_start(line, f"m{i}") for i, line in enumerate(lines)] == [start] * len(names)
     # the next column lines up too, and the first is as wide as its widest (shortened) name
     token = column_start(header, "TOKEN")
     assert all(column_start(line, " 1 ") + 1 == token for line in lines)
-    assert start == _LIMITS["RESOURCE"] + 2
+    assert start == LIMITS["RESOURCE"] + 2
 
 
 def test_long_names_are_shortened_in_the_middle_with_an_ellipsis() -> None:
     name = "repo:" + "x" * 200 + ":42"
-    (line,) = _table(_ROW_HEADERS, [row(name, "m")]).split("\n")[1:]
+    (line,) = text_table(ROW_HEADERS, [row(name, "m")]).split("\n")[1:]
     cell = line.split("  ")[0]
-    assert cell_len(cell) == _LIMITS["RESOURCE"]
+    assert cell_len(cell) == LIMITS["RESOURCE"]
     assert cell.startswith("repo:xx")
     assert cell.endswith("xx:42")
     assert ELLIPSIS in cell

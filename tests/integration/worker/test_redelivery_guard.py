@@ -269,7 +269,8 @@ def test_a_guard_lease_shows_in_leases_ls_with_its_task_id(
     start: Callable[..., WorkerProc], fleet: Fleet, guard_env: dict[str, str]
 ) -> None:
     worker = start(concurrency=1)
-    task_id = fleet.send("slow", 4.0)
+    # long enough for a ``celery leases ls`` on a busy machine (a few seconds); killed below
+    task_id = fleet.send("slow", 60.0)
     wait_until(lambda: fleet.count("started", task_id) >= 1, 30, "the task to start")
     out = subprocess.run(
         [sys.executable, "-m", "celery", "-A", APP, "leases", "ls", "--json"],
@@ -284,6 +285,7 @@ def test_a_guard_lease_shows_in_leases_ls_with_its_task_id(
     assert row["resource"] == f"celery_leases:redelivery:{task_id}"
     assert row["task_id"] == task_id
     assert worker.hostname in row["owner"]
+    kill_whole_worker(worker)  # not a minute's warm shutdown
 
 
 def test_a_restarted_worker_frees_its_dead_predecessors_guards_at_once(
