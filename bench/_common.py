@@ -25,8 +25,8 @@ from urllib.parse import urlsplit
 import redis
 import redis.connection
 
-from celery_leases import _lanes
 from celery_leases._redis_server import RedisServer
+from celery_leases._sync import lanes as _lanes
 from tests.support.servers import ensure_server_binary
 
 __all__ = (

@@ -49,7 +49,7 @@ from celery_leases._cleanup import _RELEASE_BATCH
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
 from celery_leases._redis_server import RedisServer
-from celery_leases._store import LeaseStore
+from celery_leases._sync.driver import LeaseStore
 from celery_leases.config import resolve_settings
 from tests.support.servers import ensure_server_binary
 

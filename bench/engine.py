@@ -47,11 +47,11 @@ import redis_lock
 from celery import Celery
 
 from celery_leases import LeaseLost, Leases, Shared, _grants, _releases
-from celery_leases._heartbeat import heartbeat
-from celery_leases._lanes import pack
 from celery_leases._lease import Want
 from celery_leases._protocol import Script, words_of
 from celery_leases._registry import Entry
+from celery_leases._sync.heartbeat import heartbeat
+from celery_leases._wire import pack
 
 from . import plot
 from ._common import (

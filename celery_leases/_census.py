@@ -22,7 +22,7 @@ from .config import timing
 if TYPE_CHECKING:
     from celery import Celery
 
-    from ._store import LeaseStore
+    from ._sync.driver import LeaseStore
     from .config import LeaseSettings
 
 #: the CLI's one logger (docs/cli.md names it): a forced release logs here

@@ -12,7 +12,7 @@ A beat claim records which replica won one due run of a beat entry, so each run 
 once across replicas.
 
 Each operation is a generator of protocol requests (see ``_protocol``), carried out by a
-driver (``LeaseStore.run``). A lost reply's recovery is decided with ``_lostreply``. No I/O.
+driver (its ``run``). A lost reply's recovery is decided with ``_lostreply``. No I/O.
 """
 
 from __future__ import annotations

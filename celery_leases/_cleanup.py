@@ -1,7 +1,7 @@
 """Cleanups, written once: an owner's leases freed, a restarted node's, and the orphans'.
 
 Each operation is a generator of protocol requests (see ``_protocol``), carried out by
-either driver (``LeaseStore.run``). A cleanup reads an owner's registries, releases what
+either driver (its ``run``). A cleanup reads an owner's registries, releases what
 they list (through :func:`_releases.release_entries`, in batches) and forgets the owner; the
 reconcile pass does so for every owner whose liveness ran out, sparing the leases granted
 after that (read against the Redis clocks, :func:`clocks_us`). No I/O.

@@ -24,12 +24,12 @@ from ._census import (
 )
 from ._cli_base import EX_TEMPFAIL, Command, Failure, app_of, leases_of, non_empty
 from ._render import printable
-from ._store import LeaseStore
+from ._sync.driver import LeaseStore
 from .config import safe_url
 from .exceptions import LeaseBackendError
 
 if TYPE_CHECKING:
-    from ._store import LeaseStore
+    from ._sync.driver import LeaseStore
 
 #: the CLI's one logger (docs/cli.md names it)
 logger = get_logger("celery_leases.cli")

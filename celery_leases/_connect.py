@@ -229,7 +229,7 @@ def make_client(
     calls only commands both have (scripts on keys of one slot, pipelines, pub/sub).
     ``on_connect(connection)`` runs on every new data connection before anything else is sent
     on it (after redis-py's own connect step on a cluster; instead of it elsewhere, so it
-    must call ``connection.on_connect()`` first: see ``_lifetime.ConnectCheck``).
+    must call ``connection.on_connect()`` first: see ``_restart_check.ConnectCheck``).
     """
     if on_connect is not None:
         common = {**common, "redis_connect_func": on_connect}

@@ -1,9 +1,9 @@
 """LeaseEngine: what the lease protocol remembers in one process, and its small rules.
 
-One engine per store, shared by its sync driver (``LeaseStore``) and its asyncio driver
-(``AsyncLeaseStore``): the key names (cached), when each owner's liveness and registries
-were last refreshed, the beat runs won, and the rules that read them (a lease's horizon,
-whether a grant may skip the owner's home call, a registry's expiry). The core operations
+One engine per settings, shared by the sync and the asyncio driver of those settings
+(which take it; it names neither): the key names (cached), when each owner's liveness and
+registries were last refreshed, the beat runs won, and the rules that read them (a lease's
+horizon, whether a grant may skip the owner's home call, a registry's expiry). The core operations
 (``_grants``, ``_cleanup``, ``_inspect``, ``_claims``) take it as their first argument.
 No I/O: nothing here imports redis or asyncio.
 """
@@ -14,15 +14,13 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
+from ._connect import parse_target
 from ._keys import Keyspace
 from ._protocol import Call, Failure, ReplicaShortfall, Send, Steps
 from .config import LeaseSettings, safe_url
 from .exceptions import LeaseBackendError
-
-if TYPE_CHECKING:
-    from ._store import LeaseStore
 
 __all__ = ("OFF", "RESOURCE_HISTORY", "LeaseEngine", "ResourceKeys", "grace_arg", "kept_grace")
 
@@ -43,7 +41,7 @@ def kept_grace(settings: LeaseSettings) -> float:
 
     ``restore_grace``, or by default the ``ttl`` setting (or ``restart_grace`` if longer): a
     holder counts a lease held for at most ``ttl`` after its last confirmation, whatever the
-    lease's own TTL (the owner's liveness is ``ttl``; see ``LeaseStore.horizon``), so after
+    lease's own TTL (the owner's liveness is ``ttl``; see :meth:`LeaseEngine.horizon`), so after
     ``ttl`` every holder of a lost grant has found it gone.
     """
     if settings.restore_grace is not None:
@@ -57,6 +55,14 @@ def grace_arg(settings: LeaseSettings) -> int:
     if not settings.restart_grace and not kept_grace(settings):
         return OFF
     return math.ceil(settings.restart_grace * 1000)
+
+
+def _cluster_url(url: str) -> bool:
+    """True if ``url`` names a Redis Cluster (a URL that does not parse: the drivers say why)."""
+    try:
+        return parse_target(url).kind == "cluster"
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -85,8 +91,8 @@ class LeaseEngine:
         beat_won: beat claim key -> the last run this process counted as won.
         wait_replicas: the WAIT command sent after each grant and renewal ((): no
             min_replicas).
-        cluster: True on a Redis Cluster (set by the sync driver when it made its client).
-        store: the sync driver, which every granted ``Held`` names.
+        cluster: True on a Redis Cluster (read from the URL: grants, renewals and cleanups
+            go per node there).
     """
 
     def __init__(self, settings: LeaseSettings) -> None:
@@ -115,8 +121,7 @@ class LeaseEngine:
             min(settings.history, RESOURCE_HISTORY),
             self.ms(settings.history_keep),
         )
-        self.cluster = False
-        self.store: LeaseStore
+        self.cluster = _cluster_url(settings.url)
         self.waiter_prefix = self.keys.waiter_channel_prefix
         # the settings are fixed: two of them read at every grant, kept as plain numbers
         self._ttl = settings.ttl
@@ -140,6 +145,10 @@ class LeaseEngine:
             x, s, n, c, q, qe, qh, h, rec, group = self.keys.per_resource(resource)
             keys = self._rkeys[resource] = ResourceKeys(x, s, n, c, group, q, qe, qh, h, rec)
         return keys
+
+    def group_of(self, resource: str) -> int:
+        """The slot group of ``resource`` (cached, as its key names)."""
+        return self.resource_keys(resource).group
 
     def registry_key(self, owner: str, group: int) -> str:
         """The registry key of ``owner`` in slot group ``group`` (cached)."""

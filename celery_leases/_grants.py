@@ -2,7 +2,7 @@
 
 Each operation is a generator of protocol requests (see ``_protocol``): it plans its script
 calls, reads their replies and chooses the next step, and either driver carries it out
-(``LeaseStore.run``, ``AsyncLeaseStore.run``). The give-back of a partial grant over several
+(its ``run``). The give-back of a partial grant over several
 slot groups is written here only; a lost grant's read-back is ``_readback``'s, releases are
 ``_releases``', renewals ``_renew``'s, once's receipts and delivery records ``_receipts``'.
 No I/O.
@@ -548,7 +548,7 @@ def handed(
     w, owner = wants[0], ticket.owner
     token = int(token)
     held = Held(
-        engine.store,
+        engine,
         owner,
         w.resource,
         "x",
@@ -602,11 +602,10 @@ def granted(
     owner, now, ttl, task_id = call.owner, call.now, call.ttl, call.task_id
     _booked(engine, call)
     horizon = engine.horizon(ttl)
-    store = engine.store
     tokens = [int(token) for token in reply[1:]]
     out = [
         Held(
-            store,
+            engine,
             owner,
             w.resource,
             w.mode,

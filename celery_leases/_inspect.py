@@ -49,7 +49,7 @@ __all__ = (
     "with_now",
 )
 
-logger = logging.getLogger("celery_leases._store")
+logger = logging.getLogger(__name__)
 
 #: commands per round trip of the operations calls (a fleet may have thousands of owners)
 OPS_BATCH: Final = 1000

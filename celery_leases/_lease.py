@@ -6,12 +6,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final, Literal
+from typing import Final, Literal, Protocol
 
+from ._keys import Keyspace
 from .exceptions import LeaseConfigError, LeaseLost
-
-if TYPE_CHECKING:
-    from ._store import LeaseStore
 
 __all__ = (
     "MAX_NAME_BYTES",
@@ -158,11 +156,25 @@ def want_of(item: str | Shared, what: str = "resource") -> Want:
     return want
 
 
+class Grantor(Protocol):
+    """What a :class:`Held` needs of the engine that granted it: its key names.
+
+    The protocol's engine (``_engine.LeaseEngine``) is one; a lease names no driver.
+    """
+
+    @property
+    def keys(self) -> Keyspace:
+        """The key names of the engine's prefix."""
+
+    def group_of(self, resource: str) -> int:
+        """The slot group of ``resource`` (cached by the engine)."""
+
+
 @dataclass(eq=False)
 class Held:
     """Mutable state of one granted lease, shared by its Lease and the heartbeat."""
 
-    store: LeaseStore
+    engine: Grantor
     owner: str
     resource: str
     mode: Mode
@@ -186,7 +198,7 @@ class Held:
 
     @property
     def group(self) -> int:
-        return self.store.resource_keys(self.resource).group
+        return self.engine.group_of(self.resource)
 
     def is_lost(self, now: float) -> bool:
         return self.lost or (not self.released and now >= self.deadline)

@@ -4,7 +4,7 @@ A script call whose connection fails or times out after the request was sent may
 Redis. redis-py's retry would simply send it again, and a grant script run twice finds its
 own first grant in the way. So every script call is made with one attempt (a
 :class:`~celery_leases._protocol.Send` with ``once``; the drivers' clients then do not
-retry, see ``_once``), and a call whose outcome is unknown (a
+retry, see ``_one_attempt``), and a call whose outcome is unknown (a
 :class:`~celery_leases._protocol.Failure` with ``lost``) is followed by the recovery
 :data:`POLICIES` names for its script:
 

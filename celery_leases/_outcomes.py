@@ -15,7 +15,7 @@ from .exceptions import LeaseBusy, LeaseLost
 
 if TYPE_CHECKING:
     from ._identity import Identity
-    from ._store import LeaseStore
+    from ._sync.driver import LeaseStore
 
 
 #: the log lines of acquire and release keep the logger of Leases (users filter on it)
@@ -66,7 +66,7 @@ def held_here(
     return any(
         h.resource == busy.resource
         and h.owner == ident.owner
-        and h.store.keys.prefix == prefix
+        and h.engine.keys.prefix == prefix
         and (exclusive or h.mode != "s")
         for h in held
     )

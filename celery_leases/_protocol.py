@@ -16,9 +16,8 @@ written once, as generators in the core modules (``_grants``, ``_cleanup``, ``_i
 A request that fails is thrown back into the generator as :class:`Failure`, which says
 whether its outcome is unknown (the connection was cut or timed out after it was sent:
 ``lost``), so a lost reply's recovery and a partial grant's give-back exist once, in the
-core. The drivers (``_store.LeaseStore``, ``_astore.AsyncLeaseStore``) hold only I/O:
-clients, EVALSHA and NOSCRIPT, mapping redis-py's errors to :class:`Failure`, subscriber
-connections, cancellation shields and WAIT routing.
+core. The drivers hold only I/O: clients, EVALSHA and NOSCRIPT, mapping redis-py's
+errors to :class:`Failure`, subscriber connections, cancellation shields and WAIT routing.
 
 Nothing here (nor in the core modules) imports redis or asyncio.
 """
@@ -127,7 +126,7 @@ class Listen(NamedTuple):
     Only a wait run by a driver's ``run_wait`` yields it (see ``_wait``). The driver keeps
     one subscription for the whole wait: made at its first Listen (so a wait yields one with
     ``timeout`` 0 before the attempt that must not miss a release), given back at its end.
-    A message on ``handed_on`` that hands the wait a lease (see ``_lanes.handoff``) ends the
+    A message on ``handed_on`` that hands the wait a lease (see ``_wire.handoff``) ends the
     listen at once. The reply: :class:`Heard`.
     """
 

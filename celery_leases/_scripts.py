@@ -2,7 +2,7 @@
 
 Each script's reply codes are named here once, one ``IntEnum`` per script, as its header
 comment states them; the core operations (``_grants``, ``_claims``, ``_cleanup``), fence.py
-and _lifetime.py compare replies with these (an ``IntEnum`` equals its int, so a reply from
+and _restart_check.py compare replies with these (an ``IntEnum`` equals its int, so a reply from
 Redis compares directly).
 """
 

@@ -19,8 +19,8 @@ from kombu.utils.uuid import uuid
 
 from . import signals
 from ._claims import ClaimHolder
-from ._heartbeat import heartbeat
 from ._lease import Held, Lease, held_of
+from ._sync.heartbeat import heartbeat
 from .config import OnDuplicate
 from .exceptions import DuplicateTask, LeaseBackendError, LeaseConfigError
 
@@ -439,7 +439,7 @@ def take_claim(
     held = outcome
     if on_lost is not None:
         held.on_lost.append(on_lost)
-    heartbeat().add(held)
+    heartbeat().add(held, ext.store)
     lease = Lease(held.resource, held.token, held.ttl, False, held)
     with _running_lock:
         _running[task_id] = _Running(key, lease)

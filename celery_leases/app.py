@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar, cast, overload
 from celery.utils.log import get_logger
 
 from . import once as _once
-from ._aheartbeat import loop_heartbeat
-from ._astore import AsyncLeaseStore, shielded
-from ._heartbeat import heartbeat
+from ._aio.driver import AsyncLeaseStore
+from ._aio.heartbeat import loop_heartbeat
+from ._aio.shields import shielded
+from ._engine import LeaseEngine
 from ._identity import Identity, current_identity
 from ._lease import Held, Lease, LeaseArgumentError, Shared, Want, held_of, want_of
 from ._outcomes import (
@@ -43,9 +44,10 @@ from ._outcomes import (
     same_owner_busy,
     to_release,
 )
-from ._store import LeaseStore, safe_url
+from ._sync.driver import LeaseStore
+from ._sync.heartbeat import heartbeat
 from ._unique import install as install_unique
-from .config import AppSettings, LeaseSettings, set_settings
+from .config import AppSettings, LeaseSettings, safe_url, set_settings
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError
 from .worker import install
 
@@ -89,9 +91,15 @@ class Leases:
         # config lazily: a key set after Leases(app) still counts), then fixed
         self._settings = AppSettings(app, settings)
         set_settings(app, self._settings)
-        self._store = LeaseStore(self._settings.peek())  # a cluster URL is tried here
+        # each driver is made at first use, on the one engine of the settings in force
+        self._lock = threading.Lock()
+        self._engine = LeaseEngine(self._settings.peek())
+        self._store: LeaseStore | None = None
         self._astore: AsyncLeaseStore | None = None
-        self._astore_lock = threading.Lock()
+        if self._engine.cluster:
+            # a cluster client reads the slot map as it is made: an unreachable cluster is an
+            # error here, as a bad URL is (the settings' checks found that one already)
+            self._store_for(self._engine.settings)
         # task.py imports this module (LeasedTask needs Leases): imported here, not at the top
         from .task import adopt_tasks
 
@@ -120,14 +128,22 @@ class Leases:
     def _store_for(self, settings: LeaseSettings) -> LeaseStore:
         """The store of ``settings`` (the settings in force, read by the caller)."""
         store = self._store
-        if store.settings is not settings:
-            # first use found settings made after Leases(app): nothing used the old store
-            with self._astore_lock:
+        if store is None or store.settings is not settings:
+            with self._lock:
                 store = self._store
-                if store.settings is not settings:
-                    store.close()
-                    store = self._store = LeaseStore(settings)
+                if store is None or store.settings is not settings:
+                    if store is not None:
+                        # first use found settings made after Leases(app): nothing used the
+                        # old store
+                        store.close()
+                    store = self._store = LeaseStore(settings, engine=self._engine_of(settings))
         return store
+
+    def _engine_of(self, settings: LeaseSettings) -> LeaseEngine:
+        """The engine of ``settings``, shared by both drivers (the caller holds the lock)."""
+        if self._engine.settings is not settings:
+            self._engine = LeaseEngine(settings)
+        return self._engine
 
     def _check_settings(self, *, full: bool = False) -> LeaseSettings:
         """The settings, refusing a ``leases_*`` key changed since their first use."""
@@ -266,7 +282,7 @@ class Leases:
             raise
         beat = heartbeat()
         for held in granted:
-            beat.add(held)
+            beat.add(held, store)
         return granted_leases(granted, ttl, task_id, on_lost, time.monotonic() - started)
 
     def release(self, leases: Sequence[Lease]) -> list[Lease]:
@@ -289,13 +305,16 @@ class Leases:
     # --- asyncio --------------------------------------------------------------------------
     @property
     def astore(self) -> AsyncLeaseStore:
-        """The asyncio store (made on first use; it shares :attr:`store`'s keys and caches)."""
+        """The asyncio store (made on first use; it shares :attr:`store`'s engine: its keys
+        and caches)."""
         astore = self._astore
         if astore is None:
-            with self._astore_lock:
+            settings = self._settings.current()
+            with self._lock:
                 astore = self._astore
                 if astore is None:
-                    astore = self._astore = AsyncLeaseStore(self.store)
+                    engine = self._engine_of(settings)
+                    astore = self._astore = AsyncLeaseStore(settings, engine=engine)
         return astore
 
     @overload

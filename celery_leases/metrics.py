@@ -29,8 +29,8 @@ from celery._state import get_current_task
 from celery.utils.log import get_logger
 
 from . import signals
-from ._heartbeat import renew_observers
 from ._keys import pid_of_owner
+from ._renewround import renew_observers
 from .beat import clock_observers
 from .worker import cleanup_observers
 

@@ -44,7 +44,7 @@ from celery._state import get_current_task
 from celery.utils.log import get_logger
 
 from . import signals
-from ._heartbeat import renew_observers
+from ._renewround import renew_observers
 from .worker import cleanup_observers
 
 if TYPE_CHECKING:

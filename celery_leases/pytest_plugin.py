@@ -31,7 +31,7 @@ import redis
 from celery import Celery
 
 from ._redis_server import NO_BINARY, RedisServer, find_server_binary, url_answers
-from ._store import LeaseStore
+from ._sync.driver import LeaseStore
 from .app import Leases
 from .config import LeaseSettings, resolve_settings, safe_url
 

@@ -60,7 +60,7 @@ from ._text import printable
 from .exceptions import LeaseBackendError, LeaseError
 
 if TYPE_CHECKING:
-    from ._store import LeaseStore
+    from ._sync.driver import LeaseStore
 
 __all__ = ("Bind", "WebData", "check_bind", "create_app", "page", "serve", "shown", "with_shown")
 

@@ -31,9 +31,8 @@ from ._guard import on_task_postrun as guard_task_postrun
 from ._identity import set_node
 from ._keys import split_owner
 from ._lease import Want
-from ._store import safe_url
 from ._text import printable
-from .config import DEFAULT_REDIS_URL, renewal_interval, timing_warnings
+from .config import DEFAULT_REDIS_URL, renewal_interval, safe_url, timing_warnings
 from .exceptions import LeaseBackendError, LeaseError
 
 if TYPE_CHECKING:

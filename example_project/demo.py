@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_LEASES_")}
     env["PYTHONUNBUFFERED"] = "1"
 
-    from celery_leases._store import safe_url
+    from celery_leases.config import safe_url
 
     from . import tasks
     from .app import app, leases

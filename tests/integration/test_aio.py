@@ -22,7 +22,7 @@ import pytest_asyncio
 import redis
 
 from celery_leases import LeaseBusy, LeaseConfigError, LeaseLost, Leases, Shared
-from celery_leases._aheartbeat import loop_heartbeat
+from celery_leases._aio.heartbeat import loop_heartbeat
 from celery_leases._lease import Want
 from celery_leases._registry import KEEPER
 from tests.support.lifetimes import mark_up

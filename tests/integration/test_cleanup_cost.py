@@ -22,7 +22,7 @@ from celery_leases._engine import LeaseEngine
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
 from celery_leases._protocol import Steps
-from celery_leases._store import LeaseStore
+from celery_leases._sync.driver import LeaseStore
 from celery_leases.config import resolve_settings
 from tests.support.polling import wait_until
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from celery_leases import _subscribers
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
-from celery_leases._store import LeaseStore
+from celery_leases._sync import subscriber as _subscribers
+from celery_leases._sync.driver import LeaseStore
 from tests.support.polling import wait_until
 
 HOLDER = Identity("holder@host", "inca", 4242)

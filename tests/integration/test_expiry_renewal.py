@@ -8,10 +8,10 @@ import pytest
 
 from celery_leases import Leases, Shared
 from celery_leases._grants import Busy
-from celery_leases._heartbeat import heartbeat
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
-from celery_leases._store import LeaseStore
+from celery_leases._sync.driver import LeaseStore
+from celery_leases._sync.heartbeat import heartbeat
 from tests.support.polling import wait_until
 
 

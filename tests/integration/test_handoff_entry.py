@@ -27,11 +27,11 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_leases import Leases, _cleanup, _grants
-from celery_leases._astore import AsyncLeaseStore
+from celery_leases._aio.driver import AsyncLeaseStore
 from celery_leases._grants import Busy, Ticket, new_ticket
 from celery_leases._identity import Identity
 from celery_leases._lease import Held, Want
-from celery_leases._once import failure_of
+from celery_leases._one_attempt import failure_of
 from celery_leases._protocol import Op, Script, Send, Steps, adrive, drive
 from celery_leases.exceptions import LeaseBackendError
 from tests.support.holders import hold_by_hand
@@ -125,7 +125,7 @@ class Driver:
             return drive(steps, execute, RedisError, failure_of)
 
         async def main() -> Any:
-            astore = AsyncLeaseStore(self.store)
+            astore = AsyncLeaseStore(self.store.settings, engine=self.store.engine)
             state = astore._state()
 
             async def aexecute(op: Op) -> Any:

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from celery_leases._astore import AsyncLeaseStore
+from celery_leases._aio.driver import AsyncLeaseStore
 from celery_leases._claims import Claimed
 from celery_leases._identity import Identity
 from celery_leases._lease import Held, Want
-from celery_leases._store import LeaseStore
+from celery_leases._sync.driver import LeaseStore
 from tests.support.polling import wait_until
 
 TTL = 2.0  # the ttl setting: the owner's liveness; every lease here has this ttl too
@@ -122,7 +122,7 @@ def test_an_asyncio_grant_near_the_end_of_the_liveness_window_survives_a_reconci
     _until(t0 + TTL * 0.8)
 
     async def grant() -> Any:
-        astore = AsyncLeaseStore(store)
+        astore = AsyncLeaseStore(store.settings, engine=store.engine)
         try:
             (name,) = _names(store, lambda group: group != 0, 1)
             return await astore.try_acquire([Want(name)], OWNER, TTL)

@@ -26,13 +26,13 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_leases import _grants
-from celery_leases._astore import AsyncLeaseStore
+from celery_leases._aio.driver import AsyncLeaseStore
 from celery_leases._grants import Busy
 from celery_leases._identity import Identity
 from celery_leases._lease import Held, Want
-from celery_leases._once import failure_of
+from celery_leases._one_attempt import failure_of
 from celery_leases._protocol import Command, Op, Script, Send, adrive, drive
-from celery_leases._store import LeaseStore
+from celery_leases._sync.driver import LeaseStore
 
 OWNER = Identity("part8@host", "inca", 4242)  # threads A and B
 OTHER = Identity("part8-other@host", "inca", 4343)  # another process
@@ -117,7 +117,7 @@ def test_an_asyncio_lost_grant_never_adopts_the_token_its_sibling_just_released(
     resource = f"part8:aio:{round_}"
 
     async def scenario() -> tuple[list[Held] | Busy, int]:
-        astore = AsyncLeaseStore(store)
+        astore = AsyncLeaseStore(store.settings, engine=store.engine)
         try:
             b = await astore.try_acquire([Want(resource)], OWNER, TTL)
             assert isinstance(b, list)

@@ -19,7 +19,7 @@ import pytest
 from celery_leases import LeaseBackendError, Leases, Shared, _scripts
 from celery_leases._claims import Claimed, ClaimHolder
 from celery_leases._lease import Held, Want
-from celery_leases._store import LeaseStore
+from celery_leases._sync.driver import LeaseStore
 from tests.support.polling import SCHEDULING, wait_until
 from tests.support.proxy import LossyProxy
 from tests.support.topologies import resources_in_distinct_groups

@@ -112,12 +112,12 @@ from celery_leases._claims import Claimed, ClaimHolder
 from celery_leases._grants import TICKET_SLACK_MS, Busy
 from celery_leases._identity import Identity
 from celery_leases._inspect import Holder
-from celery_leases._lanes import handoff
 from celery_leases._lease import Held, Want
-from celery_leases._once import failure_of
+from celery_leases._one_attempt import failure_of
 from celery_leases._protocol import Failure, Sleep
 from celery_leases._redis_server import RedisServer
-from celery_leases._store import LeaseStore
+from celery_leases._sync.driver import LeaseStore
+from celery_leases._wire import handoff
 from celery_leases.config import resolve_settings
 from celery_leases.exceptions import LeaseBackendError
 from tests.support.polling import SCHEDULING

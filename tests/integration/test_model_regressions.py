@@ -8,7 +8,7 @@ from collections.abc import Callable
 from celery_leases._claims import Claimed
 from celery_leases._identity import Identity
 from celery_leases._lease import Held, Want
-from celery_leases._store import LeaseStore
+from celery_leases._sync.driver import LeaseStore
 from tests.support.polling import wait_until
 
 LIVENESS = 3.0  # the ttl setting

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from celery_leases._heartbeat import Heartbeat
 from celery_leases._identity import Identity
 from celery_leases._lease import Held, Want
 from celery_leases._redis_server import RedisServer
-from celery_leases._store import LeaseStore
+from celery_leases._sync.driver import LeaseStore
+from celery_leases._sync.heartbeat import Heartbeat
 from celery_leases.config import resolve_settings
 from tests.support.polling import wait_until
 
@@ -38,7 +38,7 @@ def test_a_lease_added_during_a_slow_round_is_renewed_in_time(slow_redis: RedisS
     beat = Heartbeat()
     try:
         long = _grant(store, "long", 12.0)  # renewed every 12 * 0.9 / 3 = 3.6 s
-        beat.add(long)
+        beat.add(long, store)
         # just before that round: a lease that must be renewed within 2.7 s of its grant
         wait_until(lambda: time.monotonic() >= long.confirmed_at + 3.2, 10, "the round")
         short = _grant(store, "short", 3.0)
@@ -48,7 +48,7 @@ def test_a_lease_added_during_a_slow_round_is_renewed_in_time(slow_redis: RedisS
         slow_redis.pause()
         try:
             wait_until(lambda: beat.renewals >= 1, 10, "the round to start")
-            beat.add(short)
+            beat.add(short, store)
             time.sleep(0.3)
         finally:
             slow_redis.resume()

@@ -284,9 +284,9 @@ def test_without_info_in_the_acl_a_warning_says_what_is_not_recognised(
     url = f"redis://{USER}:{password}@127.0.0.1:{server.port}/0"
     leases = make_leases(redis_url=url, key_prefix="leases")
     # grants go on: only the restart check is blind
-    with caplog.at_level(logging.WARNING, logger="celery_leases._lifetime"), leases.hold("r"):
+    with caplog.at_level(logging.WARNING, logger="celery_leases._restart_check"), leases.hold("r"):
         pass
-    (warning,) = [r for r in caplog.records if r.name == "celery_leases._lifetime"]
+    (warning,) = [r for r in caplog.records if r.name == "celery_leases._restart_check"]
     assert "INFO is refused" in warning.getMessage()
 
 

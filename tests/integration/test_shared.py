@@ -10,7 +10,7 @@ from celery_leases import LeaseBusy, Leases, Shared
 from celery_leases._grants import Busy
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
-from celery_leases._store import LeaseStore
+from celery_leases._sync.driver import LeaseStore
 
 
 def other(leases: Leases, name: str = "other") -> Identity:

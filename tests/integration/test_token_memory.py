@@ -21,7 +21,7 @@ from celery import Celery
 from celery_leases import Leases, Shared
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
-from celery_leases._store import LeaseStore
+from celery_leases._sync.driver import LeaseStore
 from celery_leases.exceptions import LeaseConfigError
 
 A = Identity("node-a", "inc", 1)

@@ -13,7 +13,7 @@ from celery_leases._engine import LeaseEngine
 from celery_leases._identity import Identity
 from celery_leases._lease import Held
 from celery_leases._protocol import Steps
-from celery_leases._store import LeaseStore
+from celery_leases._sync.driver import LeaseStore
 from celery_leases.exceptions import LeaseConfigError
 from tests.support.cluster import hash_tag
 from tests.support.polling import wait_until

@@ -1,4 +1,4 @@
-"""Lifetime records (see celery_leases/_lifetime.py) as tests set and read them."""
+"""Lifetime records (see celery_leases/_restart_check.py) as tests set and read them."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from celery_leases._scripts import (
     UniqueHandoverReply,
     UniqueRequeueReply,
 )
-from celery_leases._store import LeaseStore
+from celery_leases._sync.driver import LeaseStore
 from celery_leases.config import LeaseSettings
 from celery_leases.exceptions import LeaseBackendError
 from tests.support.steps import drive, lost, refused, replies, scripts
@@ -149,7 +149,7 @@ def test_a_queued_holder_is_read_from_the_claim_key_alone():
 def _held(store: LeaseStore) -> Held:
     resource = store.keys.unique_resource("job:k")
     now = time.monotonic()
-    return Held(store, WORKER.owner, resource, "x", 7, 10, now, now, 9, task_id="task-1")
+    return Held(store.engine, WORKER.owner, resource, "x", 7, 10, now, now, 9, task_id="task-1")
 
 
 @pytest.mark.parametrize(
@@ -204,7 +204,7 @@ def test_a_handover_whose_reply_is_lost_adopts_its_own_grant(
     held, made = drive(steps, replies(lost(), _read_back(f"77 {WORKER.owner}", [entry])))
     assert isinstance(held, Held)
     assert (held.token, held.owner, held.task_id, held.mode) == (77, WORKER.owner, "task-1", "x")
-    assert held.store is store
+    assert held.engine is store.engine
     assert scripts(made) == ["unique_handover", *READ_BACK]  # adopted: not sent again
     assert made[1].calls[0] == Command(("GET", _xkey(store)))  # type: ignore[union-attr]
     assert BOOK.held(WORKER.owner, _xkey(store)) == {77}

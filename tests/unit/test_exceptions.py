@@ -18,8 +18,8 @@ from celery_leases import (
     StaleFence,
 )
 from celery_leases._redis_server import free_port
-from celery_leases._store import LeaseStore, safe_url
-from celery_leases.config import resolve_settings
+from celery_leases._sync.driver import LeaseStore
+from celery_leases.config import resolve_settings, safe_url
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from celery_leases._lostreply import BOOK
 from celery_leases._protocol import Script, Send, SendWithin
 from celery_leases._registry import Entry
 from celery_leases._scripts import AcquireReply, ReleaseReply
-from celery_leases._store import LeaseStore
+from celery_leases._sync.driver import LeaseStore
 from celery_leases.config import LeaseSettings
 from celery_leases.exceptions import LeaseBackendError
 from tests.support.steps import drive, lost, refused, replies, scripts
@@ -150,7 +150,7 @@ def test_a_renewal_reports_the_indices_redis_no_longer_has_and_refreshes_the_liv
     a, b = _in_groups(grouped, 1, 2)
     now = time.monotonic()
     held = [
-        Held(grouped, WORKER.owner, name, "x", token, 10.0, now, now, 9.0)
+        Held(grouped.engine, WORKER.owner, name, "x", token, 10.0, now, now, 9.0)
         for name, token in ((a, 5), (b, 6))
     ]
     steps = _renew.renew(grouped.engine, held, WORKER.owner, 1.0)
@@ -168,7 +168,7 @@ def test_a_renewal_that_too_few_replicas_confirm_is_a_backend_error():
     settings = LeaseSettings(redis_url="redis://127.0.0.1:1/0", key_prefix="unit", min_replicas=1)
     store = LeaseStore(settings)
     now = time.monotonic()
-    held = [Held(store, WORKER.owner, "a", "x", 5, 10.0, now, now, 9.0)]
+    held = [Held(store.engine, WORKER.owner, "a", "x", 5, 10.0, now, now, 9.0)]
     steps = _renew.renew(store.engine, held, WORKER.owner, 1.0)
     with pytest.raises(LeaseBackendError, match="reached 0 of the 1 replicas"):
         drive(steps, replies(([[]], [0])))  # one call (the home group), WAIT says 0

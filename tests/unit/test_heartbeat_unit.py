@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from celery_leases._heartbeat import RETRY_AFTER_FAILURE, Heartbeat
 from celery_leases._keys import Keyspace
 from celery_leases._lease import Held
+from celery_leases._renewround import RETRY_AFTER_FAILURE
+from celery_leases._sync.heartbeat import Heartbeat
 from celery_leases.exceptions import LeaseBackendError
 
 # Binary fractions keep the fake clock exact: 1.5 s horizon -> renew every 0.5 s.
@@ -110,8 +111,10 @@ def make_held(
     horizon: float = HORIZON,
 ) -> Held:
     now = clock()
+    # the fake store stands in for the engine that granted the lease and for the driver
+    # that renews it (beat.add(held, held.engine))
     return Held(
-        store=store,
+        engine=store,
         owner=owner,
         resource=resource,
         mode="x",
@@ -134,7 +137,7 @@ def run(beat: Heartbeat, clock: FakeClock, until: float) -> None:
 def test_one_renew_call_per_interval_whatever_the_number_of_leases(beat, store, clock, count):
     held = [make_held(store, clock, f"r{i}") for i in range(count)]
     for h in held:
-        beat.add(h)
+        beat.add(h, h.engine)
 
     run(beat, clock, 10.0)
 
@@ -152,7 +155,7 @@ def test_one_call_per_owner_and_interval(beat, store, clock):
     held = [make_held(store, clock, f"a{i}", owner="n/i/1") for i in range(5)]
     held += [make_held(store, clock, f"b{i}", owner="n/i/2") for i in range(5)]
     for h in held:
-        beat.add(h)
+        beat.add(h, h.engine)
 
     run(beat, clock, 2.0)
 
@@ -165,7 +168,7 @@ def test_a_lease_not_confirmed_by_its_deadline_is_lost_once(beat, store, clock, 
     held = make_held(store, clock, "r")
     own_calls: list[float] = []
     held.on_lost.append(lambda h: own_calls.append(clock()))
-    beat.add(held)
+    beat.add(held, held.engine)
 
     run(beat, clock, HORIZON - STEP)
     assert not held.lost
@@ -183,8 +186,8 @@ def test_a_lease_not_confirmed_by_its_deadline_is_lost_once(beat, store, clock, 
 
 def test_lease_that_redis_no_longer_has_is_lost_at_that_renewal(beat, store, clock, lost_log):
     keep, gone = make_held(store, clock, "keep"), make_held(store, clock, "gone")
-    beat.add(keep)
-    beat.add(gone)
+    beat.add(keep, keep.engine)
+    beat.add(gone, gone.engine)
     store.missing = {"gone"}
 
     run(beat, clock, 4 * HORIZON)
@@ -205,7 +208,7 @@ def test_failing_callback_does_not_stop_the_others(beat, store, clock, lost_log)
         raise RuntimeError("a receiver failed")
 
     held.on_lost.extend([broken, lambda h: seen.append(h.resource)])
-    beat.add(held)
+    beat.add(held, held.engine)
 
     run(beat, clock, 2 * INTERVAL)
 
@@ -216,7 +219,7 @@ def test_failing_callback_does_not_stop_the_others(beat, store, clock, lost_log)
 def test_store_error_does_not_kill_the_loop(beat, store, clock, lost_log):
     store.fail = [LeaseBackendError("blip")]
     held = make_held(store, clock, "r")
-    beat.add(held)
+    beat.add(held, held.engine)
 
     run(beat, clock, 10.0)  # tick() raised nothing
 
@@ -231,7 +234,7 @@ def test_store_error_does_not_kill_the_loop(beat, store, clock, lost_log):
 def test_renewal_after_a_failure_is_retried_within_the_interval(beat, clock, horizon):
     store = FakeStore(clock, fail=[LeaseBackendError("blip")])
     held = make_held(store, clock, "r", horizon=horizon)
-    beat.add(held)
+    beat.add(held, held.engine)
     interval = horizon / 3
 
     run(beat, clock, interval)
@@ -254,7 +257,7 @@ def test_renewal_timeout_ends_at_the_first_deadline(beat, clock):
     clock.advance(0.25)
     leases.append(make_held(store, clock, "long", horizon=6.0))
     for h in leases:
-        beat.add(h)
+        beat.add(h, h.engine)
 
     run(beat, clock, 3.0)
 
@@ -264,7 +267,7 @@ def test_renewal_timeout_ends_at_the_first_deadline(beat, clock):
     # and never above the socket timeout
     store2 = FakeStore(clock, socket_timeout=0.125)
     other = make_held(store2, clock, "other", horizon=27.0)
-    beat.add(other)
+    beat.add(other, other.engine)
     run(beat, clock, clock() + 10.0)
     assert store2.calls
     assert all(c.timeout <= 0.125 for c in store2.calls)
@@ -273,7 +276,7 @@ def test_renewal_timeout_ends_at_the_first_deadline(beat, clock):
 def test_a_slow_renewal_confirms_at_the_time_it_was_sent(beat, clock):
     store = FakeStore(clock, duration=0.25)
     held = make_held(store, clock, "r")
-    beat.add(held)
+    beat.add(held, held.engine)
 
     run(beat, clock, INTERVAL)
 
@@ -292,7 +295,7 @@ def test_a_renewal_that_returns_after_the_deadline_does_not_save_the_lease(
     if outcome == "fails":
         store.fail = [LeaseBackendError("timeout")]
     held = make_held(store, clock, "r")
-    beat.add(held)
+    beat.add(held, held.engine)
     run(beat, clock, INTERVAL - STEP)
 
     clock.advance(STEP)
@@ -309,8 +312,8 @@ def test_a_renewal_that_returns_after_the_deadline_does_not_save_the_lease(
 def test_released_lease_is_neither_renewed_nor_lost(beat, store, clock, lost_log):
     held = make_held(store, clock, "r")
     other = make_held(store, clock, "other")
-    beat.add(held)
-    beat.add(other)
+    beat.add(held, held.engine)
+    beat.add(other, other.engine)
     run(beat, clock, INTERVAL)
     held.released = True
     beat.discard(held)
@@ -324,8 +327,8 @@ def test_released_lease_is_neither_renewed_nor_lost(beat, store, clock, lost_log
 
 def test_a_lease_nobody_references_is_dropped(beat, store, clock, lost_log):
     kept = make_held(store, clock, "kept")
-    beat.add(kept)
-    beat.add(make_held(store, clock, "dropped"))  # no reference left: gone from the registry
+    beat.add(kept, kept.engine)
+    beat.add(make_held(store, clock, "dropped"), store)  # no reference left: gone from the registry
 
     run(beat, clock, 2 * HORIZON)
 
@@ -336,7 +339,7 @@ def test_a_lease_nobody_references_is_dropped(beat, store, clock, lost_log):
 def test_nothing_held_means_nothing_to_do(beat, store, clock):
     assert beat.tick() is None
     held = make_held(store, clock, "r")
-    beat.add(held)
+    beat.add(held, held.engine)
     delay = beat.tick()
     assert delay == INTERVAL
     held.released = True
@@ -352,7 +355,7 @@ def test_a_frozen_store_does_not_cost_the_leases_of_another(beat, clock, lost_lo
     stores = [frozen, healthy] if frozen_first else [healthy, frozen]
     held = [make_held(store, clock, f"r{i}") for i, store in enumerate(stores)]
     for h in held:
-        beat.add(h)
+        beat.add(h, h.engine)
     on_frozen = held[0] if frozen_first else held[1]
     on_healthy = held[1] if frozen_first else held[0]
 

@@ -8,7 +8,7 @@ import pytest
 from redis.asyncio.connection import Connection
 from redis.connection import Connection as SyncConnection
 
-from celery_leases._lanes import _packed, pack
+from celery_leases._wire import _packed, pack
 
 WORDS: list[tuple[Any, ...]] = [
     ("EVALSHA", "4c929e7085c491f98e5a000ac9aea021c49be65a", 2, "{p:0}:x:r", "{p:0}:reg:n/1/2"),

@@ -24,7 +24,7 @@ def test_metrics_imports_without_prometheus_client_and_install_names_the_extra(m
 
 
 def test_importing_metrics_connects_nothing(monkeypatch):
-    from celery_leases import _heartbeat, signals, worker
+    from celery_leases import _renewround, signals, worker
 
     # a fresh import; both the module and the package attribute are put back afterwards
     monkeypatch.delitem(sys.modules, "celery_leases.metrics", raising=False)
@@ -32,5 +32,5 @@ def test_importing_metrics_connects_nothing(monkeypatch):
     before = [len(getattr(signals, name).receivers) for name in signals.__all__]
     importlib.import_module("celery_leases.metrics")
     assert [len(getattr(signals, name).receivers) for name in signals.__all__] == before
-    assert _heartbeat.renew_observers == []
+    assert _renewround.renew_observers == []
     assert worker.cleanup_observers == []

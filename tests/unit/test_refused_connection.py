@@ -16,7 +16,7 @@ from celery import Celery
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from celery_leases import LeaseBackendError, Leases
-from celery_leases._once import failure_of
+from celery_leases._one_attempt import failure_of
 from celery_leases._protocol import Command, Send
 
 

@@ -226,8 +226,10 @@ def test_environment_set_after_leases_and_before_first_use_is_honoured(
         leases.store.close()
 
 
-def test_first_use_keeps_the_store_when_nothing_changed() -> None:
+def test_first_use_keeps_the_engine_when_nothing_changed() -> None:
     app = Celery("same", set_as_current=False)
     leases = Leases(app)
-    made = leases._store
-    assert leases.store is made  # first use: same settings, so the same store (no new client)
+    made = leases._engine
+    assert leases._store is None  # a driver is made at first use
+    # first use: same settings, so the same engine (its caches) under the new store
+    assert leases.store.engine is made

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from celery_leases import _grants, _wait
-from celery_leases._astore import AsyncLeaseStore, _Abandoned, _Listening
+from celery_leases._aio.driver import AsyncLeaseStore
+from celery_leases._aio.subscriber import Abandoned, Listening
 from celery_leases._claims import ClaimHolder
 from celery_leases._identity import Identity
 from celery_leases._keys import holder_value
@@ -22,7 +23,7 @@ from celery_leases._lease import Held, Want
 from celery_leases._lostreply import BOOK
 from celery_leases._protocol import Failure, Heard, Listen, Op, Script, Send
 from celery_leases._scripts import AcquireReply, ReleaseReply, UniqueHandoverReply
-from celery_leases._store import LeaseStore
+from celery_leases._sync.driver import LeaseStore
 from celery_leases.config import LeaseSettings
 from celery_leases.exceptions import LeaseBackendError, LeaseBusy
 from tests.support.steps import drive, refused, scripts
@@ -267,7 +268,7 @@ def test_a_sync_wait_interrupted_before_its_ticket_gives_nothing_back(
 
 @pytest.fixture
 def astore(store: LeaseStore) -> AsyncLeaseStore:
-    return AsyncLeaseStore(store)
+    return AsyncLeaseStore(store.settings, engine=store.engine)
 
 
 def _scripted(
@@ -284,19 +285,19 @@ def _scripted(
         reply = answer(op)
         return await reply if asyncio.isfuture(reply) else reply
 
-    async def listen(self: _Listening, op: Listen) -> Heard:
+    async def listen(self: Listening, op: Listen) -> Heard:
         made.append(op)
         if op.timeout > 0:
             self._event.clear()
             await self._event.wait()  # until woken: the caller went away
         if self.abandoned:
-            raise _Abandoned
+            raise Abandoned
         reply = answer(op)
         assert isinstance(reply, Heard)
         return reply
 
     monkeypatch.setattr(astore, "_execute", execute)
-    monkeypatch.setattr(_Listening, "listen", listen)
+    monkeypatch.setattr(Listening, "listen", listen)
 
 
 def test_a_grant_that_comes_back_to_a_cancelled_caller_is_released(

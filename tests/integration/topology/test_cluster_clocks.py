@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
-from celery_leases._store import LeaseStore
+from celery_leases._sync.driver import LeaseStore
 from tests.support.topology import LocalCluster
 
 OWNER = Identity("worker-a@host", "inca", 101)

@@ -331,7 +331,7 @@ async def test_the_asyncio_api_on_the_deployment(make: Callable[..., Leases]) ->
 def test_a_cluster_client_never_replays_a_script_call_itself(redis_cluster: Any) -> None:
     """A cluster client retries a failed command on its own (3 times by default); inside a
     script call (one_attempt) it must not: the call's reply may be lost after it ran."""
-    from celery_leases._once import one_attempt
+    from celery_leases._one_attempt import one_attempt
 
     with leases_factory(redis_cluster.url, f"topo-{uuid.uuid4().hex[:8]}") as make_leases:
         leases = make_leases(slot_groups=CLUSTER_SLOT_GROUPS)

@@ -107,7 +107,7 @@ def test_new_node_pays_one_command_at_start(
         if not name.removeprefix("cmdstat_").startswith(_NOT_CLEANUP)
     }
     # Beside the cleanup's one SMEMBERS, the one connection the start-up opened ran the restart
-    # check every new connection runs first (_lifetime): one script call, loaded first on a
+    # check every new connection runs first (_restart_check): one script call, loaded first on a
     # server that never ran it (a NOSCRIPT EVALSHA, SCRIPT LOAD, EVALSHA), which reads the
     # clock and the lifetime record and writes it (a brand-new Redis has none)
     connection_check = {"evalsha": 2, "script|load": 1, "time": 1, "get": 1, "set": 1}

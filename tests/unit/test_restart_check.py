@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from celery_leases import _engine, _lifetime
+from celery_leases import _engine, _restart_check
 from celery_leases._keys import Keyspace
 from celery_leases.config import resolve_settings
 
@@ -30,8 +30,8 @@ def test_graces(settings: dict[str, float], kept: float, empty: int) -> None:
 def test_no_connect_check_when_kept_data_is_not_checked() -> None:
     keys = Keyspace("p", 4)
     off = resolve_settings(None, restore_grace=0.0, restart_grace=3.0)
-    assert _lifetime.connect_hook(keys, off, cluster=False) is None
-    assert _lifetime.aconnect_hook(keys, off, cluster=True) is None
+    assert _restart_check.connect_hook(keys, off, cluster=False) is None
+    assert _restart_check.aconnect_hook(keys, off, cluster=True) is None
     on = resolve_settings(None)
-    assert callable(_lifetime.connect_hook(keys, on, cluster=False))
-    assert callable(_lifetime.aconnect_hook(keys, on, cluster=True))
+    assert callable(_restart_check.connect_hook(keys, on, cluster=False))
+    assert callable(_restart_check.aconnect_hook(keys, on, cluster=True))

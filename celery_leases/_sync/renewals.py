@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
@@ -22,20 +22,28 @@ from redis.exceptions import MovedError, NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from ._protocol import Script, words_of
-from ._scripts import SOURCE
+from .._protocol import Script, words_of
+from .._scripts import SOURCE
+from .client import node_of
 
 if TYPE_CHECKING:
-    from ._store import LeaseStore
+    import redis
+
+    from .._engine import LeaseEngine
 
 __all__ = ("RenewalLines",)
 
 
 class RenewalLines:
-    """A store's renewal connections in this process (made anew after a fork)."""
+    """A store's renewal connections in this process (made anew after a fork).
 
-    def __init__(self, store: LeaseStore) -> None:
-        self._store = store
+    ``client``: the store's client of this process, whose pools (one per cluster node) the
+    renewal connections copy their options from.
+    """
+
+    def __init__(self, engine: LeaseEngine, client: Callable[[], redis.Redis]) -> None:
+        self._engine = engine
+        self._client = client
         self._lock = threading.Lock()
         # see _connection: node name ("" off a cluster) -> connection, in _pid
         self._conns: dict[str, Any] = {}
@@ -63,7 +71,8 @@ class RenewalLines:
         try:
             routes: dict[str, list[int]] = {}
             for i, call in enumerate(calls):
-                routes.setdefault(self._store.node_of(call.keys[0]), []).append(i)
+                key = call.keys[0]
+                routes.setdefault(node_of(self._client(), key, self._engine.cluster), []).append(i)
             conns = {
                 node: self._connection(node, max(0.0, end - time.monotonic())) for node in routes
             }
@@ -82,7 +91,7 @@ class RenewalLines:
             except BaseException as exc:
                 for conn in conns.values():
                     conn.disconnect()
-                if self._store.cluster and isinstance(exc, (MovedError, RedisConnectionError)):
+                if self._engine.cluster and isinstance(exc, (MovedError, RedisConnectionError)):
                     self._refresh_slots()
                 raise
             return replies, acked
@@ -92,7 +101,7 @@ class RenewalLines:
     def _refresh_slots(self) -> None:
         """After a MOVED reply or a lost node: read the cluster's slot map again."""
         with suppress(RedisError):  # the next renewal tries again
-            self._store.client.nodes_manager.initialize()  # type: ignore[attr-defined]
+            self._client().nodes_manager.initialize()  # type: ignore[attr-defined]
 
     def _connection(self, node: str, timeout: float) -> Any:
         """This process's renewal connection to ``node``, opened (if it is not) within ``timeout``.
@@ -109,11 +118,11 @@ class RenewalLines:
             self._conns, self._pid = {}, pid
         conn = self._conns.get(node)
         if conn is None:
-            if self._store.cluster:
-                cluster_node = self._store.client.get_node(node_name=node)  # type: ignore[attr-defined]
-                pool = self._store.client.get_redis_connection(cluster_node).connection_pool  # type: ignore[attr-defined]
+            if self._engine.cluster:
+                cluster_node = self._client().get_node(node_name=node)  # type: ignore[attr-defined]
+                pool = self._client().get_redis_connection(cluster_node).connection_pool  # type: ignore[attr-defined]
             else:
-                pool = self._store.client.connection_pool
+                pool = self._client().connection_pool
             kwargs = {**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0)}
             conn = self._conns[node] = pool.connection_class(**kwargs)
         if getattr(conn, "_sock", None) is None:
@@ -123,15 +132,15 @@ class RenewalLines:
 
     def _send(self, conn: Any, calls: Sequence[Script]) -> None:
         commands: list[tuple[Any, ...]] = [words_of(call) for call in calls]
-        if self._store.wait_replicas:
-            commands.append(self._store.wait_replicas)
+        if self._engine.wait_replicas:
+            commands.append(self._engine.wait_replicas)
         conn.send_packed_command(conn.pack_commands(commands))
 
     def _read(self, conn: Any, calls: Sequence[Script], end: float) -> tuple[list[Any], Any]:
         """The replies to what :meth:`_send` sent ``conn``, each by ``end`` (monotonic), and
         the WAIT reply (None without min_replicas)."""
         replies = [self._read_one(conn, end) for _ in calls]
-        acked = self._read_one(conn, end) if self._store.wait_replicas else None
+        acked = self._read_one(conn, end) if self._engine.wait_replicas else None
         if any(isinstance(r, NoScriptError) for r in replies):
             # Redis restarted or SCRIPT FLUSH ran: load it and send again, same deadline
             for name in {call.name for call in calls}:

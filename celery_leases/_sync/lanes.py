@@ -6,7 +6,7 @@ recorders, the retry wrapper, event dispatch): measured at about 75 µs of a 115
 loopback, against 38 µs for the same call written and read on a connection directly. So a
 thread keeps one connection of its own (a lane) and sends a single script call on it
 directly, with the client's semantics kept: the connection's own connect step (the restart
-check of ``_lifetime`` runs on every new connection), its socket timeouts, one resend after
+check of ``_restart_check`` runs on every new connection), its socket timeouts, one resend after
 a connection error only when the call allows it (``Send.once`` is False), NOSCRIPT loading
 the script and sending again (the script did not run), and a connection that failed in the
 middle of a call dropped, so no later call can read a stale reply. On a plain socket read
@@ -24,24 +24,19 @@ import select
 import socket
 import threading
 import weakref
-from collections.abc import Callable, Sequence
 from contextlib import suppress
-from typing import Any, Final
+from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ._protocol import Command, Script, words_of
-from ._scripts import SOURCE
+from .._protocol import Command, Script, words_of
+from .._scripts import SOURCE
+from .._wire import handoff, pack, where
 
-__all__ = ("Lanes", "direct_parser", "handoff", "pack", "skip_replies", "where")
+__all__ = ("Lane", "Lanes", "direct_parser", "skip_replies")
 
-_hiredis_pack: Callable[[tuple[Any, ...]], bytes] | None
-try:
-    from hiredis import pack_command as _hiredis_pack
-except ImportError:  # pragma: no cover - hiredis is optional
-    _hiredis_pack = None
 _HiredisParser: Any
 try:  # what a direct call (_direct) reads with: redis-py's hiredis parser, as it sets it up
     from hiredis import PushNotification as _Push
@@ -49,43 +44,6 @@ try:  # what a direct call (_direct) reads with: redis-py's hiredis parser, as i
     from redis._parsers.hiredis import _HiredisParser
 except ImportError:  # pragma: no cover - hiredis is optional; another redis-py: its own path
     _HiredisParser = None
-_UTF8: Final = frozenset({"utf-8", "utf8", "UTF-8"})
-
-
-def pack(conn: Any, words: Sequence[Any]) -> list[bytes]:
-    """``words`` packed for ``conn`` (a sync or an asyncio connection, the lanes of both
-    drivers), as redis-py packs them: by hiredis if there, else by :func:`_packed`, when the
-    connection's encoding is strict utf-8 (our words are str and int, which both pack as
-    redis-py does); any other encoding by redis-py itself (whose hiredis packer took no
-    encoding before redis-py 8.2 and takes it since: only redis-py knows)."""
-    encoder = conn.encoder
-    if encoder.encoding not in _UTF8 or encoder.encoding_errors != "strict":
-        return conn.pack_command(*words)  # type: ignore[no-any-return]
-    if _hiredis_pack is not None:
-        return [_hiredis_pack(tuple(words))]
-    return _packed(words) or conn.pack_command(*words)
-
-
-def _packed(words: Sequence[Any]) -> list[bytes] | None:
-    """``words`` as redis-py packs them (RESP) for a strict utf-8 connection, for str, int and
-    float words; else None.
-
-    The same bytes as ``Connection.pack_command`` (whose encoder also writes an int or a
-    float as its ``repr``) at a third of its cost on a script call of twenty words.
-    """
-    out = [b"*%d\r\n" % len(words)]
-    for word in words:
-        kind = type(word)
-        if kind is str:
-            data = word.encode()
-        elif kind is int or kind is float:  # not bool: redis-py refuses it
-            data = repr(word).encode()
-        elif kind is bytes:
-            data = word
-        else:
-            return None
-        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return [b"".join(out)]
 
 
 def _call(conn: Any, packed: list[bytes]) -> Any:
@@ -160,25 +118,6 @@ def skip_replies(conn: Any, parser: Any, timeout: float, channel: str | None = N
     return None
 
 
-def handoff(kind: object, channel: object, payload: object, mine: str) -> str | None:
-    """The token of a lease handed over (lua/release.lua) if a pub/sub message of ``kind``
-    on ``channel`` with ``payload`` is one for the waiter listening on ``mine``; else None.
-
-    Every other message a waiter hears only says "try again" (a token, or "0").
-    """
-    if kind not in (b"message", "message"):
-        return None
-    if isinstance(channel, bytes):
-        channel = channel.decode("utf-8", "replace")
-    if channel != mine:
-        return None
-    if isinstance(payload, bytes):
-        payload = payload.decode("ascii", "replace")
-    if isinstance(payload, str) and payload[:1] == "h" and payload[1:].isdigit():
-        return payload[1:]
-    return None
-
-
 def _direct(conn: Any, sock: socket.socket, parser: Any, packed: list[bytes]) -> Any:
     """:func:`_call` on the socket: its errors are redis-py's, and the connection is closed
     after any failure mid-call (a later call must never read this call's reply)."""
@@ -211,12 +150,7 @@ def _direct(conn: Any, sock: socket.socket, parser: Any, packed: list[bytes]) ->
     return reply
 
 
-def where(conn: Any) -> str:
-    """``host:port`` of ``conn`` (sync or asyncio), for the errors the lanes raise."""
-    return f"{getattr(conn, 'host', '?')}:{getattr(conn, 'port', '?')}"
-
-
-class _Lane:
+class Lane:
     """One thread's connection, for one client in one process.
 
     ``poller``: a poll object on the connection's socket, made once per socket, so the
@@ -239,7 +173,7 @@ class _Lane:
                 self.conn.disconnect()
 
 
-def _quiet(lane: _Lane, sock: Any) -> bool:
+def _quiet(lane: Lane, sock: Any) -> bool:
     """True if ``sock`` (``lane``'s connected socket) has nothing to read: the usual case,
     told by one ``poll`` on a plain socket. A TLS socket (it may hold decrypted bytes
     above the kernel's), any socket that polls readable, and a process without
@@ -258,7 +192,7 @@ def _quiet(lane: _Lane, sock: Any) -> bool:
     return not lane.poller.poll(0) and reader is not None and not reader.has_data()
 
 
-def _ready(lane: _Lane) -> None:
+def _ready(lane: Lane) -> None:
     """Make ``lane``'s connection ready to send, as the pool makes its connections.
 
     connect() through the connection: a Sentinel connection asks the sentinels for the
@@ -287,7 +221,7 @@ class Lanes:
 
     def __init__(self) -> None:
         self._local = threading.local()
-        self._all: weakref.WeakSet[_Lane] = weakref.WeakSet()
+        self._all: weakref.WeakSet[Lane] = weakref.WeakSet()
         self._lock = threading.Lock()
 
     def send(self, client: Any, call: Script | Command, once: bool) -> Any:
@@ -325,13 +259,13 @@ class Lanes:
                 conn.disconnect()
                 raise
 
-    def _lane(self, client: Any) -> _Lane:
-        lane: _Lane | None = getattr(self._local, "lane", None)
+    def _lane(self, client: Any) -> Lane:
+        lane: Lane | None = getattr(self._local, "lane", None)
         if lane is not None and lane.client is client and lane.pid == os.getpid():
             return lane
         pool = client.connection_pool
         conn = pool.connection_class(**pool.connection_kwargs)
-        lane = self._local.lane = _Lane(client, conn, os.getpid())
+        lane = self._local.lane = Lane(client, conn, os.getpid())
         with self._lock:
             self._all.add(lane)
         return lane

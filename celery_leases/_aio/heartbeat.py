@@ -1,4 +1,4 @@
-"""AsyncHeartbeat: one task per event loop that renews every lease held on that loop."""
+"""Heartbeat: one task per event loop that renews every lease held on that loop."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 from celery.utils.log import get_logger
 
-from ._heartbeat import (
+from .._protocol import adrive
+from .._renewround import (
     IDLE_LOOK,
     RETRY_AFTER_FAILURE,
     RenewCall,
@@ -21,20 +22,19 @@ from ._heartbeat import (
     send_lease_lost,
     tick_steps,
 )
-from ._protocol import adrive
-from .config import renewal_interval
-from .exceptions import LeaseError
+from ..config import renewal_interval
+from ..exceptions import LeaseError
 
 if TYPE_CHECKING:
-    from ._astore import AsyncLeaseStore
-    from ._lease import Held
+    from .._lease import Held
+    from .driver import AsyncLeaseStore
 
-__all__ = ("AsyncHeartbeat", "loop_heartbeat")
+__all__ = ("Heartbeat", "loop_heartbeat")
 
 logger = get_logger(__name__)
 
 
-class AsyncHeartbeat:
+class Heartbeat:
     """Renews the leases held on one event loop, as the sync heartbeat thread does.
 
     One task, started on the first lease and ended after a second with nothing held. Every
@@ -121,11 +121,11 @@ class AsyncHeartbeat:
         report_lost(held, why, self.clock(), send_lease_lost)
 
 
-_beats: dict[asyncio.AbstractEventLoop, AsyncHeartbeat] = {}
+_beats: dict[asyncio.AbstractEventLoop, Heartbeat] = {}
 _beats_lock = threading.Lock()
 
 
-def loop_heartbeat() -> AsyncHeartbeat:
+def loop_heartbeat() -> Heartbeat:
     """The running event loop's heartbeat (made on first use)."""
     loop = asyncio.get_running_loop()
     beat = _beats.get(loop)
@@ -133,7 +133,7 @@ def loop_heartbeat() -> AsyncHeartbeat:
         with _beats_lock:
             for old in [other for other in _beats if other.is_closed()]:
                 del _beats[old]
-            beat = _beats.setdefault(loop, AsyncHeartbeat())
+            beat = _beats.setdefault(loop, Heartbeat())
     return beat
 
 

@@ -1,4 +1,4 @@
-"""Subscribers: the sync driver's subscriber connections, and a wait's listening on them.
+"""Subscriber: the sync driver's subscriber connections, and a wait's listening on them.
 
 A wait (``_wait``) subscribes to the release channels of what it wants, then tries again; it
 is woken by a release at once (no polling), and by the blocking holder's expiry at the
@@ -6,10 +6,10 @@ latest. Each :class:`~celery_leases._protocol.Listen` it yields is carried out b
 :class:`Listening`. Waiters
 keep their connections: opening one costs redis-py's handshake (several round trips), which
 a waiter would otherwise pay on every wait. (The asyncio driver has one subscriber per
-event loop, ``_astore._Subscriber``.)
+event loop, its twin ``_aio/subscriber.py::Subscriber``.)
 
 A wake-up is read off the socket directly where it is a plain one read with hiredis
-(``_lanes.skip_replies``): each message only says "try again", and redis-py's
+(``lanes.skip_replies``): each message only says "try again", and redis-py's
 ``get_message`` costs about 37 µs a message on the benchmark VM.
 
 A waiter that got its grant hands its connection to a returner thread, which sends the
@@ -33,16 +33,17 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ._lanes import direct_parser, handoff, skip_replies
-from ._protocol import Heard, Listen, Op
+from .._protocol import Heard, Listen, Op
+from .._wire import handoff
+from .lanes import direct_parser, skip_replies
 
-__all__ = ("Listening", "Subscribers")
+__all__ = ("Listening", "Subscriber")
 
 #: idle subscriber connections a store keeps per process for waiters
 IDLE_SUBSCRIBERS: Final = 4
 
 
-class Subscribers:
+class Subscriber:
     """A store's idle subscriber connections in this process (dropped after a fork)."""
 
     def __init__(self, client: Callable[[], redis.Redis], confirm_timeout: float) -> None:
@@ -134,7 +135,7 @@ class Listening:
 
     __slots__ = ("_channels", "_parser", "_pubsub", "_send", "_subscribers")
 
-    def __init__(self, subscribers: Subscribers, send: Callable[[Op], Any]) -> None:
+    def __init__(self, subscribers: Subscriber, send: Callable[[Op], Any]) -> None:
         self._subscribers, self._send = subscribers, send
         self._pubsub: redis.client.PubSub | None = None
         self._channels: list[str] = []

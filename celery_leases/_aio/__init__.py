@@ -1,0 +1,1 @@
+"""The asyncio driver of the lease protocol (its twin: ``_sync``)."""

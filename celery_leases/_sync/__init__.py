@@ -1,0 +1,1 @@
+"""The sync driver of the lease protocol (its twin: ``_aio``)."""
