@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Final, Generic, NamedTuple, Protocol, TypeVar
 
 from . import signals
-from .config import renewal_interval
+from .config import renewal_interval, safe_url
 from .exceptions import LeaseError
 
 if TYPE_CHECKING:
@@ -85,9 +85,9 @@ def tick_steps(
             try:
                 lost = yield RenewCall(store, owner, batch, budget)
             except LeaseError as exc:
-                round_.failed(batch, sent, exc)
+                round_.failed(store, batch, sent, exc)
                 continue
-            round_.done(batch, owner, lost, sent)
+            round_.done(store, batch, owner, lost, sent)
         round_.finish(now)
         now = beat.clock()
         held = [h for h in held if not h.lost and not h.released]
@@ -101,7 +101,8 @@ class _Beat(Protocol):
     """What a :class:`RenewRound` needs of its heartbeat (the thread or the asyncio task)."""
 
     clock: Callable[[], float]
-    failing: bool
+    #: the Redis servers (their URLs, passwords hidden) whose last renewal failed
+    failing: set[str]
     next_renew: float
     renewals: int
 
@@ -119,6 +120,11 @@ class _Store(Protocol):
 
 
 S = TypeVar("S", bound=_Store)
+
+
+def _server(store: _Store) -> str:
+    """The Redis server of ``store``, as its logs name it (no password)."""
+    return safe_url(store.settings.url)
 
 
 class RenewRound(Generic[S]):
@@ -152,6 +158,8 @@ class RenewRound(Generic[S]):
             self._stores[id(store)] = store
         self._jobs = sorted(groups.items(), key=lambda job: min(h.deadline for h in job[1]))
         self.ok = True
+        #: per Redis server of this round: did every renewal sent to it succeed
+        self._answered: dict[str, bool] = {}
         # The round plans the leases it renews; a lease added while it is in flight lowers
         # the plan from here on, and finish() keeps that. Timeline: t0 the round starts on a
         # slow Redis; t1 a lease of a short ttl is added, due before the round's interval
@@ -171,17 +179,24 @@ class RenewRound(Generic[S]):
             beat.renewals += 1
             yield store, owner, batch, budget, beat.clock()
 
-    def failed(self, batch: list[Held], sent: float, exc: Exception) -> None:
-        """The renew call of ``batch``, sent at ``sent``, failed with ``exc``."""
+    def failed(self, store: S, batch: list[Held], sent: float, exc: Exception) -> None:
+        """The renew call of ``batch`` to ``store``, sent at ``sent``, failed with ``exc``.
+
+        Logged at ERROR once per Redis server until its renewals succeed again: the failure
+        of another server (another store of the process) is never hidden behind this one's.
+        """
         self.ok = False
+        server = _server(store)
+        self._answered[server] = False
         _observe_renew(self._beat.clock() - sent, False, len(batch))
-        if not self._beat.failing:
+        if server not in self._beat.failing:
             self._log.error("leases: renewal of %d lease(s) failed: %s", len(batch), exc)
         else:
             self._log.debug("leases: renewal still failing: %s", exc)
 
-    def done(self, batch: list[Held], owner: str, lost: set[int], sent: float) -> None:
+    def done(self, store: S, batch: list[Held], owner: str, lost: set[int], sent: float) -> None:
         """The renew call of ``batch`` answered; ``lost`` are the indices Redis no longer has."""
+        self._answered.setdefault(_server(store), True)
         _observe_renew(self._beat.clock() - sent, True, len(batch))
         self._log.debug("leases: renewed %d lease(s) of %s", len(batch), owner)
         for h in confirm(batch, lost, sent):
@@ -190,9 +205,12 @@ class RenewRound(Generic[S]):
     def finish(self, now: float) -> None:
         """The round is over: plan the next one (sooner after a failure)."""
         beat = self._beat
-        if self.ok and beat.failing:
-            self._log.warning("leases: renewals succeed again")
-        beat.failing = not self.ok
+        for server, ok in self._answered.items():
+            if ok and server in beat.failing:
+                self._log.warning("leases: renewals succeed again (%s)", server)
+        # a server this round sent nothing to (its leases were released or lost) is
+        # forgotten: its next failure is news again, at ERROR
+        beat.failing = {server for server, ok in self._answered.items() if not ok}
         retry = self.interval if self.ok else min(self.interval, RETRY_AFTER_FAILURE)
         with beat.lock:
             beat.next_renew = min(beat.next_renew, now + retry)

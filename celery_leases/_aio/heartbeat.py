@@ -57,7 +57,7 @@ class Heartbeat:
         # there is nothing to guard
         self.lock = contextlib.nullcontext()
         self._planned: float | None = None  # clock time of the next look (None: looking now)
-        self.failing = False
+        self.failing: set[str] = set()  # the servers whose renewals fail (see RenewRound)
         self.renewals = 0  # renew calls sent (for tests)
 
     def add(self, held: Held, store: AsyncLeaseStore) -> None:

@@ -71,7 +71,7 @@ class Heartbeat:
         # clock time at which the thread looks again (None: it is looking now, or about to,
         # so add() must wake it)
         self._planned: float | None = None
-        self.failing = False
+        self.failing: set[str] = set()  # the servers whose renewals fail (see RenewRound)
         self.renewals = 0  # number of renew calls sent (for benchmarks and tests)
 
     # --- registry --------------------------------------------------------------------------

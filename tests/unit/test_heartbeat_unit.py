@@ -47,6 +47,7 @@ class FakeStore:
 
     clock: FakeClock
     socket_timeout: float = 5.0
+    url: str = "redis://127.0.0.1:6379/0"
     calls: list[RenewCall] = field(default_factory=list)
     fail: list[BaseException] = field(default_factory=list)  # raised by the next calls, in order
     missing: set[str] = field(default_factory=set)  # resources "Redis" no longer has
@@ -54,7 +55,7 @@ class FakeStore:
     frozen: bool = False  # like a frozen Redis: each call times out after its whole timeout
 
     def __post_init__(self) -> None:
-        self.settings = SimpleNamespace(socket_timeout=self.socket_timeout)
+        self.settings = SimpleNamespace(socket_timeout=self.socket_timeout, url=self.url)
         self.keys = Keyspace("unit")
 
     def renew(self, held: list[Held], owner: str, timeout: float) -> set[int]:
@@ -370,3 +371,46 @@ def test_a_frozen_store_does_not_cost_the_leases_of_another(beat, clock, lost_lo
     # the frozen store was tried, within the time it had
     assert frozen.calls
     assert all(c.timeout <= c.first_deadline - c.at for c in frozen.calls)
+
+
+def _errors(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname in ("ERROR", "WARNING")]
+
+
+def test_each_redis_servers_first_failure_is_an_error_of_its_own(beat, clock, caplog):
+    """A failing server never hides another's failure at DEBUG, and a server whose leases
+    are gone is forgotten: its next failure is an ERROR again."""
+    a = FakeStore(clock, url="redis://a:6379/0")
+    b = FakeStore(clock, url="redis://b:6379/0")
+    a.fail = [LeaseBackendError("a down")] * 3
+    on_a = make_held(a, clock, "on-a", horizon=27.0)
+    beat.add(on_a, on_a.engine)
+    caplog.set_level("DEBUG")
+    run(beat, clock, 9.0 + STEP)  # the first renewal of a fails
+    assert _errors(caplog) == ["leases: renewal of 1 lease(s) failed: a down"]
+
+    caplog.clear()
+    b.fail = [LeaseBackendError("b down")]
+    on_b = make_held(b, clock, "on-b", horizon=27.0)
+    beat.add(on_b, on_b.engine)
+    run(beat, clock, 10.5)  # a fails again (DEBUG), b fails for the first time (ERROR)
+    assert _errors(caplog) == ["leases: renewal of 1 lease(s) failed: b down"]
+    assert any("still failing: a down" in r.getMessage() for r in caplog.records)
+
+    caplog.clear()
+    run(beat, clock, 12.0)  # both answer again, each told apart
+    assert sorted(_errors(caplog)) == [
+        "leases: renewals succeed again (redis://a:6379/0)",
+        "leases: renewals succeed again (redis://b:6379/0)",
+    ]
+
+    caplog.clear()
+    a.fail = [LeaseBackendError("a down again")] * 100
+    run(beat, clock, 21.5)  # a fails again: news, at ERROR
+    on_a.released = True  # a's only lease goes while a fails; b renews on: a is forgotten
+    run(beat, clock, 40.0)
+    again = make_held(a, clock, "on-a-2", horizon=27.0)
+    beat.add(again, again.engine)
+    run(beat, clock, 50.0)
+    told = [e for e in _errors(caplog) if "a down again" in e]
+    assert told == ["leases: renewal of 1 lease(s) failed: a down again"] * 2
