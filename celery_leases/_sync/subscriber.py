@@ -133,13 +133,15 @@ class Listening:
     the wait given to :meth:`execute`.
     """
 
-    __slots__ = ("_channels", "_parser", "_pubsub", "_send", "_subscribers")
+    __slots__ = ("_channels", "_clean", "_parser", "_pubsub", "_send", "_subscribers")
 
     def __init__(self, subscribers: Subscriber, send: Callable[[Op], Any]) -> None:
         self._subscribers, self._send = subscribers, send
         self._pubsub: redis.client.PubSub | None = None
         self._channels: list[str] = []
         self._parser: object | None = None
+        #: the connection's last read ended where it should: it may serve another wait
+        self._clean = False
 
     def __enter__(self) -> Listening:
         return self
@@ -148,7 +150,10 @@ class Listening:
         pubsub, self._pubsub = self._pubsub, None
         if pubsub is None:
             return
-        if error is None:
+        # a wait that ends with an error raised outside a listen (LeaseBusy at its timeout, a
+        # failed attempt on another connection) leaves this one as good as a grant does; an
+        # error in the middle of a listen may leave a reply half read: that one is closed
+        if self._clean:
             self._subscribers._give_back_later(pubsub, self._channels)
         else:
             pubsub.close()
@@ -162,6 +167,7 @@ class Listening:
         ``op.timeout`` for a message (a release, or a handoff on ``op.handed_on``). A
         message of an earlier wait on this connection costs one extra attempt. Raises redis
         errors."""
+        self._clean = False
         pubsub = self._pubsub
         if pubsub is None:
             pubsub = self._subscribers._take()
@@ -177,6 +183,7 @@ class Listening:
         if self._parser is not None:
             try:
                 token = skip_replies(pubsub.connection, self._parser, op.timeout, op.handed_on)
+                self._clean = True
                 return Heard(token)
             except RedisConnectionError:
                 # killed, or the server restarted: redis-py's path from here on, which
@@ -186,6 +193,7 @@ class Listening:
         if message is not None and op.handed_on is not None:
             kind, channel = message.get("type"), message.get("channel")
             token = handoff(kind, channel, message.get("data"), op.handed_on)
+        self._clean = True
         return Heard(token)
 
 

@@ -324,3 +324,18 @@ def test_a_killed_subscriber_connection_strands_no_waiter(make_leases, make_redi
     assert waiter.error is None
     assert waiter.granted_at is not None
     assert waiter.granted_at - released_at < 60  # woken, not the holder's expiry (120 s)
+
+
+def test_a_wait_that_runs_out_gives_its_connection_back(make_leases, leases_redis):
+    """A wait that ends in LeaseBusy unsubscribes and keeps its connection for the next wait,
+    as a granted one does: closing it would cost every timed-out wait a new connection."""
+    leases = make_leases()
+    holder = Identity("holder", "inc", 1)
+    held = leases.store.try_acquire([Want("r")], holder, 60.0)
+    assert isinstance(held, list)
+    with pytest.raises(LeaseBusy):
+        leases.store.acquire([Want("r")], Identity("waiter", "inc", 1), 60.0, wait=0.2)
+    # unsubscribed (by the returner thread), and kept idle for the next wait
+    poll(lambda: subscribers(leases_redis, leases, "r") == 0, SCHEDULING, "the unsubscribe")
+    poll(lambda: len(leases.store._subscribers._idle) == 1, SCHEDULING, "the idle connection")
+    leases.store.release(held)
