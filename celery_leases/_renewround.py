@@ -157,7 +157,6 @@ class RenewRound(Generic[S]):
             groups.setdefault((id(store), h.owner), []).append(h)
             self._stores[id(store)] = store
         self._jobs = sorted(groups.items(), key=lambda job: min(h.deadline for h in job[1]))
-        self.ok = True
         #: per Redis server of this round: did every renewal sent to it succeed
         self._answered: dict[str, bool] = {}
         # The round plans the leases it renews; a lease added while it is in flight lowers
@@ -185,7 +184,6 @@ class RenewRound(Generic[S]):
         Logged at ERROR once per Redis server until its renewals succeed again: the failure
         of another server (another store of the process) is never hidden behind this one's.
         """
-        self.ok = False
         server = _server(store)
         self._answered[server] = False
         _observe_renew(self._beat.clock() - sent, False, len(batch))
@@ -211,7 +209,7 @@ class RenewRound(Generic[S]):
         # a server this round sent nothing to (its leases were released or lost) is
         # forgotten: its next failure is news again, at ERROR
         beat.failing = {server for server, ok in self._answered.items() if not ok}
-        retry = self.interval if self.ok else min(self.interval, RETRY_AFTER_FAILURE)
+        retry = min(self.interval, RETRY_AFTER_FAILURE) if beat.failing else self.interval
         with beat.lock:
             beat.next_renew = min(beat.next_renew, now + retry)
 
