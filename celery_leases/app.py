@@ -539,6 +539,12 @@ class _Holding(_Block):
             raise_first_lost(lost)
 
 
+def close_store(ext: Leases) -> None:
+    """Close ``ext``'s sync store if one was made (closing never makes one)."""
+    if ext._store is not None:
+        ext._store.close()
+
+
 def ttl_of(ext: Leases, ttl: float | None) -> float:
     """``ttl`` checked (0.05 s to a day), or ``ext``'s default ttl when None."""
     return ext._ttl(ttl)

@@ -32,7 +32,7 @@ from celery import Celery
 
 from ._redis_server import NO_BINARY, RedisServer, find_server_binary, url_answers
 from ._sync.driver import LeaseStore
-from .app import Leases
+from .app import Leases, close_store
 from .config import LeaseSettings, resolve_settings, safe_url
 
 __all__ = (
@@ -162,7 +162,7 @@ def make_leases(leases_redis_url: str, leases_prefix: str) -> Iterator[Callable[
 
     yield make
     for leases in made:
-        leases.store.close()
+        close_store(leases)
 
 
 @pytest.fixture
