@@ -276,6 +276,10 @@ class LeasedTask(Task[Any, Any]):
     #: or keyword), for binding without ``Signature.bind`` (see ``_bound_values``)
     _plain_params: ClassVar[tuple[tuple[str, ...], dict[str, Any]] | None] = None
     _unique_template: ClassVar[_Template | None] = None
+    #: True when the ``__call__`` after this class's in the MRO is Celery's own (no other
+    #: base wraps the body): a traced call may then run the body as Celery runs a task
+    #: without a ``__call__`` of its own (see ``_run_body``)
+    _celery_call: ClassVar[bool] = True
 
     #: a busy lease is an expected end (on_busy="fail", a "wait" or "retry" that ran out):
     #: Celery logs it at INFO without a traceback, not at ERROR
@@ -286,6 +290,8 @@ class LeasedTask(Task[Any, Any]):
         if not any(issubclass(LeaseBusy, t) for t in cls.throws):  # a task's own throws=
             cls.throws = (*cls.throws, LeaseBusy)
         cls._declare_leases()
+        after = cls.__mro__[cls.__mro__.index(LeasedTask) + 1 :]
+        cls._celery_call = next(k for k in after if "__call__" in k.__dict__) is Task
 
     @classmethod
     def _declare_leases(cls) -> None:
@@ -463,15 +469,36 @@ class LeasedTask(Task[Any, Any]):
             return self._busy(busy, on_busy, args, kwargs)
         except LeaseBackendError as exc:
             self._backend_failed(exc)
+        traced = self._traced()
         token = _current.set(tuple(leases))
         try:
             if interrupter is None:
-                return super().__call__(*args, **kwargs)
+                return self._run_body(traced, args, kwargs)
             with interrupter:
-                return super().__call__(*args, **kwargs)
+                return self._run_body(traced, args, kwargs)
         finally:
             _current.reset(token)
             ext.release(leases)
+
+    def _traced(self) -> bool:
+        """True if this call is the tracer's own (a worker's, or ``apply``'s), outside any
+        leased body: its request, pushed by the tracer, is the only one on the stack."""
+        return (
+            self._celery_call
+            and not _current.get()
+            and len(self.request_stack) == 1
+            and not self.request.called_directly
+        )
+
+    def _run_body(self, traced: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run the task body. A traced call runs ``run`` directly, as Celery's tracer does for
+        a task without a ``__call__`` of its own: the tracer pushed this call's request and
+        the task already, and ``Task.__call__`` would only push a copy of both (a Context
+        made per task, a third of what a lease adds to a trivial task besides its Redis calls).
+        """
+        if traced:
+            return self.run(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
     # --- busy policies --------------------------------------------------------------------
     def _busy(
