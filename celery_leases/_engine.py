@@ -121,6 +121,11 @@ class LeaseEngine:
             min(settings.history, RESOURCE_HISTORY),
             self.ms(settings.history_keep),
         )
+        #: the history arguments acquire.lua takes last: a resource's cap and the keep, then
+        #: the group's cap; without history the "0" alone (each argument costs the server
+        #: about 1,100 instructions: docs/benchmarks.md)
+        hist, rhist, keep = self.history_args
+        self.grant_history: tuple[int, ...] = (rhist, keep, hist) if hist else (0,)
         self.cluster = _cluster_url(settings.url)
         self.waiter_prefix = self.keys.waiter_channel_prefix
         # the settings are fixed: two of them read at every grant, kept as plain numbers

@@ -472,7 +472,7 @@ def acquire_call(
         rk = engine.resource_keys(w.resource)
         keys += (rk.exclusive, rk.shared, rk.counter, rk.waiters, rk.ticket_expiry, rk.handed)
         args += (w.mode, w.limit, w.resource)
-    args += engine.history_args
+    args += engine.grant_history
     if engine.history and wants:
         keys.append(engine.keys.history(group))
         for w in wants:

@@ -184,7 +184,11 @@ def release_args(
     ]
     for e in entries:
         args += (e.mode, e.token, e.text, engine.resource_keys(e.resource).channel, e.handed)
-    args += (*engine.history_args, event, by)
+    if engine.history:  # last, the group's cap (see lua/release.lua)
+        hist, rhist, keep = engine.history_args
+        args += (rhist, keep, event, by, hist)
+    else:
+        args.append(0)
     return args
 
 

@@ -36,9 +36,10 @@
 --          owner holds: see _registry.py); and refreshes the owner's liveness (home keys
 --          given) as a grant does
 -- then per resource i: mode ("x" or "s"), limit (0 = none), resource name (for the registry)
--- then, last: events kept in the group's history stream (the history setting; 0: no history,
---             and none of the history keys is given), events kept in a resource's own
---             stream, milliseconds a resource's stream and record outlive their last event
+-- then, with history: events kept in a resource's own stream, milliseconds a resource's
+--             stream and record outlive their last event
+-- then, last: events kept in the group's history stream (the history setting); "0": no
+--             history, and neither the two arguments before it nor the history keys are given
 -- with history, KEYS end with: the group's history stream, then per resource i its own
 --             history stream and its record (a hash: transitions, ttl of the last grant)
 -- returns {1, token_1, ..., token_n}  granted
@@ -61,6 +62,9 @@ local now, now_us, now_text = clock_of(redis.call('TIME'))
 -- numbers are read from ARGV only where used: each tonumber costs a third of a call
 local owner = ARGV[1]
 local home = ARGV[4] == '1'
+-- a whole number as text for a string (a token in an entry or holder: Lua's own conversion
+-- keeps 14 digits only); redis.call gets numbers as they are, which Redis writes exactly
+-- ("%.17g") for less than a string.format costs
 local function num(x) return string.format('%.0f', x) end
 
 if ARGV[3] ~= '-1' then
@@ -72,8 +76,10 @@ end
 
 local h = home and 5 or 2
 local a = 14
-local n = (#ARGV - a - 3) / 3
-local hist, rhist, hkeep = ARGV[#ARGV - 2], ARGV[#ARGV - 1], ARGV[#ARGV]
+-- the history arguments come last, the cap of the group's stream at the very end (see above)
+local hist = ARGV[#ARGV]
+local n = (#ARGV - a - (hist == '0' and 1 or 3)) / 3
+local rhist, hkeep = ARGV[#ARGV - 2], ARGV[#ARGV - 1]  -- read only with history
 local hk = h + 6 * n  -- the history keys start after hk
 -- one event "<field> <value> ..." in the group's stream and in resource i's (0-based) own
 local function event(i, kind, entry, ...)
@@ -100,7 +106,7 @@ end
 -- forgot): forget_owner.lua drops an owner from the index and its node's set together, so
 -- an owner found in the index is registered under its node already
 local function register()
-  if home and redis.call('ZADD', KEYS[3], 'GT', num(now + tonumber(ARGV[5])), owner) == 1 then
+  if home and redis.call('ZADD', KEYS[3], 'GT', now + tonumber(ARGV[5]), owner) == 1 then
     redis.call('SADD', KEYS[4], owner)
     redis.call('SADD', KEYS[5], ARGV[6])
   end
@@ -172,7 +178,7 @@ for i = 0, n - 1 do
         -- a holder without expiry can only come from outside this library: never grant over it
         return busy(i, tonumber(ARGV[2]))
       end
-      redis.call('ZREMRANGEBYSCORE', skey, '-inf', num(now))
+      redis.call('ZREMRANGEBYSCORE', skey, '-inf', now)
       local count = redis.call('ZCARD', skey)
       if count > 0 and (mode == 'x' or (limit > 0 and count >= limit)) then
         local first = redis.call('ZRANGE', skey, 0, 0, 'WITHSCORES')
@@ -212,7 +218,7 @@ for i = 0, n - 1 do
     redis.call('SET', xkey, holder, 'PX', ARGV[2])  -- the ttl as sent: a number costs more
   else
     local ttl = tonumber(ARGV[2])
-    redis.call('ZADD', skey, num(now + ttl), holder)
+    redis.call('ZADD', skey, now + ttl, holder)
     if redis.call('PTTL', skey) < ttl then
       redis.call('PEXPIRE', skey, ttl)
     end

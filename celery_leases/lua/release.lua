@@ -23,11 +23,12 @@
 --             that very ticket, if the handed tickets still record it, and nothing else),
 --             registry entry, release channel, and for a lease handed to its holder, the
 --             ticket it was handed to ("" else: see _waiters.lua)
--- then, last: events kept in the group's history stream (the history setting; 0: no history,
---             and none of the history keys is given), events kept in a resource's own
---             stream, milliseconds a resource's stream outlives its last event, the event of
---             a lease released now ("released", "freed" or "forced"), and who frees ("" for
---             the holder itself; cleanup, reaper, reconcile, an operator)
+-- then, with history: events kept in a resource's own stream, milliseconds a resource's
+--             stream outlives its last event, the event of a lease released now
+--             ("released", "freed" or "forced"), and who frees ("" for the holder itself;
+--             cleanup, reaper, reconcile, an operator)
+-- then, last: events kept in the group's history stream (the history setting); "0": no
+--             history, and neither the four arguments before it nor the history keys are given
 -- with history, KEYS end with: the group's history stream, then per lease i its resource's
 --             own history stream and record
 -- returns per lease i: 1 = released now, 0 = was no longer held by us, 2 = spared (ARGV[7])
@@ -57,10 +58,12 @@ local function clock()
 end
 local owner, wprefix, trust = ARGV[1], ARGV[2], ARGV[3] == '1'
 local a = 7
-local n = (#ARGV - a - 5) / 5
+-- the history arguments come last, the cap of the group's stream at the very end (see above)
+local hist = ARGV[#ARGV]
+local n = (#ARGV - a - (hist == '0' and 1 or 5)) / 5
 local spare = ARGV[7] ~= '0' and tonumber(ARGV[7])
-local hist, rhist, hkeep = ARGV[#ARGV - 4], ARGV[#ARGV - 3], ARGV[#ARGV - 2]
-local kind, by = ARGV[#ARGV - 1], ARGV[#ARGV]
+-- read only with history
+local rhist, hkeep, kind, by = ARGV[#ARGV - 4], ARGV[#ARGV - 3], ARGV[#ARGV - 2], ARGV[#ARGV - 1]
 local hk = 2 + 5 * n  -- the history keys start after hk
 local function event(i, e, entry, who, ...)
   redis.call('XADD', KEYS[hk + 1], 'MAXLEN', '~', hist, '*', 'e', e, 'x', entry, 'o', who, ...)

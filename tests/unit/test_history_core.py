@@ -25,10 +25,11 @@ def test_the_history_arguments_come_last_and_its_keys_only_when_on(monkeypatch):
     wants = [Want("a"), Want("b", "s", 2)]
     plain = _grants.acquire_call(off, 0, wants, WORKER, 30.0, False)
     kept = _grants.acquire_call(on, 0, wants, WORKER, 30.0, False)
-    # every earlier argument in its place, the three of the history appended
-    assert plain.args[:-3] == kept.args[:-3]
-    assert plain.args[-3:] == [0, 0, 86_400_000]
-    assert kept.args[-3:] == [500, min(500, RESOURCE_HISTORY), 60_000]
+    # every earlier argument in its place; without history a "0" alone, with it the three of
+    # the history, the group's cap last
+    assert plain.args[:-1] == kept.args[:-3]
+    assert plain.args[-1] == 0
+    assert kept.args[-3:] == [min(500, RESOURCE_HISTORY), 60_000, 500]
     assert kept.keys[: len(plain.keys)] == plain.keys
     ra, rb = on.resource_keys("a"), on.resource_keys("b")
     assert kept.keys[len(plain.keys) :] == [
@@ -47,8 +48,10 @@ def test_a_release_names_its_event_and_who_frees_last():
     on = _engine(history=500)
     entries = [Entry("x", 7, "t1", "a")]
     args = _releases.release_args(on, "o/1/2", entries, "freed", "reaper")
-    assert args[:-5] == _releases.release_args(_engine(), "o/1/2", entries)[:-5]
-    assert args[-5:] == [500, 100, 86_400_000, "freed", "reaper"]
+    plain = _releases.release_args(_engine(), "o/1/2", entries, "freed", "reaper")
+    assert args[:-5] == plain[:-1]
+    assert plain[-1] == 0  # without history, neither the event nor who frees is sent
+    assert args[-5:] == [100, 86_400_000, "freed", "reaper", 500]
     keys = _releases.release_keys(on, "o/1/2", 0, entries)
     rk = on.resource_keys("a")
     assert keys[-3:] == [on.keys.history(0), rk.history, rk.record]
