@@ -81,23 +81,39 @@ local hist = ARGV[#ARGV]
 local n = (#ARGV - a - (hist == '0' and 1 or 3)) / 3
 local rhist, hkeep = ARGV[#ARGV - 2], ARGV[#ARGV - 1]  -- read only with history
 local hk = h + 6 * n  -- the history keys start after hk
--- one event "<field> <value> ..." in the group's stream and in resource i's (0-based) own
-local function event(i, kind, entry, ...)
-  redis.call('XADD', KEYS[hk + 1], 'MAXLEN', '~', hist, '*', 'e', kind, 'x', entry, ...)
-  local rkey = KEYS[hk + 2 * i + 2]
-  redis.call('XADD', rkey, 'MAXLEN', '~', rhist, '*', 'e', kind, 'x', entry, ...)
-  redis.call('PEXPIRE', rkey, hkeep)
+-- one event "<field> <value> ..." in the group's stream and in resource i's (0-based) own.
+-- Made with history only, as busy() below is made only where it may be called: making a
+-- closure costs the server some 2,500 to 6,500 instructions (more with more upvalues)
+local event
+if hist ~= '0' then
+  event = function(i, kind, entry, ...)
+    redis.call('XADD', KEYS[hk + 1], 'MAXLEN', '~', hist, '*', 'e', kind, 'x', entry, ...)
+    local rkey = KEYS[hk + 2 * i + 2]
+    redis.call('XADD', rkey, 'MAXLEN', '~', rhist, '*', 'e', kind, 'x', entry, ...)
+    redis.call('PEXPIRE', rkey, hkeep)
+  end
 end
 local memory = ARGV[7]
 local sharing = {}  -- i -> true: resource i has live shared holders (read with memory "0")
 local ticket, wprefix, trust, ordering = ARGV[10], ARGV[11], ARGV[12] == '1', ARGV[14] ~= '0'
--- the task field without the call id (history events, handoff entries): only when needed
-local function task()
-  return string.match(ARGV[9], '^(.-)%%c') or ARGV[9]
+-- made only where they may be called (see event above)
+local task, ticket_of, handed_entry
+if ordering or hist ~= '0' then
+  -- the task field without the call id (history events, handoff entries)
+  task = function()
+    return string.match(ARGV[9], '^(.-)%%c') or ARGV[9]
+  end
 end
-
-local function ticket_of(i)
-  return ARGV[a + 3 * i + 1] .. ticket
+if ticket ~= '' or ordering then
+  ticket_of = function(i)
+    return ARGV[a + 3 * i + 1] .. ticket
+  end
+end
+if ordering then
+  -- the registry entry of a lease handed to this ticket (see ARGV[14])
+  handed_entry = function()
+    return 'h ' .. string.match(ticket, '^%S+') .. ' ' .. task() .. ' ' .. ARGV[a + 3]
+  end
 end
 
 -- the home call: register the owner, refresh its liveness.
@@ -110,11 +126,6 @@ local function register()
     redis.call('SADD', KEYS[4], owner)
     redis.call('SADD', KEYS[5], ARGV[6])
   end
-end
-
--- the registry entry of a lease handed to this ticket (see ARGV[14])
-local function handed_entry()
-  return 'h ' .. string.match(ticket, '^%S+') .. ' ' .. task() .. ' ' .. ARGV[a + 3]
 end
 
 if ordering then
@@ -134,31 +145,6 @@ if ordering then
   end
 end
 
--- busy on resource i (0-based) for wait ms: queue the ticket there, and only there
-local function busy(i, wait)
-  if hist ~= '0' then
-    local m, r = ARGV[a + 3 * i + 1], ARGV[a + 3 * i + 3]
-    event(i, 'busy', m .. ' 0 ' .. task() .. ' ' .. r, 'o', owner, 'w', wait)
-  end
-  if ticket ~= '' then
-    for j = 0, n - 1 do
-      if j ~= i then
-        dequeue(KEYS[h + 6 * j + 4], KEYS[h + 6 * j + 5], ticket_of(j), KEYS[h + 6 * j + 6])
-      end
-    end
-    local life = wait
-    if ordering then
-      -- an order is valid until the ticket's expiry less the slack (release.lua)
-      life = math.min(life, tonumber(ARGV[14]))
-      record_grants(KEYS[2], {handed_entry()}, ARGV[8])
-      register()
-    end
-    life = life + tonumber(ARGV[13])
-    enqueue(KEYS[h + 6 * i + 4], KEYS[h + 6 * i + 5], ticket_of(i), now, now_us, life)
-  end
-  return {0, i + 1, wait}
-end
-
 -- first pass: every resource must be free for the mode asked; nothing is written but the
 -- removal of shared holders that already ran out
 for i = 0, n - 1 do
@@ -167,22 +153,47 @@ for i = 0, n - 1 do
   -- the common case, a free resource without waiters, costs one call
   local found = redis.call('EXISTS', xkey, skey, wkey)
   if found > 0 then
+    -- busy on resource i (0-based) for wait ms: queue the ticket there, and only there.
+    -- Made here, where it may be needed: a closure costs the server to make (see event)
+    local function busy(wait)
+      if hist ~= '0' then
+        local m, r = ARGV[a + 3 * i + 1], ARGV[a + 3 * i + 3]
+        event(i, 'busy', m .. ' 0 ' .. task() .. ' ' .. r, 'o', owner, 'w', wait)
+      end
+      if ticket ~= '' then
+        for j = 0, n - 1 do
+          if j ~= i then
+            dequeue(KEYS[h + 6 * j + 4], KEYS[h + 6 * j + 5], ticket_of(j), KEYS[h + 6 * j + 6])
+          end
+        end
+        local life = wait
+        if ordering then
+          -- an order is valid until the ticket's expiry less the slack (release.lua)
+          life = math.min(life, tonumber(ARGV[14]))
+          record_grants(KEYS[2], {handed_entry()}, ARGV[8])
+          register()
+        end
+        life = life + tonumber(ARGV[13])
+        enqueue(KEYS[h + 6 * i + 4], KEYS[h + 6 * i + 5], ticket_of(i), now, now_us, life)
+      end
+      return {0, i + 1, wait}
+    end
     local queued = redis.call('EXISTS', wkey) == 1
     if found > 1 or not queued then
       -- a holder key: the checks as without a queue
       local mode, limit = ARGV[a + 3 * i + 1], tonumber(ARGV[a + 3 * i + 2])
       local xttl = redis.call('PTTL', xkey)
       if xttl >= 0 then
-        return busy(i, xttl)
+        return busy(xttl)
       elseif xttl == -1 then
         -- a holder without expiry can only come from outside this library: never grant over it
-        return busy(i, tonumber(ARGV[2]))
+        return busy(tonumber(ARGV[2]))
       end
       redis.call('ZREMRANGEBYSCORE', skey, '-inf', now)
       local count = redis.call('ZCARD', skey)
       if count > 0 and (mode == 'x' or (limit > 0 and count >= limit)) then
         local first = redis.call('ZRANGE', skey, 0, 0, 'WITHSCORES')
-        return busy(i, math.max(tonumber(first[2]) - now, 1))
+        return busy(math.max(tonumber(first[2]) - now, 1))
       end
       sharing[i] = count > 0
     end
@@ -190,7 +201,7 @@ for i = 0, n - 1 do
       -- free for the mode asked, but first come, first served
       local head, expiry = queue_head(wkey, ekey, now, hkey)
       if head and (ticket == '' or head ~= ticket_of(i)) then
-        return busy(i, math.max(expiry - now, 1))
+        return busy(math.max(expiry - now, 1))
       end
     end
   end

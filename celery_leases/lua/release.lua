@@ -65,11 +65,14 @@ local spare = ARGV[7] ~= '0' and tonumber(ARGV[7])
 -- read only with history
 local rhist, hkeep, kind, by = ARGV[#ARGV - 4], ARGV[#ARGV - 3], ARGV[#ARGV - 2], ARGV[#ARGV - 1]
 local hk = 2 + 5 * n  -- the history keys start after hk
-local function event(i, e, entry, who, ...)
-  redis.call('XADD', KEYS[hk + 1], 'MAXLEN', '~', hist, '*', 'e', e, 'x', entry, 'o', who, ...)
-  local rkey = KEYS[hk + 2 * i + 2]
-  redis.call('XADD', rkey, 'MAXLEN', '~', rhist, '*', 'e', e, 'x', entry, 'o', who, ...)
-  redis.call('PEXPIRE', rkey, hkeep)
+local event  -- with history only (see acquire.lua's event)
+if hist ~= '0' then
+  event = function(i, e, entry, who, ...)
+    redis.call('XADD', KEYS[hk + 1], 'MAXLEN', '~', hist, '*', 'e', e, 'x', entry, 'o', who, ...)
+    local rkey = KEYS[hk + 2 * i + 2]
+    redis.call('XADD', rkey, 'MAXLEN', '~', rhist, '*', 'e', e, 'x', entry, 'o', who, ...)
+    redis.call('PEXPIRE', rkey, hkeep)
+  end
 end
 
 -- the handoff, for wake_head: hand lease i, the exclusive lease of key (just released), to
