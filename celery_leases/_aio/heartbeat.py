@@ -62,7 +62,7 @@ class Heartbeat:
 
     def add(self, held: Held, store: AsyncLeaseStore) -> None:
         """Start renewing ``held`` through ``store``; starts the task if it is not running."""
-        idle = not self.snapshot()
+        idle = len(self._held) == 0  # released and lost leases are discarded
         self._held[held] = store
         due = held.confirmed_at + renewal_interval(held.horizon)
         self.next_renew = due if idle else min(self.next_renew, due)
