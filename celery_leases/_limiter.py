@@ -64,7 +64,11 @@ def check_rates(task_name: str, rate: object, rates: object) -> list[Rate]:
 def _sent(admitted: Sequence[Admitted], wants: Sequence[LimitWant], task_id: str | None) -> None:
     for a, w in zip(admitted, wants, strict=True):
         signals.limit_admitted.send(
-            sender=w.template or NO_TEMPLATE, name=a.name, cost=w.cost, task_id=task_id
+            sender=w.template or NO_TEMPLATE,
+            name=a.name,
+            cost=w.cost,
+            at=a.at_us / 1e6,
+            task_id=task_id,
         )
 
 

@@ -37,8 +37,8 @@ a receiver is logged and never stops celery_leases.
   Redis failed; the delivery runs without the guard). See redelivery.md.
 
 - ``limit_admitted``: sent when a rate limit admits (``sender`` = the :class:`Rate`'s
-  template, ``"-"`` for ``leases.limit``): ``name`` (the rendered limit), ``cost``,
-  ``task_id``
+  template, ``"-"`` for ``leases.limit``): ``name`` (the rendered limit), ``cost``, ``at``
+  (the Redis time of the admission, Unix seconds), ``task_id``
 - ``limit_refused``: sent when a rate limit refuses (``sender`` as above): ``name``,
   ``retry_after`` (the exact wait), ``task_id``
 
