@@ -53,6 +53,10 @@ Options (each also an app-wide setting, see the configuration reference):
       @app.task(base=LeasedTask, unique="report:{account_id}", on_duplicate="raise")
       def build_report(account_id): ...
 
+- ``rate`` / ``rates``: a :class:`~celery_leases.Rate` or a list of them, fleet-wide rate
+  limits taken after the leases, all or nothing; over a limit ``on_busy`` applies with the
+  limiter's exact wait (``retry``: that countdown). See docs/limits.md.
+
 What happens on each way a task can end:
 
 ======================================  =================================================
