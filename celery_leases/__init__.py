@@ -21,6 +21,7 @@ from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
 from importlib.metadata import version as _version
 
 from ._lease import Lease, Shared
+from ._limits import Rate
 from .app import Leases
 from .config import LeaseSettings
 from .exceptions import (
@@ -30,6 +31,7 @@ from .exceptions import (
     LeaseConfigError,
     LeaseError,
     LeaseLost,
+    RateLimited,
     StaleFence,
 )
 from .fence import AsyncFencedRedis, FencedRedis
@@ -55,6 +57,8 @@ __all__ = (
     "LeaseLost",
     "Leases",
     "LeaseSettings",
+    "Rate",
+    "RateLimited",
     "Shared",
     "StaleFence",
 )

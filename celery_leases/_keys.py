@@ -148,7 +148,32 @@ class Keyspace:
         """``(exclusive, shared, counter)`` keys of ``resource``."""
         return self.exclusive(resource), self.shared(resource), self.counter(resource)
 
+    def limit_keys(self, name: str) -> tuple[str, str, str, str, int]:
+        """``(log, state, override, penalty, group)`` of the rate limit ``name``: ZSET of its
+        admissions ``"<seq>:<cost>"`` scored by Redis us; HASH ``sum``, ``seq``, ``n``, ``p``
+        (the last admission's declared rate); HASH ``n``, ``p``, ``rate`` of a
+        ``set_rate`` override; STRING: Redis us until which a penalty admits nobody."""
+        group = self.group_of(name)
+        base = f"{self.tag(group)}:"
+        escaped = escape(name)
+        return (
+            f"{base}rl:{escaped}",
+            f"{base}rs:{escaped}",
+            f"{base}ro:{escaped}",
+            f"{base}rp:{escaped}",
+            group,
+        )
+
     # --- per group ----------------------------------------------------------------------
+    def limit_index(self, group: int) -> str:
+        """ZSET of the rate limits of ``group`` that may hold state, scored by the Redis us
+        when they go idle (pruned by every admission: ``celery leases limits`` reads it)."""
+        return f"{self.tag(group)}:rate-index"
+
+    def limit_overrides(self, group: int) -> str:
+        """SET of the rate limits of ``group`` with a ``set_rate`` override."""
+        return f"{self.tag(group)}:rate-overrides"
+
     def registry(self, owner: str, group: int) -> str:
         """SET of ``"<mode> <token> <resource>"`` entries: what ``owner`` holds in ``group``."""
         return f"{self.tag(group)}:reg:{owner}"

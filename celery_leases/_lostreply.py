@@ -66,6 +66,10 @@ POLICIES: Final[Mapping[str, str]] = {
     "forget_owner, expired_owners, clock": "idempotent: redis-py's own retry",
     "lifetime_check": "idempotent: redis-py's own retry; the first run records the server's "
     "identity (starting a grace if it changed), a replay finds it recorded and changes nothing",
+    "limit": "none: not sent again; a lost admission stays counted (the limit errs on the safe "
+    "side: it may admit less, never more) and the caller gets LeaseBackendError",
+    "limit_refund": "none: not sent again; a lost refund leaves the admission counted",
+    "limit_penalize": "idempotent: the caller may call again (the later end wins)",
     "fenced_write": "idempotent: the caller's client retries; a replay writes the same value "
     "with the same token again, or is refused because a newer token wrote since, and either "
     "way the newest token's write stands",

@@ -23,6 +23,9 @@ __all__ = (
     "FORGET_OWNER",
     "LEAVE",
     "LIFETIME_CHECK",
+    "LIMIT",
+    "LIMIT_PENALIZE",
+    "LIMIT_REFUND",
     "NOW",
     "SHA",
     "SOURCE",
@@ -38,6 +41,7 @@ __all__ = (
     "FencedWriteReply",
     "ForgetOwnerReply",
     "LifetimeCheckReply",
+    "LimitReply",
     "ReleaseReply",
     "UniqueClaimReply",
     "UniqueHandoverReply",
@@ -131,6 +135,14 @@ class LifetimeCheckReply(IntEnum):
     INFO_ANSWERED = 1
 
 
+class LimitReply(IntEnum):
+    """limit.lua's first reply element."""
+
+    TOO_COSTLY = -1  #: the cost is above the N in force (an override): N and period follow
+    REFUSED = 0  #: the wait in us, N, period and the Redis time follow (0 wait: a look only)
+    ADMITTED = 1  #: the log member, N, period and the Redis time (us) follow
+
+
 def _read(name: str) -> str:
     return (files(__package__) / "lua" / f"{name}.lua").read_text(encoding="utf-8")
 
@@ -164,6 +176,9 @@ LIFETIME_CHECK: Final = _with_lifetime("lifetime_check")
 UNIQUE_REQUEUE: Final = _read("unique_requeue")
 UNIQUE_UNCLAIM: Final = _read("unique_unclaim")
 FENCED_WRITE: Final = _read("fenced_write")
+LIMIT: Final = _read("limit")
+LIMIT_REFUND: Final = _read("limit_refund")
+LIMIT_PENALIZE: Final = _read("limit_penalize")
 
 ALL: Final[dict[str, str]] = {
     "acquire": ACQUIRE,
@@ -180,6 +195,9 @@ ALL: Final[dict[str, str]] = {
     "unique_unclaim": UNIQUE_UNCLAIM,
     "fenced_write": FENCED_WRITE,
     "lifetime_check": LIFETIME_CHECK,
+    "limit": LIMIT,
+    "limit_refund": LIMIT_REFUND,
+    "limit_penalize": LIMIT_PENALIZE,
 }
 
 #: the Redis clock, read on the node serving KEYS[1] (a cluster pipeline cannot send TIME,

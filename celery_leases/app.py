@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar, cast, overload
 
 from celery.utils.log import get_logger
 
+from . import _limiter
 from . import once as _once
 from ._aio.driver import AsyncLeaseStore
 from ._aio.heartbeat import loop_heartbeat
@@ -206,7 +207,7 @@ class Leases:
                 block itself raised).
             LeaseBackendError: Redis failed.
         """
-        _check_wait(wait)
+        check_wait(wait)
         if isinstance(resource, (str, Shared)):
             return _Holding(self, [resource], ttl, wait, one=True)
         return _Holding(self, _resource_list("hold", resource), ttl, wait, one=False)
@@ -256,6 +257,29 @@ class Leases:
         """Delete the receipt of ``once(name, ...)`` (the next ``once`` runs again)."""
         return _once.forget(self, name)
 
+    def limit(self, name: str, rate: str, *, cost: int = 1, wait: float | None = 0.0) -> None:
+        """Return once the limit ``name`` admits ``cost``: ``rate`` (``"N/s|m|h"``)
+        allows N by cost in any window, fleet-wide (an override wins); ``wait`` 0: check once,
+        None: no limit; else :class:`RateLimited` (``.retry_after``: the exact wait).
+
+        .. versionadded:: 0.2
+        """
+        _limiter.limit(self, name, rate, cost, wait)
+
+    def set_rate(self, name: str, rate: str | None) -> None:
+        """Override the rate of the limit ``name`` fleet-wide, at once; None removes it.
+
+        .. versionadded:: 0.2
+        """
+        _limiter.set_rate(self.store, name, rate)
+
+    def penalize(self, name: str, *, retry_after: float) -> float:
+        """Admit nobody under the limit ``name`` for ``retry_after`` s; returns how long it lasts.
+
+        .. versionadded:: 0.2
+        """
+        return _limiter.penalize(self.store, name, retry_after)
+
     # --- the shared acquire / release path (hold, tasks, once) ---------------------------
     def acquire(
         self,
@@ -269,7 +293,7 @@ class Leases:
         """Acquire ``wants`` all or nothing and start renewing them; see :meth:`hold`."""
         settings = self._check_settings()
         ttl = self._ttl(ttl)
-        _check_wait(wait)
+        check_wait(wait)
         ident = current_identity(settings.node)
         store = self._store_for(settings)
         started = time.monotonic()
@@ -305,8 +329,7 @@ class Leases:
     # --- asyncio --------------------------------------------------------------------------
     @property
     def astore(self) -> AsyncLeaseStore:
-        """The asyncio store (made on first use; it shares :attr:`store`'s engine: its keys
-        and caches)."""
+        """The asyncio store, made on first use (it shares :attr:`store`'s engine)."""
         astore = self._astore
         if astore is None:
             settings = self._settings.current()
@@ -353,7 +376,7 @@ class Leases:
 
         .. versionadded:: 0.1
         """
-        _check_wait(wait)
+        check_wait(wait)
         if isinstance(resource, (str, Shared)):
             return _AHold[Lease](self, [resource], ttl, wait, one=True)
         return _AHold[list[Lease]](self, _resource_list("ahold", resource), ttl, wait, one=False)
@@ -413,7 +436,7 @@ class Leases:
         """:meth:`acquire` for asyncio: renewed by the running loop's heartbeat."""
         self._check_settings()
         ttl = self._ttl(ttl)
-        _check_wait(wait)
+        check_wait(wait)
         ident = self.identity()
         started = time.monotonic()
         astore = self.astore
@@ -550,7 +573,8 @@ def ttl_of(ext: Leases, ttl: float | None) -> float:
     return ext._ttl(ttl)
 
 
-def _check_wait(wait: object) -> None:
+def check_wait(wait: object) -> None:
+    """Refuse a ``wait`` that is not None, 0 or a positive number of seconds."""
     if wait is None:
         return
     if isinstance(wait, bool) or not isinstance(wait, (int, float)):

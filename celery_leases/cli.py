@@ -14,6 +14,7 @@ The commands run against the ``-A`` app's settings (its ``Leases(app)``, or one 
     celery -A proj leases stats [--json]
     celery -A proj leases audit [-n N] [--json]
     celery -A proj leases wait RESOURCE [--timeout S]
+    celery -A proj leases limits [--json]
 
 - ``ls``: every held lease, found through the owners index and each owner's registry (never a
   keyspace scan): resource, mode (``exclusive``/``shared``), fencing token, owner, node, the
@@ -67,6 +68,11 @@ The commands run against the ``-A`` app's settings (its ``Leases(app)``, or one 
 - ``audit``: the last ``N`` releases made with ``release`` (default 20; the list keeps 1000).
 - ``wait RESOURCE``: blocks until the resource has no holder (exit 0) or ``--timeout`` passes
   (exit 75); it takes no lease and no place in the queue. For scripts and init containers.
+- ``limits``: every rate limit with a window, an override or a penalty (from each slot
+  group's self-pruning index, never a scan): its rate in force, the override, the cost used
+  in the window and left now, when it next admits and resets, the penalty. ``--json``
+  prints objects with ``name``, ``rate``, ``declared``, ``override``, ``used``, ``left``,
+  ``next_admit``, ``resets`` and ``penalty`` (seconds). See docs/limits.md.
 
 ``--force`` and ``--yes`` are never read from the environment (celery's CLI would otherwise
 take ``CELERY_LEASES_RELEASE_FORCE``), nor is any other option of these commands.
@@ -89,7 +95,7 @@ import click
 from celery import signals as _signals
 from celery.utils.log import get_logger
 
-from . import _cli_inspect, _cli_repair, _cli_watch
+from . import _cli_inspect, _cli_limits, _cli_repair, _cli_watch
 from ._cli_base import EX_CONFIG
 from .app import find_leases
 from .task import unleased_tasks
@@ -115,7 +121,7 @@ def leases() -> None:
 # The commands live by concern in _cli_inspect, _cli_watch and _cli_repair, each listing its
 # own in COMMANDS. A new command is a click.command(cls=_cli_base.Command) there (or here,
 # with @leases.command), and in its module's COMMANDS.
-for _module in (_cli_inspect, _cli_watch, _cli_repair):
+for _module in (_cli_inspect, _cli_watch, _cli_repair, _cli_limits):
     for _command in _module.COMMANDS:
         leases.add_command(_command)
 

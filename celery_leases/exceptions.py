@@ -6,8 +6,10 @@ Catch :class:`LeaseError` to handle every one of them::
     ├── LeaseConfigError        also a ValueError: invalid settings or task options
     ├── LeaseBusy               another holder has it; .resource, .retry_after,
     │                           .holder_task, .same_owner (a nested hold)
-    │   └── DuplicateTask       a unique task's key is claimed by a queued or running copy;
-    │                           .key, .task_id, .state
+    │   ├── DuplicateTask       a unique task's key is claimed by a queued or running copy;
+    │   │                       .key, .task_id, .state
+    │   └── RateLimited         a rate limit admits nobody more now; .resource (the limit),
+    │                           .retry_after (the exact wait)
     ├── LeaseLost               our lease expired or was taken over; .resource, .held_for
     ├── StaleFence              a fenced write was refused: a newer token was accepted;
     │                           .name, .token, .last
@@ -27,6 +29,7 @@ __all__ = (
     "LeaseConfigError",
     "LeaseError",
     "LeaseLost",
+    "RateLimited",
     "StaleFence",
 )
 
@@ -128,6 +131,31 @@ class DuplicateTask(LeaseBusy):
     def __str__(self) -> str:
         holder = f"task {self.task_id}" if self.task_id else "another task"
         return f"not sent: unique key {self.key!r} is held by {holder} ({self.state})"
+
+
+class RateLimited(LeaseBusy):
+    """A rate limit (:class:`~celery_leases.Rate`, ``leases.limit``) admits nobody more now.
+
+    Attributes:
+        resource: the rendered name of the limit that refused (of several: the one that
+            admits last).
+        retry_after: seconds, on the Redis clock, until the limit has room for the cost
+            asked: exact, not a hint (a retry then is admitted unless another caller takes
+            the room first, or an override or a penalty changes the rate).
+        waited: seconds spent waiting before giving up.
+
+    .. versionadded:: 0.2
+    """
+
+    def __init__(self, resource: str, retry_after: float = 0.0, waited: float = 0.0) -> None:
+        super().__init__(resource, retry_after, waited)
+        self.retry_after: float = retry_after
+
+    def __str__(self) -> str:
+        msg = f"rate limit {self.resource!r} admits again in {self.retry_after:.3f}s"
+        if self.waited > 0:
+            msg += f" (waited {self.waited:.1f}s)"
+        return msg
 
 
 class LeaseLost(LeaseError):

@@ -64,6 +64,8 @@ _SIGNALS: Final = (
     "lease_released",
     "lease_lost",
     "redelivery_guarded",
+    "limit_admitted",
+    "limit_refused",
 )
 #: the ``outcome`` label values of ``redelivery_total``
 REDELIVERY_OUTCOMES: Final = ("waiting", "dropped", "ran", "unguarded")
@@ -155,6 +157,8 @@ class LeaseMetrics:
     cleanup_released_total: Counter
     redelivery_total: Counter
     beat_clock_offset_seconds: Gauge
+    rate_admitted_total: Counter
+    rate_limited_total: Counter
 
     def __init__(self, prometheus: ModuleType, registry: CollectorRegistry, namespace: str) -> None:
         self.registry = registry
@@ -206,6 +210,14 @@ class LeaseMetrics:
             multiprocess_mode="mostrecent",
             **common,
         )
+        # labelled by the Rate's template ("-" for leases.limit), never by the rendered name:
+        # 10,000 keys of one template are one series
+        self.rate_admitted_total = prometheus.Counter(
+            "rate_admitted_total", "Rate limit admissions", ["template"], **common
+        )
+        self.rate_limited_total = prometheus.Counter(
+            "rate_limited_total", "Rate limit checks refused", ["template"], **common
+        )
         # export every known series from the start, at 0
         for mode in ("exclusive", "shared"):
             self.leases_held.labels(mode)
@@ -227,6 +239,8 @@ class LeaseMetrics:
             "lease_released": self.on_lease_released,
             "lease_lost": self.on_lease_lost,
             "redelivery_guarded": self.on_redelivery_guarded,
+            "limit_admitted": self.on_limit_admitted,
+            "limit_refused": self.on_limit_refused,
         }
 
     def __repr__(self) -> str:
@@ -266,6 +280,8 @@ class LeaseMetrics:
                 self.cleanup_released_total,
                 self.redelivery_total,
                 self.beat_clock_offset_seconds,
+                self.rate_admitted_total,
+                self.rate_limited_total,
             ):
                 self.registry.unregister(collector)
 
@@ -326,6 +342,20 @@ class LeaseMetrics:
                 self.redelivery_total.labels(outcome).inc()
         except Exception:
             logger.exception("leases: metrics could not count a redelivery")
+
+    def on_limit_admitted(self, sender: object = None, **kwargs: Any) -> None:
+        """``limit_admitted``: count it under the Rate's template."""
+        try:
+            self.rate_admitted_total.labels(str(sender)).inc()
+        except Exception:
+            logger.exception("leases: metrics could not count a rate limit admission")
+
+    def on_limit_refused(self, sender: object = None, **kwargs: Any) -> None:
+        """``limit_refused``: count it under the Rate's template."""
+        try:
+            self.rate_limited_total.labels(str(sender)).inc()
+        except Exception:
+            logger.exception("leases: metrics could not count a rate limit refusal")
 
     def on_lease_released(self, sender: object = None, **kwargs: Any) -> None:
         """``lease_released``: one lease fewer, unless it was counted down when lost."""

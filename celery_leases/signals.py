@@ -36,6 +36,12 @@ a receiver is logged and never stops celery_leases.
   ``ran`` (a waiting copy runs: the other one ended unfinished) or ``unguarded`` (the leases
   Redis failed; the delivery runs without the guard). See redelivery.md.
 
+- ``limit_admitted``: sent when a rate limit admits (``sender`` = the :class:`Rate`'s
+  template, ``"-"`` for ``leases.limit``): ``name`` (the rendered limit), ``cost``, ``at``
+  (the Redis time of the admission, Unix seconds), ``task_id``
+- ``limit_refused``: sent when a rate limit refuses (``sender`` as above): ``name``,
+  ``retry_after`` (the exact wait), ``task_id``
+
 ``lease_released`` is sent once per lease given back by ``release()``, also for a lease that
 was lost before (its ``lease_lost`` was sent already), and not at all when Redis could not be
 reached to give it back.
@@ -52,6 +58,8 @@ __all__ = (
     "lease_busy",
     "lease_lost",
     "lease_released",
+    "limit_admitted",
+    "limit_refused",
     "redelivery_guarded",
     "unique_duplicate",
 )
@@ -62,3 +70,5 @@ lease_released = Signal(name="lease_released")
 lease_lost = Signal(name="lease_lost")
 unique_duplicate = Signal(name="unique_duplicate")
 redelivery_guarded = Signal(name="redelivery_guarded")
+limit_admitted = Signal(name="limit_admitted")
+limit_refused = Signal(name="limit_refused")

@@ -53,6 +53,10 @@ Options (each also an app-wide setting, see the configuration reference):
       @app.task(base=LeasedTask, unique="report:{account_id}", on_duplicate="raise")
       def build_report(account_id): ...
 
+- ``rate`` / ``rates``: a :class:`~celery_leases.Rate` or a list of them, fleet-wide rate
+  limits taken after the leases, all or nothing; over a limit ``on_busy`` applies with the
+  limiter's exact wait (``retry``: that countdown). See docs/limits.md.
+
 What happens on each way a task can end:
 
 ======================================  =================================================
@@ -87,10 +91,12 @@ from celery.utils.log import get_logger
 
 from ._interrupt import Interrupter
 from ._lease import Lease, Shared, Want, check_name_size, check_user_name
+from ._limiter import check_rates, take
+from ._limits import Rate
 from ._unique import release_claim, take_claim
 from .app import Leases, find_leases, ttl_of
 from .config import LeaseSettings, OnBackendError, OnBusy, OnDuplicate, OnLost, get_settings
-from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseError
+from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseError, RateLimited
 
 __all__ = ("LeasedTask", "current_leases", "is_skipped")
 
@@ -269,6 +275,8 @@ class LeasedTask(Task[Any, Any]):
     unique: str | None = None
     unique_ttl: float | None = None
     on_duplicate: OnDuplicate | None = None
+    rate: Rate | None = None
+    rates: Sequence[Rate] | None = None
 
     _lease_templates: ClassVar[tuple[_Template, ...]] = ()
     _lease_signature: ClassVar[inspect.Signature | None] = None
@@ -280,6 +288,7 @@ class LeasedTask(Task[Any, Any]):
     #: base wraps the body): a traced call may then run the body as Celery runs a task
     #: without a ``__call__`` of its own (see ``_run_body``)
     _celery_call: ClassVar[bool] = True
+    _rate_templates: ClassVar[tuple[tuple[Rate, _Template], ...]] = ()
 
     #: a busy lease is an expected end (on_busy="fail", a "wait" or "retry" that ran out):
     #: Celery logs it at INFO without a traceback, not at ERROR
@@ -324,7 +333,9 @@ class LeasedTask(Task[Any, Any]):
             items = []
         cls._lease_templates = ()
         cls._unique_template = None
-        if not items and cls.unique is None:
+        rates = check_rates(name, cls.rate, cls.rates)
+        cls._rate_templates = ()
+        if not items and cls.unique is None and not rates:
             return
         signature = cls._run_signature()
         cls._lease_signature = signature
@@ -332,6 +343,8 @@ class LeasedTask(Task[Any, Any]):
         cls._lease_templates = tuple(_Template(name, i, signature.parameters) for i in items)
         if cls.unique is not None:
             cls._unique_template = _Template(name, cls.unique, signature.parameters, "unique")
+        params = signature.parameters
+        cls._rate_templates = tuple((r, _Template(name, r.template, params, "rate")) for r in rates)
 
     @classmethod
     def _run_signature(cls) -> inspect.Signature:
@@ -418,7 +431,7 @@ class LeasedTask(Task[Any, Any]):
         unique = self._unique_template is not None and not (
             request.called_directly or request.is_eager
         )
-        if not self._lease_templates and not unique:
+        if not self._lease_templates and not unique and not self._rate_templates:
             return super().__call__(*args, **kwargs)
         wants = self._render_leases(args, kwargs)
         ext = self._extension()
@@ -456,15 +469,19 @@ class LeasedTask(Task[Any, Any]):
         wait: float | None = 0.0
         if on_busy == "wait":
             wait = self.wait_timeout if self.wait_timeout is not None else settings.wait_timeout
-        if not wants:
+        if not wants and not self._rate_templates:
             if interrupter is None:
                 return super().__call__(*args, **kwargs)
             with interrupter:
                 return super().__call__(*args, **kwargs)
         try:
-            leases = ext.acquire(
-                wants, ttl=self.lease_ttl, wait=wait, task_id=task_id, on_lost=interrupter
-            )
+            if self._rate_templates:  # leases, then limits: see _limiter.take
+                bound = self._bound_values(args, kwargs)
+                leases = take(ext, self, bound, wants, wait, task_id, interrupter)
+            else:
+                leases = ext.acquire(
+                    wants, ttl=self.lease_ttl, wait=wait, task_id=task_id, on_lost=interrupter
+                )
         except LeaseBusy as busy:
             return self._busy(busy, on_busy, args, kwargs)
         except LeaseBackendError as exc:
@@ -532,7 +549,9 @@ class LeasedTask(Task[Any, Any]):
                 now - since,
             )
             raise busy
-        countdown = min(_backoff(settings, attempt), max(0.0, since + limit - now) + 0.01)
+        # a rate limit knows its exact wait: no backoff, no jitter
+        delay = busy.retry_after if isinstance(busy, RateLimited) else _backoff(settings, attempt)
+        countdown = min(delay, max(0.0, since + limit - now) + 0.01)
         options = {BUSY_SINCE_HEADER: since, BUSY_ATTEMPT_HEADER: attempt + 1}
         # not self.retry(): that would count against the task's own max_retries
         sig = self.signature_from_request(
@@ -610,6 +629,8 @@ LEASE_OPTIONS: Final = (
     "unique",
     "unique_ttl",
     "on_duplicate",
+    "rate",
+    "rates",
 )
 
 

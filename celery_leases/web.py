@@ -7,12 +7,14 @@ Install the extra and start it next to the app, as the other ``celery leases`` c
     celery -A proj leases web --bind 127.0.0.1:8765 --allow-release --token-file /run/secrets/t
 
 The page (``GET /``) lists the held leases (filtered by resource, node or task), the owners
-and their nodes with their liveness, the unique claims, the beat claims of the app's
-``beat_schedule`` and the recent history, refreshed every two seconds. The JSON behind it:
+and their nodes with their liveness, the unique claims, the rate limits, the beat claims of
+the app's ``beat_schedule`` and the recent history, refreshed every two seconds. The JSON
+behind it:
 
 - ``GET /api/leases``: what ``celery leases ls --json`` prints (``?owner=NODE`` and
   ``?resource=PATTERN`` as ``--owner`` and ``--resource``);
 - ``GET /api/owners``: what ``celery leases owners --json`` prints;
+- ``GET /api/limits``: what ``celery leases limits --json`` prints (the rate limits);
 - ``GET /api/beat``: the last claimed run of each entry of the app's ``beat_schedule``;
 - ``GET /api/history`` and ``GET /api/lease?resource=R``, where this version records them;
 - ``GET /healthz``: 200 ``{"ok": true}`` while Redis answers, 503 otherwise.
@@ -56,6 +58,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from ._limits import limit_json, list_limits
 from ._text import printable
 from .exceptions import LeaseBackendError, LeaseError
 
@@ -288,6 +291,10 @@ def create_app(
         listed = await run_in_threadpool(data.owners)
         return JSONResponse([with_shown(row) for row in listed])
 
+    async def limits(request: Request) -> Response:
+        rows = await run_in_threadpool(lambda: store.run(list_limits(store.engine)))
+        return JSONResponse([with_shown(limit_json(r)) for r in rows])
+
     async def beat(request: Request) -> Response:
         runs = await run_in_threadpool(store.beat_runs, list(beat_entries))
         return JSONResponse(
@@ -365,6 +372,7 @@ def create_app(
         Route("/api/config", guarded(config)),
         Route("/api/leases", guarded(leases)),
         Route("/api/owners", guarded(owners)),
+        Route("/api/limits", guarded(limits)),
         Route("/api/beat", guarded(beat)),
         Route("/api/history", guarded(history)),
         Route("/api/lease", guarded(lease)),

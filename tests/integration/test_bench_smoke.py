@@ -216,3 +216,15 @@ def test_server_cost_bench_tiny(tmp_path: Path) -> None:
     assert per_cycle["floor"] < per_cycle["calls"] < per_cycle["shipped"]
     assert "hold(): acquire.lua + release.lua" in out
     assert "## Server work of a hold() cycle" in docs.read_text()
+
+
+def test_limits_bench_quick(tmp_path: Path) -> None:
+    docs = tmp_path / "benchmarks.md"
+    out = run_bench(
+        "limits", "--quick", "--callers", "4", "--out-dir", str(tmp_path), "--docs", str(docs)
+    )
+    assert "most admitted in any window" in out
+    assert "<= N: PASS" in out  # the window guarantee is exact: never a MISS
+    section = docs.read_text()
+    assert section.startswith("# Benchmarks\n") or "## Rate limits" in section
+    assert "share of N used per period" in (tmp_path / "limits.md").read_text()

@@ -230,3 +230,14 @@ def test_an_idle_owner_of_a_live_node_is_idle(make_leases: Any) -> None:
     with ext.hold("s", ttl=30):
         ext.store.mark_node_alive(ident.node, ident.incarnation)
         assert mine()["status"] != "idle"
+
+
+def test_rate_limits_are_listed_with_what_the_cli_prints(ext: Leases, view: httpx.Client) -> None:
+    assert view.get("/api/limits").json() == []
+    ext.limit("api:\n42", "3/m")
+    ext.set_rate("api:\n42", "5/m")
+    (row,) = view.get("/api/limits").json()
+    assert row["name"] == "api:\n42"
+    assert row["shown"]["name"] == "api:\\n42"  # drawn escaped, as the CLI shows it
+    assert (row["rate"], row["declared"], row["used"], row["left"]) == ("5/m", "3/m", 1, 4)
+    assert "/api/limits" in view.get("/").text

@@ -15,6 +15,8 @@ from celery_leases import (
     LeasedTask,
     LeaseLost,
     Leases,
+    Rate,
+    RateLimited,
     Shared,
     StaleFence,
     current_leases,
@@ -114,3 +116,18 @@ async def afenced() -> int | None:
         await results.hset("meta", {"a": 1}, fence=lease, raise_stale=True)
     await results.aclose()
     return await results.last_fence("report:42")
+
+
+@app.task(base=LeasedTask, rates=[Rate("api:{account}", "100/m"), Rate("all", "50/s", cost=2)])
+def call_api(account: int) -> None: ...
+
+
+def rate_limits() -> float:
+    leases.set_rate("api:42", "50/s")
+    leases.set_rate("api:42", None)
+    try:
+        leases.limit("api:42", "10/s", cost=1, wait=5.0)
+    except RateLimited as exc:
+        busy: LeaseBusy = exc
+        return exc.retry_after + (busy.retry_after or 0.0)
+    return leases.penalize("api:42", retry_after=30.0)

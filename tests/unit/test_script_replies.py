@@ -23,8 +23,9 @@ REPLIES: dict[str, type[IntEnum]] = {
     "unique_unclaim": _scripts.UniqueUnclaimReply,
     "fenced_write": _scripts.FencedWriteReply,
     "lifetime_check": _scripts.LifetimeCheckReply,
+    "limit": _scripts.LimitReply,
 }
-DATA_ONLY = {"renew", "expired_owners", "leave"}
+DATA_ONLY = {"renew", "expired_owners", "leave", "limit_refund", "limit_penalize"}
 
 
 def _returns_comment(name: str) -> str:
