@@ -44,6 +44,7 @@ from ._outcomes import (
     same_owner_busy,
     to_release,
 )
+from ._parking import hand_on_released, parking_used
 from ._sync.driver import LeaseStore
 from ._sync.heartbeat import heartbeat
 from ._unique import install as install_unique
@@ -96,6 +97,8 @@ class Leases:
         self._engine = LeaseEngine(self._settings.peek())
         self._store: LeaseStore | None = None
         self._astore: AsyncLeaseStore | None = None
+        #: whether a task of the app defers (on_busy="defer"): known at the first release
+        self._parking: bool | None = None
         if self._engine.cluster:
             # a cluster client reads the slot map as it is made: an unreachable cluster is an
             # error here, as a bad URL is (the settings' checks found that one already)
@@ -300,6 +303,11 @@ class Leases:
         except LeaseBackendError as exc:
             logger.error("leases: could not release %d lease(s): %s", len(todo), exc)
             return lost
+        if self._parking is None:
+            self._parking = parking_used(self.app)
+        if self._parking:
+            # on_busy="defer": the resource goes to the next task parked on it (_parking.py)
+            hand_on_released(self, [lease.resource for lease in todo])
         return released_leases(todo, freed, lost, asked)
 
     # --- asyncio --------------------------------------------------------------------------

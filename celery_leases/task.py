@@ -34,7 +34,10 @@ Options (each also an app-wide setting, see the configuration reference):
   the task's own ``max_retries``, until ``busy_timeout`` has passed, then fail with
   :class:`LeaseBusy`), ``"skip"`` (return a marker without running the body: see
   :func:`is_skipped`), ``"fail"`` (raise :class:`LeaseBusy`), ``"wait"`` (block the worker slot
-  up to ``wait_timeout``, woken by the release).
+  up to ``wait_timeout``, woken by the release), ``"defer"`` (park the task in Redis, in its
+  resource's FIFO, and free the worker slot at once: its delivery ends without a result, and
+  when the resource frees, the lease is reserved for it and it is published again with its
+  own id and arguments; no retry is counted. See docs/parking.md).
 - ``on_backend_error``: what a task does when Redis fails or cannot be reached as it takes its
   leases (or its unique claim): ``"retry"`` (default: ``self.retry`` with the same backoff as
   ``on_busy="retry"``; it counts against the task's ``max_retries``, after which
@@ -85,6 +88,7 @@ from celery.exceptions import Retry
 from celery.result import AsyncResult
 from celery.utils.log import get_logger
 
+from . import _parking
 from ._interrupt import Interrupter
 from ._lease import Lease, Shared, Want, check_name_size, check_user_name
 from ._unique import release_claim, take_claim
@@ -99,6 +103,10 @@ logger = get_logger(__name__)
 #: message header carrying when a task first found its leases busy (Unix time)
 BUSY_SINCE_HEADER: Final = "lease_busy_since"
 BUSY_ATTEMPT_HEADER: Final = "lease_busy_attempt"
+
+#: on_busy="defer": acquire attempts of one delivery when the resource keeps freeing between
+#: the failed acquire and the park (each time a newcomer took it first), before LeaseBusy
+_DEFER_ATTEMPTS: Final = 5
 
 _current: ContextVar[tuple[Lease, ...]] = ContextVar("celery_leases_current", default=())
 _extension_lock = threading.Lock()
@@ -455,12 +463,24 @@ class LeasedTask(Task[Any, Any]):
                 return super().__call__(*args, **kwargs)
             with interrupter:
                 return super().__call__(*args, **kwargs)
+        request = self.request
+        # on_busy="defer" (see _parking.py): a copy of a parked task is dropped here, and a
+        # busy lease parks the task (Ignore: the delivery ends, the slot is free)
+        deferring = on_busy == "defer" and bool(task_id)
+        deferring = deferring and not (request.is_eager or request.called_directly)
         try:
-            leases = ext.acquire(
-                wants, ttl=self.lease_ttl, wait=wait, task_id=task_id, on_lost=interrupter
-            )
-        except LeaseBusy as busy:
-            return self._busy(busy, on_busy, args, kwargs)
+            consumed = deferring and _parking.admit(ext, self, wants)
+            for _attempt in range(_DEFER_ATTEMPTS):
+                try:
+                    leases = ext.acquire(
+                        wants, ttl=self.lease_ttl, wait=wait, task_id=task_id, on_lost=interrupter
+                    )
+                    break
+                except LeaseBusy as busy:
+                    if not deferring or _attempt == _DEFER_ATTEMPTS - 1:
+                        return self._busy(busy, on_busy, args, kwargs)
+                    # returns only when the resource has room again: acquire once more
+                    _parking.defer(ext, self, busy, wants, args, kwargs, consumed)
         except LeaseBackendError as exc:
             self._backend_failed(exc)
         token = _current.set(tuple(leases))
@@ -471,7 +491,7 @@ class LeasedTask(Task[Any, Any]):
                 return super().__call__(*args, **kwargs)
         finally:
             _current.reset(token)
-            ext.release(leases)
+            ext.release(leases)  # hands the resource on to its next parked task
 
     # --- busy policies --------------------------------------------------------------------
     def _busy(
@@ -482,7 +502,7 @@ class LeasedTask(Task[Any, Any]):
             if get_settings(self.app).skip_result == "none":
                 return None
             return {SKIPPED_KEY: {"resource": busy.resource, "holder_task": busy.holder_task}}
-        if policy in ("fail", "wait"):
+        if policy in ("fail", "wait", "defer"):  # defer: busy on every attempt (rare)
             raise busy
         return self._retry_busy(busy, args, kwargs)
 

@@ -89,6 +89,7 @@ LAYERS: dict[str, int] = {
             "web",
             "_unique",
             "_guard",
+            "_parking",
             "fence",
             "metrics",
             "otel",

@@ -23,8 +23,10 @@ REPLIES: dict[str, type[IntEnum]] = {
     "unique_unclaim": _scripts.UniqueUnclaimReply,
     "fenced_write": _scripts.FencedWriteReply,
     "lifetime_check": _scripts.LifetimeCheckReply,
+    "park": _scripts.ParkReply,
+    "park_gate": _scripts.ParkGateReply,
 }
-DATA_ONLY = {"renew", "expired_owners", "leave"}
+DATA_ONLY = {"renew", "expired_owners", "leave", "handon", "unpark"}
 
 
 def _returns_comment(name: str) -> str:
