@@ -13,6 +13,7 @@ and their nodes with their liveness, the unique claims, the beat claims of the a
 - ``GET /api/leases``: what ``celery leases ls --json`` prints (``?owner=NODE`` and
   ``?resource=PATTERN`` as ``--owner`` and ``--resource``);
 - ``GET /api/owners``: what ``celery leases owners --json`` prints;
+- ``GET /api/parked``: how many tasks are parked on each resource (``on_busy="defer"``);
 - ``GET /api/beat``: the last claimed run of each entry of the app's ``beat_schedule``;
 - ``GET /api/history`` and ``GET /api/lease?resource=R``, where this version records them;
 - ``GET /healthz``: 200 ``{"ok": true}`` while Redis answers, 503 otherwise.
@@ -79,6 +80,9 @@ class WebData(Protocol):
 
     def owners(self) -> list[dict[str, object]]:
         """What ``owners --json`` prints."""
+
+    def parked(self) -> dict[str, int]:
+        """Resource -> how many tasks are parked on it (on_busy="defer")."""
 
     def release(self, resource: str, *, via: str) -> list[dict[str, object]]:
         """The forced release of ``release --force --yes``: one object per holder freed.
@@ -288,6 +292,10 @@ def create_app(
         listed = await run_in_threadpool(data.owners)
         return JSONResponse([with_shown(row) for row in listed])
 
+    async def parked(request: Request) -> Response:
+        counts = await run_in_threadpool(data.parked)
+        return JSONResponse({"parked": counts, "total": sum(counts.values())})
+
     async def beat(request: Request) -> Response:
         runs = await run_in_threadpool(store.beat_runs, list(beat_entries))
         return JSONResponse(
@@ -365,6 +373,7 @@ def create_app(
         Route("/api/config", guarded(config)),
         Route("/api/leases", guarded(leases)),
         Route("/api/owners", guarded(owners)),
+        Route("/api/parked", guarded(parked)),
         Route("/api/beat", guarded(beat)),
         Route("/api/history", guarded(history)),
         Route("/api/lease", guarded(lease)),

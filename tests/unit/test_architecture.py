@@ -85,6 +85,7 @@ LAYERS: dict[str, int] = {
             "_cli_inspect",
             "_cli_watch",
             "_cli_repair",
+            "_cli_parked",
             "_census",
             "web",
             "_unique",
