@@ -8,6 +8,8 @@ the task again, with its id and arguments. See docs/parking.md for the guarantee
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Final
@@ -305,6 +307,7 @@ def _hand_on_one(ext: Leases, resource: str, mode: str, limit: int) -> bool:
     if not raw:
         logger.warning("leases: parked task %s has no message; left to its redelivery", task_id)
         return True
+    _die_here_for_a_test()
     try:
         record = loads(raw)
         ext.app.signature(record["sig"]).apply_async()
@@ -315,6 +318,23 @@ def _hand_on_one(ext: Leases, resource: str, mode: str, limit: int) -> bool:
         return True
     logger.info("leases: handed %s on to %s[%s]", resource, record.get("task"), task_id)
     return True
+
+
+#: environment variable of the fault tests: the path of a file; the first hand-on that finds
+#: it deletes it and kills its process (SIGKILL) between the reservation and the publish
+DIE_BEFORE_PUBLISH_ENV: Final = "CELERY_LEASES_TEST_DIE_BEFORE_PUBLISH"
+
+
+def _die_here_for_a_test() -> None:
+    path = os.environ.get(DIE_BEFORE_PUBLISH_ENV)
+    if not path:
+        return
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return  # another hand-on took it
+    logger.warning("leases: %s: killed between a hand-on and its publish", DIE_BEFORE_PUBLISH_ENV)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _text(value: object) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 import redis
 from celery import Celery
@@ -144,3 +145,48 @@ def test_unpark_cancels_and_marks_revoked(
         assert unpark(ext, result.id)
         assert not unpark(ext, result.id)
     wait_until(lambda: result.state == "REVOKED", 30, "the unparked task REVOKED")
+
+
+def run_exclusive(
+    producer: Celery, leases_prefix: str, tenant: str, count: int
+) -> list[tuple[str, str, int, str, int, int]]:
+    client = redis.Redis.from_url(producer.conf.broker_url)
+    excl = producer.tasks["park_app.excl"]
+    for n in range(count):
+        excl.delay(tenant, n)
+
+    def done() -> bool:
+        ends = {e[2] for e in events(client, leases_prefix) if e[0] == "e" and e[1] == tenant}
+        return len(ends) == count
+
+    wait_until(done, DEADLINE, f"all {count} tasks of {tenant} done")
+    evs = events(client, leases_prefix)
+    client.close()
+    starts = Counter(e[2] for e in evs if e[0] == "s")
+    assert starts == Counter(range(count))  # every task ran, once
+    assert most_at_once(evs)[tenant] == 1
+    assert sum(1 for e in evs if e[0] == "s" and e[4] > 0) > 0  # some ran from a hand-on
+    return evs
+
+
+def test_hazard5_redelivery_guard_runs_every_handed_on_copy(
+    producer: Celery, leases_prefix: str, start_worker: Callable[..., WorkerProc]
+):
+    # without the guard's parked generation, the parked delivery's completion record (or the
+    # early ack's) would make the guard drop the copy the hand-on published: never done
+    start_worker(concurrency=3, env={"CELERY_LEASES_REDELIVERY_GUARD": "true"})
+    run_exclusive(producer, leases_prefix, "G", 20)
+
+
+def test_hazard3_releaser_killed_between_hand_on_and_publish(
+    producer: Celery,
+    leases_prefix: str,
+    start_worker: Callable[..., WorkerProc],
+    tmp_path: Path,
+):
+    trap = tmp_path / "die-before-publish"
+    trap.write_text("1")
+    worker = start_worker(concurrency=2, env={"CELERY_LEASES_TEST_DIE_BEFORE_PUBLISH": str(trap)})
+    run_exclusive(producer, leases_prefix, "K", 10)
+    assert not trap.exists()  # a releaser did die there
+    assert "killed between a hand-on and its publish" in worker.log()
