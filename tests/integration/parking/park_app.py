@@ -70,6 +70,25 @@ def make_app(broker: str = BROKER, queue: str = QUEUE, **settings: object) -> Ce
         record("e", tenant, n, self)
         return n
 
+    # the benchmark's contenders (bench/parking.py): the same lease, the other busy policies
+    @app.task(
+        base=LeasedTask, bind=True, name="park_app.excl_wait", shared=False,
+        lease="excl:{tenant}", on_busy="wait", wait_timeout=120,
+    )  # fmt: skip
+    def excl_wait(self: LeasedTask, tenant: str, n: int) -> int:
+        record("s", tenant, n, self)
+        record("e", tenant, n, self)
+        return n
+
+    @app.task(
+        base=LeasedTask, bind=True, name="park_app.excl_retry", shared=False,
+        lease="excl:{tenant}", on_busy="retry",
+    )  # fmt: skip
+    def excl_retry(self: LeasedTask, tenant: str, n: int) -> int:
+        record("s", tenant, n, self)
+        record("e", tenant, n, self)
+        return n
+
     return app
 
 
