@@ -70,6 +70,15 @@ def make_app(broker: str = BROKER, queue: str = QUEUE, **settings: object) -> Ce
         record("e", tenant, n, self)
         return n
 
+    @app.task(
+        base=LeasedTask, bind=True, name="park_app.uniq", shared=False, lease="excl:{tenant}",
+        unique="u:{tenant}", on_busy="defer",
+    )  # fmt: skip
+    def uniq(self: LeasedTask, tenant: str, n: int) -> int:
+        record("s", tenant, n, self)
+        record("e", tenant, n, self)
+        return n
+
     # the benchmark's contenders (bench/parking.py): the same lease, the other busy policies
     @app.task(
         base=LeasedTask, bind=True, name="park_app.excl_wait", shared=False,

@@ -190,3 +190,33 @@ def test_hazard3_releaser_killed_between_hand_on_and_publish(
     run_exclusive(producer, leases_prefix, "K", 10)
     assert not trap.exists()  # a releaser did die there
     assert "killed between a hand-on and its publish" in worker.log()
+
+
+def test_hazard6_a_parked_unique_task_keeps_its_claim(
+    producer: Celery,
+    leases_redis: redis.Redis,
+    leases_prefix: str,
+    start_worker: Callable[..., WorkerProc],
+):
+    ext: Leases = producer.leases  # type: ignore[attr-defined]
+    uniq = producer.tasks["park_app.uniq"]
+    client = redis.Redis.from_url(producer.conf.broker_url)
+    with ext.hold("excl:U"):
+        start_worker(concurrency=2)
+        first = uniq.delay("U", 1)
+        wait_until(lambda: list_parked(ext, "excl:U"), 30, "the task parked")
+        # parked, it is still queued: a second send is a duplicate of it
+        again = uniq.delay("U", 2)
+        assert again.id == first.id
+    # the release hands it on: the copy is the claim's holder and runs, once
+    wait_until(lambda: [e for e in events(client, leases_prefix) if e[0] == "e"], 30, "it ran")
+    wait_until(lambda: not list_parked(ext), 30, "nothing parked")
+    starts = [e for e in events(client, leases_prefix) if e[0] == "s"]
+    assert [(e[2], e[3], e[4]) for e in starts] == [(1, first.id, 1)]
+    # and its claim was released at its end: the key takes a new task
+    third = uniq.delay("U", 3)
+    assert third.id != first.id
+    wait_until(
+        lambda: len([e for e in events(client, leases_prefix) if e[0] == "e"]) == 2, 30, "3 ran"
+    )
+    client.close()
