@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +18,7 @@ from tests.support.polling import wait_until
 from tests.support.workers import WorkerProc
 
 from . import park_app
+from .conftest import APP
 
 DEADLINE = 300.0
 
@@ -128,10 +132,18 @@ def test_tenants_with_worker_killed_halfway(
     assert sum(v - 1 for v in starts.values()) <= 4
 
 
+def celery_leases(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", APP, "leases", *args],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
 def test_unpark_cancels_and_marks_revoked(
     producer: Celery,
     leases_prefix: str,
     start_worker: Callable[..., WorkerProc],
+    worker_env: dict[str, str],
 ):
     ext: Leases = producer.leases  # type: ignore[attr-defined]
     excl = producer.tasks["park_app.excl"]
@@ -139,11 +151,19 @@ def test_unpark_cancels_and_marks_revoked(
         start_worker(concurrency=2)
         result = excl.delay("T", 1)
         wait_until(lambda: list_parked(ext, "excl:T"), 30, "the task parked")
-        (entry,) = list_parked(ext, "excl:T")
+        listed = celery_leases(worker_env, "parked", "excl:T", "--json")
+        assert listed.returncode == 0, listed.stderr
+        shown = json.loads(listed.stdout)
+        assert shown["count"] == 1
+        (entry,) = shown["parked"]
         assert entry["task_id"] == result.id
         assert entry["state"] == "parked"
-        assert unpark(ext, result.id)
-        assert not unpark(ext, result.id)
+        done = celery_leases(worker_env, "unpark", result.id, "--yes")
+        assert done.returncode == 0, done.stderr
+        assert not unpark(ext, result.id)  # a second time: not parked
+        again = celery_leases(worker_env, "unpark", result.id, "--yes")
+        assert again.returncode == 1
+        assert "not parked" in again.stderr
     wait_until(lambda: result.state == "REVOKED", 30, "the unparked task REVOKED")
 
 
