@@ -81,6 +81,11 @@ def _group_keys(ext: Leases, group: int) -> tuple[str, str, str, str]:
     )
 
 
+def tombstone(task_id: str, retries: int | None) -> str:
+    """The done ZSET's member of a consumed hand-on: per message, so a retry is not one."""
+    return f"{escape(task_id)}#{int(retries or 0)}"
+
+
 def _due_member(want: Want) -> str:
     return f"{want.mode} {want.limit} {want.resource}"
 
@@ -106,7 +111,9 @@ def admit(ext: Leases, task: Any, wants: Sequence[Want]) -> bool:
         state, msgs, done, _ = _group_keys(ext, group)
         keys = [state, msgs, done, ext.store.keys.parked(want.resource)]
         try:
-            raw = _call(ext, _scripts.PARK_GATE, keys, [task_id, DONE_KEEP_MS], "admit a task")
+            mark = tombstone(request.id, request.retries)
+            args = [task_id, DONE_KEEP_MS, mark]
+            raw = _call(ext, _scripts.PARK_GATE, keys, args, "admit a task")
         except LeaseBackendError as exc:
             # not retried (self.retry): a gate that ran but whose reply was lost consumed the
             # hand-on, and only a redelivered copy passes a consumed gate: requeue this one
@@ -175,6 +182,7 @@ def defer(
             _due_member(want),
             DONE_KEEP_MS,
             "1" if consumed else "0",
+            tombstone(request.id, request.retries),
         ],
         "park a task",
     )
@@ -427,7 +435,9 @@ def unpark(ext: Leases, task_id: str) -> bool:
         record = loads(_text(raw))
         queue = store.keys.parked(record["resource"])
         keys = [state, msgs, done, queue]
-        if int(_call(ext, _scripts.UNPARK, keys, [escaped, DONE_KEEP_MS], "unpark a task")):
+        mark = tombstone(task_id, record.get("sig", {}).get("options", {}).get("retries"))
+        args = [escaped, DONE_KEEP_MS, mark]
+        if int(_call(ext, _scripts.UNPARK, keys, args, "unpark a task")):
             try:
                 ext.app.backend.mark_as_revoked(task_id, "unparked")
             except Exception:

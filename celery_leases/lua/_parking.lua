@@ -3,7 +3,9 @@
 -- parked FIFO (a ZSET scored by the Redis clock in microseconds when it parked); its state
 -- ("p" parked, "h" handed on: its message was given to a releaser or a pump to publish) and
 -- its message live in two hashes of the resource's slot group, by task id; a task whose
--- hand-on a copy consumed is a tombstone in the group's done ZSET (scored by Redis ms).
+-- hand-on a copy consumed is a tombstone "<task id>#<retries>" in the group's done ZSET
+-- (scored by Redis ms): later copies of that message are dropped, while a retry of the task
+-- (self.retry, on_backend_error: the same id, one retry more) is a new message and runs.
 -- A hand-on reserves the capacity for the task: the lease itself, held by the placeholder
 -- owner "%parked/<task id>" with token 0 for the hand-on timeout, which acquire.lua lets that
 -- task (and nobody else) take over.

@@ -9,6 +9,7 @@
 -- ARGV[1] task id (escaped)   ARGV[2] mode ("x" or "s")   ARGV[3] limit (0 = none)
 -- ARGV[4] the message (JSON)   ARGV[5] due member   ARGV[6] tombstone life in ms
 -- ARGV[7] "1" when this delivery consumed the task's hand-on (park_gate.lua): parked again
+-- ARGV[8] the task's tombstone "<task id>#<retries>" (see _parking.lua)
 -- returns {1, wait_ms} parked (the resource looks free in wait_ms at the latest)
 --         {0}          the resource has room and nobody is parked ahead: acquire again
 --         {2}          already handed on: consumed here, acquire again (the reservation)
@@ -22,14 +23,14 @@ local task = ARGV[1]
 local state = redis.call('HGET', KEYS[4], task)
 if state == 'h' then
   park_forget(KEYS[3], KEYS[4], KEYS[5], task)
-  redis.call('ZADD', KEYS[6], now, task)
+  redis.call('ZADD', KEYS[6], now, ARGV[8])
   return {2}
 elseif state == 'p' then
   return {3}
 end
 if ARGV[7] == '1' then
-  redis.call('ZREM', KEYS[6], task)
-elseif redis.call('ZSCORE', KEYS[6], task) then
+  redis.call('ZREM', KEYS[6], ARGV[8])
+elseif redis.call('ZSCORE', KEYS[6], ARGV[8]) then
   return {4}
 end
 local wait = park_busy(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[3]), now)

@@ -7,6 +7,7 @@
 -- KEYS[4] the resource's parked FIFO (the resource named in the task's message, or any key
 -- of the group when the task is not parked)
 -- ARGV[1] task id (escaped)   ARGV[2] tombstone life in ms
+-- ARGV[3] the task's tombstone "<task id>#<retries>" (see _parking.lua)
 -- returns 0 = not parked (go on)   1 = the hand-on, consumed now (go on: the lease is reserved)
 --         2 = parked: this delivery is a copy of a parked task (drop it)
 --         3 = consumed already (drop it, unless it is a redelivered copy)
@@ -20,11 +21,11 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 if state == 'h' then
   park_forget(KEYS[4], KEYS[1], KEYS[2], task)
-  redis.call('ZADD', KEYS[3], now, task)
+  redis.call('ZADD', KEYS[3], now, ARGV[3])
   park_prune(KEYS[3], now, tonumber(ARGV[2]))
   return 1
 end
-if redis.call('ZSCORE', KEYS[3], task) then
+if redis.call('ZSCORE', KEYS[3], ARGV[3]) then
   return 3
 end
 return 0

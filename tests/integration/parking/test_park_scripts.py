@@ -20,6 +20,7 @@ from celery_leases._parking import (
     _call,
     _group_keys,
     list_parked,
+    tombstone,
     unpark,
 )
 from celery_leases._scripts import HANDON, PARK, PARK_GATE, ParkGateReply, ParkReply
@@ -32,7 +33,7 @@ def other(leases: Leases, name: str) -> Identity:
     return Identity(name, ident.incarnation, ident.pid)
 
 
-def park(ext: Leases, task: str, want: Want, consumed: bool = False) -> ParkReply:
+def park(ext: Leases, task: str, want: Want, consumed: bool = False, retries: int = 0) -> ParkReply:
     keys = ext.store.keys
     state, msgs, done, due = _group_keys(ext, keys.group_of(want.resource))
     reply = _call(
@@ -55,6 +56,7 @@ def park(ext: Leases, task: str, want: Want, consumed: bool = False) -> ParkRepl
             f"{want.mode} {want.limit} {want.resource}",
             DONE_KEEP_MS,
             "1" if consumed else "0",
+            tombstone(task, retries),
         ],
         "park",
     )
@@ -88,14 +90,14 @@ def hand_on(ext: Leases, want: Want) -> str | None:
     return str(reply[1]) if int(reply[0]) == 1 else None
 
 
-def gate(ext: Leases, task: str, want: Want) -> ParkGateReply:
+def gate(ext: Leases, task: str, want: Want, retries: int = 0) -> ParkGateReply:
     keys = ext.store.keys
     state, msgs, done, _ = _group_keys(ext, keys.group_of(want.resource))
     reply = _call(
         ext,
         PARK_GATE,
         [state, msgs, done, keys.parked(want.resource)],
-        [escape(task), DONE_KEEP_MS],
+        [escape(task), DONE_KEEP_MS, tombstone(task, retries)],
         "gate",
     )
     return ParkGateReply(int(reply))
@@ -197,3 +199,13 @@ def test_unpark_drops_later_copies(leases: Leases):
     assert unpark(leases, "t1")
     assert gate(leases, "t1", X) == ParkGateReply.CONSUMED
     assert not list_parked(leases)
+
+
+def test_a_retry_of_a_task_that_ran_from_a_hand_on_is_not_dropped(leases: Leases):
+    with leases.hold("db"):
+        assert park(leases, "t1", X) == ParkReply.PARKED
+    assert hand_on(leases, X) == "t1"
+    assert gate(leases, "t1", X) == ParkGateReply.HANDED
+    assert gate(leases, "t1", X) == ParkGateReply.CONSUMED  # a copy of that message
+    # the body called self.retry(): the same id, one retry more, a new message
+    assert gate(leases, "t1", X, retries=1) == ParkGateReply.NOT_PARKED
