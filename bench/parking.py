@@ -19,6 +19,7 @@ import argparse
 import os
 import socket
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +28,17 @@ from typing import Final
 
 import redis
 
-from bench._common import Row, median, percentile, redis_target, render_text, spawn_worker
+from bench._common import (
+    Row,
+    median,
+    percentile,
+    redis_target,
+    render_markdown,
+    render_text,
+    spawn_worker,
+    write_json,
+    write_text,
+)
 from celery_leases._lease import Want
 
 REPO: Final = Path(__file__).resolve().parents[1]
@@ -147,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             CELERY_LEASES_REDIS_URL=url, CELERY_LEASES_KEY_PREFIX=PREFIX, PAPP_SLOW="0",
             PYTHONUNBUFFERED="1",
         )  # fmt: skip
-        log = REPO / "bench" / "results" / "parking-worker.log"
+        log = Path(tempfile.mkdtemp(prefix="bench-parking-")) / "worker.log"
         host = f"bench-parking-{os.getpid()}@{socket.gethostname()}"
         worker = spawn_worker(APP, "prefork", 2, host, log, env, REPO)
         client = redis.Redis.from_url(url)
@@ -168,6 +179,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"median at {max(sizes)} / at {min(sizes)} parked", "<= 2.00")
             )  # fmt: skip
             print(render_text(rows))
+            results = REPO / "bench" / "results"
+            write_text(str(results / "parking.md"), render_markdown(rows) + "\n")
+            write_json(
+                str(results / "parking.json"),
+                {"rows": [{**vars(r), "data": r.data} for r in rows]},
+            )
         finally:
             worker.stop()
             client.close()
