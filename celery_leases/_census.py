@@ -466,5 +466,12 @@ class CensusData:
     def owners(self) -> list[dict[str, object]]:
         return owners_json(self.store)
 
+    def parked(self) -> dict[str, int]:
+        from ._parking import parked_counts  # the integration layer: imported when used
+        from .app import find_leases
+
+        ext = find_leases(self.app)
+        return {} if ext is None else parked_counts(ext)
+
     def release(self, resource: str, *, via: str) -> list[dict[str, object]]:
         return force_release_json(self.store, resource, by=f"{operator_name()} ({via})")

@@ -41,6 +41,7 @@ from celery.utils.log import get_logger
 
 from . import signals
 from ._lease import Lease, Want
+from ._parking import PARKED_HEADER, ended_parked
 from .exceptions import LeaseBusy, LeaseError
 
 if TYPE_CHECKING:
@@ -60,6 +61,15 @@ _KEEPALIVE_MIN: Final = 0.1
 _KEEPALIVE_MAX: Final = 60.0
 
 Strategy = Callable[..., Any]
+
+
+def guard_id(task_id: str, parked: object) -> str:
+    """The id a delivery's guard is keyed by: its task id, and for the copy a hand-on of a
+    parked task published (header ``lease_parked``, see _parking.py) that copy's generation.
+    The copy is a new message, as a retry is: the delivery that parked the task ended without
+    running it, and the completion record of that delivery must not drop the copy; a
+    redelivery of the copy is a copy of the copy."""
+    return f"{task_id}~parked{parked}" if parked else task_id
 
 
 def delivery_of(message: Any, body: Any) -> tuple[str, int, bool] | None:
@@ -192,6 +202,8 @@ class _Delivery:
     leases: list[Lease] = field(default_factory=list)
     settled: bool = False
     waiting_since: float | None = None
+    #: the id its guard lease and completion record are keyed by (see :func:`guard_id`)
+    key_id: str = ""
 
 
 class RedeliveryGuard:
@@ -234,6 +246,8 @@ class RedeliveryGuard:
                 strategy, message, body, ack, reject, callbacks, kwargs, task_id, retries,
                 redelivered, acks_late, name, tag,
             )  # fmt: skip
+            headers = getattr(message, "headers", None) or {}
+            d.key_id = guard_id(task_id, headers.get(PARKED_HEADER))
             with self._lock:
                 self._open.add(d)
             return self._admit(d)
@@ -246,7 +260,7 @@ class RedeliveryGuard:
         """Hand ``d`` to Celery if no other copy holds its lease; else let it wait."""
         if d.settled:  # its connection was lost while it waited: the broker has it back
             return None
-        resource = self.ext.store.keys.redelivery_resource(d.task_id, d.retries)
+        resource = self.ext.store.keys.redelivery_resource(d.key_id, d.retries)
         first = d.waiting_since is None
         try:
             d.leases = self.ext.acquire([Want(resource)], wait=0.0, task_id=d.task_id)
@@ -280,7 +294,7 @@ class RedeliveryGuard:
         # every delivery, flagged redelivered or not: a second message of a task id that
         # already ended (kombu's publish retry after a lost confirm sends one) is a copy too
         try:
-            done = self.ext.store.get_delivery_done(d.task_id, d.retries)
+            done = self.ext.store.get_delivery_done(d.key_id, d.retries)
         except LeaseError as exc:
             logger.error(
                 "leases: could not read the completion record of %s[%s]: %s",
@@ -400,7 +414,7 @@ class RedeliveryGuard:
     def _record(self, d: _Delivery, state: str) -> None:
         try:
             self.ext.store.put_delivery_done(
-                d.task_id, d.retries, state, self.ext.settings.redelivery_record_ttl
+                d.key_id, d.retries, state, self.ext.settings.redelivery_record_ttl
             )
         except LeaseError as exc:
             logger.error(
@@ -529,8 +543,13 @@ def on_task_postrun(
         ext = find_leases(task.app)
         if ext is None or not ext.settings.redelivery_guard:
             return
+        if ended_parked(task_id):
+            return  # parked, not ended: the copy a hand-on publishes is to run
         ext.store.put_delivery_done(
-            task_id, int(request.retries or 0), str(state), ext.settings.redelivery_record_ttl
+            guard_id(task_id, getattr(request, PARKED_HEADER, None)),
+            int(request.retries or 0),
+            str(state),
+            ext.settings.redelivery_record_ttl,
         )
     except LeaseError as exc:
         logger.error("leases: could not write the completion record of %s: %s", task_id, exc)

@@ -252,6 +252,30 @@ class Keyspace:
         resource = self.redelivery_resource(task_id, retries)
         return f"{self.tag(self.group_of(resource))}:done:{escape(resource)}"
 
+    # --- parked tasks (on_busy="defer", see _parking.py) ------------------------------
+    def parked(self, resource: str) -> str:
+        """ZSET: the tasks parked on ``resource`` (escaped task ids), scored by when they
+        parked (Redis clock in microseconds): its FIFO."""
+        return f"{self.tag(self.group_of(resource))}:pq:{escape(resource)}"
+
+    def park_state(self, group: int) -> str:
+        """HASH: escaped task id -> ``p`` (parked) or ``h`` (handed on) of the group's tasks."""
+        return f"{self.tag(group)}:park-state"
+
+    def park_messages(self, group: int) -> str:
+        """HASH: escaped task id -> the message (JSON) that publishes a parked task again."""
+        return f"{self.tag(group)}:park-msg"
+
+    def park_done(self, group: int) -> str:
+        """ZSET: escaped ids of parked tasks whose hand-on a copy consumed (or that were
+        unparked), scored by when (Redis ms): later copies are dropped."""
+        return f"{self.tag(group)}:park-done"
+
+    def park_due(self, group: int) -> str:
+        """ZSET: ``"<mode> <limit> <resource>"`` of the group's resources with parked tasks,
+        scored by when the pump looks at them next (Redis ms)."""
+        return f"{self.tag(group)}:park-due"
+
     def receipt(self, name: str) -> str:
         """STRING (JSON) receipt of ``once(name, ...)``, in the slot group of its lease."""
         group = self.group_of(self.once_resource(name))

@@ -70,6 +70,13 @@ POLICIES: Final[Mapping[str, str]] = {
     "side: it may admit less, never more) and the caller gets LeaseBackendError",
     "limit_refund": "none: not sent again; a lost refund leaves the admission counted",
     "limit_penalize": "idempotent: the caller may call again (the later end wins)",
+    "park": "not sent again: the task's on_backend_error applies; a park that ran makes the "
+    "retry's delivery find the task parked, and be dropped (the hand-on publishes it)",
+    "park_gate": "not sent again: the delivery is requeued (Reject): a gate that ran consumed "
+    "the hand-on, and the redelivered copy runs (a redelivered copy passes a consumed gate)",
+    "handon": "not sent again: a hand-on that ran is a reservation nobody publishes for; it "
+    "runs out (handon_timeout) and the task goes back to its queue, handed on again later",
+    "unpark": "idempotent: the operator runs it again (a second run finds nothing parked)",
     "fenced_write": "idempotent: the caller's client retries; a replay writes the same value "
     "with the same token again, or is refused because a newer token wrote since, and either "
     "way the newest token's write stands",

@@ -26,7 +26,10 @@ __all__ = (
     "LIMIT",
     "LIMIT_PENALIZE",
     "LIMIT_REFUND",
+    "HANDON",
     "NOW",
+    "PARK",
+    "PARK_GATE",
     "SHA",
     "SOURCE",
     "RELEASE",
@@ -35,6 +38,7 @@ __all__ = (
     "UNIQUE_HANDOVER",
     "UNIQUE_REQUEUE",
     "UNIQUE_UNCLAIM",
+    "UNPARK",
     "AcquireReply",
     "BeatClaimReply",
     "CommitReceiptReply",
@@ -42,6 +46,8 @@ __all__ = (
     "ForgetOwnerReply",
     "LifetimeCheckReply",
     "LimitReply",
+    "ParkGateReply",
+    "ParkReply",
     "ReleaseReply",
     "UniqueClaimReply",
     "UniqueHandoverReply",
@@ -81,6 +87,25 @@ class ReleaseReply(IntEnum):
     NOT_HELD = 0  #: was no longer held by us
     RELEASED = 1  #: released now
     SPARED = 2  #: granted after a cleanup pass looked at the owner: kept (spare_from)
+
+
+class ParkReply(IntEnum):
+    """park.lua's first reply element."""
+
+    FREE = 0  #: the resource has room and nobody is parked ahead: acquire again
+    PARKED = 1  #: parked (the ms until the holder runs out follow)
+    HANDED = 2  #: it was handed on already: consumed now, acquire again (the reservation)
+    PARKED_ALREADY = 3  #: a copy of a task parked already: drop this delivery
+    CONSUMED = 4  #: another copy consumed its hand-on: drop this delivery
+
+
+class ParkGateReply(IntEnum):
+    """park_gate.lua's reply."""
+
+    NOT_PARKED = 0  #: go on
+    HANDED = 1  #: the hand-on, consumed now: go on (the lease is reserved for the task)
+    PARKED = 2  #: a copy of a parked task: drop this delivery
+    CONSUMED = 3  #: consumed already: drop this delivery, unless it is a redelivered copy
 
 
 class BeatClaimReply(IntEnum):
@@ -179,6 +204,10 @@ FENCED_WRITE: Final = _read("fenced_write")
 LIMIT: Final = _read("limit")
 LIMIT_REFUND: Final = _read("limit_refund")
 LIMIT_PENALIZE: Final = _read("limit_penalize")
+PARK: Final = _with("park", "_parking")
+HANDON: Final = _with("handon", "_parking")
+PARK_GATE: Final = _with("park_gate", "_parking")
+UNPARK: Final = _with("unpark", "_parking")
 
 ALL: Final[dict[str, str]] = {
     "acquire": ACQUIRE,
@@ -198,6 +227,10 @@ ALL: Final[dict[str, str]] = {
     "limit": LIMIT,
     "limit_refund": LIMIT_REFUND,
     "limit_penalize": LIMIT_PENALIZE,
+    "park": PARK,
+    "handon": HANDON,
+    "park_gate": PARK_GATE,
+    "unpark": UNPARK,
 }
 
 #: the Redis clock, read on the node serving KEYS[1] (a cluster pipeline cannot send TIME,

@@ -355,6 +355,18 @@ def _requeue(ext: Leases, task_id: str, running: _Running, queue_ttl: float) -> 
     return False
 
 
+def keep_queued(ext: Leases, task: Any, task_id: str) -> bool:
+    """A task parked by ``on_busy="defer"`` keeps its unique claim: queued again for its task
+    id (as a retry's is), so the copy a hand-on publishes is its holder. False when this
+    process holds no claim for it."""
+    with _running_lock:
+        running = _running.get(task_id)
+    if running is None:
+        return False
+    queue_ttl = task.unique_ttl if task.unique_ttl is not None else ext.settings.unique_ttl
+    return _requeue(ext, task_id, running, queue_ttl)
+
+
 def _duplicate(
     ext: Leases,
     task: UniqueTask,

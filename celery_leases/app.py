@@ -45,6 +45,7 @@ from ._outcomes import (
     same_owner_busy,
     to_release,
 )
+from ._parking import hand_on_released, parking_used
 from ._sync.driver import LeaseStore
 from ._sync.heartbeat import heartbeat
 from ._unique import install as install_unique
@@ -97,6 +98,7 @@ class Leases:
         self._engine = LeaseEngine(self._settings.peek())
         self._store: LeaseStore | None = None
         self._astore: AsyncLeaseStore | None = None
+        self._parking: bool | None = None  # a task defers (on_busy="defer"): see release
         if self._engine.cluster:
             # a cluster client reads the slot map as it is made: an unreachable cluster is an
             # error here, as a bad URL is (the settings' checks found that one already)
@@ -258,26 +260,22 @@ class Leases:
         return _once.forget(self, name)
 
     def limit(self, name: str, rate: str, *, cost: int = 1, wait: float | None = 0.0) -> None:
-        """Return once the limit ``name`` admits ``cost``: ``rate`` (``"N/s|m|h"``)
-        allows N by cost in any window, fleet-wide (an override wins); ``wait`` 0: check once,
-        None: no limit; else :class:`RateLimited` (``.retry_after``: the exact wait).
+        """Return once limit ``name`` (``rate`` "N/s|m|h": N by cost in any window, fleet-wide)
+        admits ``cost``; ``wait`` 0: once, None: no limit; else :class:`RateLimited`.
 
-        .. versionadded:: 0.2
-        """
+        .. versionadded:: 0.2"""
         _limiter.limit(self, name, rate, cost, wait)
 
     def set_rate(self, name: str, rate: str | None) -> None:
         """Override the rate of the limit ``name`` fleet-wide, at once; None removes it.
 
-        .. versionadded:: 0.2
-        """
+        .. versionadded:: 0.2"""
         _limiter.set_rate(self.store, name, rate)
 
     def penalize(self, name: str, *, retry_after: float) -> float:
         """Admit nobody under the limit ``name`` for ``retry_after`` s; returns how long it lasts.
 
-        .. versionadded:: 0.2
-        """
+        .. versionadded:: 0.2"""
         return _limiter.penalize(self.store, name, retry_after)
 
     # --- the shared acquire / release path (hold, tasks, once) ---------------------------
@@ -324,6 +322,9 @@ class Leases:
         except LeaseBackendError as exc:
             logger.error("leases: could not release %d lease(s): %s", len(todo), exc)
             return lost
+        parks = self._parking = parking_used(self.app) if self._parking is None else self._parking
+        if parks:  # on_busy="defer": hand on to a parked task (_parking.py)
+            hand_on_released(self, [lease.resource for lease in todo])
         return released_leases(todo, freed, lost, asked)
 
     # --- asyncio --------------------------------------------------------------------------

@@ -95,7 +95,7 @@ import click
 from celery import signals as _signals
 from celery.utils.log import get_logger
 
-from . import _cli_inspect, _cli_limits, _cli_repair, _cli_watch
+from . import _cli_inspect, _cli_limits, _cli_parked, _cli_repair, _cli_watch
 from ._cli_base import EX_CONFIG
 from .app import find_leases
 from .task import unleased_tasks
@@ -121,7 +121,7 @@ def leases() -> None:
 # The commands live by concern in _cli_inspect, _cli_watch and _cli_repair, each listing its
 # own in COMMANDS. A new command is a click.command(cls=_cli_base.Command) there (or here,
 # with @leases.command), and in its module's COMMANDS.
-for _module in (_cli_inspect, _cli_watch, _cli_repair, _cli_limits):
+for _module in (_cli_inspect, _cli_watch, _cli_repair, _cli_limits, _cli_parked):
     for _command in _module.COMMANDS:
         leases.add_command(_command)
 

@@ -80,7 +80,17 @@ __all__ = (
 )
 
 
-OnBusy = Literal["retry", "skip", "fail", "wait"]
+_HANDON_TIMEOUT: Final = (
+    "on_busy='defer': seconds a lease stays reserved for a parked task that was handed on "
+    "(published again), for its copy to start and take it; a reservation not claimed by then "
+    "runs out, and the task goes back to the end of its resource's queue of parked tasks."
+)
+_PARK_PUMP_INTERVAL: Final = (
+    "on_busy='defer': seconds between two turns of each worker's pump, which hands on the "
+    "resources whose holder ran out without a release (or whose hand-on ran out)."
+)
+
+OnBusy = Literal["retry", "skip", "fail", "wait", "defer"]
 OnLost = Literal["interrupt", "log"]
 OnBackendError = Literal["retry", "fail"]
 OnDuplicate = Literal["existing", "raise", "ignore"]
@@ -140,8 +150,10 @@ class LeaseSettings(BaseSettings):
     )
     on_busy: OnBusy = Field(
         "retry",
-        description="Default busy policy of LeasedTask: retry, skip, fail or wait.",
+        description="Default busy policy of LeasedTask: retry, skip, fail, wait or defer.",
     )
+    handon_timeout: float = Field(30.0, gt=0.0, description=_HANDON_TIMEOUT)
+    park_pump_interval: float = Field(1.0, gt=0.0, description=_PARK_PUMP_INTERVAL)
     skip_result: Literal["marker", "none"] = Field(
         "marker",
         description=(

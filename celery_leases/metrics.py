@@ -30,6 +30,7 @@ from celery.utils.log import get_logger
 
 from . import signals
 from ._keys import pid_of_owner
+from ._parking import parked_observers
 from ._renewround import renew_observers
 from .beat import clock_observers
 from .worker import cleanup_observers
@@ -204,6 +205,12 @@ class LeaseMetrics:
             ["outcome"],
             **common,
         )
+        self.parked_total = prometheus.Counter(
+            "parked_total",
+            "Tasks parked (on_busy='defer'), by task and lease template (never the rendered key)",
+            ["task", "template"],
+            **common,
+        )
         self.beat_clock_offset_seconds = prometheus.Gauge(
             "beat_clock_offset_seconds",
             "Seconds the Redis clock is ahead of this beat replica's, at its last claim",
@@ -255,6 +262,7 @@ class LeaseMetrics:
         renew_observers.append(self.observe_renew)
         cleanup_observers.append(self.observe_cleanup)
         clock_observers.append(self.observe_beat_clock)
+        parked_observers.append(self.observe_parked)
 
     def _uid(self, name: str) -> str:
         return f"celery_leases.metrics.{id(self)}.{name}"
@@ -270,6 +278,7 @@ class LeaseMetrics:
             renew_observers.remove(self.observe_renew)
             cleanup_observers.remove(self.observe_cleanup)
             clock_observers.remove(self.observe_beat_clock)
+            parked_observers.remove(self.observe_parked)
             for collector in (
                 self.leases_held,
                 self.acquire_seconds,
@@ -279,6 +288,7 @@ class LeaseMetrics:
                 self.lost_total,
                 self.cleanup_released_total,
                 self.redelivery_total,
+                self.parked_total,
                 self.beat_clock_offset_seconds,
                 self.rate_admitted_total,
                 self.rate_limited_total,
@@ -390,6 +400,10 @@ class LeaseMetrics:
         self.cleanup_released_total.labels(kind).inc(len(report.released))
         if kind == "reaper":
             _mark_dead(report.owners)
+
+    def observe_parked(self, task: str, template: str) -> None:
+        """A task was parked (``_parking.parked_observers``)."""
+        self.parked_total.labels(task, template).inc()
 
     def observe_beat_clock(self, replica: str, offset: float) -> None:
         """Beat hook: a claim of ``replica`` measured the Redis clock ``offset`` seconds ahead

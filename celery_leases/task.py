@@ -34,7 +34,10 @@ Options (each also an app-wide setting, see the configuration reference):
   the task's own ``max_retries``, until ``busy_timeout`` has passed, then fail with
   :class:`LeaseBusy`), ``"skip"`` (return a marker without running the body: see
   :func:`is_skipped`), ``"fail"`` (raise :class:`LeaseBusy`), ``"wait"`` (block the worker slot
-  up to ``wait_timeout``, woken by the release).
+  up to ``wait_timeout``, woken by the release), ``"defer"`` (park the task in Redis, in its
+  resource's FIFO, and free the worker slot at once: its delivery ends without a result, and
+  when the resource frees, the lease is reserved for it and it is published again with its
+  own id and arguments; no retry is counted. See docs/parking.md).
 - ``on_backend_error``: what a task does when Redis fails or cannot be reached as it takes its
   leases (or its unique claim): ``"retry"`` (default: ``self.retry`` with the same backoff as
   ``on_busy="retry"``; it counts against the task's ``max_retries``, after which
@@ -77,7 +80,6 @@ from __future__ import annotations
 
 import inspect
 import random
-import string
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -89,10 +91,12 @@ from celery.exceptions import Retry
 from celery.result import AsyncResult
 from celery.utils.log import get_logger
 
+from . import _parking
 from ._interrupt import Interrupter
-from ._lease import Lease, Shared, Want, check_name_size, check_user_name
+from ._lease import Lease, Shared, Want
 from ._limiter import check_rates, take
 from ._limits import Rate
+from ._templates import Template, plain_params
 from ._unique import release_claim, take_claim
 from .app import Leases, find_leases, ttl_of
 from .config import LeaseSettings, OnBackendError, OnBusy, OnDuplicate, OnLost, get_settings
@@ -105,6 +109,10 @@ logger = get_logger(__name__)
 #: message header carrying when a task first found its leases busy (Unix time)
 BUSY_SINCE_HEADER: Final = "lease_busy_since"
 BUSY_ATTEMPT_HEADER: Final = "lease_busy_attempt"
+
+#: on_busy="defer": acquire attempts of one delivery when the resource keeps freeing between
+#: the failed acquire and the park (each time a newcomer took it first), before LeaseBusy
+_DEFER_ATTEMPTS: Final = 5
 
 _current: ContextVar[tuple[Lease, ...]] = ContextVar("celery_leases_current", default=())
 _extension_lock = threading.Lock()
@@ -146,93 +154,6 @@ def current_leases() -> tuple[Lease, ...]:
     .. versionadded:: 0.1
     """
     return _current.get()
-
-
-class _Template:
-    """A resource template checked against a task signature once, at declaration."""
-
-    __slots__ = ("fields", "limit", "mode", "text", "what")
-
-    def __init__(
-        self,
-        task_name: str,
-        item: object,
-        params: Mapping[str, inspect.Parameter],
-        what: str = "lease",
-    ):
-        if isinstance(item, Shared):
-            text, self.mode, self.limit = item.name, "s", item.limit or 0
-        elif isinstance(item, str) and item:
-            text, self.mode, self.limit = item, "x", 0
-        else:
-            msg = (
-                f"task {task_name!r}: a lease must be a non-empty str or Shared(...), not {item!r}"
-            )
-            raise LeaseConfigError(msg)
-        self.text = text
-        try:
-            parsed = list(string.Formatter().parse(text))
-        except ValueError as exc:
-            msg = f"task {task_name!r}: {what} template {text!r} is malformed: {exc}"
-            raise LeaseConfigError(msg) from None
-        accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-        fields: list[str] = []
-        for _, field, _, _ in parsed:
-            if field is None:
-                continue
-            root = field.split(".", 1)[0].split("[", 1)[0]
-            if not root or root.isdigit():
-                msg = (
-                    f"task {task_name!r}: {what} template {text!r} has a positional field "
-                    f"{{{field}}}; name the argument instead, e.g. {{analysis_id}}"
-                )
-                raise LeaseConfigError(msg)
-            param = params.get(root)
-            if param is None and not accepts_any:
-                msg = (
-                    f"task {task_name!r}: {what} template {text!r} names {{{root}}}, which is not "
-                    f"a parameter of the task (parameters: {', '.join(params) or 'none'})"
-                )
-                raise LeaseConfigError(msg)
-            if param is not None and param.kind is inspect.Parameter.VAR_POSITIONAL:
-                msg = f"task {task_name!r}: {what} template {text!r} cannot name *{root}"
-                raise LeaseConfigError(msg)
-            fields.append(root)
-        self.fields = tuple(fields)
-        self.what = what
-        # its names are at least as long as its text outside the fields: known now
-        literal = "".join(text for text, _, _, _ in parsed)
-        check_name_size(literal, f"task {task_name!r}: {what} template, without its fields,")
-
-    def render(self, task_name: str, bound: Mapping[str, Any]) -> Want:
-        try:
-            name = self.text.format_map(bound)
-        except (KeyError, AttributeError, IndexError, ValueError, TypeError) as exc:
-            msg = f"task {task_name!r}: cannot render {self.what} {self.text!r}: {exc!r}"
-            raise LeaseConfigError(msg) from None
-        if not name:
-            msg = (
-                f"task {task_name!r}: {self.what} template {self.text!r} renders to an empty "
-                "name for these arguments"
-            )
-            raise LeaseConfigError(msg)
-        check_name_size(
-            name, f"task {task_name!r}: {self.what} template {self.text!r} renders to a name that"
-        )
-        if self.what == "lease":
-            check_user_name(name, f"task {task_name!r}: lease {self.text!r} renders to")
-        return Want(name, "x" if self.mode == "x" else "s", self.limit)
-
-
-def _plain_params(signature: inspect.Signature) -> tuple[tuple[str, ...], dict[str, Any]] | None:
-    """``(names, defaults)`` of a signature whose parameters are all positional-or-keyword;
-    None for any other (``*args``, ``**kwargs``, keyword-only, positional-only)."""
-    params = signature.parameters.values()
-    if any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params):
-        return None
-    names = tuple(p.name for p in params)
-    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
-    return names, defaults
 
 
 def _backoff(settings: LeaseSettings, attempt: int) -> float:
@@ -278,17 +199,17 @@ class LeasedTask(Task[Any, Any]):
     rate: Rate | None = None
     rates: Sequence[Rate] | None = None
 
-    _lease_templates: ClassVar[tuple[_Template, ...]] = ()
+    _lease_templates: ClassVar[tuple[Template, ...]] = ()
     _lease_signature: ClassVar[inspect.Signature | None] = None
     #: the signature's ``(names, defaults)`` when every parameter is a plain one (positional
     #: or keyword), for binding without ``Signature.bind`` (see ``_bound_values``)
     _plain_params: ClassVar[tuple[tuple[str, ...], dict[str, Any]] | None] = None
-    _unique_template: ClassVar[_Template | None] = None
+    _unique_template: ClassVar[Template | None] = None
     #: True when the ``__call__`` after this class's in the MRO is Celery's own (no other
     #: base wraps the body): a traced call may then run the body as Celery runs a task
     #: without a ``__call__`` of its own (see ``_run_body``)
     _celery_call: ClassVar[bool] = True
-    _rate_templates: ClassVar[tuple[tuple[Rate, _Template], ...]] = ()
+    _rate_templates: ClassVar[tuple[tuple[Rate, Template], ...]] = ()
 
     #: a busy lease is an expected end (on_busy="fail", a "wait" or "retry" that ran out):
     #: Celery logs it at INFO without a traceback, not at ERROR
@@ -339,12 +260,12 @@ class LeasedTask(Task[Any, Any]):
             return
         signature = cls._run_signature()
         cls._lease_signature = signature
-        cls._plain_params = _plain_params(signature)
-        cls._lease_templates = tuple(_Template(name, i, signature.parameters) for i in items)
+        cls._plain_params = plain_params(signature)
+        cls._lease_templates = tuple(Template(name, i, signature.parameters) for i in items)
         if cls.unique is not None:
-            cls._unique_template = _Template(name, cls.unique, signature.parameters, "unique")
+            cls._unique_template = Template(name, cls.unique, signature.parameters, "unique")
         params = signature.parameters
-        cls._rate_templates = tuple((r, _Template(name, r.template, params, "rate")) for r in rates)
+        cls._rate_templates = tuple((r, Template(name, r.template, params, "rate")) for r in rates)
 
     @classmethod
     def _run_signature(cls) -> inspect.Signature:
@@ -474,16 +395,24 @@ class LeasedTask(Task[Any, Any]):
                 return super().__call__(*args, **kwargs)
             with interrupter:
                 return super().__call__(*args, **kwargs)
+        request = self.request
+        # on_busy="defer" (see _parking.py): a copy of a parked task is dropped here, and a
+        # busy lease parks the task (Ignore: the delivery ends, the slot is free)
+        deferring = on_busy == "defer" and bool(task_id)
+        deferring = deferring and not (request.is_eager or request.called_directly)
         try:
-            if self._rate_templates:  # leases, then limits: see _limiter.take
-                bound = self._bound_values(args, kwargs)
-                leases = take(ext, self, bound, wants, wait, task_id, interrupter)
-            else:
-                leases = ext.acquire(
-                    wants, ttl=self.lease_ttl, wait=wait, task_id=task_id, on_lost=interrupter
-                )
-        except LeaseBusy as busy:
-            return self._busy(busy, on_busy, args, kwargs)
+            consumed = deferring and _parking.admit(ext, self, wants)
+            for _attempt in range(_DEFER_ATTEMPTS):
+                try:
+                    leases = self._take(ext, wants, wait, task_id, interrupter, args, kwargs)
+                    break
+                except LeaseBusy as busy:
+                    # a rate limit's refusal is not parked (yet): see _busy
+                    parks = deferring and not isinstance(busy, RateLimited)
+                    if not parks or _attempt == _DEFER_ATTEMPTS - 1:
+                        return self._busy(busy, on_busy, args, kwargs)
+                    # returns only when the resource has room again: acquire once more
+                    _parking.defer(ext, self, busy, wants, args, kwargs, consumed)
         except LeaseBackendError as exc:
             self._backend_failed(exc)
         traced = self._traced()
@@ -495,7 +424,25 @@ class LeasedTask(Task[Any, Any]):
                 return self._run_body(traced, args, kwargs)
         finally:
             _current.reset(token)
-            ext.release(leases)
+            ext.release(leases)  # hands the resource on to its next parked task
+
+    def _take(
+        self,
+        ext: Leases,
+        wants: list[Want],
+        wait: float | None,
+        task_id: str | None,
+        interrupter: Interrupter | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> list[Lease]:
+        """The task's leases, then its rate limits (see ``_limiter.take``), all or nothing."""
+        if self._rate_templates:
+            bound = self._bound_values(args, kwargs)
+            return take(ext, self, bound, wants, wait, task_id, interrupter)
+        return ext.acquire(
+            wants, ttl=self.lease_ttl, wait=wait, task_id=task_id, on_lost=interrupter
+        )
 
     def _traced(self) -> bool:
         """True if this call is the tracer's own (a worker's, or ``apply``'s), outside any
@@ -526,7 +473,10 @@ class LeasedTask(Task[Any, Any]):
             if get_settings(self.app).skip_result == "none":
                 return None
             return {SKIPPED_KEY: {"resource": busy.resource, "holder_task": busy.holder_task}}
-        if policy in ("fail", "wait"):
+        if policy == "defer" and isinstance(busy, RateLimited):
+            # parking on a rate limit is not built yet: the exact wait, through the broker
+            return self._retry_busy(busy, args, kwargs)
+        if policy in ("fail", "wait", "defer"):  # defer: busy on every attempt (rare)
             raise busy
         return self._retry_busy(busy, args, kwargs)
 

@@ -15,6 +15,7 @@ behind it:
   ``?resource=PATTERN`` as ``--owner`` and ``--resource``);
 - ``GET /api/owners``: what ``celery leases owners --json`` prints;
 - ``GET /api/limits``: what ``celery leases limits --json`` prints (the rate limits);
+- ``GET /api/parked``: how many tasks are parked on each resource (``on_busy="defer"``);
 - ``GET /api/beat``: the last claimed run of each entry of the app's ``beat_schedule``;
 - ``GET /api/history`` and ``GET /api/lease?resource=R``, where this version records them;
 - ``GET /healthz``: 200 ``{"ok": true}`` while Redis answers, 503 otherwise.
@@ -82,6 +83,9 @@ class WebData(Protocol):
 
     def owners(self) -> list[dict[str, object]]:
         """What ``owners --json`` prints."""
+
+    def parked(self) -> dict[str, int]:
+        """Resource -> how many tasks are parked on it (on_busy="defer")."""
 
     def release(self, resource: str, *, via: str) -> list[dict[str, object]]:
         """The forced release of ``release --force --yes``: one object per holder freed.
@@ -295,6 +299,10 @@ def create_app(
         rows = await run_in_threadpool(lambda: store.run(list_limits(store.engine)))
         return JSONResponse([with_shown(limit_json(r)) for r in rows])
 
+    async def parked(request: Request) -> Response:
+        counts = await run_in_threadpool(data.parked)
+        return JSONResponse({"parked": counts, "total": sum(counts.values())})
+
     async def beat(request: Request) -> Response:
         runs = await run_in_threadpool(store.beat_runs, list(beat_entries))
         return JSONResponse(
@@ -373,6 +381,7 @@ def create_app(
         Route("/api/leases", guarded(leases)),
         Route("/api/owners", guarded(owners)),
         Route("/api/limits", guarded(limits)),
+        Route("/api/parked", guarded(parked)),
         Route("/api/beat", guarded(beat)),
         Route("/api/history", guarded(history)),
         Route("/api/lease", guarded(lease)),

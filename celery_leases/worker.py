@@ -31,6 +31,8 @@ from ._guard import on_task_postrun as guard_task_postrun
 from ._identity import set_node
 from ._keys import split_owner
 from ._lease import Want
+from ._parking import parking_used
+from ._parking import pump as pump_parked
 from ._text import printable
 from .config import DEFAULT_REDIS_URL, renewal_interval, safe_url, timing_warnings
 from .exceptions import LeaseBackendError, LeaseError
@@ -268,6 +270,11 @@ class LeaseBootstep(bootsteps.StartStopStep):
             self._timers.append(
                 timer.call_repeatedly(ext.settings.reconcile_interval, self.reconcile, priority=10)
             )
+        if parking_used(worker.app):
+            # on_busy="defer": hand on what a holder that died (or a lost hand-on) left parked
+            self._timers.append(
+                timer.call_repeatedly(ext.settings.park_pump_interval, self.pump, priority=10)
+            )
 
     def stop(self, worker: Any) -> None:
         for tref in self._timers:
@@ -287,6 +294,17 @@ class LeaseBootstep(bootsteps.StartStopStep):
         self.stop(worker)
 
     # --- periodic work ------------------------------------------------------------------
+    def pump(self) -> int:
+        """One turn of the parked tasks' pump (see _parking.py); never raises."""
+        ext = self.ext
+        if ext is None:
+            return 0
+        try:
+            return pump_parked(ext)
+        except Exception:
+            logger.exception("leases: the parking pump failed")
+            return 0
+
     def reap(self) -> CleanupReport:
         """Free the leases of this incarnation's processes that are gone (dead children)."""
         if os.getpid() != self.pid:

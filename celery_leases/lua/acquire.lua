@@ -49,6 +49,10 @@
 --         {2, token}                  a release handed the lease to this ticket (ARGV[14]); its
 --                                     registry entry is then "x <token> <task>%c<call> ..."
 --
+-- A parked task's hand-on (handon.lua) reserves a lease for it: the holder "0 %parked/<task>"
+-- (exclusive key or shared member) counts as free for the call of that task (ARGV[9]), which
+-- takes it over, and as a holder for every other call.
+--
 -- The waiter queue (see _waiters.lua): a resource free for the mode asked is still busy while
 -- the live head of its queue is another waiter (first come, first served; a call without a
 -- ticket never barges in), and the wait told is until that head's ticket runs out. A call
@@ -114,6 +118,13 @@ if ordering then
   handed_entry = function()
     return 'h ' .. string.match(ticket, '^%S+') .. ' ' .. task() .. ' ' .. ARGV[a + 3]
   end
+end
+
+-- the holder a hand-on of a parked task writes to reserve a lease for it (see _parking.lua):
+-- this call takes it over as if the resource were free; reserved[i]: found in shared key i
+local reserved = {}
+local function reservation()
+  return '0 %parked/' .. (string.match(ARGV[9], '^(.-)%%c') or ARGV[9])
 end
 
 -- the home call: register the owner, refresh its liveness.
@@ -183,6 +194,9 @@ for i = 0, n - 1 do
       -- a holder key: the checks as without a queue
       local mode, limit = ARGV[a + 3 * i + 1], tonumber(ARGV[a + 3 * i + 2])
       local xttl = redis.call('PTTL', xkey)
+      if xttl >= 0 and redis.call('GET', xkey) == reservation() then
+        xttl = -2  -- a hand-on reserved it for this task (handon.lua): its own
+      end
       if xttl >= 0 then
         return busy(xttl)
       elseif xttl == -1 then
@@ -191,6 +205,10 @@ for i = 0, n - 1 do
       end
       redis.call('ZREMRANGEBYSCORE', skey, '-inf', now)
       local count = redis.call('ZCARD', skey)
+      if count > 0 and (mode == 'x' or (limit > 0 and count >= limit))
+          and redis.call('ZSCORE', skey, reservation()) then
+        count, reserved[i] = count - 1, true  -- a hand-on's place for this task: its own
+      end
       if count > 0 and (mode == 'x' or (limit > 0 and count >= limit)) then
         local first = redis.call('ZRANGE', skey, 0, 0, 'WITHSCORES')
         return busy(math.max(tonumber(first[2]) - now, 1))
@@ -229,6 +247,9 @@ for i = 0, n - 1 do
     redis.call('SET', xkey, holder, 'PX', ARGV[2])  -- the ttl as sent: a number costs more
   else
     local ttl = tonumber(ARGV[2])
+    if reserved[i] then
+      redis.call('ZREM', skey, reservation())
+    end
     redis.call('ZADD', skey, now + ttl, holder)
     if redis.call('PTTL', skey) < ttl then
       redis.call('PEXPIRE', skey, ttl)

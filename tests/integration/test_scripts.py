@@ -38,6 +38,7 @@ def test_every_lua_file_is_a_script_constant():
         "lifetime_check": ["_lifetime"],
         "release": ["_lifetime", "_waiters", "_tokens"],
         "leave": ["_waiters"],
+        **{key: ["_parking"] for key in ("park", "handon", "park_gate", "unpark")},
     }
     for name, source in scripts.items():
         parts = fragments.get(name, [])

@@ -24,8 +24,18 @@ REPLIES: dict[str, type[IntEnum]] = {
     "fenced_write": _scripts.FencedWriteReply,
     "lifetime_check": _scripts.LifetimeCheckReply,
     "limit": _scripts.LimitReply,
+    "park": _scripts.ParkReply,
+    "park_gate": _scripts.ParkGateReply,
 }
-DATA_ONLY = {"renew", "expired_owners", "leave", "limit_refund", "limit_penalize"}
+DATA_ONLY = {
+    "renew",
+    "expired_owners",
+    "leave",
+    "limit_refund",
+    "limit_penalize",
+    "handon",
+    "unpark",
+}
 
 
 def _returns_comment(name: str) -> str:

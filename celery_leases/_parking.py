@@ -1,0 +1,446 @@
+"""Parked tasks (``on_busy="defer"``): park, admit a copy, hand on, the pump, list, cancel.
+
+A task whose lease is busy is parked in Redis (its message, in its resource's FIFO) and its
+delivery ends without running the body; a release (or the pump, for a holder that died) hands
+the resource on to the head of the FIFO: it reserves the lease for that task id and publishes
+the task again, with its id and arguments. See docs/parking.md for the guarantees.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+from celery.exceptions import Ignore, Reject
+from celery.utils.log import get_logger
+from kombu.utils.json import dumps, loads
+from redis.exceptions import RedisError
+
+from . import _scripts
+from ._keys import escape, unescape
+from ._lease import Want
+from ._scripts import ParkGateReply, ParkReply
+from .exceptions import LeaseBackendError, LeaseBusy
+
+if TYPE_CHECKING:
+    from .app import Leases
+
+__all__ = (
+    "PARKED_HEADER",
+    "Parked",
+    "ended_parked",
+    "parked_observers",
+    "admit",
+    "defer",
+    "hand_on",
+    "hand_on_released",
+    "list_parked",
+    "parked_counts",
+    "parking_used",
+    "pump",
+    "unpark",
+)
+
+logger = get_logger(__name__)
+
+#: message header of a parked task's copy: how many times it was parked (its generation; the
+#: redelivery guard tells copies apart by it)
+PARKED_HEADER: Final = "lease_parked"
+#: the owner of a hand-on's reservation is this prefix and the escaped task id (acquire.lua)
+PLACEHOLDER: Final = "%parked/"
+#: milliseconds a consumed hand-on's tombstone is kept: a later copy of the task is dropped
+DONE_KEEP_MS: Final = 7 * 24 * 3600 * 1000
+#: at most this many hand-ons of one resource in one call (a Shared lease with room for many)
+_MAX_HANDONS: Final = 64
+#: due resources the pump hands on per slot group and turn (one head each: round robin)
+_PUMP_BATCH: Final = 256
+
+
+class Parked(dict[str, Any]):
+    """One parked task as ``celery leases parked`` shows it (a dict: JSON as it is)."""
+
+
+def _call(ext: Leases, src: str, keys: Sequence[str], args: Sequence[Any], what: str) -> Any:
+    store = ext.store
+    try:
+        return store.client.register_script(src)(keys=list(keys), args=list(args))
+    except RedisError as exc:
+        raise store.backend_error(what, exc) from exc
+
+
+def _group_keys(ext: Leases, group: int) -> tuple[str, str, str, str]:
+    keys = ext.store.keys
+    return (
+        keys.park_state(group),
+        keys.park_messages(group),
+        keys.park_done(group),
+        keys.park_due(group),
+    )
+
+
+def tombstone(task_id: str, retries: int | None) -> str:
+    """The done ZSET's member of a consumed hand-on: per message, so a retry is not one."""
+    return f"{escape(task_id)}#{int(retries or 0)}"
+
+
+def _due_member(want: Want) -> str:
+    return f"{want.mode} {want.limit} {want.resource}"
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+# --- the task's side ------------------------------------------------------------------------
+def admit(ext: Leases, task: Any, wants: Sequence[Want]) -> bool:
+    """Before a deferring task takes its leases: True if this delivery consumed its hand-on
+    (the lease is reserved for it). Raises ``Ignore`` for a delivery that must not run: a
+    copy of a task that is parked, or whose hand-on another copy consumed (a redelivery of a
+    copy that started is let through: the redelivery guard's business)."""
+    request = task.request
+    task_id = escape(request.id)
+    seen: set[int] = set()
+    for want in wants:
+        group = ext.store.keys.group_of(want.resource)
+        if group in seen:
+            continue
+        seen.add(group)
+        state, msgs, done, _ = _group_keys(ext, group)
+        keys = [state, msgs, done, ext.store.keys.parked(want.resource)]
+        try:
+            mark = tombstone(request.id, request.retries)
+            args = [task_id, DONE_KEEP_MS, mark]
+            raw = _call(ext, _scripts.PARK_GATE, keys, args, "admit a task")
+        except LeaseBackendError as exc:
+            # not retried (self.retry): a gate that ran but whose reply was lost consumed the
+            # hand-on, and only a redelivered copy passes a consumed gate: requeue this one
+            logger.error("leases: %s[%s] requeued: %s", task.name, request.id, exc)
+            raise Reject(str(exc), requeue=True) from exc
+        reply = ParkGateReply(int(raw))
+        if reply == ParkGateReply.HANDED:
+            logger.info("leases: %s[%s] handed on: runs", task.name, request.id)
+            return True
+        if reply == ParkGateReply.PARKED:
+            logger.info("leases: %s[%s] is parked: this copy is dropped", task.name, request.id)
+            raise Ignore()
+        if reply == ParkGateReply.CONSUMED:
+            copy = getattr(request, PARKED_HEADER, None) is not None
+            redelivered = bool((request.delivery_info or {}).get("redelivered"))
+            if copy and redelivered:
+                return False  # a copy that started and died: the redelivery guard decides
+            logger.info(
+                "leases: %s[%s] already ran from its hand-on: this copy is dropped",
+                task.name,
+                request.id,
+            )
+            raise Ignore()
+    return False
+
+
+def defer(
+    ext: Leases,
+    task: Any,
+    busy: LeaseBusy,
+    wants: Sequence[Want],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    consumed: bool,
+) -> None:
+    """Park the task on the busy resource and end this delivery (raise ``Ignore``). Returns
+    only when the resource has room again (released meanwhile): acquire again."""
+    request = task.request
+    want = next((w for w in wants if w.resource == busy.resource), wants[0])
+    generation = int(getattr(request, PARKED_HEADER, None) or 0) + 1
+    headers = dict(getattr(request, "headers", None) or {})
+    headers[PARKED_HEADER] = generation
+    sig = task.signature_from_request(
+        request, args, kwargs, retries=request.retries, headers=headers
+    )
+    message = dumps({"resource": want.resource, "task": task.name, "sig": dict(sig)})
+    group = ext.store.keys.group_of(want.resource)
+    state, msgs, done, due = _group_keys(ext, group)
+    reply = _call(
+        ext,
+        _scripts.PARK,
+        [
+            ext.store.keys.exclusive(want.resource),
+            ext.store.keys.shared(want.resource),
+            ext.store.keys.parked(want.resource),
+            state,
+            msgs,
+            done,
+            due,
+        ],
+        [
+            escape(request.id),
+            want.mode,
+            want.limit,
+            message,
+            _due_member(want),
+            DONE_KEEP_MS,
+            "1" if consumed else "0",
+            tombstone(request.id, request.retries),
+        ],
+        "park a task",
+    )
+    code = ParkReply(int(reply[0]))
+    if code in (ParkReply.FREE, ParkReply.HANDED):
+        return
+    if code == ParkReply.PARKED:
+        from ._unique import keep_queued  # _unique imports the task layer's modules
+
+        keep_queued(ext, task, request.id)
+        _parked_now(task, want)
+        logger.info("leases: %s[%s] parked on %s", task.name, request.id, want.resource)
+        _mark_parked(request.id)
+    else:
+        logger.info(
+            "leases: %s[%s] is parked or ran already: this copy is dropped",
+            task.name,
+            request.id,
+        )
+    raise Ignore()
+
+
+#: called with (task name, lease template) for each task parked in this process: the metrics
+parked_observers: list[Callable[[str, str], None]] = []
+
+
+def _parked_now(task: Any, want: Want) -> None:
+    """Tell the observers: labelled by the template, never the rendered resource."""
+    rendered = task._lease_templates if hasattr(task, "_lease_templates") else ()
+    template = "?"
+    for t in rendered:
+        if t.mode == ("x" if want.mode == "x" else "s") and t.limit == want.limit:
+            template = t.text
+            break
+    for observe in tuple(parked_observers):
+        try:
+            observe(str(task.name), template)
+        except Exception:
+            logger.exception("leases: a parked-task observer failed")
+
+
+# --- which deliveries ended parked (for the redelivery guard's completion record) -----------
+_parked_ids: set[str] = set()
+_parked_lock = threading.Lock()
+
+
+def _mark_parked(task_id: str) -> None:
+    with _parked_lock:
+        _parked_ids.add(task_id)
+
+
+def ended_parked(task_id: str) -> bool:
+    """True once for a delivery of ``task_id`` that ended parked in this process."""
+    with _parked_lock:
+        if task_id in _parked_ids:
+            _parked_ids.discard(task_id)
+            return True
+        return False
+
+
+# --- the releaser's side and the pump -------------------------------------------------------
+def hand_on(ext: Leases, wants: Iterable[Want]) -> int:
+    """Hand each resource of ``wants`` on to the head of its parked FIFO while it has room;
+    returns how many tasks were published again. Never raises for Redis or broker trouble:
+    a hand-on not published runs out and is handed on again (the pump)."""
+    count = 0
+    for want in wants:
+        for _ in range(_MAX_HANDONS):
+            try:
+                if not _hand_on_one(ext, want.resource, want.mode, want.limit):
+                    break
+            except LeaseBackendError as exc:
+                logger.error("leases: could not hand on %s: %s", want.resource, exc)
+                break
+            count += 1
+    return count
+
+
+def hand_on_released(ext: Leases, resources: Iterable[str]) -> int:
+    """Hand on ``resources`` released outside a task (``Leases.release``, ``hold()``): the
+    mode and limit of each come from what its parked tasks recorded. Never raises."""
+    store = ext.store
+    count = 0
+    for resource in dict.fromkeys(resources):
+        msgs = store.keys.park_messages(store.keys.group_of(resource))
+        try:
+            member = store.client.hget(msgs, "%r" + resource)
+        except RedisError as exc:
+            logger.error("leases: could not hand on %s: %s", resource, exc)
+            continue
+        if member is None:
+            continue
+        mode, limit, _ = _text(member).split(" ", 2)
+        want = Want(resource, "x" if mode == "x" else "s", int(limit))
+        count += hand_on(ext, [want])
+    return count
+
+
+def parking_used(app: Any) -> bool:
+    """True if a task of ``app`` (or its ``on_busy`` setting) defers: then its releases hand
+    on and its workers run the pump."""
+    from .config import get_settings
+
+    if get_settings(app).on_busy == "defer":
+        return True
+    return any(getattr(t, "on_busy", None) == "defer" for t in list(app.tasks.values()))
+
+
+def _hand_on_one(ext: Leases, resource: str, mode: str, limit: int) -> bool:
+    keys = ext.store.keys
+    _, msgs, _, due = _group_keys(ext, keys.group_of(resource))
+    state = keys.park_state(keys.group_of(resource))
+    reply = _call(
+        ext,
+        _scripts.HANDON,
+        [keys.exclusive(resource), keys.shared(resource), keys.parked(resource), state, msgs, due],
+        [
+            mode,
+            limit,
+            _ms(ext.settings.handon_timeout),
+            f"{mode} {limit} {resource}",
+            PLACEHOLDER,
+        ],
+        "hand on a parked task",
+    )
+    if int(reply[0]) != 1:
+        return False
+    task_id = unescape(_text(reply[1]))
+    raw = _text(reply[2])
+    if not raw:
+        logger.warning("leases: parked task %s has no message; left to its redelivery", task_id)
+        return True
+    _die_here_for_a_test()
+    try:
+        record = loads(raw)
+        ext.app.signature(record["sig"]).apply_async()
+    except Exception:
+        # the reservation runs out unclaimed: the task goes back to the FIFO, and is handed on
+        # (published) again in its turn
+        logger.exception("leases: could not publish parked task %s", task_id)
+        return True
+    logger.info("leases: handed %s on to %s[%s]", resource, record.get("task"), task_id)
+    return True
+
+
+#: environment variable of the fault tests: the path of a file; the first hand-on that finds
+#: it deletes it and kills its process (SIGKILL) between the reservation and the publish
+DIE_BEFORE_PUBLISH_ENV: Final = "CELERY_LEASES_TEST_DIE_BEFORE_PUBLISH"
+
+
+def _die_here_for_a_test() -> None:
+    path = os.environ.get(DIE_BEFORE_PUBLISH_ENV)
+    if not path:
+        return
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return  # another hand-on took it
+    logger.warning("leases: %s: killed between a hand-on and its publish", DIE_BEFORE_PUBLISH_ENV)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def pump(ext: Leases) -> int:
+    """One turn of the park pump: each resource whose due time came, in every slot group, is
+    handed on once (one head per resource and turn: round robin). Returns how many tasks were
+    published again."""
+    store = ext.store
+    count = 0
+    for group in range(store.keys.slot_groups):
+        due = store.keys.park_due(group)
+        try:
+            now = store.redis_time()
+            members = store.client.zrangebyscore(due, "-inf", now * 1000, 0, _PUMP_BATCH)
+        except (RedisError, LeaseBackendError) as exc:
+            logger.error("leases: the parking pump could not read its due index: %s", exc)
+            continue
+        for raw in members:
+            mode, limit, resource = _text(raw).split(" ", 2)
+            try:
+                if _hand_on_one(ext, resource, mode, int(limit)):
+                    count += 1
+            except LeaseBackendError as exc:
+                logger.error("leases: could not hand on %s: %s", resource, exc)
+    return count
+
+
+# --- operators ------------------------------------------------------------------------------
+def list_parked(ext: Leases, resource: str | None = None) -> list[Parked]:
+    """The parked tasks (of ``resource``, or all), in each resource's FIFO order."""
+    store = ext.store
+    client = store.client
+    out: list[Parked] = []
+    try:
+        groups = (
+            [store.keys.group_of(resource)]
+            if resource is not None
+            else list(range(store.keys.slot_groups))
+        )
+        for group in groups:
+            state, msgs, _, _ = _group_keys(ext, group)
+            states = {_text(k): _text(v) for k, v in client.hgetall(state).items()}
+            for key, raw in client.hgetall(msgs).items():
+                task_id = _text(key)
+                if task_id.startswith("%"):
+                    continue  # "%r<resource>": a resource's due member (park.lua)
+                record = loads(_text(raw))
+                if resource is not None and record.get("resource") != resource:
+                    continue
+                since = client.zscore(store.keys.parked(record["resource"]), task_id)
+                out.append(
+                    Parked(
+                        task_id=unescape(task_id),
+                        task=record.get("task"),
+                        resource=record.get("resource"),
+                        state="handed on" if states.get(task_id) == "h" else "parked",
+                        since=(since or 0) / 1e6,
+                    )
+                )
+    except RedisError as exc:
+        raise store.backend_error("list parked tasks", exc) from exc
+    out.sort(key=lambda p: (p["resource"], p["since"]))
+    return out
+
+
+def parked_counts(ext: Leases) -> dict[str, int]:
+    """Resource -> how many tasks are parked on it (the web view)."""
+    counts: dict[str, int] = {}
+    for p in list_parked(ext):
+        counts[p["resource"]] = counts.get(p["resource"], 0) + 1
+    return counts
+
+
+def unpark(ext: Leases, task_id: str) -> bool:
+    """Cancel the parked task ``task_id``: it leaves its FIFO, a copy already published is
+    dropped, and its result becomes REVOKED. False if it was not parked."""
+    store = ext.store
+    escaped = escape(task_id)
+    for group in range(store.keys.slot_groups):
+        state, msgs, done, _ = _group_keys(ext, group)
+        try:
+            raw = store.client.hget(msgs, escaped)
+        except RedisError as exc:
+            raise store.backend_error("find a parked task", exc) from exc
+        if raw is None:
+            continue
+        record = loads(_text(raw))
+        queue = store.keys.parked(record["resource"])
+        keys = [state, msgs, done, queue]
+        mark = tombstone(task_id, record.get("sig", {}).get("options", {}).get("retries"))
+        args = [escaped, DONE_KEEP_MS, mark]
+        if int(_call(ext, _scripts.UNPARK, keys, args, "unpark a task")):
+            try:
+                ext.app.backend.mark_as_revoked(task_id, "unparked")
+            except Exception:
+                logger.exception("leases: could not mark unparked task %s REVOKED", task_id)
+            return True
+    return False

@@ -1,0 +1,55 @@
+-- park.lua: park a task that found a resource busy (on_busy="defer"), unless the resource has
+-- room now: the busy check and the park are one step, so a release between the task's failed
+-- acquire and this call is never missed (it either freed the resource, seen here, or comes
+-- after the park, and hands on what is parked).
+--
+-- KEYS[1] exclusive key   KEYS[2] shared key   KEYS[3] the resource's parked FIFO
+-- KEYS[4] parked states (group)   KEYS[5] parked messages (group)   KEYS[6] done (group)
+-- KEYS[7] due index (group)
+-- ARGV[1] task id (escaped)   ARGV[2] mode ("x" or "s")   ARGV[3] limit (0 = none)
+-- ARGV[4] the message (JSON)   ARGV[5] due member   ARGV[6] tombstone life in ms
+-- ARGV[7] "1" when this delivery consumed the task's hand-on (park_gate.lua): parked again
+-- ARGV[8] the task's tombstone "<task id>#<retries>" (see _parking.lua)
+-- returns {1, wait_ms} parked (the resource looks free in wait_ms at the latest)
+--         {0}          the resource has room and nobody is parked ahead: acquire again
+--         {2}          already handed on: consumed here, acquire again (the reservation)
+--         {3}          already parked: this delivery is a copy of a parked task: drop it
+--         {4}          already consumed by another copy: drop it
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_us = string.format('%.0f', tonumber(t[1]) * 1000000 + tonumber(t[2]))
+local task = ARGV[1]
+local state = redis.call('HGET', KEYS[4], task)
+if state == 'h' then
+  park_forget(KEYS[3], KEYS[4], KEYS[5], task)
+  redis.call('ZADD', KEYS[6], now, ARGV[8])
+  return {2}
+elseif state == 'p' then
+  return {3}
+end
+if ARGV[7] == '1' then
+  redis.call('ZREM', KEYS[6], ARGV[8])
+elseif redis.call('ZSCORE', KEYS[6], ARGV[8]) then
+  return {4}
+end
+local wait = park_busy(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[3]), now)
+local ahead = redis.call('ZCARD', KEYS[3])
+if wait == 0 and ahead == 0 then
+  return {0}
+end
+redis.call('ZADD', KEYS[3], 'NX', now_us, task)
+redis.call('HSET', KEYS[4], task, 'p')
+redis.call('HSET', KEYS[5], task, ARGV[4])
+-- the due member by resource ("%r<resource>": no escaped task id starts with "%"), for a
+-- release outside a task, which knows the resource only (see _parking.hand_on_released)
+redis.call('HSET', KEYS[5], '%r' .. string.match(ARGV[5], '^%S+ %S+ (.*)$'), ARGV[5])
+-- look again when the holder runs out (sooner if the index says so): a holder that dies
+-- without a release is noticed by the pump then
+local due = now + wait
+local known = redis.call('ZSCORE', KEYS[7], ARGV[5])
+if not known or tonumber(known) > due then
+  redis.call('ZADD', KEYS[7], due, ARGV[5])
+end
+park_prune(KEYS[6], now, tonumber(ARGV[6]))
+return {1, wait}

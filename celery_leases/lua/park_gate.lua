@@ -1,0 +1,31 @@
+-- park_gate.lua: a delivery of a task that may be parked, before it takes its leases. A task
+-- handed on is consumed here, once: the first delivery of its task id to get here runs (the
+-- published copy, or a redelivery of the original that parked it), and every later one is
+-- told so.
+--
+-- KEYS[1] parked states (group)   KEYS[2] parked messages (group)   KEYS[3] done (group)
+-- KEYS[4] the resource's parked FIFO (the resource named in the task's message, or any key
+-- of the group when the task is not parked)
+-- ARGV[1] task id (escaped)   ARGV[2] tombstone life in ms
+-- ARGV[3] the task's tombstone "<task id>#<retries>" (see _parking.lua)
+-- returns 0 = not parked (go on)   1 = the hand-on, consumed now (go on: the lease is reserved)
+--         2 = parked: this delivery is a copy of a parked task (drop it)
+--         3 = consumed already (drop it, unless it is a redelivered copy)
+
+local task = ARGV[1]
+local state = redis.call('HGET', KEYS[1], task)
+if state == 'p' then
+  return 2
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if state == 'h' then
+  park_forget(KEYS[4], KEYS[1], KEYS[2], task)
+  redis.call('ZADD', KEYS[3], now, ARGV[3])
+  park_prune(KEYS[3], now, tonumber(ARGV[2]))
+  return 1
+end
+if redis.call('ZSCORE', KEYS[3], ARGV[3]) then
+  return 3
+end
+return 0

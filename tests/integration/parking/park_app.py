@@ -1,0 +1,104 @@
+"""The Celery app of the parked-task tests (on_busy="defer"), run by real workers.
+
+Configured from the environment (``LEASES_TEST_BROKER``, ``LEASES_TEST_QUEUE``,
+``LEASES_TEST_LEDGER`` and the ``CELERY_LEASES_*`` settings). Each body records its start
+and end, on the Redis clock, in a ledger list: ``"<event> <tenant> <n> <task id> <parked>
+<Redis us>"``; ``PAPP_SLOW`` makes bodies sleep that long.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from celery import Celery
+
+from celery_leases import LeasedTask, Leases, Shared
+from tests.support.perprocess import PerProcessClient
+
+BROKER = os.environ.get("LEASES_TEST_BROKER", "redis://127.0.0.1:6379/15")
+QUEUE = os.environ.get("LEASES_TEST_QUEUE", "leases-parking-tests")
+LEDGER_URL = os.environ.get("LEASES_TEST_LEDGER", BROKER)
+PREFIX = os.environ.get("CELERY_LEASES_KEY_PREFIX", "leases")
+SLOW = float(os.environ.get("PAPP_SLOW", "0.05"))
+
+ledger = PerProcessClient(LEDGER_URL)
+
+
+def ledger_key(prefix: str) -> str:
+    return f"{{{prefix}:ledger}}:events"
+
+
+def make_app(broker: str = BROKER, queue: str = QUEUE, **settings: object) -> Celery:
+    app = Celery("park_app", broker=broker, backend=broker, set_as_current=False)
+    app.conf.update(
+        task_default_queue=queue,
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+        result_expires=600,
+        worker_prefetch_multiplier=1,
+        task_acks_late=True,
+        # a killed worker's unacked deliveries come back after this long (Redis transport)
+        broker_transport_options={"visibility_timeout": 10},
+    )
+    Leases(app, **settings)
+
+    def record(event: str, tenant: str, n: int, task: LeasedTask) -> None:
+        client = ledger()
+        s, us = client.time()
+        parked = getattr(task.request, "lease_parked", None) or 0
+        line = f"{event} {tenant} {n} {task.request.id} {parked} {s * 1_000_000 + us}"
+        client.rpush(ledger_key(PREFIX), line)
+
+    @app.task(
+        base=LeasedTask, bind=True, name="park_app.erp", shared=False,
+        lease=Shared("erp:{tenant}", limit=2), on_busy="defer",
+    )  # fmt: skip
+    def erp(self: LeasedTask, tenant: str, n: int) -> int:
+        record("s", tenant, n, self)
+        time.sleep(SLOW)
+        record("e", tenant, n, self)
+        return n
+
+    @app.task(
+        base=LeasedTask, bind=True, name="park_app.excl", shared=False, lease="excl:{tenant}",
+        on_busy="defer",
+    )  # fmt: skip
+    def excl(self: LeasedTask, tenant: str, n: int) -> int:
+        record("s", tenant, n, self)
+        time.sleep(SLOW)
+        record("e", tenant, n, self)
+        return n
+
+    @app.task(
+        base=LeasedTask, bind=True, name="park_app.uniq", shared=False, lease="excl:{tenant}",
+        unique="u:{tenant}", on_busy="defer",
+    )  # fmt: skip
+    def uniq(self: LeasedTask, tenant: str, n: int) -> int:
+        record("s", tenant, n, self)
+        record("e", tenant, n, self)
+        return n
+
+    # the benchmark's contenders (bench/parking.py): the same lease, the other busy policies
+    @app.task(
+        base=LeasedTask, bind=True, name="park_app.excl_wait", shared=False,
+        lease="excl:{tenant}", on_busy="wait", wait_timeout=120,
+    )  # fmt: skip
+    def excl_wait(self: LeasedTask, tenant: str, n: int) -> int:
+        record("s", tenant, n, self)
+        record("e", tenant, n, self)
+        return n
+
+    @app.task(
+        base=LeasedTask, bind=True, name="park_app.excl_retry", shared=False,
+        lease="excl:{tenant}", on_busy="retry",
+    )  # fmt: skip
+    def excl_retry(self: LeasedTask, tenant: str, n: int) -> int:
+        record("s", tenant, n, self)
+        record("e", tenant, n, self)
+        return n
+
+    return app
+
+
+app = make_app()

@@ -1,0 +1,211 @@
+"""The scripts of parked tasks against a real Redis: the hazards of docs/parking.md, one by one.
+
+No worker here: each test drives park.lua, handon.lua, park_gate.lua and acquire.lua in the
+order a race would, and checks that nothing is lost and nothing runs twice.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from celery_leases import LeaseBusy, Leases
+from celery_leases._identity import Identity
+from celery_leases._keys import escape
+from celery_leases._lease import Want
+from celery_leases._parking import (
+    DONE_KEEP_MS,
+    PLACEHOLDER,
+    _call,
+    _group_keys,
+    list_parked,
+    tombstone,
+    unpark,
+)
+from celery_leases._scripts import HANDON, PARK, PARK_GATE, ParkGateReply, ParkReply
+
+HANDON_MS = 300
+
+
+def other(leases: Leases, name: str) -> Identity:
+    ident = leases.identity()
+    return Identity(name, ident.incarnation, ident.pid)
+
+
+def park(ext: Leases, task: str, want: Want, consumed: bool = False, retries: int = 0) -> ParkReply:
+    keys = ext.store.keys
+    state, msgs, done, due = _group_keys(ext, keys.group_of(want.resource))
+    reply = _call(
+        ext,
+        PARK,
+        [
+            keys.exclusive(want.resource),
+            keys.shared(want.resource),
+            keys.parked(want.resource),
+            state,
+            msgs,
+            done,
+            due,
+        ],
+        [
+            escape(task),
+            want.mode,
+            want.limit,
+            f'{{"resource": "{want.resource}", "task": "t"}}',
+            f"{want.mode} {want.limit} {want.resource}",
+            DONE_KEEP_MS,
+            "1" if consumed else "0",
+            tombstone(task, retries),
+        ],
+        "park",
+    )
+    return ParkReply(int(reply[0]))
+
+
+def hand_on(ext: Leases, want: Want) -> str | None:
+    """handon.lua once: the task id handed on, or None."""
+    keys = ext.store.keys
+    state, msgs, _, due = _group_keys(ext, keys.group_of(want.resource))
+    reply = _call(
+        ext,
+        HANDON,
+        [
+            keys.exclusive(want.resource),
+            keys.shared(want.resource),
+            keys.parked(want.resource),
+            state,
+            msgs,
+            due,
+        ],
+        [
+            want.mode,
+            want.limit,
+            HANDON_MS,
+            f"{want.mode} {want.limit} {want.resource}",
+            PLACEHOLDER,
+        ],
+        "hand on",
+    )
+    return str(reply[1]) if int(reply[0]) == 1 else None
+
+
+def gate(ext: Leases, task: str, want: Want, retries: int = 0) -> ParkGateReply:
+    keys = ext.store.keys
+    state, msgs, done, _ = _group_keys(ext, keys.group_of(want.resource))
+    reply = _call(
+        ext,
+        PARK_GATE,
+        [state, msgs, done, keys.parked(want.resource)],
+        [escape(task), DONE_KEEP_MS, tombstone(task, retries)],
+        "gate",
+    )
+    return ParkGateReply(int(reply))
+
+
+def take(ext: Leases, want: Want, task: str, owner: str = "copy") -> bool:
+    """One acquire of ``want`` by a process ``owner`` running ``task``; True if granted."""
+    got = ext.store.try_acquire([want], other(ext, owner), 5.0, task)
+    return isinstance(got, list)
+
+
+X = Want("db")
+
+
+def test_hazard1_a_release_between_the_busy_acquire_and_the_park_is_not_missed(leases: Leases):
+    with leases.hold("db"):
+        assert not take(leases, X, "t1")  # t0: the task's acquire finds db busy
+    # t1: the holder released (it found nobody parked: no hand-on); t2: the task parks
+    assert park(leases, "t1", X) == ParkReply.FREE  # it acquires again instead
+    assert not list_parked(leases)
+    with leases.hold("db"):
+        assert park(leases, "t1", X) == ParkReply.PARKED
+    # the release came after the park: the head is handed on
+    assert hand_on(leases, X) == "t1"
+
+
+def test_hazard2_a_redelivery_of_a_parked_task_is_dropped(leases: Leases):
+    with leases.hold("db"):
+        assert park(leases, "t1", X) == ParkReply.PARKED
+        # the parking worker died before its ack: the broker delivers the original again
+        assert gate(leases, "t1", X) == ParkGateReply.PARKED
+        assert park(leases, "t1", X) == ParkReply.PARKED_ALREADY
+    assert [p["task_id"] for p in list_parked(leases)] == ["t1"]
+
+
+def test_hand_on_reserves_the_lease_for_the_task_only(leases: Leases):
+    with leases.hold("db"):
+        assert park(leases, "t1", X) == ParkReply.PARKED
+        assert park(leases, "t2", X) == ParkReply.PARKED
+    assert hand_on(leases, X) == "t1"
+    assert hand_on(leases, X) is None  # reserved: nothing more to hand on
+    # a newcomer cannot overtake the task handed on
+    assert not take(leases, X, "newcomer", "n")
+    with pytest.raises(LeaseBusy):
+        leases.acquire([X])
+    assert gate(leases, "t1", X) == ParkGateReply.HANDED
+    assert take(leases, X, "t1")
+    assert [p["task_id"] for p in list_parked(leases)] == ["t2"]
+
+
+def test_shared_limit_hands_on_one_per_free_place(leases: Leases):
+    want = Want("erp", "s", 2)
+    assert take(leases, want, "h1", "h1")
+    assert take(leases, want, "h2", "h2")
+    for t in ("t1", "t2", "t3"):
+        assert park(leases, t, want) == ParkReply.PARKED
+    assert hand_on(leases, want) is None  # full
+    # free both places (as the holders' releases would): each hands on one head, in order
+    keys = leases.store.keys
+    leases.store.client.delete(keys.shared("erp"))
+    assert hand_on(leases, want) == "t1"
+    assert hand_on(leases, want) == "t2"
+    assert hand_on(leases, want) is None  # two reservations: full again
+    assert not take(leases, want, "newcomer", "n")
+
+
+def test_hazard3_a_hand_on_never_published_is_handed_on_again(leases: Leases):
+    with leases.hold("db"):
+        assert park(leases, "t1", X) == ParkReply.PARKED
+        assert park(leases, "t2", X) == ParkReply.PARKED
+    assert hand_on(leases, X) == "t1"  # the releaser dies before it publishes t1
+    time.sleep(HANDON_MS / 1000 + 0.1)
+    # the reservation ran out unclaimed: the pump passes on to t2, and t1 goes to the end
+    assert hand_on(leases, X) == "t2"
+    assert gate(leases, "t2", X) == ParkGateReply.HANDED
+    assert take(leases, X, "t2")
+    leases.store.client.delete(leases.store.keys.exclusive("db"))
+    assert hand_on(leases, X) == "t1"  # published again: nothing lost
+
+
+def test_hazard4_two_copies_of_one_hand_on_run_once(leases: Leases):
+    with leases.hold("db"):
+        assert park(leases, "t1", X) == ParkReply.PARKED
+    assert hand_on(leases, X) == "t1"
+    # the releaser published, died before recording it, and a takeover published again
+    assert gate(leases, "t1", X) == ParkGateReply.HANDED  # the first copy consumes it
+    assert gate(leases, "t1", X) == ParkGateReply.CONSUMED  # the second is dropped
+    assert park(leases, "t1", X) == ParkReply.CONSUMED  # even if it got as far as parking
+    # the copy that consumed it may park again (its reservation ran out meanwhile)
+    time.sleep(HANDON_MS / 1000 + 0.1)
+    with leases.hold("db"):
+        assert park(leases, "t1", X, consumed=True) == ParkReply.PARKED
+
+
+def test_unpark_drops_later_copies(leases: Leases):
+    with leases.hold("db"):
+        assert park(leases, "t1", X) == ParkReply.PARKED
+    assert hand_on(leases, X) == "t1"
+    assert unpark(leases, "t1")
+    assert gate(leases, "t1", X) == ParkGateReply.CONSUMED
+    assert not list_parked(leases)
+
+
+def test_a_retry_of_a_task_that_ran_from_a_hand_on_is_not_dropped(leases: Leases):
+    with leases.hold("db"):
+        assert park(leases, "t1", X) == ParkReply.PARKED
+    assert hand_on(leases, X) == "t1"
+    assert gate(leases, "t1", X) == ParkGateReply.HANDED
+    assert gate(leases, "t1", X) == ParkGateReply.CONSUMED  # a copy of that message
+    # the body called self.retry(): the same id, one retry more, a new message
+    assert gate(leases, "t1", X, retries=1) == ParkGateReply.NOT_PARKED

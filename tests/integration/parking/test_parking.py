@@ -1,0 +1,242 @@
+"""on_busy="defer": parked tasks, handed on by releases and the pump, with real workers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+from celery import Celery
+
+from celery_leases import Leases
+from celery_leases._parking import list_parked, unpark
+from tests.support.polling import wait_until
+from tests.support.workers import WorkerProc
+
+from . import park_app
+from .conftest import APP
+
+DEADLINE = 300.0
+
+
+def events(client: redis.Redis, prefix: str) -> list[tuple[str, str, int, str, int, int]]:
+    out = []
+    for raw in client.lrange(park_app.ledger_key(prefix), 0, -1):
+        e, tenant, n, task_id, parked, us = raw.decode().split(" ")
+        out.append((e, tenant, int(n), task_id, int(parked), int(us)))
+    return out
+
+
+def most_at_once(evs: list[tuple[str, str, int, str, int, int]]) -> dict[str, int]:
+    """Per tenant, the most bodies that ran at once (by the Redis clock)."""
+    points: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    open_: dict[str, tuple[str, int]] = {}
+    for e, tenant, _, task_id, _, us in evs:
+        if e == "s":
+            open_[task_id] = (tenant, us)  # a start never ended (its worker killed) is dropped
+        elif task_id in open_:
+            tenant, start = open_.pop(task_id)
+            points[tenant] += [(start, 1), (us, -1)]
+    most: dict[str, int] = {}
+    for tenant, pts in points.items():
+        now = top = 0
+        for _, d in sorted(pts, key=lambda p: (p[0], p[1])):  # an end before a start at a tie
+            now += d
+            top = max(top, now)
+        most[tenant] = top
+    return most
+
+
+def run_tenants(
+    producer: Celery,
+    leases_redis: redis.Redis,
+    leases_prefix: str,
+    kill: Callable[[], None] | None = None,
+) -> list[tuple[str, str, int, str, int, int]]:
+    client = redis.Redis.from_url(producer.conf.broker_url)
+    erp = producer.tasks["park_app.erp"]
+    for tenant in "AB":  # tenant by tenant: the first 4 tasks of A fill the slots
+        for n in range(200):
+            erp.delay(tenant, n)
+    erp.delay("C", 0)
+    if kill is not None:
+        wait_until(
+            lambda: sum(1 for e in events(client, leases_prefix) if e[0] == "e") >= 150,
+            DEADLINE,
+            "150 bodies done",
+        )
+        kill()
+
+    def done() -> bool:
+        ends = {(e[1], e[2]) for e in events(client, leases_prefix) if e[0] == "e"}
+        return len(ends) == 401
+
+    wait_until(done, DEADLINE, "all 401 tasks done")
+    evs = events(client, leases_prefix)
+    client.close()
+    return evs
+
+
+def check_tenants(evs: list[tuple[str, str, int, str, int, int]], *, exactly_once: bool) -> None:
+    starts = Counter((e[1], e[2]) for e in evs if e[0] == "s")
+    assert set(starts) == {("A", n) for n in range(200)} | {("B", n) for n in range(200)} | {
+        ("C", 0)
+    }
+    if exactly_once:
+        assert max(starts.values()) == 1, [k for k, v in starts.items() if v > 1][:5]
+    most = most_at_once(evs)
+    assert most["A"] <= 2, most
+    assert most["B"] <= 2, most
+    # deferral happened: most of A's and B's tasks ran from a hand-on's copy
+    copies = sum(1 for e in evs if e[0] == "s" and e[4] > 0)
+    assert copies > 100
+    # the lone tenant is not held back by the others' parked queues: its task is never parked
+    (c_start,) = [e for e in evs if e[0] == "s" and e[1] == "C"]
+    assert c_start[4] == 0
+
+
+def test_tenants_limit_two_each_done_once(
+    producer: Celery,
+    leases_redis: redis.Redis,
+    leases_prefix: str,
+    start_worker: Callable[..., WorkerProc],
+):
+    start_worker(concurrency=4)
+    evs = run_tenants(producer, leases_redis, leases_prefix)
+    check_tenants(evs, exactly_once=True)
+    ext: Leases = producer.leases  # type: ignore[attr-defined]
+    wait_until(lambda: not list_parked(ext), 30, "no parked task left")
+
+
+def test_tenants_with_worker_killed_halfway(
+    producer: Celery,
+    leases_redis: redis.Redis,
+    leases_prefix: str,
+    start_worker: Callable[..., WorkerProc],
+):
+    worker = start_worker(concurrency=4)
+
+    def kill() -> None:
+        worker.kill9()
+        worker.start()
+
+    evs = run_tenants(producer, leases_redis, leases_prefix, kill)
+    # acks_late: a body cut by the kill runs again (at least once); every task is done
+    check_tenants(evs, exactly_once=False)
+    starts = Counter((e[1], e[2]) for e in evs if e[0] == "s")
+    # at most the bodies running at the kill (4 slots) started twice
+    assert sum(v - 1 for v in starts.values()) <= 4
+
+
+def celery_leases(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", APP, "leases", *args],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+def test_unpark_cancels_and_marks_revoked(
+    producer: Celery,
+    leases_prefix: str,
+    start_worker: Callable[..., WorkerProc],
+    worker_env: dict[str, str],
+):
+    ext: Leases = producer.leases  # type: ignore[attr-defined]
+    excl = producer.tasks["park_app.excl"]
+    with ext.hold("excl:T"):
+        start_worker(concurrency=2)
+        result = excl.delay("T", 1)
+        wait_until(lambda: list_parked(ext, "excl:T"), 30, "the task parked")
+        listed = celery_leases(worker_env, "parked", "excl:T", "--json")
+        assert listed.returncode == 0, listed.stderr
+        shown = json.loads(listed.stdout)
+        assert shown["count"] == 1
+        (entry,) = shown["parked"]
+        assert entry["task_id"] == result.id
+        assert entry["state"] == "parked"
+        done = celery_leases(worker_env, "unpark", result.id, "--yes")
+        assert done.returncode == 0, done.stderr
+        assert not unpark(ext, result.id)  # a second time: not parked
+        again = celery_leases(worker_env, "unpark", result.id, "--yes")
+        assert again.returncode == 1
+        assert "not parked" in again.stderr
+    wait_until(lambda: result.state == "REVOKED", 30, "the unparked task REVOKED")
+
+
+def run_exclusive(
+    producer: Celery, leases_prefix: str, tenant: str, count: int
+) -> list[tuple[str, str, int, str, int, int]]:
+    client = redis.Redis.from_url(producer.conf.broker_url)
+    excl = producer.tasks["park_app.excl"]
+    for n in range(count):
+        excl.delay(tenant, n)
+
+    def done() -> bool:
+        ends = {e[2] for e in events(client, leases_prefix) if e[0] == "e" and e[1] == tenant}
+        return len(ends) == count
+
+    wait_until(done, DEADLINE, f"all {count} tasks of {tenant} done")
+    evs = events(client, leases_prefix)
+    client.close()
+    starts = Counter(e[2] for e in evs if e[0] == "s")
+    assert starts == Counter(range(count))  # every task ran, once
+    assert most_at_once(evs)[tenant] == 1
+    assert sum(1 for e in evs if e[0] == "s" and e[4] > 0) > 0  # some ran from a hand-on
+    return evs
+
+
+def test_hazard5_redelivery_guard_runs_every_handed_on_copy(
+    producer: Celery, leases_prefix: str, start_worker: Callable[..., WorkerProc]
+):
+    # without the guard's parked generation, the parked delivery's completion record (or the
+    # early ack's) would make the guard drop the copy the hand-on published: never done
+    start_worker(concurrency=3, env={"CELERY_LEASES_REDELIVERY_GUARD": "true"})
+    run_exclusive(producer, leases_prefix, "G", 20)
+
+
+def test_hazard3_releaser_killed_between_hand_on_and_publish(
+    producer: Celery,
+    leases_prefix: str,
+    start_worker: Callable[..., WorkerProc],
+    tmp_path: Path,
+):
+    trap = tmp_path / "die-before-publish"
+    trap.write_text("1")
+    worker = start_worker(concurrency=2, env={"CELERY_LEASES_TEST_DIE_BEFORE_PUBLISH": str(trap)})
+    run_exclusive(producer, leases_prefix, "K", 10)
+    assert not trap.exists()  # a releaser did die there
+    assert "killed between a hand-on and its publish" in worker.log()
+
+
+def test_hazard6_a_parked_unique_task_keeps_its_claim(
+    producer: Celery,
+    leases_redis: redis.Redis,
+    leases_prefix: str,
+    start_worker: Callable[..., WorkerProc],
+):
+    ext: Leases = producer.leases  # type: ignore[attr-defined]
+    uniq = producer.tasks["park_app.uniq"]
+    client = redis.Redis.from_url(producer.conf.broker_url)
+    with ext.hold("excl:U"):
+        start_worker(concurrency=2)
+        first = uniq.delay("U", 1)
+        wait_until(lambda: list_parked(ext, "excl:U"), 30, "the task parked")
+        # parked, it is still queued: a second send is a duplicate of it
+        again = uniq.delay("U", 2)
+        assert again.id == first.id
+    # the release hands it on: the copy is the claim's holder and runs, once
+    wait_until(lambda: [e for e in events(client, leases_prefix) if e[0] == "e"], 30, "it ran")
+    wait_until(lambda: not list_parked(ext), 30, "nothing parked")
+    starts = [e for e in events(client, leases_prefix) if e[0] == "s"]
+    assert [(e[2], e[3], e[4]) for e in starts] == [(1, first.id, 1)]
+    # and its claim was released at its end: the key takes a new task
+    third = uniq.delay("U", 3)
+    assert third.id != first.id
+    wait_until(
+        lambda: len([e for e in events(client, leases_prefix) if e[0] == "e"]) == 2, 30, "3 ran"
+    )
+    client.close()
