@@ -79,3 +79,22 @@ def test_rate_and_rates_are_checked_at_declaration() -> None:
     with pytest.raises(LeaseConfigError, match="a rate must be a Rate"):
         declare(rate="10/s")
     declare(rates=[Rate("x:{x}", "1/s"), Rate("all", "5/m", cost=2)])
+
+
+def test_defer_retries_a_rate_limit_with_its_exact_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parking on a rate limit is not built: under on_busy="defer" a limit's refusal goes the
+    retry way (exact countdown), while a busy lease still parks (see _call_leased)."""
+
+    def b(x: int) -> None: ...
+
+    app = Celery("defer", set_as_current=False)
+    task = app.task(base=LeasedTask, shared=False, rate=Rate("api:{x}", "1/s"), on_busy="defer")(
+        b
+    )._get_current_object()
+    retried: list[LeaseBusy] = []
+    monkeypatch.setattr(type(task), "_retry_busy", lambda self, busy, a, k: retried.append(busy))
+    limited = RateLimited("api:1", 0.4)
+    task._busy(limited, "defer", (1,), {})
+    assert retried == [limited]
+    with pytest.raises(LeaseBusy):  # a lease busy on every attempt of a defer: raised
+        task._busy(LeaseBusy("doc:1"), "defer", (1,), {})
