@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ import pytest
 import redis
 from celery import Celery
 
+from bench.limits import most_in_any_window  # one window count for the bench and tests
 from celery_leases import LeaseBusy, LeasedTask, Leases, Rate, RateLimited, signals
 from celery_leases._limits import LimitWant, admit, list_limits, next_admit
 from celery_leases.exceptions import LeaseConfigError
@@ -30,20 +31,6 @@ from tests.support.topologies import leases_factory
 from tests.support.topology import LocalCluster
 
 US = 1_000_000
-
-
-def most_in_any_window(stamps: Sequence[tuple[int, int]], period_us: int) -> int:
-    """The most cost of ``(at_us, cost)`` stamps in any half-open window of ``period_us``."""
-    ordered = sorted(stamps)
-    most = total = 0
-    start = 0
-    for at, cost in ordered:
-        total += cost
-        while ordered[start][0] <= at - period_us:
-            total -= ordered[start][1]
-            start += 1
-        most = max(most, total)
-    return most
 
 
 @pytest.fixture
