@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ._sync.driver import LeaseStore
     from .app import Leases
 
-__all__ = ("check_rates", "limit", "penalize", "set_rate", "take")
+__all__ = ("check_rates", "limit", "limit_wants", "penalize", "set_rate", "take")
 
 logger = get_logger(__name__)
 
@@ -125,6 +125,14 @@ def penalize(store: LeaseStore, name: str, retry_after: object) -> float:
     return store.run(_limits.penalize(store.engine, name, float(retry_after)))  # type: ignore[arg-type]
 
 
+def limit_wants(task: _LimitedTask, bound: Mapping[str, Any]) -> list[LimitWant]:
+    """The task's rate limits, rendered for the call's arguments ``bound``."""
+    return [
+        LimitWant(t.render(task.name, bound).resource, r.n, int(r.period * 1e6), r.cost, r.template)
+        for r, t in task._rate_templates
+    ]
+
+
 def take(
     ext: Leases,
     task: _LimitedTask,
@@ -147,10 +155,7 @@ def take(
         LeaseBusy: a lease stayed busy (no admission kept).
         RateLimited: a limit refused (no lease kept); ``retry_after`` is its exact wait.
     """
-    limits = [
-        LimitWant(t.render(task.name, bound).resource, r.n, int(r.period * 1e6), r.cost, r.template)
-        for r, t in task._rate_templates
-    ]
+    limits = limit_wants(task, bound)
     store = ext.store
     started = time.monotonic()
     while True:
