@@ -23,6 +23,8 @@ QUEUE = os.environ.get("LEASES_TEST_QUEUE", "leases-parking-tests")
 LEDGER_URL = os.environ.get("LEASES_TEST_LEDGER", BROKER)
 PREFIX = os.environ.get("CELERY_LEASES_KEY_PREFIX", "leases")
 SLOW = float(os.environ.get("PAPP_SLOW", "0.05"))
+#: the result backend, when the broker is not Redis (RabbitMQ): the ledger's Redis
+BACKEND = os.environ.get("LEASES_TEST_BACKEND") or None
 
 ledger = PerProcessClient(LEDGER_URL)
 
@@ -31,8 +33,10 @@ def ledger_key(prefix: str) -> str:
     return f"{{{prefix}:ledger}}:events"
 
 
-def make_app(broker: str = BROKER, queue: str = QUEUE, **settings: object) -> Celery:
-    app = Celery("park_app", broker=broker, backend=broker, set_as_current=False)
+def make_app(
+    broker: str = BROKER, queue: str = QUEUE, backend: str | None = None, **settings: object
+) -> Celery:
+    app = Celery("park_app", broker=broker, backend=backend or broker, set_as_current=False)
     app.conf.update(
         task_default_queue=queue,
         broker_connection_retry_on_startup=True,
@@ -126,4 +130,4 @@ def _admitted(sender: object = None, **kw: object) -> None:
 
 if "LEASES_TEST_LEDGER" in os.environ:  # a worker of the tests (not the test process)
     signals.limit_admitted.connect(_admitted, weak=False, dispatch_uid="park_app")
-app = make_app()
+app = make_app(backend=BACKEND)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+import pytest
 import redis
 from celery import Celery
 
@@ -20,8 +21,9 @@ from bench.limits import most_in_any_window
 from celery_leases import Leases
 from celery_leases._parking import list_parked
 from tests.support.polling import wait_until
-from tests.support.workers import WorkerProc
+from tests.support.workers import WorkerProc, amqp_url_or_skip
 
+from . import park_app
 from .test_parking import DEADLINE, celery_leases, events
 
 US = 1_000_000
@@ -39,7 +41,7 @@ def run_rated(
 ) -> tuple[Events, dict[str, object]]:
     """40 rated tasks of tenant R sent at once; when many are parked, a plain task and a
     rated task of tenant S (its own limit); the operator's listing while they wait."""
-    client = redis.Redis.from_url(producer.conf.broker_url)
+    client = redis.Redis.from_url(producer.conf.result_backend)  # the ledger's Redis
     ext: Leases = producer.leases  # type: ignore[attr-defined]
     rated = producer.tasks["park_app.rated"]
     for n in range(COUNT):
@@ -141,3 +143,42 @@ def test_rate_parked_tasks_with_the_worker_killed_halfway(
     check_rated(evs, shown, exactly_once=False)
     starts = Counter((e[1], e[2]) for e in evs if e[0] == "s")
     assert sum(v - 1 for v in starts.values()) <= 4  # at most the bodies running at the kill
+
+
+@pytest.fixture
+def amqp_producer(leases_redis_url: str, leases_prefix: str, queue: str) -> Iterator[Celery]:
+    """The producer over RabbitMQ (leases, ledger and results in Redis); its queue deleted
+    after."""
+    app = park_app.make_app(
+        broker=amqp_url_or_skip(),
+        queue=queue,
+        backend=leases_redis_url,
+        redis_url=leases_redis_url,
+        key_prefix=leases_prefix,
+    )
+    yield app
+    app.leases.store.close()  # type: ignore[attr-defined]
+    with app.connection_for_write() as conn:
+        conn.default_channel.queue_delete(queue)
+    app.close()
+    client = redis.Redis.from_url(leases_redis_url)
+    try:
+        client.delete(park_app.ledger_key(leases_prefix))
+    finally:
+        client.close()
+
+
+def test_rate_parked_tasks_over_rabbitmq(
+    amqp_producer: Celery,
+    leases_redis_url: str,
+    leases_prefix: str,
+    start_worker: Callable[..., WorkerProc],
+    worker_env: dict[str, str],
+):
+    env = {"LEASES_TEST_BROKER": amqp_producer.conf.broker_url}
+    env["LEASES_TEST_BACKEND"] = leases_redis_url
+    worker = start_worker(concurrency=4, env=env)
+    assert "amqp://" in worker.log()
+    # hand-ons publish to RabbitMQ through the worker's producer: the same guarantees
+    evs, shown = run_rated(amqp_producer, leases_prefix, {**worker_env, **env})
+    check_rated(evs, shown, exactly_once=True)
