@@ -17,6 +17,8 @@ from celery_leases._parking import (
     unpark,
 )
 from celery_leases._scripts import HANDON_LIMIT, PARK_GATE, PARK_LIMIT, ParkGateReply, ParkReply
+from tests.support.topologies import leases_factory
+from tests.support.topology import LocalCluster
 
 NAME = "rlp:L"
 N, PERIOD_US = 3, 1_000_000  # "3/s"
@@ -156,3 +158,17 @@ def test_unpark_and_an_empty_fifo_leave_nothing_due(leases: Leases):
     due = _group_keys(leases, leases.store.keys.group_of(NAME))[3]
     assert leases.store.client.zscore(due, MEMBER) is None
     assert fifo(leases) == []
+
+
+def test_on_a_redis_cluster(redis_cluster: LocalCluster, leases_prefix: str):
+    # the limit's keys and its FIFO live in the slot group of its name: one slot per script
+    with leases_factory(redis_cluster.url, leases_prefix, slot_groups=8) as make:
+        ext = make()
+        assert ext.store.keys.group_of(NAME) != 0
+        fill(ext)
+        for task in ("c1", "c2"):
+            assert park(ext, task) == ParkReply.PARKED
+        wait_for_room(ext)
+        assert [hand_on(ext)[0] for _ in range(2)] == ["c1", "c2"]
+        assert gate(ext, "c1") == ParkGateReply.HANDED
+        assert [p["task_id"] for p in list_parked(ext, NAME)] == ["c2"]
