@@ -258,6 +258,11 @@ class Keyspace:
         parked (Redis clock in microseconds): its FIFO."""
         return f"{self.tag(self.group_of(resource))}:pq:{escape(resource)}"
 
+    def parked_limit(self, name: str) -> str:
+        """ZSET: the tasks parked on the rate limit ``name`` (scored by when they parked) and
+        its hand-ons in flight (scored by when they run out), in the limit's slot group."""
+        return f"{self.tag(self.group_of(name))}:pq-rate:{escape(name)}"
+
     def park_state(self, group: int) -> str:
         """HASH: escaped task id -> ``p`` (parked) or ``h`` (handed on) of the group's tasks."""
         return f"{self.tag(group)}:park-state"

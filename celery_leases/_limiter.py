@@ -12,13 +12,13 @@ from celery.utils.log import get_logger
 from . import _limits, signals
 from ._lease import Held, Lease, Want
 from ._limits import Admitted, LimitWant, Rate, admit, want
-from .exceptions import LeaseConfigError, RateLimited
+from .exceptions import LeaseBackendError, LeaseConfigError, RateLimited
 
 if TYPE_CHECKING:
     from ._sync.driver import LeaseStore
     from .app import Leases
 
-__all__ = ("check_rates", "limit", "penalize", "set_rate", "take")
+__all__ = ("check_rates", "limit", "limit_wants", "penalize", "set_rate", "take")
 
 logger = get_logger(__name__)
 
@@ -125,6 +125,14 @@ def penalize(store: LeaseStore, name: str, retry_after: object) -> float:
     return store.run(_limits.penalize(store.engine, name, float(retry_after)))  # type: ignore[arg-type]
 
 
+def limit_wants(task: _LimitedTask, bound: Mapping[str, Any]) -> list[LimitWant]:
+    """The task's rate limits, rendered for the call's arguments ``bound``."""
+    return [
+        LimitWant(t.render(task.name, bound).resource, r.n, int(r.period * 1e6), r.cost, r.template)
+        for r, t in task._rate_templates
+    ]
+
+
 def take(
     ext: Leases,
     task: _LimitedTask,
@@ -134,32 +142,34 @@ def take(
     task_id: str | None,
     on_lost: Callable[[Held], None] | None,
 ) -> list[Lease]:
-    """A task's leases (``wants``) and then its rate limits, all or nothing.
+    """A task's leases (``wants``) and its rate limits, all or nothing.
 
-    The limits are checked after the leases are held, right before the body starts, so an
-    admission is the start of a task that runs (the lease wait does not stand between them).
-    A refused limit gives the leases back at once; with a wait (``on_busy="wait"``) it sleeps
-    exactly the limiter's ``retry_after`` and tries again while the wait lasts.
+    Without a wait, the limit checks ride in the round trip of the grant (``riding``): one
+    round trip for both. A busy lease then takes back the admissions made (a refund, the
+    next round trip); a refused limit gives the leases back at once. With a wait
+    (``on_busy="wait"``) the limits are checked after the leases are held, so the lease wait
+    does not stand between an admission and the body; a refusal sleeps exactly the
+    limiter's ``retry_after`` and tries again while the wait lasts.
 
     Raises:
-        LeaseBusy: a lease stayed busy (nothing admitted).
+        LeaseBusy: a lease stayed busy (no admission kept).
         RateLimited: a limit refused (no lease kept); ``retry_after`` is its exact wait.
     """
-    limits = [
-        LimitWant(t.render(task.name, bound).resource, r.n, int(r.period * 1e6), r.cost, r.template)
-        for r, t in task._rate_templates
-    ]
+    limits = limit_wants(task, bound)
     store = ext.store
     started = time.monotonic()
     while True:
         left = None if wait is None else max(0.0, wait - (time.monotonic() - started))
-        leases = []
-        if wants:
-            leases = ext.acquire(
-                wants, ttl=task.lease_ttl, wait=left, task_id=task_id, on_lost=on_lost
-            )
+        leases: list[Lease] = []
         try:
-            admitted = store.run(admit(store.engine, limits))
+            if wants and wait is not None and wait <= 0:
+                leases, admitted = _ride(ext, task, wants, limits, task_id, on_lost)
+            else:
+                if wants:
+                    leases = ext.acquire(
+                        wants, ttl=task.lease_ttl, wait=left, task_id=task_id, on_lost=on_lost
+                    )
+                admitted = store.run(admit(store.engine, limits))
         except RateLimited as limited:
             ext.release(leases)
             _refused(limited, limits, task_id)
@@ -175,3 +185,37 @@ def take(
             raise
         _sent(admitted, limits, task_id)
         return leases
+
+
+def _ride(
+    ext: Leases,
+    task: _LimitedTask,
+    wants: list[Want],
+    limits: list[LimitWant],
+    task_id: str | None,
+    on_lost: Callable[[Held], None] | None,
+) -> tuple[list[Lease], list[Admitted]]:
+    """The leases and the limits in one round trip (see :func:`take`). A refusal raises
+    with the leases given back; a busy lease raises with the admissions taken back."""
+    store = ext.store
+    engine = store.engine
+    with store.riding(_limits.checks(engine, limits)) as ride:
+        try:
+            leases = ext.acquire(
+                wants, ttl=task.lease_ttl, wait=0.0, task_id=task_id, on_lost=on_lost
+            )
+        except BaseException:
+            made = _limits.admitted_in(limits, ride.replies) if ride.replies else []
+            if made:
+                try:
+                    store.run(_limits.refund(engine, made))
+                except LeaseBackendError as exc:  # counted until it leaves the window
+                    logger.error("leases: could not refund %d admission(s): %s", len(made), exc)
+            raise
+    try:
+        if ride.replies is None:  # the grant went without it (or its round trip failed)
+            return leases, store.run(admit(engine, limits))
+        return leases, store.run(_limits.settle(engine, limits, ride.replies))
+    except BaseException:
+        ext.release(leases)
+        raise

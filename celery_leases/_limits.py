@@ -28,6 +28,8 @@ __all__ = (
     "LimitWant",
     "Rate",
     "admit",
+    "admitted_in",
+    "checks",
     "limit_json",
     "list_limits",
     "next_admit",
@@ -35,6 +37,7 @@ __all__ = (
     "penalize",
     "refund",
     "set_rate",
+    "settle",
 )
 
 #: the periods a rate may name, in seconds
@@ -151,6 +154,21 @@ def _check(engine: LeaseEngine, w: LimitWant, mode: str) -> Script:
     return Script("limit", _keys(engine, w.name), (w.n, w.period_us, w.cost, w.name, mode))
 
 
+def checks(engine: LeaseEngine, wants: Sequence[LimitWant]) -> list[Script]:
+    """The script calls that admit ``wants`` (one per limit, in the order given), to send in
+    one round trip: :func:`admit`'s own, or riding with a task's grant (``LeaseStore.riding``)."""
+    return [_check(engine, w, "1") for w in wants]
+
+
+def admitted_in(wants: Sequence[LimitWant], replies: Sequence[Any]) -> list[Admitted]:
+    """The admissions the replies of :func:`checks` made (what a refund takes back)."""
+    return [
+        Admitted(w.name, str(r[1]), int(r[4]))
+        for w, r in zip(wants, replies, strict=True)
+        if int(r[0]) == LimitReply.ADMITTED
+    ]
+
+
 def admit(engine: LeaseEngine, wants: Sequence[LimitWant]) -> Steps[list[Admitted]]:
     """Admit every limit of ``wants`` or none (one round trip; a refusal refunds the others).
 
@@ -160,20 +178,26 @@ def admit(engine: LeaseEngine, wants: Sequence[LimitWant]) -> Steps[list[Admitte
         LeaseConfigError: a cost is above an override's N (never admitted).
         LeaseBackendError: Redis failed (a lost reply may leave an admission counted).
     """
-    calls = [_check(engine, w, "1") for w in wants]
-    replies = yield from engine.send("check a rate limit", calls, once=True)
-    admitted: list[Admitted] = []
+    replies = yield from engine.send("check a rate limit", checks(engine, wants), once=True)
+    return (yield from settle(engine, wants, replies))
+
+
+def settle(
+    engine: LeaseEngine, wants: Sequence[LimitWant], replies: Sequence[Any]
+) -> Steps[list[Admitted]]:
+    """The outcome of the replies of :func:`checks`: the admissions when every limit
+    admitted; else the admissions made are refunded (one round trip) and the refusal raised
+    (see :func:`admit`)."""
+    admitted = admitted_in(wants, replies)
     refused: tuple[float, LimitWant] | None = None
     costly: tuple[LimitWant, int] | None = None
     for w, reply in zip(wants, replies, strict=True):
         code = int(reply[0])
-        if code == LimitReply.ADMITTED:
-            admitted.append(Admitted(w.name, str(reply[1]), int(reply[4])))
-        elif code == LimitReply.REFUSED:
+        if code == LimitReply.REFUSED:
             wait = int(reply[1]) / _US
             if refused is None or wait > refused[0]:
                 refused = (wait, w)
-        else:
+        elif code == LimitReply.TOO_COSTLY:
             costly = (w, int(reply[1]))
     if (refused is not None or costly is not None) and admitted:
         yield from refund(engine, admitted)

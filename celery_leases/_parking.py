@@ -22,8 +22,9 @@ from redis.exceptions import RedisError
 from . import _scripts
 from ._keys import escape, unescape
 from ._lease import Want
+from ._limits import LimitWant
 from ._scripts import ParkGateReply, ParkReply
-from .exceptions import LeaseBackendError, LeaseBusy
+from .exceptions import LeaseBackendError, LeaseBusy, RateLimited
 
 if TYPE_CHECKING:
     from .app import Leases
@@ -95,25 +96,27 @@ def _ms(seconds: float) -> int:
 
 
 # --- the task's side ------------------------------------------------------------------------
-def admit(ext: Leases, task: Any, wants: Sequence[Want]) -> bool:
+def admit(ext: Leases, task: Any, wants: Sequence[Want], limits: Sequence[LimitWant] = ()) -> bool:
     """Before a deferring task takes its leases: True if this delivery consumed its hand-on
-    (the lease is reserved for it). Raises ``Ignore`` for a delivery that must not run: a
-    copy of a task that is parked, or whose hand-on another copy consumed (a redelivery of a
-    copy that started is let through: the redelivery guard's business)."""
+    (the lease is reserved for it, or its rate limit had room for it). Raises ``Ignore`` for
+    a delivery that must not run: a copy of a task that is parked, or whose hand-on another
+    copy consumed (a redelivery of a copy that started is let through: the redelivery
+    guard's business)."""
     request = task.request
     task_id = escape(request.id)
-    seen: set[int] = set()
+    keys = ext.store.keys
+    fifos: dict[int, list[str]] = {}  # slot group -> the task's FIFOs there
     for want in wants:
-        group = ext.store.keys.group_of(want.resource)
-        if group in seen:
-            continue
-        seen.add(group)
+        fifos.setdefault(keys.group_of(want.resource), []).append(keys.parked(want.resource))
+    for limit in limits:
+        fifos.setdefault(keys.group_of(limit.name), []).append(keys.parked_limit(limit.name))
+    for group, queues in fifos.items():
         state, msgs, done, _ = _group_keys(ext, group)
-        keys = [state, msgs, done, ext.store.keys.parked(want.resource)]
+        keys_ = [state, msgs, done, *queues]
         try:
             mark = tombstone(request.id, request.retries)
             args = [task_id, DONE_KEEP_MS, mark]
-            raw = _call(ext, _scripts.PARK_GATE, keys, args, "admit a task")
+            raw = _call(ext, _scripts.PARK_GATE, keys_, args, "admit a task")
         except LeaseBackendError as exc:
             # not retried (self.retry): a gate that ran but whose reply was lost consumed the
             # hand-on, and only a redelivered copy passes a consumed gate: requeue this one
@@ -148,18 +151,68 @@ def defer(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     consumed: bool,
+    limits: Sequence[LimitWant] = (),
 ) -> None:
-    """Park the task on the busy resource and end this delivery (raise ``Ignore``). Returns
-    only when the resource has room again (released meanwhile): acquire again."""
+    """Park the task on the busy resource (or the rate limit that refused it) and end this
+    delivery (raise ``Ignore``). Returns only when the resource has room again (released
+    meanwhile, or the limit admits): acquire again."""
     request = task.request
-    want = next((w for w in wants if w.resource == busy.resource), wants[0])
+    limit = None
+    if isinstance(busy, RateLimited):
+        limit = next((w for w in limits if w.name == busy.resource), None)
+    if limit is not None:
+        code = _park_on_limit(ext, task, limit, args, kwargs, consumed)
+        template = limit.template or "?"
+        where = f"rate limit {limit.name}"
+    else:
+        want = next((w for w in wants if w.resource == busy.resource), wants[0])
+        code = _park_on_lease(ext, task, want, args, kwargs, consumed)
+        template = _lease_template(task, want)
+        where = want.resource
+    if code in (ParkReply.FREE, ParkReply.HANDED):
+        return
+    if code == ParkReply.PARKED:
+        from ._unique import keep_queued  # _unique imports the task layer's modules
+
+        keep_queued(ext, task, request.id)
+        _parked_now(task, template)
+        logger.info("leases: %s[%s] parked on %s", task.name, request.id, where)
+        _mark_parked(request.id)
+    else:
+        logger.info(
+            "leases: %s[%s] is parked or ran already: this copy is dropped",
+            task.name,
+            request.id,
+        )
+    raise Ignore()
+
+
+def _message(
+    task: Any, resource: str, args: tuple[Any, ...], kwargs: dict[str, Any], on: str
+) -> str:
+    """The parked task's message: its signature, with its park generation as a header."""
+    request = task.request
     generation = int(getattr(request, PARKED_HEADER, None) or 0) + 1
     headers = dict(getattr(request, "headers", None) or {})
     headers[PARKED_HEADER] = generation
     sig = task.signature_from_request(
         request, args, kwargs, retries=request.retries, headers=headers
     )
-    message = dumps({"resource": want.resource, "task": task.name, "sig": dict(sig)})
+    record: dict[str, Any] = {"resource": resource, "task": task.name, "sig": dict(sig)}
+    if on != "lease":
+        record["on"] = on
+    return str(dumps(record))
+
+
+def _park_on_lease(
+    ext: Leases,
+    task: Any,
+    want: Want,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    consumed: bool,
+) -> ParkReply:
+    request = task.request
     group = ext.store.keys.group_of(want.resource)
     state, msgs, done, due = _group_keys(ext, group)
     reply = _call(
@@ -178,7 +231,7 @@ def defer(
             escape(request.id),
             want.mode,
             want.limit,
-            message,
+            _message(task, want.resource, args, kwargs, "lease"),
             _due_member(want),
             DONE_KEEP_MS,
             "1" if consumed else "0",
@@ -186,37 +239,64 @@ def defer(
         ],
         "park a task",
     )
-    code = ParkReply(int(reply[0]))
-    if code in (ParkReply.FREE, ParkReply.HANDED):
-        return
-    if code == ParkReply.PARKED:
-        from ._unique import keep_queued  # _unique imports the task layer's modules
+    return ParkReply(int(reply[0]))
 
-        keep_queued(ext, task, request.id)
-        _parked_now(task, want)
-        logger.info("leases: %s[%s] parked on %s", task.name, request.id, want.resource)
-        _mark_parked(request.id)
-    else:
-        logger.info(
-            "leases: %s[%s] is parked or ran already: this copy is dropped",
-            task.name,
-            request.id,
-        )
-    raise Ignore()
+
+def _rate_member(limit: LimitWant) -> str:
+    """The due index's member of a rate limit's FIFO: ``"r <N>:<period us>:<cost> <name>"``."""
+    return f"r {limit.n}:{limit.period_us}:{limit.cost} {limit.name}"
+
+
+def _limit_script_keys(ext: Leases, name: str) -> list[str]:
+    keys = ext.store.keys
+    log, state, override, penalty, _ = keys.limit_keys(name)
+    return [log, state, override, penalty, keys.parked_limit(name)]
+
+
+def _park_on_limit(
+    ext: Leases,
+    task: Any,
+    limit: LimitWant,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    consumed: bool,
+) -> ParkReply:
+    request = task.request
+    state, msgs, done, due = _group_keys(ext, ext.store.keys.group_of(limit.name))
+    reply = _call(
+        ext,
+        _scripts.PARK_LIMIT,
+        [*_limit_script_keys(ext, limit.name), state, msgs, done, due],
+        [
+            escape(request.id),
+            limit.n,
+            limit.period_us,
+            limit.cost,
+            _message(task, limit.name, args, kwargs, "limit"),
+            _rate_member(limit),
+            DONE_KEEP_MS,
+            "1" if consumed else "0",
+            tombstone(request.id, request.retries),
+        ],
+        "park a task on a rate limit",
+    )
+    return ParkReply(int(reply[0]))
 
 
 #: called with (task name, lease template) for each task parked in this process: the metrics
 parked_observers: list[Callable[[str, str], None]] = []
 
 
-def _parked_now(task: Any, want: Want) -> None:
-    """Tell the observers: labelled by the template, never the rendered resource."""
-    rendered = task._lease_templates if hasattr(task, "_lease_templates") else ()
-    template = "?"
-    for t in rendered:
+def _lease_template(task: Any, want: Want) -> str:
+    """The template of the lease ``want`` was rendered from (the metrics label)."""
+    for t in getattr(task, "_lease_templates", ()):
         if t.mode == ("x" if want.mode == "x" else "s") and t.limit == want.limit:
-            template = t.text
-            break
+            return str(t.text)
+    return "?"
+
+
+def _parked_now(task: Any, template: str) -> None:
+    """Tell the observers: labelled by the template, never the rendered resource."""
     for observe in tuple(parked_observers):
         try:
             observe(str(task.name), template)
@@ -310,22 +390,51 @@ def _hand_on_one(ext: Leases, resource: str, mode: str, limit: int) -> bool:
     )
     if int(reply[0]) != 1:
         return False
-    task_id = unescape(_text(reply[1]))
-    raw = _text(reply[2])
+    _publish(ext, resource, _text(reply[1]), _text(reply[2]))
+    return True
+
+
+def _publish(ext: Leases, resource: str, escaped_id: str, raw: str) -> None:
+    """Publish a handed-on task's message. Never raises: a hand-on not published runs out,
+    and the task is handed on (published) again in its turn."""
+    task_id = unescape(escaped_id)
     if not raw:
         logger.warning("leases: parked task %s has no message; left to its redelivery", task_id)
-        return True
+        return
     _die_here_for_a_test()
     try:
         record = loads(raw)
         ext.app.signature(record["sig"]).apply_async()
     except Exception:
-        # the reservation runs out unclaimed: the task goes back to the FIFO, and is handed on
-        # (published) again in its turn
         logger.exception("leases: could not publish parked task %s", task_id)
-        return True
+        return
     logger.info("leases: handed %s on to %s[%s]", resource, record.get("task"), task_id)
-    return True
+
+
+def _hand_on_limit(ext: Leases, spec: str, name: str, soonest: list[float] | None) -> int:
+    """Hand the rate limit ``name``'s FIFO on while the limit has room (up to
+    ``_MAX_HANDONS``; ``spec`` is ``"<N>:<period us>:<cost>"`` of the due member); returns
+    how many tasks were published again. Appends to ``soonest`` when it next has room."""
+    keys = ext.store.keys
+    _, msgs, _, due = _group_keys(ext, keys.group_of(name))
+    state = keys.park_state(keys.group_of(name))
+    n, period_us, cost = spec.split(":")
+    count = 0
+    for _ in range(_MAX_HANDONS):
+        reply = _call(
+            ext,
+            _scripts.HANDON_LIMIT,
+            [*_limit_script_keys(ext, name), state, msgs, due],
+            [n, period_us, cost, _ms(ext.settings.handon_timeout), f"r {spec} {name}"],
+            "hand on a task parked on a rate limit",
+        )
+        if int(reply[0]) != 1:
+            if soonest is not None and int(reply[1]) > 0:
+                soonest.append(int(reply[1]) / 1000)
+            break
+        _publish(ext, f"rate limit {name}", _text(reply[1]), _text(reply[2]))
+        count += 1
+    return count
 
 
 #: environment variable of the fault tests: the path of a file; the first hand-on that finds
@@ -349,10 +458,12 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def pump(ext: Leases) -> int:
+def pump(ext: Leases, soonest: list[float] | None = None) -> int:
     """One turn of the park pump: each resource whose due time came, in every slot group, is
-    handed on once (one head per resource and turn: round robin). Returns how many tasks were
-    published again."""
+    handed on once (one head per resource and turn: round robin), and each rate limit as
+    often as its window has room. Returns how many tasks were published again; appends to
+    ``soonest`` the seconds until each rate limit looked at has room again (the worker turns
+    the pump then, when that is sooner than its interval)."""
     store = ext.store
     count = 0
     for group in range(store.keys.slot_groups):
@@ -366,7 +477,9 @@ def pump(ext: Leases) -> int:
         for raw in members:
             mode, limit, resource = _text(raw).split(" ", 2)
             try:
-                if _hand_on_one(ext, resource, mode, int(limit)):
+                if mode == "r":  # a rate limit's FIFO: as many as its window has room for
+                    count += _hand_on_limit(ext, limit, resource, soonest)
+                elif _hand_on_one(ext, resource, mode, int(limit)):
                     count += 1
             except LeaseBackendError as exc:
                 logger.error("leases: could not hand on %s: %s", resource, exc)
@@ -395,20 +508,32 @@ def list_parked(ext: Leases, resource: str | None = None) -> list[Parked]:
                 record = loads(_text(raw))
                 if resource is not None and record.get("resource") != resource:
                     continue
-                since = client.zscore(store.keys.parked(record["resource"]), task_id)
+                on = record.get("on", "lease")
+                handed = states.get(task_id) == "h"
+                since = client.zscore(_fifo(ext, record), task_id)
                 out.append(
                     Parked(
                         task_id=unescape(task_id),
                         task=record.get("task"),
                         resource=record.get("resource"),
-                        state="handed on" if states.get(task_id) == "h" else "parked",
-                        since=(since or 0) / 1e6,
+                        on=on,
+                        state="handed on" if handed else "parked",
+                        # a rate limit's hand-on is scored by when it runs out
+                        since=0.0 if handed and on == "limit" else (since or 0) / 1e6,
                     )
                 )
     except RedisError as exc:
         raise store.backend_error("list parked tasks", exc) from exc
     out.sort(key=lambda p: (p["resource"], p["since"]))
     return out
+
+
+def _fifo(ext: Leases, record: dict[str, Any]) -> str:
+    """The FIFO a parked task's record says it waits in: its lease's or its rate limit's."""
+    keys = ext.store.keys
+    if record.get("on") == "limit":
+        return keys.parked_limit(record["resource"])
+    return keys.parked(record["resource"])
 
 
 def parked_counts(ext: Leases) -> dict[str, int]:
@@ -433,8 +558,7 @@ def unpark(ext: Leases, task_id: str) -> bool:
         if raw is None:
             continue
         record = loads(_text(raw))
-        queue = store.keys.parked(record["resource"])
-        keys = [state, msgs, done, queue]
+        keys = [state, msgs, done, _fifo(ext, record)]
         mark = tombstone(task_id, record.get("sig", {}).get("options", {}).get("retries"))
         args = [escaped, DONE_KEEP_MS, mark]
         if int(_call(ext, _scripts.UNPARK, keys, args, "unpark a task")):

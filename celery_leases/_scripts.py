@@ -30,6 +30,8 @@ __all__ = (
     "NOW",
     "PARK",
     "PARK_GATE",
+    "PARK_LIMIT",
+    "HANDON_LIMIT",
     "SHA",
     "SOURCE",
     "RELEASE",
@@ -201,13 +203,15 @@ LIFETIME_CHECK: Final = _with_lifetime("lifetime_check")
 UNIQUE_REQUEUE: Final = _read("unique_requeue")
 UNIQUE_UNCLAIM: Final = _read("unique_unclaim")
 FENCED_WRITE: Final = _read("fenced_write")
-LIMIT: Final = _read("limit")
+LIMIT: Final = _with("limit", "_limit")
 LIMIT_REFUND: Final = _read("limit_refund")
 LIMIT_PENALIZE: Final = _read("limit_penalize")
 PARK: Final = _with("park", "_parking")
 HANDON: Final = _with("handon", "_parking")
 PARK_GATE: Final = _with("park_gate", "_parking")
 UNPARK: Final = _with("unpark", "_parking")
+PARK_LIMIT: Final = _with("park_limit", "_parking", "_limit")
+HANDON_LIMIT: Final = _with("handon_limit", "_limit")
 
 ALL: Final[dict[str, str]] = {
     "acquire": ACQUIRE,
@@ -231,6 +235,8 @@ ALL: Final[dict[str, str]] = {
     "handon": HANDON,
     "park_gate": PARK_GATE,
     "unpark": UNPARK,
+    "park_limit": PARK_LIMIT,
+    "handon_limit": HANDON_LIMIT,
 }
 
 #: the Redis clock, read on the node serving KEYS[1] (a cluster pipeline cannot send TIME,

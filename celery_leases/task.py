@@ -94,7 +94,7 @@ from celery.utils.log import get_logger
 from . import _parking
 from ._interrupt import Interrupter
 from ._lease import Lease, Shared, Want
-from ._limiter import check_rates, take
+from ._limiter import check_rates, limit_wants, take
 from ._limits import Rate
 from ._templates import Template, plain_params
 from ._unique import release_claim, take_claim
@@ -401,18 +401,19 @@ class LeasedTask(Task[Any, Any]):
         deferring = on_busy == "defer" and bool(task_id)
         deferring = deferring and not (request.is_eager or request.called_directly)
         try:
-            consumed = deferring and _parking.admit(ext, self, wants)
+            limits = []
+            if deferring and self._rate_templates:  # a limit's refusal parks too
+                limits = limit_wants(self, self._bound_values(args, kwargs))
+            consumed = deferring and _parking.admit(ext, self, wants, limits)
             for _attempt in range(_DEFER_ATTEMPTS):
                 try:
                     leases = self._take(ext, wants, wait, task_id, interrupter, args, kwargs)
                     break
                 except LeaseBusy as busy:
-                    # a rate limit's refusal is not parked (yet): see _busy
-                    parks = deferring and not isinstance(busy, RateLimited)
-                    if not parks or _attempt == _DEFER_ATTEMPTS - 1:
+                    if not deferring or _attempt == _DEFER_ATTEMPTS - 1:
                         return self._busy(busy, on_busy, args, kwargs)
-                    # returns only when the resource has room again: acquire once more
-                    _parking.defer(ext, self, busy, wants, args, kwargs, consumed)
+                    # returns only when the resource (or limit) has room again: once more
+                    _parking.defer(ext, self, busy, wants, args, kwargs, consumed, limits)
         except LeaseBackendError as exc:
             self._backend_failed(exc)
         traced = self._traced()
@@ -473,9 +474,6 @@ class LeasedTask(Task[Any, Any]):
             if get_settings(self.app).skip_result == "none":
                 return None
             return {SKIPPED_KEY: {"resource": busy.resource, "holder_task": busy.holder_task}}
-        if policy == "defer" and isinstance(busy, RateLimited):
-            # parking on a rate limit is not built yet: the exact wait, through the broker
-            return self._retry_busy(busy, args, kwargs)
         if policy in ("fail", "wait", "defer"):  # defer: busy on every attempt (rare)
             raise busy
         return self._retry_busy(busy, args, kwargs)

@@ -223,6 +223,8 @@ class LeaseBootstep(bootsteps.StartStopStep):
         self.pid = os.getpid()
         self.worker = worker
         self._timers: list[Any] = []
+        self._timer: Any = None  # the worker's timer, for an early turn of the pump
+        self._early: Any = None  # that early turn, while one is pending
         self._lock = threading.Lock()
         # task id -> name of tasks that ended with their child's death, newest last
         self._names: dict[str, str] = {}
@@ -271,12 +273,18 @@ class LeaseBootstep(bootsteps.StartStopStep):
                 timer.call_repeatedly(ext.settings.reconcile_interval, self.reconcile, priority=10)
             )
         if parking_used(worker.app):
-            # on_busy="defer": hand on what a holder that died (or a lost hand-on) left parked
+            # on_busy="defer": hand on what a holder that died (or a lost hand-on) left parked,
+            # and what a rate limit's window has room for again
+            self._timer = timer
             self._timers.append(
                 timer.call_repeatedly(ext.settings.park_pump_interval, self.pump, priority=10)
             )
 
     def stop(self, worker: Any) -> None:
+        self._timer = None
+        if self._early is not None:
+            self._timers.append(self._early)
+            self._early = None
         for tref in self._timers:
             try:
                 tref.cancel()
@@ -299,11 +307,23 @@ class LeaseBootstep(bootsteps.StartStopStep):
         ext = self.ext
         if ext is None:
             return 0
+        soonest: list[float] = []
         try:
-            return pump_parked(ext)
+            count = pump_parked(ext, soonest)
         except Exception:
             logger.exception("leases: the parking pump failed")
             return 0
+        timer = self._timer
+        if soonest and timer is not None and self._early is None:
+            # a rate limit has room again before the next turn: one turn more, then
+            wait = min(soonest)
+            if wait < ext.settings.park_pump_interval:
+                self._early = timer.call_after(wait, self._early_pump, priority=10)
+        return count
+
+    def _early_pump(self) -> None:
+        self._early = None
+        self.pump()
 
     def reap(self) -> CleanupReport:
         """Free the leases of this incarnation's processes that are gone (dead children)."""

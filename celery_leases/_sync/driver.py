@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis
@@ -27,7 +28,18 @@ from .._engine import LeaseEngine
 from .._identity import Identity
 from .._lease import Held, Want
 from .._one_attempt import failure_of, one_attempt
-from .._protocol import Command, Op, Script, Send, SendReplicated, SendWithin, Sleep, Steps, drive
+from .._protocol import (
+    Call,
+    Command,
+    Op,
+    Script,
+    Send,
+    SendReplicated,
+    SendWithin,
+    Sleep,
+    Steps,
+    drive,
+)
 from .._wait import Wait
 from ..config import LeaseSettings
 from ..exceptions import LeaseBackendError
@@ -40,7 +52,20 @@ from .subscriber import Subscriber
 
 T = TypeVar("T")
 
-__all__ = ("LeaseStore",)
+__all__ = ("LeaseStore", "Ride")
+
+
+@dataclass
+class Ride:
+    """Calls that ride in the round trip of the next grant (see :meth:`LeaseStore.riding`).
+
+    ``replies`` is None until they were sent; ``lost`` is True when that round trip failed
+    (they may or may not have run).
+    """
+
+    calls: Sequence[Call]
+    replies: list[Any] | None = None
+    lost: bool = False
 
 
 class LeaseStore(Operations):
@@ -67,6 +92,7 @@ class LeaseStore(Operations):
         #: True on a Redis Cluster (grants, renewals and cleanups go per node there)
         self.cluster = engine.cluster
         self._pid = os.getpid()
+        self._rides = threading.local()
 
     # --- clients --------------------------------------------------------------------------
     @property
@@ -136,8 +162,42 @@ class LeaseStore(Operations):
                     self.run(wait.give_back(None))
                 raise
 
+    @contextmanager
+    def riding(self, calls: Sequence[Call]) -> Iterator[Ride]:
+        """Send ``calls`` in the same round trip as this thread's next grant (the first
+        pipeline that carries an ``acquire`` script call), after its calls, within the
+        block. A ride that never went (no grant was sent, or it went through WAIT) keeps
+        ``replies`` None: the caller sends its calls itself."""
+        ride = Ride(calls)
+        self._rides.ride = ride
+        try:
+            yield ride
+        finally:
+            self._rides.ride = None
+
+    def _riding(self, op: Send) -> Any:
+        """Send ``op`` with this thread's ride, if it is a grant; None if it is not."""
+        ride: Ride | None = getattr(self._rides, "ride", None)
+        if ride is None or op.transaction:
+            return None
+        if not any(type(c) is Script and c.name == "acquire" for c in op.calls):
+            return None
+        self._rides.ride = None  # one ride, on the first grant
+        both = Send([*op.calls, *ride.calls], once=True)
+        try:
+            with one_attempt():
+                replies = send_op(self.client, both)
+        except BaseException:
+            ride.lost = True
+            raise
+        ride.replies = replies[len(op.calls) :]
+        return replies[: len(op.calls)]
+
     def _execute(self, op: Op) -> Any:
         if type(op) is Send:
+            rode = self._riding(op)
+            if rode is not None:
+                return rode
             calls = op.calls
             if len(calls) == 1 and not self.cluster and not op.transaction:
                 call = calls[0]

@@ -21,53 +21,14 @@
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local n, period = tonumber(ARGV[1]), tonumber(ARGV[2])
 local cost = tonumber(ARGV[3])
-local over = redis.call('HMGET', KEYS[3], 'n', 'p')
-if over[1] and over[2] then
-  n, period = tonumber(over[1]), tonumber(over[2])
-end
-if cost > n then
+local n, period, sum, wait, gone = limit_look(KEYS[1], KEYS[2], KEYS[3], KEYS[4],
+  tonumber(ARGV[1]), tonumber(ARGV[2]), cost, 0, now)
+if wait == -1 then
   return {-1, n, period}
 end
-
--- prune what left the window: an admission at s still counts while now - s < period
-local floor = now - period
-local sum = tonumber(redis.call('HGET', KEYS[2], 'sum') or '0')
-local gone = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', floor)
-if #gone > 0 then
-  for _, member in ipairs(gone) do
-    sum = sum - tonumber(string.match(member, ':(%d+)$'))
-  end
-  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', floor)
-end
-if sum < 0 or (sum > 0 and redis.call('ZCARD', KEYS[1]) == 0) then
-  sum = 0 -- the log went (evicted): the sum cannot count what it no longer holds
-end
-
-local wait = 0
-local penalty = tonumber(redis.call('GET', KEYS[4]) or '0')
-if penalty > now then
-  wait = penalty - now
-end
-if sum + cost > n then
-  -- the oldest entries leave first; each costs at least 1, so the first `need` suffice
-  local need = sum + cost - n
-  local oldest = redis.call('ZRANGE', KEYS[1], 0, need - 1, 'WITHSCORES')
-  local freed = 0
-  for i = 1, #oldest, 2 do
-    freed = freed + tonumber(string.match(oldest[i], ':(%d+)$'))
-    if freed >= need then
-      local at = tonumber(oldest[i + 1]) + period - now
-      if at > wait then
-        wait = at
-      end
-      break
-    end
-  end
-end
 if wait > 0 or ARGV[5] ~= '1' then
-  if #gone > 0 then
+  if gone > 0 then
     redis.call('HSET', KEYS[2], 'sum', sum)
   end
   return {0, wait, n, period, now}

@@ -5,7 +5,8 @@
 --
 -- KEYS[1] parked states (group)   KEYS[2] parked messages (group)   KEYS[3] done (group)
 -- KEYS[4] the resource's parked FIFO (the resource named in the task's message, or any key
--- of the group when the task is not parked)
+-- of the group when the task is not parked); KEYS[5...] the task's other FIFOs in the group
+-- (its rate limits': a task may be parked on any of them)
 -- ARGV[1] task id (escaped)   ARGV[2] tombstone life in ms
 -- ARGV[3] the task's tombstone "<task id>#<retries>" (see _parking.lua)
 -- returns 0 = not parked (go on)   1 = the hand-on, consumed now (go on: the lease is reserved)
@@ -21,6 +22,9 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 if state == 'h' then
   park_forget(KEYS[4], KEYS[1], KEYS[2], task)
+  for i = 5, #KEYS do
+    redis.call('ZREM', KEYS[i], task)
+  end
   redis.call('ZADD', KEYS[3], now, ARGV[3])
   park_prune(KEYS[3], now, tonumber(ARGV[2]))
   return 1

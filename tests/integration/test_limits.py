@@ -300,6 +300,73 @@ def test_a_second_limit_refusing_refunds_the_first_and_frees_the_leases(
     assert ran == []
 
 
+@pytest.fixture
+def round_trips(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A counter of round trips to Redis made by this process: each request written to a
+    socket (a command, a pipeline, or a lane's direct call) counts one."""
+    import redis.connection
+
+    from celery_leases._sync import lanes
+
+    count = [0]
+    send = redis.connection.AbstractConnection.send_packed_command
+    direct = lanes._direct
+
+    def counted_send(self: Any, *args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return send(self, *args, **kwargs)
+
+    def counted_direct(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return direct(*args, **kwargs)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted_send)
+    monkeypatch.setattr(lanes, "_direct", counted_direct)
+    return count
+
+
+def test_a_limit_rides_in_the_round_trip_of_the_lease(
+    task_app: tuple[Celery, Leases], round_trips: list[int], stamps: list[tuple[str, int, int]]
+) -> None:
+    app, leases = task_app
+
+    @app.task(base=LeasedTask, lease="rt:{k}", rate=Rate("rt-api:{k}", "1000/s"), on_busy="fail")
+    def rt_both(k: int) -> int:
+        return k
+
+    @app.task(base=LeasedTask, lease="rt:{k}", on_busy="fail")
+    def rt_lease_only(k: int) -> int:
+        return k
+
+    counts = {}
+    for task in (rt_lease_only, rt_both):
+        for k in range(3):  # connections made, scripts known, the owner's home call done
+            task.apply(args=(k,), throw=True)
+        before = round_trips[0]
+        assert task.apply(args=(99,), throw=True).get() == 99
+        counts[task] = round_trips[0] - before
+    print(f"round trips: lease only {counts[rt_lease_only]}, 1 lease + 1 limit {counts[rt_both]}")
+    assert counts[rt_lease_only] == 2  # the grant, the release
+    assert counts[rt_both] == 2  # the grant with the limit check riding in it, the release
+    assert [name for name, _, _ in stamps].count("rt-api:99") == 1
+
+    # all or nothing still: a busy lease takes its admission back, a refusal frees the lease
+    @app.task(base=LeasedTask, lease="rt2:{k}", rate=Rate("rt2-api:{k}", "1/m"), on_busy="fail")
+    def rt_one(k: int) -> int:
+        return k
+
+    with leases.hold("rt2:1"), pytest.raises(LeaseBusy):
+        rt_one.apply(args=(1,), throw=True)
+    store = leases.store
+    rows = {r.name: r for r in store.run(list_limits(store.engine))}
+    assert "rt2-api:1" not in rows or rows["rt2-api:1"].used == 0
+    assert rt_one.apply(args=(1,), throw=True).get() == 1
+    with pytest.raises(RateLimited):
+        rt_one.apply(args=(1,), throw=True)
+    with leases.hold("rt2:1", wait=0):
+        pass
+
+
 def test_on_busy_wait_sleeps_until_the_limit_admits(
     task_app: tuple[Celery, Leases], stamps: list[tuple[str, int, int]]
 ) -> None:
@@ -361,6 +428,27 @@ def test_limits_on_a_redis_cluster_over_slot_groups(
             store.run(admit(store.engine, wants))
         for name in fresh:
             leases.limit(name, "1/m")  # each still has its one admission
+
+        # a task's limit riding with its lease, the two in different slot groups
+        app = leases.app
+        lease_name = next(f"cl-doc:{i}" for i in range(100) if keys.group_of(f"cl-doc:{i}") != 0)
+        limit_name = next(
+            f"cl-api:{i}"
+            for i in range(100)
+            if keys.group_of(f"cl-api:{i}") not in (0, keys.group_of(lease_name))
+        )
+
+        @app.task(base=LeasedTask, lease=lease_name, rate=Rate(limit_name, "1/m"), on_busy="fail")
+        def cl_ride() -> str:
+            return "ran"
+
+        with leases.hold(lease_name), pytest.raises(LeaseBusy):
+            cl_ride.apply(throw=True)
+        assert cl_ride.apply(throw=True).get() == "ran"  # the busy lease kept no admission
+        with pytest.raises(RateLimited):
+            cl_ride.apply(throw=True)
+        with leases.hold(lease_name, wait=0):  # the refused task kept no lease
+            pass
 
 
 # --- operators: the CLI and the metrics -------------------------------------------------------

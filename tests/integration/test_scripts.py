@@ -39,6 +39,9 @@ def test_every_lua_file_is_a_script_constant():
         "release": ["_lifetime", "_waiters", "_tokens"],
         "leave": ["_waiters"],
         **{key: ["_parking"] for key in ("park", "handon", "park_gate", "unpark")},
+        "limit": ["_limit"],
+        "park_limit": ["_parking", "_limit"],
+        "handon_limit": ["_limit"],
     }
     for name, source in scripts.items():
         parts = fragments.get(name, [])

@@ -81,9 +81,11 @@ def test_rate_and_rates_are_checked_at_declaration() -> None:
     declare(rates=[Rate("x:{x}", "1/s"), Rate("all", "5/m", cost=2)])
 
 
-def test_defer_retries_a_rate_limit_with_its_exact_wait(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Parking on a rate limit is not built: under on_busy="defer" a limit's refusal goes the
-    retry way (exact countdown), while a busy lease still parks (see _call_leased)."""
+def test_defer_never_retries_a_rate_limit_through_the_broker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under on_busy="defer" a limit's refusal parks (see _call_leased): only a task that
+    stayed busy on every attempt of its delivery gets to _busy, which raises, never retries."""
 
     def b(x: int) -> None: ...
 
@@ -93,8 +95,8 @@ def test_defer_retries_a_rate_limit_with_its_exact_wait(monkeypatch: pytest.Monk
     )._get_current_object()
     retried: list[LeaseBusy] = []
     monkeypatch.setattr(type(task), "_retry_busy", lambda self, busy, a, k: retried.append(busy))
-    limited = RateLimited("api:1", 0.4)
-    task._busy(limited, "defer", (1,), {})
-    assert retried == [limited]
+    with pytest.raises(RateLimited):
+        task._busy(RateLimited("api:1", 0.4), "defer", (1,), {})
     with pytest.raises(LeaseBusy):  # a lease busy on every attempt of a defer: raised
         task._busy(LeaseBusy("doc:1"), "defer", (1,), {})
+    assert retried == []

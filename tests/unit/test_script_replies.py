@@ -26,6 +26,7 @@ REPLIES: dict[str, type[IntEnum]] = {
     "limit": _scripts.LimitReply,
     "park": _scripts.ParkReply,
     "park_gate": _scripts.ParkGateReply,
+    "park_limit": _scripts.ParkReply,
 }
 DATA_ONLY = {
     "renew",
@@ -34,6 +35,7 @@ DATA_ONLY = {
     "limit_refund",
     "limit_penalize",
     "handon",
+    "handon_limit",
     "unpark",
 }
 

@@ -3,7 +3,9 @@
 Configured from the environment (``LEASES_TEST_BROKER``, ``LEASES_TEST_QUEUE``,
 ``LEASES_TEST_LEDGER`` and the ``CELERY_LEASES_*`` settings). Each body records its start
 and end, on the Redis clock, in a ledger list: ``"<event> <tenant> <n> <task id> <parked>
-<Redis us>"``; ``PAPP_SLOW`` makes bodies sleep that long.
+<Redis us>"``; ``PAPP_SLOW`` makes bodies sleep that long. Each rate limit admission is
+recorded too, at the Redis time the limit script admitted it: ``"a <limit> -1 <task id> 0
+<Redis us>"``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 
 from celery import Celery
 
-from celery_leases import LeasedTask, Leases, Shared
+from celery_leases import LeasedTask, Leases, Rate, Shared, signals
 from tests.support.perprocess import PerProcessClient
 
 BROKER = os.environ.get("LEASES_TEST_BROKER", "redis://127.0.0.1:6379/15")
@@ -21,6 +23,8 @@ QUEUE = os.environ.get("LEASES_TEST_QUEUE", "leases-parking-tests")
 LEDGER_URL = os.environ.get("LEASES_TEST_LEDGER", BROKER)
 PREFIX = os.environ.get("CELERY_LEASES_KEY_PREFIX", "leases")
 SLOW = float(os.environ.get("PAPP_SLOW", "0.05"))
+#: the result backend, when the broker is not Redis (RabbitMQ): the ledger's Redis
+BACKEND = os.environ.get("LEASES_TEST_BACKEND") or None
 
 ledger = PerProcessClient(LEDGER_URL)
 
@@ -29,8 +33,10 @@ def ledger_key(prefix: str) -> str:
     return f"{{{prefix}:ledger}}:events"
 
 
-def make_app(broker: str = BROKER, queue: str = QUEUE, **settings: object) -> Celery:
-    app = Celery("park_app", broker=broker, backend=broker, set_as_current=False)
+def make_app(
+    broker: str = BROKER, queue: str = QUEUE, backend: str | None = None, **settings: object
+) -> Celery:
+    app = Celery("park_app", broker=broker, backend=backend or broker, set_as_current=False)
     app.conf.update(
         task_default_queue=queue,
         broker_connection_retry_on_startup=True,
@@ -98,7 +104,30 @@ def make_app(broker: str = BROKER, queue: str = QUEUE, **settings: object) -> Ce
         record("e", tenant, n, self)
         return n
 
+    # parking on a rate limit: 5 starts a second per tenant, sleep-free bodies
+    @app.task(
+        base=LeasedTask, bind=True, name="park_app.rated", shared=False,
+        rate=Rate("rl:{tenant}", "5/s"), on_busy="defer",
+    )  # fmt: skip
+    def rated(self: LeasedTask, tenant: str, n: int) -> int:
+        record("s", tenant, n, self)
+        record("e", tenant, n, self)
+        return n
+
+    @app.task(bind=True, name="park_app.plain", shared=False)
+    def plain(self: LeasedTask, tenant: str, n: int) -> int:
+        record("s", tenant, n, self)
+        record("e", tenant, n, self)
+        return n
+
     return app
 
 
-app = make_app()
+def _admitted(sender: object = None, **kw: object) -> None:
+    at = round(float(kw["at"]) * 1_000_000)  # type: ignore[arg-type]
+    ledger().rpush(ledger_key(PREFIX), f"a {kw['name']} -1 {kw['task_id']} 0 {at}")
+
+
+if "LEASES_TEST_LEDGER" in os.environ:  # a worker of the tests (not the test process)
+    signals.limit_admitted.connect(_admitted, weak=False, dispatch_uid="park_app")
+app = make_app(backend=BACKEND)

@@ -1,0 +1,174 @@
+"""The scripts of tasks parked on a rate limit against a real Redis: park_limit.lua,
+handon_limit.lua and park_gate.lua driven in the order a race would, no worker."""
+
+from __future__ import annotations
+
+import time
+
+from celery_leases import Leases, RateLimited
+from celery_leases._keys import escape
+from celery_leases._parking import (
+    DONE_KEEP_MS,
+    _call,
+    _group_keys,
+    _limit_script_keys,
+    list_parked,
+    tombstone,
+    unpark,
+)
+from celery_leases._scripts import HANDON_LIMIT, PARK_GATE, PARK_LIMIT, ParkGateReply, ParkReply
+from tests.support.topologies import leases_factory
+from tests.support.topology import LocalCluster
+
+NAME = "rlp:L"
+N, PERIOD_US = 3, 1_000_000  # "3/s"
+HANDON_MS = 300
+MEMBER = f"r {N}:{PERIOD_US}:1 {NAME}"
+
+
+def park(ext: Leases, task: str, consumed: bool = False) -> ParkReply:
+    state, msgs, done, due = _group_keys(ext, ext.store.keys.group_of(NAME))
+    reply = _call(
+        ext,
+        PARK_LIMIT,
+        [*_limit_script_keys(ext, NAME), state, msgs, done, due],
+        [
+            escape(task),
+            N,
+            PERIOD_US,
+            1,
+            f'{{"resource": "{NAME}", "task": "t", "on": "limit"}}',
+            MEMBER,
+            DONE_KEEP_MS,
+            "1" if consumed else "0",
+            tombstone(task, 0),
+        ],
+        "park",
+    )
+    return ParkReply(int(reply[0]))
+
+
+def hand_on(ext: Leases) -> tuple[str | None, int]:
+    """handon_limit.lua once: (the task id handed on, or None; the due ms it set)."""
+    state, msgs, _, due = _group_keys(ext, ext.store.keys.group_of(NAME))
+    reply = _call(
+        ext,
+        HANDON_LIMIT,
+        [*_limit_script_keys(ext, NAME), state, msgs, due],
+        [N, PERIOD_US, 1, HANDON_MS, MEMBER],
+        "hand on",
+    )
+    if int(reply[0]) == 1:
+        raw = reply[1]
+        return (raw.decode() if isinstance(raw, bytes) else str(raw)), 0
+    return None, int(reply[1])
+
+
+def gate(ext: Leases, task: str) -> ParkGateReply:
+    state, msgs, done, _ = _group_keys(ext, ext.store.keys.group_of(NAME))
+    keys = [state, msgs, done, ext.store.keys.parked_limit(NAME)]
+    raw = _call(ext, PARK_GATE, keys, [escape(task), DONE_KEEP_MS, tombstone(task, 0)], "gate")
+    return ParkGateReply(int(raw))
+
+
+def admit(ext: Leases) -> bool:
+    try:
+        ext.limit(NAME, "3/s")
+    except RateLimited:
+        return False
+    return True
+
+
+def fifo(ext: Leases) -> list[str]:
+    client = ext.store.client
+    members = client.zrange(ext.store.keys.parked_limit(NAME), 0, -1)
+    return [m.decode() if isinstance(m, bytes) else str(m) for m in members]
+
+
+def fill(ext: Leases) -> None:
+    """Take every admission the window has room for."""
+    while admit(ext):
+        pass
+
+
+def wait_for_room(ext: Leases, deadline: float = 30.0) -> None:
+    """Until the window is empty again (a period after the last admission)."""
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        log = ext.store.keys.limit_keys(NAME)[0]
+        if not ext.store.client.zcard(log):
+            return
+        time.sleep(0.05)
+    raise AssertionError("the window never emptied")
+
+
+def test_parks_only_when_refused_and_hands_on_only_the_room(leases: Leases):
+    assert park(leases, "first") == ParkReply.FREE  # room, nobody ahead: admit again
+    fill(leases)
+    for task in ("t1", "t2", "t3", "t4", "t5"):
+        assert park(leases, task) == ParkReply.PARKED
+    assert park(leases, "t1") == ParkReply.PARKED_ALREADY  # a copy of a parked task
+    assert gate(leases, "t1") == ParkGateReply.PARKED
+    task, due = hand_on(leases)
+    assert task is None
+    assert 0 < due <= 1000  # full: the exact wait, within the period
+    wait_for_room(leases)
+    handed = [hand_on(leases)[0] for _ in range(3)]
+    assert handed == ["t1", "t2", "t3"]  # in order, as many as the window has room for
+    task, due = hand_on(leases)
+    assert task is None  # the hand-ons in flight hold the room: nothing more
+    assert 0 < due <= 1000
+    assert park(leases, "late") == ParkReply.PARKED  # room is promised: a newcomer parks
+    rows = {p["task_id"]: p for p in list_parked(leases, NAME)}
+    assert {rows[t]["state"] for t in ("t1", "t2", "t3")} == {"handed on"}
+    assert {p["on"] for p in rows.values()} == {"limit"}
+
+
+def test_a_copy_refused_parks_again_at_the_head_and_a_lost_hand_on_goes_last(leases: Leases):
+    fill(leases)
+    for task in ("t1", "t2", "t3", "t4"):
+        assert park(leases, task) == ParkReply.PARKED
+    wait_for_room(leases)
+    assert [hand_on(leases)[0] for _ in range(3)] == ["t1", "t2", "t3"]
+    # t1's copy starts: it consumes its hand-on (once) and is admitted
+    assert gate(leases, "t1") == ParkGateReply.HANDED
+    assert gate(leases, "t1") == ParkGateReply.CONSUMED  # a second copy: dropped
+    assert admit(leases)
+    # another caller takes the room t2's hand-on was given: t2's copy is refused, re-parks first
+    assert gate(leases, "t2") == ParkGateReply.HANDED
+    fill(leases)
+    assert park(leases, "t2", consumed=True) == ParkReply.PARKED
+    assert fifo(leases)[:2] == ["t2", "t4"]
+    # t3's copy never comes: its hand-on runs out, and it goes to the end of the FIFO
+    time.sleep(HANDON_MS / 1000 + 0.2)
+    wait_for_room(leases)
+    assert [hand_on(leases)[0] for _ in range(3)] == ["t2", "t4", "t3"]
+    # a late copy of t3's first hand-on consumes the second one: it runs, once
+    assert gate(leases, "t3") == ParkGateReply.HANDED
+    assert "t3" not in fifo(leases)
+
+
+def test_unpark_and_an_empty_fifo_leave_nothing_due(leases: Leases):
+    fill(leases)
+    assert park(leases, "t1") == ParkReply.PARKED
+    assert unpark(leases, "t1")
+    assert gate(leases, "t1") == ParkGateReply.CONSUMED  # a copy published before: dropped
+    wait_for_room(leases)
+    assert hand_on(leases) == (None, 0)
+    due = _group_keys(leases, leases.store.keys.group_of(NAME))[3]
+    assert leases.store.client.zscore(due, MEMBER) is None
+    assert fifo(leases) == []
+
+
+def test_on_a_redis_cluster(redis_cluster: LocalCluster, leases_prefix: str):
+    # the limit's keys and its FIFO live in the slot group of its name: one slot per script
+    with leases_factory(redis_cluster.url, leases_prefix, slot_groups=8) as make:
+        ext = make()
+        assert ext.store.keys.group_of(NAME) != 0
+        fill(ext)
+        for task in ("c1", "c2"):
+            assert park(ext, task) == ParkReply.PARKED
+        wait_for_room(ext)
+        assert [hand_on(ext)[0] for _ in range(2)] == ["c1", "c2"]
+        assert gate(ext, "c1") == ParkGateReply.HANDED
+        assert [p["task_id"] for p in list_parked(ext, NAME)] == ["c2"]
