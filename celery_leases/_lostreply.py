@@ -77,6 +77,8 @@ POLICIES: Final[Mapping[str, str]] = {
     "handon": "not sent again: a hand-on that ran is a reservation nobody publishes for; it "
     "runs out (handon_timeout) and the task goes back to its queue, handed on again later",
     "unpark": "idempotent: the operator runs it again (a second run finds nothing parked)",
+    "revoke": "idempotent: sent again (the client may retry); a second run keeps the first's "
+    "deadline",
     "fenced_write": "idempotent: the caller's client retries; a replay writes the same value "
     "with the same token again, or is refused because a newer token wrote since, and either "
     "way the newest token's write stands",

@@ -168,6 +168,13 @@ class LimitReply(IntEnum):
     ADMITTED = 1  #: the log member, N, period and the Redis time (us) follow
 
 
+class RevokeReply(IntEnum):
+    """revoke.lua's first reply element."""
+
+    NOT_HELD = 0  #: nobody holds the resource: no mark was written
+    REVOKED = 1  #: the ms left until the deadline and the holders follow
+
+
 def _read(name: str) -> str:
     return (files(__package__) / "lua" / f"{name}.lua").read_text(encoding="utf-8")
 
@@ -208,6 +215,7 @@ PARK: Final = _with("park", "_parking")
 HANDON: Final = _with("handon", "_parking")
 PARK_GATE: Final = _with("park_gate", "_parking")
 UNPARK: Final = _with("unpark", "_parking")
+REVOKE: Final = _read("revoke")
 
 ALL: Final[dict[str, str]] = {
     "acquire": ACQUIRE,
@@ -231,6 +239,7 @@ ALL: Final[dict[str, str]] = {
     "handon": HANDON,
     "park_gate": PARK_GATE,
     "unpark": UNPARK,
+    "revoke": REVOKE,
 }
 
 #: the Redis clock, read on the node serving KEYS[1] (a cluster pipeline cannot send TIME,

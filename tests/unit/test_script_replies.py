@@ -26,6 +26,7 @@ REPLIES: dict[str, type[IntEnum]] = {
     "limit": _scripts.LimitReply,
     "park": _scripts.ParkReply,
     "park_gate": _scripts.ParkGateReply,
+    "revoke": _scripts.RevokeReply,
 }
 DATA_ONLY = {
     "renew",
