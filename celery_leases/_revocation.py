@@ -1,4 +1,7 @@
-"""Cooperative revocation, written once: revoke.lua's call and what its reply means. No I/O."""
+"""Cooperative revocation, written once: revoke.lua's call and what its reply means. No I/O.
+
+revoke.lua writes the resource's revocation mark, which renew.lua reads at each renewal.
+"""
 
 from __future__ import annotations
 

@@ -8,6 +8,9 @@ when the next holder was granted.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,7 +22,7 @@ import redis
 from celery_leases import FencedRedis, Leases
 from celery_leases.config import renewal_interval
 from tests.support.polling import wait_until
-from tests.support.workers import WorkerProc, worker_factory
+from tests.support.workers import REPO, WorkerProc, worker_factory
 
 pytestmark = pytest.mark.worker
 
@@ -166,3 +169,43 @@ def test_a_holder_that_ignores_it_keeps_the_lease_until_the_deadline_then_is_fen
     assert event(leases_redis, app_module, f"wrote:{rid}") == "False"
     stored = leases_redis.get(fenced.key(f"report:{rid}"))
     assert stored in ("next", b"next")
+
+
+def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``celery -A revoke_app leases <args>`` as an operator runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", APP, "leases", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_the_cli_revokes_beside_the_forced_release(
+    start_revoke_worker, app_module, send, worker_env, leases_redis
+):
+    start_revoke_worker(concurrency=1)
+    rid = "cli"
+    result = send(app_module.obeys, rid, 120.0)
+    token = int(event(leases_redis, app_module, f"started:{rid}"))
+
+    nobody = run_cli(worker_env, "revoke", "rv:nobody")
+    assert nobody.returncode == 1
+    assert "no lease is held on 'rv:nobody'" in nobody.stderr
+    bad = run_cli(worker_env, "revoke", f"rv:{rid}", "--deadline", "0")
+    assert bad.returncode == 2
+    assert "--deadline" in bad.stderr
+
+    done = run_cli(
+        worker_env, "revoke", f"rv:{rid}", "--reason", "ops", "--deadline", "90", "--json"
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert [h["token"] for h in report["holders"]] == [token]
+    assert report["reason"] == "ops"
+    assert 0 < report["deadline"] <= 90
+    assert "leases: revoked rv:cli held by" in done.stderr  # logged at WARNING, with who
+    assert result.get(timeout=60) == "revoked"
+    assert event(leases_redis, app_module, f"revoked:{rid}").endswith(" ops")
