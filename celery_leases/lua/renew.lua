@@ -53,11 +53,7 @@ for i = 0, (#KEYS - h) / 2 - 1 do
   end
   if mode == 'x' then
     if redis.call('GET', key) == holder then
-      if until_ms then
-        redis.call('PEXPIREAT', key, num(expiry))
-      else
-        redis.call('PEXPIRE', key, ttl)
-      end
+      redis.call('PEXPIRE', key, until_ms and num(expiry - now) or ttl)
       held = true
     end
   else

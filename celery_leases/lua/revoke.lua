@@ -8,6 +8,9 @@
 -- keeps the earlier of the two deadlines (and takes the new reason), so a second call never
 -- gives more time: run twice, it leaves what running it once leaves.
 --
+-- Only the commands of the documented ACL user (docs/security.md): expiries are set with
+-- PEXPIRE and PX, relative to the TIME read first.
+--
 -- KEYS[1] exclusive key   KEYS[2] shared key   KEYS[3] revocation mark
 -- ARGV[1] deadline in milliseconds from now (> 0)   ARGV[2] reason (any text)
 -- returns {0}  nothing held: no mark written
@@ -50,7 +53,7 @@ end
 if value then
   local left = redis.call('PTTL', KEYS[1])
   if left < 0 or left > until_ms - now then
-    redis.call('PEXPIREAT', KEYS[1], num(until_ms))
+    redis.call('PEXPIRE', KEYS[1], num(until_ms - now))
   end
 end
 for j = 1, #members, 2 do
@@ -58,8 +61,7 @@ for j = 1, #members, 2 do
     redis.call('ZADD', KEYS[2], 'XX', num(until_ms), members[j])
   end
 end
-redis.call('SET', KEYS[3], num(until_ms) .. ' ' .. newest .. ' ' .. ARGV[2])
-redis.call('PEXPIREAT', KEYS[3], num(until_ms))
+redis.call('SET', KEYS[3], num(until_ms) .. ' ' .. newest .. ' ' .. ARGV[2], 'PX', num(until_ms - now))
 local reply = {1, num(until_ms - now)}
 for _, holder in ipairs(holders) do
   reply[#reply + 1] = holder
