@@ -290,7 +290,7 @@ class Lease:
         now = time.monotonic()
         if held.is_lost(now):
             return 0.0
-        return max(0.0, held.confirmed_at + held.ttl - now)
+        return max(0.0, min(held.confirmed_at + held.ttl, held.cutoff) - now)  # cutoff: revoked
 
     @property
     def lost(self) -> bool:
