@@ -147,6 +147,18 @@ def test_a_holder_that_ignores_it_keeps_the_lease_until_the_deadline_then_is_fen
     sent_us = redis_us(leases_redis)
     done = test_leases.revoke(f"rv:{rid}", reason="rebalance", deadline=deadline)
     assert done.tokens == (first_token,)
+    # the mark names the deadline on the Redis clock; until then the holder's renewals (it
+    # goes on renewing) never extend the lease past it
+    until_ms = int(leases_redis.get(test_leases.store.keys.revocation(f"rv:{rid}")).split()[0])
+    key = test_leases.store.keys.exclusive(f"rv:{rid}")
+    looks = 0
+    while waiter.is_alive() and looks < 10_000:
+        pipe = leases_redis.pipeline(transaction=True)
+        (sec, usec), left = pipe.time().pttl(key).execute()
+        if left > 0:
+            assert int(sec) * 1000 + int(usec) // 1000 + left <= until_ms + 1
+        looks += 1
+        waiter.join(0.02)
     learned_us, _, reason = event(leases_redis, app_module, f"revoked:{rid}").split(" ", 2)
     assert reason == "rebalance"
     waiter.join(60)
