@@ -9,7 +9,7 @@ import math
 from typing import TYPE_CHECKING, Final, NamedTuple
 
 from ._keys import holder_parts
-from ._lease import LeaseArgumentError, check_name_size
+from ._lease import LeaseArgumentError, check_name_size, check_user_name
 from ._protocol import Script, Steps
 from ._scripts import RevokeReply
 from .exceptions import LeaseConfigError
@@ -50,8 +50,9 @@ def check_revoke(resource: object, reason: object, deadline: object) -> None:
 
     Raises:
         LeaseArgumentError: ``resource`` or ``reason`` is not a str.
-        LeaseConfigError: an empty or too long name or reason, or a deadline that is not a
-            number of seconds > 0.
+        LeaseConfigError: an empty or too long name or reason, a name in the library's own
+            namespace (``celery_leases:...``), or a deadline that is not a number of
+            seconds > 0.
     """
     if not isinstance(resource, str):
         msg = f"revoke: resource must be a name (str), not {resource!r}"
@@ -60,6 +61,8 @@ def check_revoke(resource: object, reason: object, deadline: object) -> None:
         msg = "revoke: resource must be a non-empty name"
         raise LeaseConfigError(msg)
     check_name_size(resource, "revoke: resource")
+    # once receipts, unique claims (a queued one has no holder to tell), beat and reconcile
+    check_user_name(resource, "revoke: resource")
     if not isinstance(reason, str):
         msg = f"revoke: reason must be a str, not {reason!r}"
         raise LeaseArgumentError(msg)

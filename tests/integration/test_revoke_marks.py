@@ -3,9 +3,11 @@ never a later one, and never outlives its deadline (lua/revoke.lua, lua/renew.lu
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
+import pytest
 import redis
 
 from celery_leases import Lease, LeaseRevoked, Leases, Shared
@@ -86,3 +88,16 @@ def test_every_shared_holder_is_asked(make_leases) -> None:
     for t in threads:
         t.join(20)
     assert sorted(learnt) == ["a drain", "b drain"]
+
+
+@pytest.mark.asyncio
+async def test_an_asyncio_holder_learns_it_too(make_leases) -> None:
+    """The asyncio heartbeat runs the same renewal round: check() raises LeaseRevoked."""
+    leases: Leases = make_leases(ttl=1.5)
+    async with leases.ahold("aio") as lease:
+        leases.revoke("aio", reason="loop", deadline=20)
+        deadline = time.monotonic() + 20
+        while not _revoked(lease):
+            assert time.monotonic() < deadline, "the asyncio holder never learnt of it"
+            await asyncio.sleep(0.02)
+    await leases.aclose()

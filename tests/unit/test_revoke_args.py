@@ -41,6 +41,11 @@ def test_a_resource_must_be_a_name(leases: Leases, resource: object) -> None:
         leases.revoke(resource, deadline=5)  # type: ignore[arg-type]
 
 
+def test_the_librarys_own_names_are_refused(leases: Leases) -> None:
+    with pytest.raises(LeaseConfigError, match="inside celery_leases' own namespace"):
+        leases.revoke("celery_leases:unique:report:42", deadline=5)
+
+
 def test_lease_revoked_is_a_lease_lost_that_survives_json_results() -> None:
     exc = LeaseRevoked("r", 1.5, "operator", 20.0)
     assert isinstance(exc, LeaseLost)
