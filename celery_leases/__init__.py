@@ -22,6 +22,7 @@ from importlib.metadata import version as _version
 
 from ._lease import Lease, Shared
 from ._limits import Rate
+from ._revocation import Revoked
 from .app import Leases
 from .config import LeaseSettings
 from .exceptions import (
@@ -31,6 +32,7 @@ from .exceptions import (
     LeaseConfigError,
     LeaseError,
     LeaseLost,
+    LeaseRevoked,
     RateLimited,
     StaleFence,
 )
@@ -55,10 +57,12 @@ __all__ = (
     "LeasedTask",
     "LeaseError",
     "LeaseLost",
+    "LeaseRevoked",
     "Leases",
     "LeaseSettings",
     "Rate",
     "RateLimited",
+    "Revoked",
     "Shared",
     "StaleFence",
 )

@@ -17,6 +17,7 @@ from ._inspect import Holder
 from ._keys import node_of_owner, split_owner, unescape
 from ._registry import QUEUED_OWNER, Entry
 from ._render import table
+from ._revocation import check_revoke
 from .config import timing
 
 if TYPE_CHECKING:
@@ -454,6 +455,37 @@ def force_release_json(store: LeaseStore, resource: str, *, by: str) -> list[dic
     ]
 
 
+def revoke_json(
+    store: LeaseStore, resource: str, *, reason: str, deadline: float | None, by: str
+) -> dict[str, object]:
+    """Revoke every grant on ``resource`` (``leases.revoke``), logged with who asked.
+
+    The one operator's revocation: ``celery leases revoke`` and the web view's
+    ``POST /api/leases/revoke`` call it. ``deadline`` None: the ``ttl`` setting.
+    """
+    deadline = store.settings.ttl if deadline is None else deadline
+    check_revoke(resource, reason, deadline)
+    done = store.revoke(resource, reason, deadline)
+    if done.holders:
+        logger.warning(
+            "leases: revoked %s held by %s (%s), by %s; it runs out in %.1fs unless released",
+            resource,
+            ", ".join(done.holders),
+            reason or "no reason given",
+            by,
+            done.deadline,
+        )
+    return {
+        "resource": resource,
+        "holders": [
+            {"owner": owner, "node": node_of_owner(owner), "token": token}
+            for owner, token in zip(done.holders, done.tokens, strict=True)
+        ],
+        "deadline": round(done.deadline, 3),
+        "reason": reason,
+    }
+
+
 class CensusData:
     """What ``celery leases web`` shows and does (``web.WebData``): the commands' functions."""
 
@@ -475,3 +507,9 @@ class CensusData:
 
     def release(self, resource: str, *, via: str) -> list[dict[str, object]]:
         return force_release_json(self.store, resource, by=f"{operator_name()} ({via})")
+
+    def revoke(
+        self, resource: str, *, reason: str, deadline: float | None, via: str
+    ) -> dict[str, object]:
+        by = f"{operator_name()} ({via})"
+        return revoke_json(self.store, resource, reason=reason, deadline=deadline, by=by)

@@ -1,13 +1,13 @@
-"""``celery leases`` commands that repair: release and reconcile."""
+"""``celery leases`` commands that repair: release, revoke and reconcile."""
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, cast
 
 import click
 from celery.utils.log import get_logger
 
-from ._census import MODES, holder_rows, operator_name, release_rows
+from ._census import MODES, holder_rows, operator_name, release_rows, revoke_json
 from ._cli_base import (
     BackendFailure,
     Command,
@@ -83,6 +83,50 @@ def release(ctx: click.Context, resource: str, force: bool, yes: bool) -> None:
             click.echo(f"{shown} of {row.owner} was no longer held (released meanwhile)")
 
 
+@click.command("revoke", cls=Command)
+@click.argument("resource")
+@click.option(
+    "--reason",
+    default="",
+    allow_from_autoenv=False,
+    help="Why: the holder gets it in LeaseRevoked.reason and its log.",
+)
+@click.option(
+    "--deadline",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    allow_from_autoenv=False,
+    help="Seconds until the lease is freed if the holder has not let go  [default: the ttl "
+    "setting]",
+)
+@json_option
+@click.pass_context
+def revoke(
+    ctx: click.Context, resource: str, reason: str, deadline: float | None, as_json: bool
+) -> None:
+    """Ask the holders of RESOURCE to let go.
+
+    Each learns at its next renewal (LeaseRevoked, a LeaseLost, in its task body as its
+    on_lost says, and from check()); the lease is freed when the holder releases it, or at
+    the deadline at the latest, and the next holder gets a new fencing token. Exit 1 when
+    nobody holds RESOURCE.
+    """
+    non_empty("RESOURCE", resource)
+    store = leases_of(ctx).store
+    done = revoke_json(store, resource, reason=reason, deadline=deadline, by=operator_name())
+    holders = cast("list[dict[str, object]]", done["holders"])
+    if as_json:
+        echo_json(done)
+    elif holders:
+        for holder in holders:
+            click.echo(
+                f"revoked {printable(resource)} of {holder['owner']}: freed in at most "
+                f"{done['deadline']:.1f}s"
+            )
+    if not holders:
+        raise Failure(f"no lease is held on {resource!r}")
+
+
 @click.command("reconcile", cls=Command)
 @json_option
 @click.pass_context
@@ -138,4 +182,4 @@ def reconcile(ctx: click.Context, as_json: bool) -> None:
         ctx.exit(1)
 
 
-COMMANDS: Final = (release, reconcile)
+COMMANDS: Final = (release, revoke, reconcile)

@@ -79,6 +79,7 @@ class ResourceKeys:
     handed: str
     history: str
     record: str
+    revocation: str
 
 
 class LeaseEngine:
@@ -148,7 +149,8 @@ class LeaseEngine:
             if len(self._rkeys) >= _KEY_CACHE_SIZE:
                 self._rkeys.clear()
             x, s, n, c, q, qe, qh, h, rec, group = self.keys.per_resource(resource)
-            keys = self._rkeys[resource] = ResourceKeys(x, s, n, c, group, q, qe, qh, h, rec)
+            rv = self.keys.revocation(resource)
+            keys = self._rkeys[resource] = ResourceKeys(x, s, n, c, group, q, qe, qh, h, rec, rv)
         return keys
 
     def group_of(self, resource: str) -> int:

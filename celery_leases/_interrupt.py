@@ -130,7 +130,7 @@ class Interrupter:
         with self._lock:
             if not self.running or self.fired is not None:
                 return
-            self.fired = LeaseLost(held.resource, held_for=time.monotonic() - held.acquired_at)
+            self.fired = held.lost_error(time.monotonic())  # LeaseRevoked once revoked
             if self.green is not None:
                 self.green.throw_later(self._throw_green)
             elif self.main:
@@ -139,14 +139,13 @@ class Interrupter:
                 # an asynchronous exception is instantiated without arguments: give it a
                 # class that knows its details
                 fired = self.fired
+                base = type(fired)
                 detailed = type(
-                    "LeaseLost",
-                    (LeaseLost,),
+                    base.__name__,
+                    (base,),
                     {
-                        "__init__": lambda exc: LeaseLost.__init__(
-                            exc, fired.resource, held_for=fired.held_for
-                        ),
-                        "__module__": LeaseLost.__module__,
+                        "__init__": lambda exc: base.__init__(exc, *fired.args),
+                        "__module__": base.__module__,
                     },
                 )
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(

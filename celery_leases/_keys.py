@@ -104,6 +104,11 @@ class Keyspace:
         kept while their expiry in :meth:`ticket_expiry` lasts (see lua/_waiters.lua)."""
         return f"{self.tag(self.group_of(resource))}:qh:{escape(resource)}"
 
+    def revocation(self, resource: str) -> str:
+        """STRING ``"<deadline ms> <token> <reason>"``: the revocation mark of ``resource``
+        (lua/revoke.lua), expiring at its deadline (Redis ms)."""
+        return f"{self.tag(self.group_of(resource))}:rv:{escape(resource)}"
+
     def per_resource(
         self, resource: str
     ) -> tuple[str, str, str, str, str, str, str, str, str, int]:

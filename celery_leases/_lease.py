@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Final, Literal, Protocol
 
 from ._keys import Keyspace
-from .exceptions import LeaseConfigError, LeaseLost
+from .exceptions import LeaseConfigError, LeaseLost, LeaseRevoked
 
 __all__ = (
     "MAX_NAME_BYTES",
@@ -189,12 +190,51 @@ class Held:
     ticket: int = 0  # a lease handed to a waiter: its ticket, named by its registry entry
     call: str = ""  # the id of the grant call that made it, in its registry entry
     on_lost: list[Callable[[Held], None]] = field(default_factory=list)
+    #: a revocation a renewal reported (leases.revoke): its reason (None: not revoked)
+    revoked: str | None = None
+    #: with ``revoked``: the monotonic time at which the lease counts as lost, before Redis
+    #: lets it run out at the revocation's deadline
+    cutoff: float = math.inf
+    #: with ``revoked``: seconds left until the deadline when the holder learned of it
+    revoke_left: float = 0.0
+    #: with ``revoked``: the heartbeat told the holder (its on_lost callbacks ran)
+    revoke_told: bool = False
     _guard: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def deadline(self) -> float:
         """Monotonic time at which the lease counts as lost unless confirmed again."""
-        return self.confirmed_at + self.horizon
+        return min(self.confirmed_at + self.horizon, self.cutoff)
+
+    def revoke(self, reason: str, sent: float, left: float) -> None:
+        """Record a revocation that a renewal sent at ``sent`` reported: ``left`` seconds to
+        its deadline on the Redis clock. The lease counts as lost that much after ``sent``
+        less the lost margin's share (``horizon / ttl``), before Redis lets it run out."""
+        cutoff = sent + left * min(1.0, self.horizon / self.ttl)
+        with self._guard:
+            if self.revoked is None:
+                self.revoke_left = left
+            self.revoked = reason
+            self.cutoff = min(self.cutoff, cutoff)
+
+    def tell_revoked(self) -> bool:
+        """True once, for the call that is to tell the holder of its revocation."""
+        with self._guard:
+            if self.revoked is None or self.revoke_told or self.lost or self.released:
+                return False
+            self.revoke_told = True
+            return True
+
+    def lost_error(self, now: float) -> LeaseLost:
+        """The error that tells the holder the lease is lost, or revoked (:class:`LeaseRevoked`)."""
+        if self.revoked is not None:
+            return LeaseRevoked(
+                self.resource,
+                held_for=now - self.acquired_at,
+                reason=self.revoked,
+                deadline=self.revoke_left,
+            )
+        return LeaseLost(self.resource, held_for=now - self.acquired_at)
 
     @property
     def group(self) -> int:
@@ -250,7 +290,7 @@ class Lease:
         now = time.monotonic()
         if held.is_lost(now):
             return 0.0
-        return max(0.0, held.confirmed_at + held.ttl - now)
+        return max(0.0, min(held.confirmed_at + held.ttl, held.cutoff) - now)  # cutoff: revoked
 
     @property
     def lost(self) -> bool:
@@ -258,15 +298,17 @@ class Lease:
         return self._held.is_lost(time.monotonic())
 
     def check(self) -> None:
-        """Raise :class:`LeaseLost` if the lease is no longer held.
+        """Raise :class:`LeaseLost` if the lease is no longer held, and
+        :class:`LeaseRevoked` (a LeaseLost) once it was revoked (``leases.revoke``).
 
         It reads local state only (no Redis call): the heartbeat confirms the lease every
         ``ttl / 3``, and a lease not confirmed in time counts as lost before Redis could hand
-        it to anyone else.
+        it to anyone else. A revocation is learnt at the renewal after it.
         """
         held = self._held
-        if held.is_lost(time.monotonic()) or held.released:
-            raise LeaseLost(held.resource, held_for=time.monotonic() - held.acquired_at)
+        now = time.monotonic()
+        if held.revoked is not None or held.is_lost(now) or held.released:
+            raise held.lost_error(now)
 
 
 def held_of(lease: Lease) -> Held:

@@ -81,6 +81,8 @@ POLICIES: Final[Mapping[str, str]] = {
     "ran makes the retry's delivery find the task parked, and be dropped)",
     "handon_limit": "not sent again: a hand-on that ran is one nobody publishes for; it runs "
     "out (handon_timeout) and the task goes back to its queue, handed on again later",
+    "revoke": "idempotent: sent again (the client may retry); a second run keeps the first's "
+    "deadline",
     "fenced_write": "idempotent: the caller's client retries; a replay writes the same value "
     "with the same token again, or is refused because a newer token wrote since, and either "
     "way the newest token's write stands",

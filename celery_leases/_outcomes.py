@@ -11,7 +11,7 @@ from celery.utils.log import get_logger
 
 from . import signals
 from ._lease import Held, Lease, Want, held_of
-from .exceptions import LeaseBusy, LeaseLost
+from .exceptions import LeaseBusy
 
 if TYPE_CHECKING:
     from ._identity import Identity
@@ -176,5 +176,4 @@ def send_signal(signal: Any, resource: str, **kwargs: Any) -> None:
 def raise_first_lost(lost: Sequence[Lease]) -> None:
     """Leaving a ``hold`` block: say that a lease was lost inside it (the first one)."""
     if lost:
-        first = lost[0]
-        raise LeaseLost(first.resource, held_for=time.monotonic() - held_of(first).acquired_at)
+        raise held_of(lost[0]).lost_error(time.monotonic())  # LeaseRevoked if it was revoked

@@ -58,7 +58,7 @@ def renew(engine: LeaseEngine, held: Sequence[Held], owner: str, timeout: float)
         raise engine.backend_error("renew", failure) from failure.cause
     except ReplicaShortfall as exc:
         raise engine.backend_error("renew", exc) from exc
-    lost = renew_outcome(engine, plan, replies, owner)
+    lost = renew_outcome(engine, plan, replies, owner, held)
     if lost and engine.history:
         yield from record_lost(engine, [held[i] for i in sorted(lost)])
     return lost
@@ -115,19 +115,30 @@ def renew_calls(engine: LeaseEngine, held: Sequence[Held], owner: str) -> RenewP
         for i in idx:
             h = held[i]
             rk = engine.resource_keys(h.resource)
-            keys.append(rk.exclusive if h.mode == "x" else rk.shared)
+            keys += [rk.exclusive if h.mode == "x" else rk.shared, rk.revocation]
             args += [h.mode, h.token, engine.ms(h.ttl), held_entry(h).text]
         calls.append((idx, keys, args))
     return RenewPlan(calls, sent, registry)
 
 
 def renew_outcome(
-    engine: LeaseEngine, plan: RenewPlan, replies: Sequence[Any], owner: str
+    engine: LeaseEngine, plan: RenewPlan, replies: Sequence[Any], owner: str, held: Sequence[Held]
 ) -> set[int]:
-    """The indices of the leases renew.lua's ``replies`` report lost; records the renewal."""
+    """The indices of the leases renew.lua's ``replies`` report lost; records the renewal,
+    and the revocations it reports on the leases of ``held`` (:meth:`Held.revoke`)."""
     lost: set[int] = set()
     for (idx, _, _), reply in zip(plan.calls, replies, strict=True):
-        lost.update(idx[int(n) - 1] for n in reply)
+        for n in reply:
+            if isinstance(n, list):  # {index, ms left until the deadline, reason}: revoked
+                i, left, reason = n
+                h = held[idx[int(i) - 1]]
+                h.revoke(
+                    str(reason, "utf-8", "replace") if isinstance(reason, bytes) else reason,
+                    plan.sent,
+                    int(left) / 1000,
+                )
+            else:
+                lost.add(idx[int(n) - 1])
     # this call refreshed the owner's liveness and its registries' expiry
     sent = plan.sent
     engine.registered[owner] = max(engine.registered.get(owner, sent), sent)

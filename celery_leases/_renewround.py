@@ -31,6 +31,7 @@ __all__ = (
     "RenewRound",
     "report_lost",
     "renew_observers",
+    "report_revoked",
     "send_lease_lost",
     "tick_steps",
 )
@@ -75,7 +76,7 @@ def tick_steps(
     held = beat.snapshot()
     for h in held:
         if now >= h.deadline:
-            beat.lose(h, "not confirmed in time")
+            beat.lose(h, "revoked, its deadline came" if h.revoked else "not confirmed in time")
     held = [h for h in held if not h.lost]
     if not held:
         return None
@@ -199,6 +200,9 @@ class RenewRound(Generic[S]):
         self._log.debug("leases: renewed %d lease(s) of %s", len(batch), owner)
         for h in confirm(batch, lost, sent):
             self._beat.lose(h, "Redis no longer has it")
+        for h in batch:
+            if h.revoked is not None and h.tell_revoked():
+                report_revoked(h, self._beat.clock())
 
     def finish(self, now: float) -> None:
         """The round is over: plan the next one (sooner after a failure)."""
@@ -249,6 +253,23 @@ def report_lost(held: Held, why: str, now: float, extra: LostCallback | None) ->
         why,
     )
     for callback in [*held.on_lost, *([extra] if extra else [])]:
+        try:
+            callback(held)
+        except Exception:
+            logger.exception("leases: on_lost callback for %s failed", held.resource)
+
+
+def report_revoked(held: Held, now: float) -> None:
+    """Log a revocation a renewal just reported, and run the lease's ``on_lost`` callbacks
+    (which raise :class:`~celery_leases.LeaseRevoked` in a task body that interrupts)."""
+    logger.warning(
+        "leases: %s was revoked after %.1fs (%s); it runs out in %.1fs unless released first",
+        held.resource,
+        now - held.acquired_at,
+        held.revoked or "no reason given",
+        held.revoke_left,
+    )
+    for callback in held.on_lost:
         try:
             callback(held)
         except Exception:

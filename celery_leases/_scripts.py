@@ -170,6 +170,13 @@ class LimitReply(IntEnum):
     ADMITTED = 1  #: the log member, N, period and the Redis time (us) follow
 
 
+class RevokeReply(IntEnum):
+    """revoke.lua's first reply element."""
+
+    NOT_HELD = 0  #: nobody holds the resource: no mark was written
+    REVOKED = 1  #: the ms left until the deadline and the holders follow
+
+
 def _read(name: str) -> str:
     return (files(__package__) / "lua" / f"{name}.lua").read_text(encoding="utf-8")
 
@@ -212,6 +219,7 @@ PARK_GATE: Final = _with("park_gate", "_parking")
 UNPARK: Final = _with("unpark", "_parking")
 PARK_LIMIT: Final = _with("park_limit", "_parking", "_limit")
 HANDON_LIMIT: Final = _with("handon_limit", "_limit")
+REVOKE: Final = _read("revoke")
 
 ALL: Final[dict[str, str]] = {
     "acquire": ACQUIRE,
@@ -237,6 +245,7 @@ ALL: Final[dict[str, str]] = {
     "unpark": UNPARK,
     "park_limit": PARK_LIMIT,
     "handon_limit": HANDON_LIMIT,
+    "revoke": REVOKE,
 }
 
 #: the Redis clock, read on the node serving KEYS[1] (a cluster pipeline cannot send TIME,

@@ -46,6 +46,7 @@ from ._outcomes import (
     to_release,
 )
 from ._parking import hand_on_released, parking_used
+from ._revocation import Revoked, check_revoke
 from ._sync.driver import LeaseStore
 from ._sync.heartbeat import heartbeat
 from ._unique import install as install_unique
@@ -278,6 +279,15 @@ class Leases:
         .. versionadded:: 0.2"""
         return _limiter.penalize(self.store, name, retry_after)
 
+    def revoke(self, resource: str, *, reason: str = "", deadline: float | None = None) -> Revoked:
+        """Ask the holders of ``resource`` to let go: each learns at its next renewal
+        (:class:`LeaseRevoked`, raised as its ``on_lost`` says and by ``check()``), and
+        Redis lets the lease run out ``deadline`` s from now (None: the ``ttl`` setting)
+        unless released first; the next holder gets a new token. See :class:`Revoked`.
+
+        .. versionadded:: 0.2"""
+        return _revoke(self, resource, reason, deadline)
+
     # --- the shared acquire / release path (hold, tasks, once) ---------------------------
     def acquire(
         self,
@@ -435,24 +445,7 @@ class Leases:
         wait: float | None = 0.0,
     ) -> list[Lease]:
         """:meth:`acquire` for asyncio: renewed by the running loop's heartbeat."""
-        self._check_settings()
-        ttl = self._ttl(ttl)
-        check_wait(wait)
-        ident = self.identity()
-        started = time.monotonic()
-        astore = self.astore
-        try:
-            granted = await astore.acquire(wants, ident, ttl, wait)
-        except LeaseBusy as busy:
-            busy_seen(busy, wants, ttl, None, time.monotonic() - started)
-            mine = [*loop_heartbeat().snapshot(), *heartbeat().snapshot()]
-            if held_here(busy, wants, ident, self.store, mine):
-                raise same_owner_busy(busy) from None
-            raise
-        beat = loop_heartbeat()
-        for held in granted:
-            beat.add(held, astore)
-        return granted_leases(granted, ttl, None, None, time.monotonic() - started)
+        return await _aacquire(self, wants, ttl, wait)
 
     async def arelease(self, leases: Sequence[Lease]) -> list[Lease]:
         """:meth:`release` for asyncio; never raises for Redis trouble."""
@@ -465,6 +458,49 @@ class Leases:
             logger.error("leases: could not release %d lease(s): %s", len(todo), exc)
             return lost
         return released_leases(todo, freed, lost, asked)
+
+
+async def _aacquire(
+    ext: Leases, wants: Sequence[Want], ttl: float | None, wait: float | None
+) -> list[Lease]:
+    """:meth:`Leases.aacquire` (out of the class, which is at its size cap)."""
+    ext._check_settings()
+    ttl = ext._ttl(ttl)
+    check_wait(wait)
+    ident = ext.identity()
+    started = time.monotonic()
+    astore = ext.astore
+    try:
+        granted = await astore.acquire(wants, ident, ttl, wait)
+    except LeaseBusy as busy:
+        busy_seen(busy, wants, ttl, None, time.monotonic() - started)
+        mine = [*loop_heartbeat().snapshot(), *heartbeat().snapshot()]
+        if held_here(busy, wants, ident, ext.store, mine):
+            raise same_owner_busy(busy) from None
+        raise
+    beat = loop_heartbeat()
+    for held in granted:
+        beat.add(held, astore)
+    return granted_leases(granted, ttl, None, None, time.monotonic() - started)
+
+
+def _revoke(ext: Leases, resource: str, reason: str, deadline: float | None) -> Revoked:
+    """:meth:`Leases.revoke`: checked, sent, logged."""
+    settings = ext._check_settings()
+    deadline = settings.ttl if deadline is None else deadline
+    check_revoke(resource, reason, deadline)
+    done = ext.store.revoke(resource, reason, deadline)
+    if done.holders:
+        logger.warning(
+            "leases: revoked %s held by %s (%s); it runs out in %.1fs unless released first",
+            resource,
+            ", ".join(done.holders),
+            reason or "no reason given",
+            done.deadline,
+        )
+    else:
+        logger.info("leases: revoke %s: nobody holds it", resource)
+    return done
 
 
 class _Block:

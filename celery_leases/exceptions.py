@@ -11,6 +11,7 @@ Catch :class:`LeaseError` to handle every one of them::
     │   └── RateLimited         a rate limit admits nobody more now; .resource (the limit),
     │                           .retry_after (the exact wait)
     ├── LeaseLost               our lease expired or was taken over; .resource, .held_for
+    │   └── LeaseRevoked        leases.revoke() asked the holder to let go; .reason, .deadline
     ├── StaleFence              a fenced write was refused: a newer token was accepted;
     │                           .name, .token, .last
     └── LeaseBackendError       Redis failed or could not be reached; raised from the redis error;
@@ -29,6 +30,7 @@ __all__ = (
     "LeaseConfigError",
     "LeaseError",
     "LeaseLost",
+    "LeaseRevoked",
     "RateLimited",
     "StaleFence",
 )
@@ -178,6 +180,42 @@ class LeaseLost(LeaseError):
         return (
             f"lease on {self.resource!r} was lost after {self.held_for:.1f}s; "
             "the work may have overlapped with another holder"
+        )
+
+
+class LeaseRevoked(LeaseLost):
+    """``leases.revoke()`` asked the holder of the lease to let go.
+
+    Raised inside the holder's task body (``on_lost="interrupt"``) at the renewal that
+    learns of it, and by :meth:`Lease.check() <celery_leases.Lease.check>` from then on.
+    The lease stays held until the holder releases it (leaving the body or the ``hold``
+    block) or until the deadline, when Redis lets it run out and the next holder is
+    granted it with a new fencing token: a write fenced with this lease's token after that
+    is refused.
+
+    Attributes:
+        resource: the revoked resource.
+        held_for: seconds between the grant and the moment the holder learnt of it.
+        reason: the text the revoker gave (may be empty).
+        deadline: seconds that were left, when the holder learnt of it, until the lease
+            runs out (on the Redis clock; the holder counts it lost a little before).
+
+    .. versionadded:: 0.2
+    """
+
+    def __init__(
+        self, resource: str, held_for: float = 0.0, reason: str = "", deadline: float = 0.0
+    ) -> None:
+        super().__init__(resource, held_for)
+        self.args = (resource, held_for, reason, deadline)
+        self.reason = reason
+        self.deadline = deadline
+
+    def __str__(self) -> str:
+        why = f" ({self.reason})" if self.reason else ""
+        return (
+            f"lease on {self.resource!r} was revoked{why} after {self.held_for:.1f}s; "
+            f"unless released first, it was freed for the next holder {self.deadline:.1f}s later"
         )
 
 

@@ -23,6 +23,10 @@ behind it:
 Each object listed carries ``shown`` (see :func:`with_shown`): its texts as the CLI's tables
 show them. The page draws names from it only.
 
+``POST /api/leases/revoke`` with ``{"resource": R, "reason": T, "deadline": S}`` (reason and
+deadline optional) asks every holder of ``R`` to let go, exactly as ``celery leases revoke R``
+does (404 when nobody holds it), under the same switch and token as the release below.
+
 ``POST /api/leases/release`` with ``{"resource": R}`` frees every lease on ``R``, a live
 holder's too, exactly as ``celery leases release R --force --yes`` does (same code, same log
 line, same audit record, ``by`` naming the web view and the client's address). It is refused
@@ -91,6 +95,14 @@ class WebData(Protocol):
         """The forced release of ``release --force --yes``: one object per holder freed.
 
         ``via`` says how it was asked for; the audit record's ``by`` carries it.
+        """
+
+    def revoke(
+        self, resource: str, *, reason: str, deadline: float | None, via: str
+    ) -> dict[str, object]:
+        """The revocation of ``revoke --json`` (``holders`` empty: nobody held it).
+
+        ``via`` says how it was asked for; the log line's ``by`` carries it.
         """
 
 
@@ -351,7 +363,8 @@ def create_app(
             body = {**body, "shown": shown(body)}
         return JSONResponse(body)
 
-    async def release(request: Request) -> Response:
+    async def authorised(request: Request) -> Response | dict[str, Any]:
+        """The JSON body of a release or revocation, or the error response refusing it."""
         if not allow_release:
             return _error(403, "this view is read-only (start it with --allow-release)")
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
@@ -364,15 +377,37 @@ def create_app(
         except ValueError:
             body = None
         resource = body.get("resource") if isinstance(body, dict) else None
-        if not isinstance(resource, str) or not resource.strip():
-            return _error(400, 'the body must be {"resource": "<name>"}')
-        client = request.client.host if request.client else "unknown"
-        via = f"web view, client {client}"
-        freed = await run_in_threadpool(lambda: data.release(resource, via=via))
+        if not isinstance(body, dict) or not isinstance(resource, str) or not resource.strip():
+            return _error(400, 'the body must be {"resource": "<name>", ...}')
+        return body
+
+    def via(request: Request) -> str:
+        return f"web view, client {request.client.host if request.client else 'unknown'}"
+
+    async def release(request: Request) -> Response:
+        body = await authorised(request)
+        if isinstance(body, Response):
+            return body
+        resource, asked = body["resource"], via(request)
+        freed = await run_in_threadpool(lambda: data.release(resource, via=asked))
         if not freed:
             return _error(404, f"no lease is held on {resource!r}")
         released = [with_shown(row) for row in freed]
         return JSONResponse({"resource": resource, "released": released})
+
+    async def revoke(request: Request) -> Response:
+        body = await authorised(request)
+        if isinstance(body, Response):
+            return body
+        resource, reason, deadline = body["resource"], body.get("reason"), body.get("deadline")
+        reason = "" if reason is None else reason
+        asked = via(request)
+        done = await run_in_threadpool(
+            lambda: data.revoke(resource, reason=reason, deadline=deadline, via=asked)
+        )
+        if not done["holders"]:
+            return _error(404, f"no lease is held on {resource!r}")
+        return JSONResponse(with_shown(done))
 
     routes = [
         Route("/", guarded(index)),
@@ -386,6 +421,7 @@ def create_app(
         Route("/api/history", guarded(history)),
         Route("/api/lease", guarded(lease)),
         Route("/api/leases/release", guarded(release), methods=["POST"]),
+        Route("/api/leases/revoke", guarded(revoke), methods=["POST"]),
     ]
     return Starlette(routes=routes)
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from .. import _claims, _cleanup, _grants, _inspect
+from .. import _claims, _cleanup, _grants, _inspect, _revocation
 from .._claims import BeatClaim, BeatRun, Claimed, ClaimHolder
 from .._cleanup import CleanupReport
 from .._engine import LeaseEngine, ResourceKeys
@@ -171,6 +171,11 @@ class Operations:
         See :func:`_inspect.force_release`: a lease granted to someone else is never touched.
         """
         return self.run(_inspect.force_release(self.engine, resource, holder, event=event, by=by))
+
+    def revoke(self, resource: str, reason: str, deadline: float) -> _revocation.Revoked:
+        """Ask the holders of ``resource`` to let go within ``deadline`` seconds (see
+        :func:`_revocation.revoke`)."""
+        return self.run(_revocation.revoke(self.engine, resource, reason, deadline))
 
     def lease_record(self, resource: str) -> dict[str, Any]:
         """What is known of ``resource`` now (see :func:`_inspect.lease_record`)."""

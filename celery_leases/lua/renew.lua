@@ -6,14 +6,17 @@
 -- KEYS[1] owner registry in the group
 -- when ARGV[3] == "1" (home group): KEYS[2] owners index  KEYS[3] node's owner set
 --                                   KEYS[4] node set
--- then per lease i: its exclusive or shared key
+-- then per lease i: its exclusive or shared key, then its revocation mark (see revoke.lua)
 -- ARGV[1] owner id   ARGV[2] registry ttl in milliseconds   ARGV[3] "1" when home keys are given
 -- ARGV[4] owner liveness in milliseconds   ARGV[5] escaped node name
 -- then per lease i: mode ("x" or "s"), token, ttl in milliseconds, registry entry
 --             (a lease handed to its holder: "h <ticket> <task> <resource>", which a renewal
 --             that finds the lease held writes with its token, "x <token> <task> <resource>",
 --             so that no cleanup has to find the token from the handed tickets)
--- returns the 1-based indices of the leases that are no longer held (empty: all renewed)
+-- returns the 1-based indices of the leases that are no longer held (empty: all renewed),
+--         and for each lease still held that a revocation mark covers (its token is at most
+--         the mark's), {index, ms left until the mark's deadline, reason}: such a lease is
+--         extended to the deadline at most, so Redis lets it run out there
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -23,24 +26,42 @@ local function num(x) return string.format('%.0f', x) end
 
 local h = home and 4 or 1
 local a = 5
+-- tokens compared as decimal text, by length and then text (exact for any size)
+local function at_most(x, y)
+  return #x < #y or (#x == #y and x <= y)
+end
+
 local lost = {}
-for i = 0, #KEYS - h - 1 do
-  local key = KEYS[h + i + 1]
+for i = 0, (#KEYS - h) / 2 - 1 do
+  local key = KEYS[h + 2 * i + 1]
   local mode, token = ARGV[a + 4 * i + 1], ARGV[a + 4 * i + 2]
   local ttl = tonumber(ARGV[a + 4 * i + 3])
   local holder = token .. ' ' .. owner
   local held = false
+  -- a revocation mark "<deadline ms> <token> <reason>" covering this grant caps its expiry
+  local until_ms, reason
+  local mark = redis.call('GET', KEYS[h + 2 * i + 2])
+  if mark then
+    local d, mtoken, why = string.match(mark, '^(%d+) (%d+) ?(.*)$')
+    if d and at_most(token, mtoken) then
+      until_ms, reason = tonumber(d), why
+    end
+  end
+  local expiry = now + ttl  -- a revoked grant's ends at the deadline at the latest
+  if until_ms and until_ms < expiry then
+    expiry = until_ms
+  end
   if mode == 'x' then
     if redis.call('GET', key) == holder then
-      redis.call('PEXPIRE', key, ttl)
+      redis.call('PEXPIRE', key, until_ms and num(expiry - now) or ttl)
       held = true
     end
   else
     local score = redis.call('ZSCORE', key, holder)
     if score and tonumber(score) > now then
-      redis.call('ZADD', key, 'XX', num(now + ttl), holder)
-      if redis.call('PTTL', key) < ttl then
-        redis.call('PEXPIRE', key, ttl)
+      redis.call('ZADD', key, 'XX', num(expiry), holder)
+      if redis.call('PTTL', key) < expiry - now then
+        redis.call('PEXPIRE', key, num(expiry - now))
       end
       held = true
     elseif score then
@@ -58,6 +79,9 @@ for i = 0, #KEYS - h - 1 do
   elseif rest then
     redis.call('SREM', KEYS[1], entry)
     redis.call('SADD', KEYS[1], 'x ' .. token .. rest)
+  end
+  if held and until_ms then
+    lost[#lost + 1] = {i + 1, num(until_ms - now), reason}
   end
 end
 

@@ -24,7 +24,7 @@ import httpx
 import uvicorn
 from celery import Celery
 
-from celery_leases import LeaseLost, Leases, Shared
+from celery_leases import LeaseLost, LeaseRevoked, Leases, Shared
 from celery_leases._census import CensusData, owners_json
 from celery_leases.web import Bind, create_app
 from tests.support.polling import wait_until
@@ -241,3 +241,37 @@ def test_rate_limits_are_listed_with_what_the_cli_prints(ext: Leases, view: http
     assert row["shown"]["name"] == "api:\\n42"  # drawn escaped, as the CLI shows it
     assert (row["rate"], row["declared"], row["used"], row["left"]) == ("5/m", "3/m", 1, 4)
     assert "/api/limits" in view.get("/").text
+
+
+def test_revoke_asks_the_holder_and_answers_what_the_cli_prints(make_leases: Any) -> None:
+    ext = make_leases(app=Celery("web-revoke", set_as_current=False, broker="memory://"), ttl=1.5)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    for view in client_of(ext, allow_release=True, token=TOKEN):
+        with ext.hold("web:r") as lease:
+            body = {"resource": "web:r", "reason": "from the page", "deadline": 30}
+            assert view.post("/api/leases/revoke", json=body).status_code == 401
+            for bad in ({"resource": "web:r", "deadline": 0}, {"resource": "web:r", "reason": 5}):
+                got = view.post("/api/leases/revoke", json=bad, headers=auth)
+                assert got.status_code == 400
+                assert "revoke: " in got.json()["error"]
+            nobody = view.post("/api/leases/revoke", json={"resource": "web:none"}, headers=auth)
+            assert nobody.status_code == 404
+            done = view.post("/api/leases/revoke", json=body, headers=auth)
+            assert done.status_code == 200, done.text
+            report = done.json()
+            assert [h["token"] for h in report["holders"]] == [lease.token]
+            assert report["reason"] == "from the page"
+            assert 0 < report["deadline"] <= 30
+
+            def revoked() -> str | None:
+                try:
+                    lease.check()
+                except LeaseRevoked as exc:
+                    return exc.reason
+                return None
+
+            assert wait_until(revoked, 20, "the holder to learn of it") == "from the page"
+    # read-only: refused, whatever the token
+    for view in client_of(ext):
+        got = view.post("/api/leases/revoke", json={"resource": "web:r"}, headers=auth)
+        assert got.status_code == 403

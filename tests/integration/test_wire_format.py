@@ -119,6 +119,27 @@ def test_exclusive_grant(
     assert leases_redis.pttl(registry) > 2 * TTL_MS
 
 
+def test_revocation_mark(
+    ext: Leases, leases_redis: redis.Redis, leases_prefix: str, slot_groups: int
+) -> None:
+    """``{<prefix>:<g>}:rv:<resource>`` = ``"<deadline ms> <newest token covered> <reason>"``,
+    expiring at the deadline, in the resource's slot group (issue 31)."""
+    p, g = leases_prefix, _group(slot_groups, 8)
+    (lease,) = ext.acquire([Want(RESOURCE)], ttl=TTL_MS / 1000)
+    try:
+        before_ms = _now_ms(leases_redis)
+        ext.revoke(RESOURCE, reason="a reason, with spaces", deadline=20)
+        after_ms = _now_ms(leases_redis)
+        mark = f"{{{p}:{g}}}:rv:{ESCAPED}"
+        deadline, token, reason = leases_redis.get(mark).split(" ", 2)
+        assert before_ms + 20_000 <= int(deadline) <= after_ms + 20_000
+        assert (int(token), reason) == (lease.token, "a reason, with spaces")
+        assert 0 < leases_redis.pttl(mark) <= 20_000
+        assert 0 < leases_redis.pttl(f"{{{p}:{g}}}:x:{ESCAPED}") <= 20_000
+    finally:
+        ext.release([lease])
+
+
 def test_shared_grant(
     ext: Leases, leases_redis: redis.Redis, leases_prefix: str, slot_groups: int
 ) -> None:

@@ -14,9 +14,11 @@ from celery_leases import (
     LeaseBusy,
     LeasedTask,
     LeaseLost,
+    LeaseRevoked,
     Leases,
     Rate,
     RateLimited,
+    Revoked,
     Shared,
     StaleFence,
     current_leases,
@@ -131,3 +133,18 @@ def rate_limits() -> float:
         busy: LeaseBusy = exc
         return exc.retry_after + (busy.retry_after or 0.0)
     return leases.penalize("api:42", retry_after=30.0)
+
+
+def revocation() -> str:
+    done: Revoked = leases.revoke("report:42", reason="operator", deadline=30.0)
+    seconds: float = done.deadline
+    owners: tuple[str, ...] = done.holders
+    tokens: tuple[int, ...] = done.tokens
+    leases.revoke("report:43")  # the reason and the deadline have defaults
+    try:
+        with leases.hold("report:42") as lease:
+            lease.check()
+    except LeaseRevoked as exc:
+        lost: LeaseLost = exc
+        return f"{exc.reason} {exc.deadline} {lost.resource} {seconds} {owners} {tokens}"
+    return ""

@@ -54,6 +54,7 @@ LAYERS: dict[str, int] = {
             "_wait",
             "_renewround",
             "_limits",
+            "_revocation",
         ),
         3,
     ),

@@ -27,6 +27,7 @@ REPLIES: dict[str, type[IntEnum]] = {
     "park": _scripts.ParkReply,
     "park_gate": _scripts.ParkGateReply,
     "park_limit": _scripts.ParkReply,
+    "revoke": _scripts.RevokeReply,
 }
 DATA_ONLY = {
     "renew",

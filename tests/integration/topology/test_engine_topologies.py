@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from celery_leases import LeaseBusy, LeaseLost, Leases, Shared
+from celery_leases import LeaseBusy, LeaseLost, LeaseRevoked, Leases, Shared
 from celery_leases._connect import parse_target
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
@@ -353,3 +353,24 @@ def test_a_cluster_client_never_replays_a_script_call_itself(redis_cluster: Any)
         asyncio.run(check())
         with leases.hold("r") as lease:  # and the engine works as before
             assert lease.token > 0
+
+
+def test_revocation_in_several_slot_groups(make: Callable[..., Leases]) -> None:
+    """revoke.lua and renew.lua read the mark in the resource's own slot group: the holder of
+    leases in several groups learns of the one revoked, and only of it (issue 31)."""
+    leases = make(ttl=1.5)
+    names = resources_in_distinct_groups(leases, 3)
+    with leases.hold(names, ttl=1.5) as held:
+        done = leases.revoke(names[1], reason="topology", deadline=20)
+        assert done.tokens == (held[1].token,)
+
+        def learnt() -> str | None:
+            try:
+                held[1].check()
+            except LeaseRevoked as exc:
+                return exc.reason
+            return None
+
+        assert wait_until(learnt, 20, "the holder to learn of it") == "topology"
+        held[0].check()
+        held[2].check()

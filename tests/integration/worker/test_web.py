@@ -416,3 +416,64 @@ def test_the_owners_tab_shows_an_idle_worker_alive(
             assert any("idle)" in line for line in lines), lines
         finally:
             browser.close()
+
+
+def test_the_page_revokes_a_worker_lease_beside_the_release(
+    start_worker: Any,
+    start_view: Callable[..., View],
+    worker_app: Any,
+    send: Any,
+    ledger: Any,
+    test_leases: Any,
+    leases_redis: Any,
+) -> None:
+    """The revoke action: the holder's task gets LeaseRevoked at its next renewal (a 3 s
+    ttl: about a second) and lets go, long before the 60 s deadline given in the dialog."""
+    sync_playwright = _browser_or_skip()
+    start_worker(
+        "prefork", 1, env={"CELERY_LEASES_TTL": "3", "CELERY_LEASES_RECONCILE_INTERVAL": "0"}
+    )
+    held = send(worker_app.sleeper, "revoked", 120)
+    ledger.wait_event("started:revoked")
+    view = start_view("--allow-release", "--token", TOKEN)
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 600})
+            page.goto(view.url + "/")
+            row = page.locator('tr[data-resource="res:revoked"]')
+            row.wait_for(timeout=20_000)
+            # without a token the page asks for one and sends nothing
+            row.locator("button.revoke").click()
+            assert "token" in page.locator("#message").inner_text()
+            dialog = page.locator("#revoke")
+            assert not dialog.is_visible()
+            page.fill("#token", TOKEN)
+            # cancel first: nothing is revoked
+            row.locator("button.revoke").click()
+            dialog.wait_for(state="visible")
+            assert "res:revoked" in dialog.inner_text()
+            assert held.id in dialog.inner_text()
+            page.click("#revoke-cancel")
+            dialog.wait_for(state="hidden")
+            assert leases_redis.exists(test_leases.store.keys.revocation("res:revoked")) == 0
+            row.locator("button.revoke").click()
+            dialog.wait_for(state="visible")
+            page.fill("#revoke-reason", "from the browser")
+            page.fill("#revoke-deadline", "60")
+            page.click("#revoke-send")
+            page.locator("#message.ok").wait_for(timeout=20_000)
+            assert (
+                "revoked res:revoked: 1 holder(s) asked to let go"
+                in page.locator("#message").inner_text()
+            )
+            row.wait_for(state="detached", timeout=30_000)  # the task let go
+        finally:
+            browser.close()
+
+    wait_until(lambda: held.state == "FAILURE", 60, "the revoked task to end with LeaseRevoked")
+    assert type(held.result).__name__ == "LeaseRevoked"
+    assert held.result.reason == "from the browser"
