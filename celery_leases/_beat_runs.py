@@ -49,6 +49,7 @@ __all__ = (
     "EntryPolicy",
     "RunGate",
     "check_entries",
+    "check_kept",
     "claim_run",
     "confirm_run",
     "cron_after",
@@ -130,6 +131,28 @@ def check_entries(schedule: Mapping[str, Any], mode: str) -> None:
             msg = (
                 f"beat entry {name!r}: {CATCHUP_OPTION} applies to interval and crontab "
                 f"schedules only, not {when!r}"
+            )
+            raise LeaseConfigError(msg)
+
+
+def check_kept(configured: Mapping[str, Any], loaded: Mapping[str, Any]) -> None:
+    """Check that the scheduler kept the lease options of each configured entry.
+
+    Raises:
+        LeaseConfigError: a scheduler that keeps only options of its own
+            (django-celery-beat's fields) dropped them; the message names the entry.
+    """
+    for name, fields in configured.items():
+        options = fields.get("options") if isinstance(fields, Mapping) else None
+        wanted = {k: v for k, v in (options or {}).items() if k in OPTIONS}
+        entry = loaded.get(name)
+        if not wanted or entry is None:
+            continue
+        kept = getattr(entry, "options", None) or {}
+        if any(kept.get(k) != v for k, v in wanted.items()):
+            msg = (
+                f"beat entry {name!r}: this scheduler does not keep the options "
+                f"{sorted(wanted)} (it keeps only options of its own); they cannot apply"
             )
             raise LeaseConfigError(msg)
 

@@ -6,9 +6,16 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from celery.beat import ScheduleEntry
 from celery.schedules import BaseSchedule, crontab
 
-from celery_leases._beat_runs import EntryPolicy, check_entries, entry_policy, send_options
+from celery_leases._beat_runs import (
+    EntryPolicy,
+    check_entries,
+    check_kept,
+    entry_policy,
+    send_options,
+)
 from celery_leases.exceptions import LeaseConfigError
 
 
@@ -67,3 +74,12 @@ def test_a_catch_up_window_where_it_cannot_apply_is_refused():
 
 class _Custom(BaseSchedule):
     """A schedule of its own (neither an interval nor a crontab)."""
+
+
+def test_a_scheduler_that_drops_the_options_is_an_error():
+    configured = {"a": {"task": "t", "schedule": 5, "options": {"leases_overlap": "skip"}}}
+    kept = ScheduleEntry("a", "t", schedule=5, options={"leases_overlap": "skip"})
+    check_kept(configured, {"a": kept})
+    dropped = ScheduleEntry("a", "t", schedule=5, options={"queue": "q"})
+    with pytest.raises(LeaseConfigError, match=r"'a': this scheduler does not keep the options"):
+        check_kept(configured, {"a": dropped})
