@@ -46,12 +46,12 @@ three gaps to its next run (a weekly job's for three weeks), so it outlives the 
 lease (renewed by the heartbeat) and sends everything; the others stand by and one of them
 takes over within the lease TTL after the leader dies.
 
-**Per entry**, in the entry's ``options`` (claim mode; checked at start-up, never passed to
-Celery): ``leases_overlap`` (``"allow"``, ``"skip"``: no run is sent while the entry's
-previous run is queued or running; ``"buffer_one"``: one such run waits and is sent once the
-previous one ends) and ``leases_catchup_window`` (seconds: after every replica was down, one
-catch-up run if the latest missed due time is that recent; without it, none, and the entry
-waits for its next due time). See docs/beat.md, "Overlap and catch-up, per entry".
+**Per entry**, in the entry's ``options`` (checked at start-up, never passed to Celery):
+``leases_overlap`` (``"allow"``, ``"skip"``: no run is sent while the entry's previous run is
+queued or running; ``"buffer_one"``: one such run waits and is sent once the previous one
+ends) and ``leases_catchup_window`` (seconds: after every replica was down, one catch-up run
+if the latest missed due time is that recent; without it, none, and the entry waits for its
+next due time; claim mode only). See docs/beat.md, "Overlap and catch-up, per entry".
 
 **When the send fails after the claim**: the run is not sent by anyone (at most once per due
 run). Celery's own publish retries apply first; a send that still fails is logged at ERROR by
