@@ -194,30 +194,30 @@ def test_buffer_one_sends_the_held_back_run_when_the_previous_one_ends(
     request: pytest.FixtureRequest,
     tmp_path: Path,
 ) -> None:
-    """A 6 s task every 4 s with ``leases_overlap="buffer_one"``: no two runs overlap, and the
+    """A 7 s task every 6 s with ``leases_overlap="buffer_one"``: no two runs overlap, and the
     run held back starts soon after the previous one ends, not at the next due time (with
-    skip the gap would be about 2 s each time; the poll is 1 s)."""
+    skip, the next due time is 5 s after each end; the poll is 1 s)."""
     cluster = make_beat_cluster(
         LEASES_BEAT_ENTRIES="overlap",
         LEASES_BEAT_OVERLAP="buffer_one",
-        LEASES_BEAT_OVERLAP_EVERY="4",
-        LEASES_BEAT_RUN_FOR="6",
+        LEASES_BEAT_OVERLAP_EVERY="6",
+        LEASES_BEAT_RUN_FOR="7",
     )
     with workers(request, cluster, tmp_path / "w") as start:
         start(concurrency=2)
         cluster.start("a")
         cluster.start("b")
         cluster.wait_started()
-        wait_until(lambda: len(runs_of(cluster)) >= 3, 90, "three runs of the overlap entry")
+        wait_until(lambda: len(runs_of(cluster)) >= 2, 90, "two runs of the overlap entry")
         cluster.stop()
         runs = runs_of(cluster)
     assert overlaps(runs) == [], f"runs overlapped: {runs}"
-    assert f"leases: beat buffers {OVERLAP_ENTRY}" in logs_of(cluster)
     gaps = [(b.start - a.end) / 1000 for a, b in itertools.pairwise(runs)]
     print(f"buffer_one: {len(runs)} runs, gaps between a run's end and the next start: {gaps}")
     # each run after the first was buffered (due while the previous ran): it started within
     # the 1 s poll of the previous end, plus a generous margin for a loaded machine
     assert max(gaps) < 3.0, f"a buffered run waited for its next due time: {gaps}"
+    assert f"leases: beat buffers {OVERLAP_ENTRY}" in logs_of(cluster)
 
 
 def test_a_killed_worker_frees_the_run_marker_within_the_lease_ttl(
@@ -230,7 +230,7 @@ def test_a_killed_worker_frees_the_run_marker_within_the_lease_ttl(
     run, so it runs out within the lease TTL (3 s here) and the entry runs again on another
     worker; it never stays stuck."""
     cluster = make_beat_cluster(
-        LEASES_BEAT_ENTRIES="overlap", LEASES_BEAT_OVERLAP="skip", LEASES_BEAT_RUN_FOR="30"
+        LEASES_BEAT_ENTRIES="overlap", LEASES_BEAT_OVERLAP="skip", LEASES_BEAT_RUN_FOR="8"
     )
     assert cluster.prefix == leases_store.settings.key_prefix
 
@@ -278,7 +278,7 @@ def test_one_catch_up_run_with_the_window_none_without(
     for cluster in clusters:
         cluster.wait_started()
     for cluster in clusters:
-        wait_until(lambda c=cluster: len(c.messages()) >= 2, 60, "two runs before the outage")
+        wait_until(lambda c=cluster: c.messages(), 60, "a run before the outage")
     for cluster in clusters:
         cluster.stop()
     before = {id(c): len(c.messages()) for c in clusters}
