@@ -1,20 +1,4 @@
-"""Per-entry beat policies: the overlap marker of an entry's run, and the catch-up window.
-
-A beat entry opts in through its ``options`` (docs/beat.md, "Overlap and catch-up"):
-
-- ``leases_overlap``: ``"allow"`` (the default), ``"skip"`` or ``"buffer_one"``. With skip or
-  buffer_one, each run of the entry carries a **run marker**: a unique claim on
-  ``celery_leases:beat:run:<entry>`` that beat takes, queued, before it publishes the run
-  (``unique_ttl`` long, the claim of a unique task), that the worker takes over when the run
-  starts (a lease of the process that runs it, renewed by its heartbeat, freed by the owner
-  cleanup of a dead or restarted worker) and releases when it ends. While the marker is held
-  no other run of the entry is sent; buffer_one remembers one held-back run and sends it as
-  soon as the marker is free.
-- ``leases_catchup_window``: seconds; after every replica was down, one catch-up run when the
-  latest missed due time is at most that old, else none (beat_claim.lua decides).
-
-Both are stripped from the options before the run is published: Celery never sees them.
-"""
+"""Per-entry beat policies (docs/beat.md): the overlap policy's run marker, the catch-up."""
 
 from __future__ import annotations
 
@@ -35,7 +19,7 @@ from kombu.utils.uuid import uuid
 from ._claims import ClaimHolder
 from ._lease import Lease, Want
 from ._sync.heartbeat import heartbeat
-from ._unique import _header
+from ._unique import _REDELIVERY_SLACK, _header
 from .exceptions import LeaseBusy, LeaseConfigError, LeaseError
 
 if TYPE_CHECKING:
@@ -72,8 +56,6 @@ OPTIONS: Final = (OVERLAP_OPTION, CATCHUP_OPTION)
 RUN_HEADER: Final = "leases_beat_run"
 #: the unique key of an entry's run marker is this, then the entry's name
 _RUN_KEY_PREFIX: Final = "celery_leases:beat:run:"
-#: extra seconds a redelivered run waits, past its lease TTL, for its first delivery's marker
-_REDELIVERY_SLACK: Final = 1.0
 
 
 @dataclass(frozen=True)
