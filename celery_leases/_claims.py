@@ -113,6 +113,18 @@ class ClaimHolder:
 
 
 # --- beat ---------------------------------------------------------------------------------
+#: why beat_claim.lua did not claim a run newer than the last claimed one (see BeatClaim)
+Refusal = Literal["", "early", "future", "skipped", "missed"]
+#: the marker of a run recorded as skipped (after an outage), before the replica's name
+SKIPPED_BY: Final = "skipped:"
+_REFUSALS: Final[dict[int, Refusal]] = {
+    BeatClaimReply.EARLY: "early",
+    BeatClaimReply.FUTURE: "future",
+    BeatClaimReply.SKIPPED: "skipped",
+    BeatClaimReply.MISSED: "missed",
+}
+
+
 @dataclass(frozen=True)
 class BeatRun:
     """The last claimed run of one beat entry, as its claim key records it."""
@@ -168,17 +180,22 @@ class BeatClaim:
     """The outcome of one beat claim.
 
     ``refused`` says why a run newer than the last claimed one was not claimed: ``"early"``
-    (an interval run less than half an interval after the last claim, on the Redis clock) or
+    (an interval run less than half an interval after the last claim, on the Redis clock),
     ``"future"`` (a crontab run due further ahead of the Redis clock than the tolerance);
-    ``retry_ms`` is then the Redis time from which it may be claimed.
+    ``retry_ms`` is then the Redis time from which it may be claimed. After an outage:
+    ``"skipped"`` (the run, ``run``, was missed outside the catch-up window: recorded as
+    skipped, sent by no one; an interval's next run is due at ``retry_ms``) or ``"missed"``
+    (a crontab run whose next run is due too: claim the latest due run with ``latest``).
+    ``catch_up``: won as the one catch-up run after an outage.
     """
 
     won: bool
     run: int
     now_ms: int  # the Redis clock when the claim was judged
     winner: str  # the replica that won this run ('' if not known)
-    refused: Literal["", "early", "future"] = ""
+    refused: Refusal = ""
     retry_ms: int | None = None
+    catch_up: bool = False
 
 
 def beat_claim(
@@ -210,6 +227,9 @@ def claim_beat_run(
     replica: str,
     keep: float,
     tolerance: float = 0.0,
+    catch_up: float | Literal[""] | None = "",
+    next_due_ms: int | None = None,
+    latest: bool = False,
 ) -> Steps[BeatClaim]:
     """Claim one due run of beat entry ``entry``, judged on the Redis clock.
 
@@ -220,14 +240,23 @@ def claim_beat_run(
         keep: seconds the claim is remembered after it was made.
         tolerance: crontab: seconds a run may be due ahead of the Redis clock and still be
             claimed.
+        catch_up: after an outage (runs were due that nobody claimed), the seconds within
+            which the latest missed due time still gets one catch-up run; None: no catch-up
+            (the missed runs are skipped); ``""``: outages are not looked for.
+        next_due_ms: crontab: the due time of the run after ``due_ms`` (finds an outage).
+        latest: crontab: ``due_ms`` is the latest due run of an outage (after ``"missed"``).
     """
     kind = "every" if due_ms is None else "cron"
+    policy = catch_up if catch_up == "" else "none" if catch_up is None else engine.ms(catch_up)
     args: list[Any] = [
         "" if due_ms is None else str(due_ms),
         engine.ms(bucket or 1.0),
         engine.ms(keep),
         replica,
         str(max(0, round(tolerance * 1000))),
+        policy,
+        "" if next_due_ms is None else str(next_due_ms),
+        "latest" if latest else "",
     ]
     keys = [engine.keys.beat_claim(entry, kind)]
     try:
@@ -244,12 +273,9 @@ def claim_beat_run(
         won = own_beat_win(won, run, winner, replica, engine.beat_won.get(keys[0]))
     if won:
         engine.beat_won[keys[0]] = run
-        return BeatClaim(True, run, now, replica)
-    refused: Literal["", "early", "future"] = ""
-    if code == BeatClaimReply.EARLY:
-        refused = "early"
-    elif code == BeatClaimReply.FUTURE:
-        refused = "future"
+        catch = len(reply) > 5 and str(reply[5]) == "1"
+        return BeatClaim(True, run, now, replica, catch_up=catch)
+    refused = _REFUSALS.get(code, "")
     return BeatClaim(False, run, now, winner, refused, int(retry) if retry else None)
 
 

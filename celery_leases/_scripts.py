@@ -118,6 +118,8 @@ class BeatClaimReply(IntEnum):
     WON = 1
     EARLY = 2  #: an interval run less than half an interval after the last claimed one
     FUTURE = 3  #: a crontab run due further ahead of the Redis clock than the tolerance
+    SKIPPED = 4  #: missed in an outage, outside the catch-up window: recorded, not sent
+    MISSED = 5  #: a crontab run whose next run is due too: present the latest due run
 
 
 class CommitReceiptReply(IntEnum):

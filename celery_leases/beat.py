@@ -46,6 +46,13 @@ three gaps to its next run (a weekly job's for three weeks), so it outlives the 
 lease (renewed by the heartbeat) and sends everything; the others stand by and one of them
 takes over within the lease TTL after the leader dies.
 
+**Per entry**, in the entry's ``options`` (checked at start-up, never passed to Celery):
+``leases_overlap`` (``"allow"``, ``"skip"``: no run is sent while the entry's previous run is
+queued or running; ``"buffer_one"``: one such run waits and is sent once the previous one
+ends) and ``leases_catchup_window`` (seconds: after every replica was down, one catch-up run
+if the latest missed due time is that recent; without it, none, and the entry waits for its
+next due time; claim mode only). See docs/beat.md, "Overlap and catch-up, per entry".
+
 **When the send fails after the claim**: the run is not sent by anyone (at most once per due
 run). Celery's own publish retries apply first; a send that still fails is logged at ERROR by
 Celery, exactly as plain beat does when the broker is down, and the next due run is claimed
@@ -68,6 +75,17 @@ from celery.schedules import crontab
 from celery.schedules import schedule as interval_schedule
 from celery.utils.log import get_logger
 
+from ._beat_runs import (
+    BUFFER_POLL,
+    EntryPolicy,
+    RunGate,
+    check_entries,
+    check_kept,
+    cron_after,
+    cron_latest,
+    entry_policy,
+)
+from ._claims import SKIPPED_BY
 from ._identity import set_process_kind
 from ._lease import Lease, Want
 from .config import get_settings
@@ -137,6 +155,19 @@ def _name_beat_process(ext: Leases) -> None:
         )
 
 
+def _log_outage(entry: ScheduleEntry, run: str, caught_up: bool) -> None:
+    """Log a run of an outage (due while no replica ran): caught up, or skipped."""
+    if caught_up:
+        logger.info("leases: beat catches up %s (%s): runs were missed", entry.name, run)
+    else:
+        logger.info(
+            "leases: beat skips %s (%s): missed while no replica ran, no catch-up "
+            "(leases_catchup_window)",
+            entry.name,
+            run,
+        )
+
+
 class LeasedSchedulerMixin:
     """Put on any ``celery.beat.Scheduler`` subclass so that each due run is sent once.
 
@@ -179,14 +210,24 @@ class LeasedSchedulerMixin:
         return f"{base}\n    . {line}" if base else f". {line}"
 
     _lock_checked: bool = False
+    _gate: RunGate | None = None
+
+    def setup_schedule(self) -> None:
+        """Set up the scheduler's schedule, after checking the entries' lease options."""
+        check_entries(self.app.conf.beat_schedule or {}, self.lease_mode)
+        super().setup_schedule()  # type: ignore[misc]
+        check_kept(self.app.conf.beat_schedule or {}, self.schedule)  # type: ignore[attr-defined]
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
-        """Run the scheduler's tick (the first one also checks for redbeat's lock)."""
+        """Run the scheduler's tick (the first one also checks for redbeat's lock), then
+        send a buffered run whose previous run ended (``leases_overlap="buffer_one"``)."""
         if not self._lock_checked:
             # here, not in the banner: beat prints the banner before it sets up logging
             self._lock_checked = True
             self._warn_redbeat_lock()
         interval: float = super().tick(*args, **kwargs)  # type: ignore[misc]
+        if self._gate is not None and self._gate.poll(self.leases):
+            interval = min(interval, BUFFER_POLL)
         return interval
 
     def _warn_redbeat_lock(self) -> None:
@@ -271,8 +312,12 @@ class LeasedSchedulerMixin:
                 logger.debug("leases: %s is sent by another replica", entry.name)
                 return None
             entry = new_entry
-        return super().apply_async(  # type: ignore[misc]
-            entry, producer=producer, advance=False, **kwargs
+        if self._gate is None:
+            self._gate = RunGate()
+        base = super().apply_async  # type: ignore[misc]
+        # the entry's lease options are checked and stripped, its overlap policy applied
+        return self._gate.send(
+            self.leases, entry, lambda e: base(e, producer=producer, advance=False, **kwargs)
         )
 
     _pending: tuple[ScheduleEntry, bool] | None = None
@@ -323,14 +368,11 @@ class LeasedSchedulerMixin:
             last, delta, _ = schedule.remaining_delta(entry.last_run_at or self._local_now(entry))
             due: datetime = last + delta
             local_before = self._local_now(entry)
-            claim = self.leases.store.claim_beat_run(
-                name,
-                due_ms=round(due.timestamp() * 1000),
-                bucket=None,
-                replica=self.replica,
-                keep=self._cron_keep(schedule, due),
-                tolerance=self._tolerance(),
-            )
+            after = cron_after(schedule, due)
+            claim = self._claim_cron(entry, name, due, after, latest=False)
+            if claim.refused == "missed":  # an outage: present the latest due run instead
+                due = cron_latest(schedule, due, claim.now_ms)
+                claim = self._claim_cron(entry, name, due, None, latest=True)
             offset = self._clock_offset(entry, claim, local_before)
             if claim.refused == "future":
                 assert claim.retry_ms is not None
@@ -342,7 +384,10 @@ class LeasedSchedulerMixin:
                     ahead,
                 )
                 return _Decision(False, hold_until=claim.retry_ms / 1000 - offset)
-            self._log_claim(entry, claim.won, claim.winner, due.isoformat())
+            if claim.refused == "skipped" or claim.catch_up:
+                _log_outage(entry, due.isoformat(), claim.catch_up)
+            if claim.refused != "skipped":
+                self._log_claim(entry, claim.won, claim.winner, due.isoformat())
             # name the next run from the Redis clock, never from this replica's: a clock
             # that jumps ahead must not make the next run presented one far in the future
             redis_now = datetime.fromtimestamp(claim.now_ms / 1000, tz=due.tzinfo)
@@ -359,8 +404,14 @@ class LeasedSchedulerMixin:
                 bucket=every,
                 replica=self.replica,
                 keep=max(self._keep(), 3 * every),
+                catch_up=self._policy(entry).catchup_window,
             )
             offset = self._clock_offset(entry, claim, local_before)
+            if claim.refused == "skipped":  # missed in an outage: the next run is at retry
+                assert claim.retry_ms is not None
+                _log_outage(entry, f"bucket {claim.run}", claim.catch_up)
+                next_due = claim.retry_ms / 1000 + _RETRY_MARGIN - offset
+                return _Decision(False, self._local_datetime(next_due - every, local_before))
             if claim.refused == "early":
                 # the last run was claimed less than half an interval ago (on the Redis
                 # clock): look again when this bucket's run may be claimed
@@ -374,10 +425,34 @@ class LeasedSchedulerMixin:
                 )
                 next_due = claim.retry_ms / 1000 + _RETRY_MARGIN - offset
                 return _Decision(False, self._local_datetime(next_due - every, local_before))
+            if claim.catch_up:
+                _log_outage(entry, f"bucket {claim.run}", True)
             self._log_claim(entry, claim.won, claim.winner, f"bucket {claim.run}")
             next_due = (claim.run + 1.5) * every - offset
             return _Decision(claim.won, self._local_datetime(next_due - every, local_before))
         return _Decision(self._is_leader())
+
+    def _claim_cron(
+        self, entry: ScheduleEntry, name: str, due: datetime, after: datetime | None, latest: bool
+    ) -> BeatClaim:
+        """Claim crontab run ``due`` (``after``: the run after it; ``latest``: after an outage,
+        the latest due run)."""
+        schedule = entry.schedule
+        assert isinstance(schedule, crontab)
+        return self.leases.store.claim_beat_run(
+            name,
+            due_ms=round(due.timestamp() * 1000),
+            bucket=None,
+            replica=self.replica,
+            keep=self._cron_keep(schedule, due),
+            tolerance=self._tolerance(),
+            catch_up=self._policy(entry).catchup_window,
+            next_due_ms=None if after is None else round(after.timestamp() * 1000),
+            latest=latest,
+        )
+
+    def _policy(self, entry: ScheduleEntry) -> EntryPolicy:
+        return entry_policy(str(entry.name or entry.task), entry.options)
 
     # --- clocks ---------------------------------------------------------------------------
     def _tolerance(self) -> float:
@@ -460,6 +535,8 @@ class LeasedSchedulerMixin:
     def _log_claim(self, entry: ScheduleEntry, won: bool, winner: str, run: str) -> None:
         if won:
             logger.info("leases: beat claimed %s (%s)", entry.name, run)
+        elif winner.startswith(SKIPPED_BY):
+            logger.info("leases: beat skips %s (%s): skipped after an outage", entry.name, run)
         elif winner:
             logger.info("leases: beat skips %s (%s): sent by %s", entry.name, run, winner)
         else:  # older than the last claimed run: who sent this one is no longer recorded

@@ -25,6 +25,7 @@ from celery.exceptions import WorkerShutdown, WorkerTerminate
 from celery.utils.log import get_logger
 from celery.worker import state as worker_state
 
+from ._beat_runs import install as install_beat_runs
 from ._cleanup import CleanupReport
 from ._guard import GuardStep
 from ._guard import on_task_postrun as guard_task_postrun
@@ -552,3 +553,4 @@ def install(ext: Leases) -> None:
             getattr(signals, name).connect(
                 handler, weak=False, dispatch_uid=f"celery_leases.{name}"
             )
+        install_beat_runs()  # the run markers of beat entries with an overlap policy

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from .. import _claims, _cleanup, _grants, _inspect, _revocation
 from .._claims import BeatClaim, BeatRun, Claimed, ClaimHolder
@@ -281,6 +281,9 @@ class Operations:
         replica: str,
         keep: float,
         tolerance: float = 0.0,
+        catch_up: float | Literal[""] | None = "",
+        next_due_ms: int | None = None,
+        latest: bool = False,
     ) -> BeatClaim:
         """Claim one due run of beat entry ``entry``, judged on the Redis clock (see
         :func:`_claims.claim_beat_run`)."""
@@ -293,6 +296,9 @@ class Operations:
                 replica=replica,
                 keep=keep,
                 tolerance=tolerance,
+                catch_up=catch_up,
+                next_due_ms=next_due_ms,
+                latest=latest,
             )
         )
 

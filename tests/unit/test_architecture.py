@@ -82,6 +82,7 @@ LAYERS: dict[str, int] = {
             "_templates",
             "worker",
             "beat",
+            "_beat_runs",
             "once",
             "cli",
             "_cli_base",

@@ -246,3 +246,41 @@ def test_a_handover_in_the_restart_grace_names_the_grace(store: LeaseStore):
     steps = _claims.unique_handover(store.engine, "job:k", "task-1", WORKER, 10)
     holder, _ = drive(steps, replies([[UniqueHandoverReply.GRACE, 2500]]))
     assert holder == ClaimHolder("job:k", "grace", None, 0, None, 2.5)
+
+
+def test_a_beat_claim_after_an_outage_says_skipped_missed_or_catch_up():
+    engine = _engine()
+    skipped = [BeatClaimReply.SKIPPED, 41, 83_000, "", "83000"]
+    claim, made = drive(
+        _claims.claim_beat_run(
+            engine, "tick", due_ms=None, bucket=2.0, replica="a", keep=60, catch_up=None
+        ),
+        replies([skipped]),
+    )
+    assert (claim.won, claim.refused, claim.run, claim.retry_ms) == (False, "skipped", 41, 83000)
+    assert made[0].calls[0].args[5] == "none"  # no window: a missed run is skipped
+    missed = [BeatClaimReply.MISSED, DUE_MS, DUE_MS + 90_000, "", ""]
+    claim, made = drive(
+        _claims.claim_beat_run(
+            engine,
+            "nightly",
+            due_ms=DUE_MS,
+            bucket=None,
+            replica="a",
+            keep=60,
+            catch_up=30.0,
+            next_due_ms=DUE_MS + 60_000,
+        ),
+        replies([missed]),
+    )
+    assert (claim.won, claim.refused) == (False, "missed")
+    assert made[0].calls[0].args[5:] == [30_000, str(DUE_MS + 60_000), ""]
+    won = [BeatClaimReply.WON, DUE_MS, DUE_MS + 5, "a", "", "1"]
+    claim, made = drive(
+        _claims.claim_beat_run(
+            engine, "nightly", due_ms=DUE_MS, bucket=None, replica="a", keep=60, latest=True
+        ),
+        replies([won]),
+    )
+    assert (claim.won, claim.catch_up) == (True, True)
+    assert made[0].calls[0].args[5:] == ["", "", "latest"]  # catch_up "": not looked for

@@ -6,9 +6,14 @@ Configured from the environment: ``LEASES_BEAT_BROKER`` (the test Redis), ``LEAS
 ``LEASES_BEAT_ENTRIES`` (``every``, ``cron`` or both, comma-separated), plus every
 ``CELERY_LEASES_*`` setting (key prefix, TTL, beat mode). For redbeat's scheduler,
 ``LEASES_BEAT_REDBEAT_PREFIX`` (its key prefix, on the broker Redis) and
-``LEASES_BEAT_REDBEAT_LOCK`` (``on`` keeps redbeat's lock, off by default).
+``LEASES_BEAT_REDBEAT_LOCK`` (``on`` keeps redbeat's lock, off by default). The entries of
+the policy tests: ``catchup`` (every ``LEASES_BEAT_CATCHUP_EVERY`` seconds, default 10, with
+``leases_catchup_window`` from ``LEASES_BEAT_WINDOW`` when it is set) and ``overlap`` (a run
+of ``LEASES_BEAT_RUN_FOR`` seconds, default 3, every ``LEASES_BEAT_OVERLAP_EVERY`` seconds,
+default 1, with ``leases_overlap`` from ``LEASES_BEAT_OVERLAP``, default ``skip``).
 
-No worker consumes the queue: a test counts the messages in the Redis list named after it.
+No worker consumes the queue (but in the overlap tests): a test counts the messages in the
+Redis list named after it.
 Each message is stamped, in the sending beat process just before it is published, with the
 replica that sent it, the send time on the Redis clock and the entry's claim as Redis holds it
 at that moment (``x_replica``, ``x_pid``, ``x_sent_ms``, ``x_claim`` headers).
@@ -17,6 +22,7 @@ at that moment (``x_replica``, ``x_pid``, ``x_sent_ms``, ``x_claim`` headers).
 from __future__ import annotations
 
 import os
+import time
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -40,8 +46,22 @@ EVERY_ENTRY = "every-1s"
 CRON_ENTRY = "cron-every-minute"
 EVERY_TASK = "beat_app.every"
 CRON_TASK = "beat_app.cron"
+CATCHUP_ENTRY = "catchup"
+CATCHUP_TASK = "beat_app.catchup"
+CATCHUP_EVERY = float(os.environ.get("LEASES_BEAT_CATCHUP_EVERY", "10"))
+OVERLAP_ENTRY = "overlap"
+OVERLAP_TASK = "beat_app.slow"
+OVERLAP_EVERY = float(os.environ.get("LEASES_BEAT_OVERLAP_EVERY", "1"))
+RUN_FOR = float(os.environ.get("LEASES_BEAT_RUN_FOR", "3"))
+#: the Redis list where each run of ``slow`` records "<start ms> <end ms> <task id>"
+RUNS_KEY = f"{QUEUE}:runs"
 #: task name -> (beat entry, kind of its claim key)
-ENTRY_OF = {EVERY_TASK: (EVERY_ENTRY, "every"), CRON_TASK: (CRON_ENTRY, "cron")}
+ENTRY_OF = {
+    EVERY_TASK: (EVERY_ENTRY, "every"),
+    CRON_TASK: (CRON_ENTRY, "cron"),
+    CATCHUP_TASK: (CATCHUP_ENTRY, "every"),
+    OVERLAP_TASK: (OVERLAP_ENTRY, "every"),
+}
 
 app = Celery("beat_app", broker=BROKER)
 app.conf.update(
@@ -55,6 +75,19 @@ if "every" in ENTRIES:
     _schedule[EVERY_ENTRY] = {"task": EVERY_TASK, "schedule": timedelta(seconds=INTERVAL)}
 if "cron" in ENTRIES:
     _schedule[CRON_ENTRY] = {"task": CRON_TASK, "schedule": crontab()}
+if "catchup" in ENTRIES:
+    _window = os.environ.get("LEASES_BEAT_WINDOW")
+    _schedule[CATCHUP_ENTRY] = {
+        "task": CATCHUP_TASK,
+        "schedule": timedelta(seconds=CATCHUP_EVERY),
+        "options": {} if _window is None else {"leases_catchup_window": float(_window)},
+    }
+if "overlap" in ENTRIES:
+    _schedule[OVERLAP_ENTRY] = {
+        "task": OVERLAP_TASK,
+        "schedule": timedelta(seconds=OVERLAP_EVERY),
+        "options": {"leases_overlap": os.environ.get("LEASES_BEAT_OVERLAP", "skip")},
+    }
 app.conf.beat_schedule = _schedule
 if "LEASES_BEAT_REDBEAT_PREFIX" in os.environ:  # the redbeat replicas (see ``composed``)
     app.conf.update(
@@ -74,6 +107,23 @@ def every() -> None:
 @app.task(name=CRON_TASK)
 def cron() -> None:
     """Never runs: no worker consumes the test queue."""
+
+
+@app.task(name=CATCHUP_TASK)
+def catchup() -> None:
+    """Never runs: no worker consumes the test queue."""
+
+
+@app.task(name=OVERLAP_TASK)
+def slow() -> None:
+    """Run ``RUN_FOR`` seconds; record the start and end on the Redis clock."""
+    client = redis.Redis.from_url(BROKER, decode_responses=True)
+    seconds, micros = client.time()
+    start = seconds * 1000 + micros // 1000
+    time.sleep(RUN_FOR)
+    seconds, micros = client.time()
+    client.rpush(RUNS_KEY, f"{start} {seconds * 1000 + micros // 1000} {slow.request.id}")
+    client.close()
 
 
 _stamp_client: redis.Redis | None = None
