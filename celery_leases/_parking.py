@@ -8,6 +8,7 @@ the task again, with its id and arguments. See docs/parking.md for the guarantee
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -34,12 +35,14 @@ __all__ = (
     "ended_parked",
     "parked_observers",
     "admit",
+    "ahand_on_released",
     "defer",
     "hand_on",
     "hand_on_released",
     "list_parked",
     "parked_counts",
     "parking_used",
+    "parks",
     "pump",
     "unpark",
 )
@@ -279,6 +282,21 @@ def hand_on_released(ext: Leases, resources: Iterable[str]) -> int:
         want = Want(resource, "x" if mode == "x" else "s", int(limit))
         count += hand_on(ext, [want])
     return count
+
+
+async def ahand_on_released(ext: Leases, resources: Iterable[str]) -> int:
+    """:func:`hand_on_released` for asyncio (``Leases.arelease``, ``ahold()``): the same
+    hand-ons, run in a worker thread, as the publish goes through the app's (blocking)
+    producer. A cancelled caller does not stop them: the thread runs them to the end."""
+    return await asyncio.to_thread(hand_on_released, ext, list(resources))
+
+
+def parks(ext: Leases) -> bool:
+    """True if ``ext``'s releases hand on (:func:`parking_used`, looked up once per Leases)."""
+    known = ext._parking
+    if known is None:
+        known = ext._parking = parking_used(ext.app)
+    return known
 
 
 def parking_used(app: Any) -> bool:

@@ -6,9 +6,13 @@ order a race would, and checks that nothing is lost and nothing runs twice.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
+import redis
+from celery import Celery, uuid
+from kombu.utils.json import dumps, loads
 
 from celery_leases import LeaseBusy, Leases
 from celery_leases._identity import Identity
@@ -209,3 +213,52 @@ def test_a_retry_of_a_task_that_ran_from_a_hand_on_is_not_dropped(leases: Leases
     assert gate(leases, "t1", X) == ParkGateReply.CONSUMED  # a copy of that message
     # the body called self.retry(): the same id, one retry more, a new message
     assert gate(leases, "t1", X, retries=1) == ParkGateReply.NOT_PARKED
+
+
+def park_real(ext: Leases, app: Celery, resource: str, n: int) -> str:
+    """Park a real ``park_app.excl`` message on ``resource`` (as defer() does): its task id."""
+    sig = app.tasks["park_app.excl"].s(resource.split(":", 1)[1], n).set(task_id=uuid())
+    want = Want(resource, "x", 0)
+    keys = ext.store.keys
+    state, msgs, done, due = _group_keys(ext, keys.group_of(resource))
+    message = dumps({"resource": resource, "task": "park_app.excl", "sig": dict(sig)})
+    lease_keys = [keys.exclusive(resource), keys.shared(resource), keys.parked(resource)]
+    args = [escape(sig.id), "x", 0, message, f"x 0 {resource}", DONE_KEEP_MS, "0"]
+    reply = _call(
+        ext, PARK, [*lease_keys, state, msgs, done, due], [*args, tombstone(sig.id, 0)], "park"
+    )
+    assert ParkReply(int(reply[0])) == ParkReply.PARKED, want
+    return str(sig.id)
+
+
+def published_ids(client: redis.Redis, queue: str) -> list[str]:
+    return [loads(raw)["headers"]["id"] for raw in client.lrange(queue, 0, -1)]
+
+
+def test_arelease_hands_on_as_release_does(producer: Celery, queue: str) -> None:
+    # no worker, so no pump: only the release can hand on here
+    ext: Leases = producer.leases  # type: ignore[attr-defined]
+    client = redis.Redis.from_url(producer.conf.broker_url)
+    try:
+        with ext.hold("excl:S"):
+            sync_id = park_real(ext, producer, "excl:S", 1)
+        [entry] = list_parked(ext, "excl:S")
+        assert entry["state"] == "handed on"
+        assert published_ids(client, queue) == [sync_id]
+
+        async def held() -> str:
+            async with ext.ahold("excl:A"):
+                task_id = park_real(ext, producer, "excl:A", 2)
+            await ext.aclose()
+            return task_id
+
+        async_id = asyncio.run(held())
+        [entry] = list_parked(ext, "excl:A")
+        assert entry["task_id"] == async_id
+        assert entry["state"] == "handed on"
+        assert published_ids(client, queue) == [async_id, sync_id]
+        # and the reservation is that task's: anybody else finds excl:A busy
+        with pytest.raises(LeaseBusy):
+            ext.acquire([Want("excl:A", "x", 0)])
+    finally:
+        client.close()
