@@ -76,6 +76,9 @@ POLICIES: Final[Mapping[str, str]] = {
     "the hand-on, and the redelivered copy runs (a redelivered copy passes a consumed gate)",
     "handon": "not sent again: a hand-on that ran is a reservation nobody publishes for; it "
     "runs out (handon_timeout) and the task goes back to its queue, handed on again later",
+    "handon_takeover": "not sent again: a takeover that ran took the dead owner's hand-ons "
+    "out of its registry, and their messages are lost with the reply; each reservation runs "
+    "out (handon_timeout) and its task goes back to its queue, handed on again later",
     "unpark": "idempotent: the operator runs it again (a second run finds nothing parked)",
     "fenced_write": "idempotent: the caller's client retries; a replay writes the same value "
     "with the same token again, or is refused because a newer token wrote since, and either "

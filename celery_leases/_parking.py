@@ -21,12 +21,15 @@ from kombu.utils.json import dumps, loads
 from redis.exceptions import RedisError
 
 from . import _scripts
+from ._grants import Busy, acquire_group
 from ._keys import escape, unescape
 from ._lease import Want
+from ._registry import PARKED_OWNER
 from ._scripts import ParkGateReply, ParkReply
 from .exceptions import LeaseBackendError, LeaseBusy
 
 if TYPE_CHECKING:
+    from ._cleanup import CleanupReport
     from .app import Leases
 
 __all__ = (
@@ -43,6 +46,7 @@ __all__ = (
     "parked_counts",
     "parking_used",
     "parks",
+    "publish_taken_over",
     "pump",
     "unpark",
 )
@@ -53,7 +57,7 @@ logger = get_logger(__name__)
 #: redelivery guard tells copies apart by it)
 PARKED_HEADER: Final = "lease_parked"
 #: the owner of a hand-on's reservation is this prefix and the escaped task id (acquire.lua)
-PLACEHOLDER: Final = "%parked/"
+PLACEHOLDER: Final = PARKED_OWNER
 #: milliseconds a consumed hand-on's tombstone is kept: a later copy of the task is dropped
 DONE_KEEP_MS: Final = 7 * 24 * 3600 * 1000
 #: at most this many hand-ons of one resource in one call (a Shared lease with room for many)
@@ -309,20 +313,50 @@ def parking_used(app: Any) -> bool:
     return any(getattr(t, "on_busy", None) == "defer" for t in list(app.tasks.values()))
 
 
+def _registered(ext: Leases) -> str:
+    """The owner id of this process, registered under its node (and in the owners index) so
+    that a cleanup of it reads the registry where its hand-ons are recorded. A process that
+    holds no lease (a worker's main process running the pump) was never registered, or was
+    forgotten by a reconcile once its liveness ran out: then the owner's home call first, as
+    a grant outside the home group does (see _claims.py)."""
+    store = ext.store
+    engine = store.engine
+    ident = ext.identity()
+    if not engine.liveness_covers(ident.owner, 0.0):
+        home = store.run(acquire_group(engine, 0, [], ident, ext.settings.ttl, True))
+        if isinstance(home, Busy):  # restart grace: Redis restarted; hand on unrecorded
+            logger.debug("leases: could not register %s before a hand-on", ident.owner)
+    return ident.owner
+
+
 def _hand_on_one(ext: Leases, resource: str, mode: str, limit: int) -> bool:
     keys = ext.store.keys
-    _, msgs, _, due = _group_keys(ext, keys.group_of(resource))
-    state = keys.park_state(keys.group_of(resource))
+    group = keys.group_of(resource)
+    _, msgs, _, due = _group_keys(ext, group)
+    state = keys.park_state(group)
+    settings = ext.settings
+    registry = ext.store.engine.registry_key(_registered(ext), group)
     reply = _call(
         ext,
         _scripts.HANDON,
-        [keys.exclusive(resource), keys.shared(resource), keys.parked(resource), state, msgs, due],
+        [
+            keys.exclusive(resource),
+            keys.shared(resource),
+            keys.parked(resource),
+            state,
+            msgs,
+            due,
+            registry,
+        ],
         [
             mode,
             limit,
-            _ms(ext.settings.handon_timeout),
+            _ms(settings.handon_timeout),
             f"{mode} {limit} {resource}",
             PLACEHOLDER,
+            # the record outlives the reservation by a ttl: a cleanup of this process when
+            # it dies comes within that (its reaper, its restart, a reconcile)
+            _ms(settings.handon_timeout + settings.ttl),
         ],
         "hand on a parked task",
     )
@@ -330,20 +364,41 @@ def _hand_on_one(ext: Leases, resource: str, mode: str, limit: int) -> bool:
         return False
     task_id = unescape(_text(reply[1]))
     raw = _text(reply[2])
-    if not raw:
+    if raw:
+        _die_here_for_a_test()
+        if _publish(ext, task_id, raw):
+            logger.info("leases: handed %s on to %s", resource, task_id)
+    else:
         logger.warning("leases: parked task %s has no message; left to its redelivery", task_id)
-        return True
-    _die_here_for_a_test()
+    try:  # published (or given up): a cleanup of this process has nothing to take over
+        ext.store.client.srem(registry, _text(reply[3]))
+    except RedisError as exc:
+        logger.error("leases: could not remove the record of a hand-on: %s", exc)
+    return True
+
+
+def _publish(ext: Leases, task_id: str, raw: str) -> bool:
+    """Publish a parked task's message again; False (logged) if that failed: its reservation
+    then runs out unclaimed, the task goes back to its FIFO and is handed on again in its
+    turn."""
     try:
         record = loads(raw)
         ext.app.signature(record["sig"]).apply_async()
     except Exception:
-        # the reservation runs out unclaimed: the task goes back to the FIFO, and is handed on
-        # (published) again in its turn
         logger.exception("leases: could not publish parked task %s", task_id)
-        return True
-    logger.info("leases: handed %s on to %s[%s]", resource, record.get("task"), task_id)
+        return False
     return True
+
+
+def publish_taken_over(ext: Leases, report: CleanupReport) -> int:
+    """Publish the hand-ons a cleanup took over from dead owners (``report.handons``);
+    returns how many were published. Never raises."""
+    count = 0
+    for owner, task_id, raw in report.handons:
+        if _publish(ext, task_id, raw):
+            logger.info("leases: took over the hand-on to %s of dead owner %s", task_id, owner)
+            count += 1
+    return count
 
 
 #: environment variable of the fault tests: the path of a file; the first hand-on that finds

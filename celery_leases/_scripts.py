@@ -208,6 +208,7 @@ PARK: Final = _with("park", "_parking")
 HANDON: Final = _with("handon", "_parking")
 PARK_GATE: Final = _with("park_gate", "_parking")
 UNPARK: Final = _with("unpark", "_parking")
+HANDON_TAKEOVER: Final = _read("handon_takeover")
 
 ALL: Final[dict[str, str]] = {
     "acquire": ACQUIRE,
@@ -231,6 +232,7 @@ ALL: Final[dict[str, str]] = {
     "handon": HANDON,
     "park_gate": PARK_GATE,
     "unpark": UNPARK,
+    "handon_takeover": HANDON_TAKEOVER,
 }
 
 #: the Redis clock, read on the node serving KEYS[1] (a cluster pipeline cannot send TIME,

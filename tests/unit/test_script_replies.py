@@ -35,6 +35,7 @@ DATA_ONLY = {
     "limit_penalize",
     "handon",
     "unpark",
+    "handon_takeover",
 }
 
 

@@ -14,7 +14,7 @@ import redis
 from celery import Celery, uuid
 from kombu.utils.json import dumps, loads
 
-from celery_leases import LeaseBusy, Leases
+from celery_leases import LeaseBusy, Leases, _parking
 from celery_leases._identity import Identity
 from celery_leases._keys import escape
 from celery_leases._lease import Want
@@ -81,6 +81,7 @@ def hand_on(ext: Leases, want: Want) -> str | None:
             state,
             msgs,
             due,
+            ext.store.engine.registry_key(ext.identity().owner, keys.group_of(want.resource)),
         ],
         [
             want.mode,
@@ -88,6 +89,7 @@ def hand_on(ext: Leases, want: Want) -> str | None:
             HANDON_MS,
             f"{want.mode} {want.limit} {want.resource}",
             PLACEHOLDER,
+            60_000,
         ],
         "hand on",
     )
@@ -260,5 +262,68 @@ def test_arelease_hands_on_as_release_does(producer: Celery, queue: str) -> None
         # and the reservation is that task's: anybody else finds excl:A busy
         with pytest.raises(LeaseBusy):
             ext.acquire([Want("excl:A", "x", 0)])
+    finally:
+        client.close()
+
+
+class Killed(BaseException):
+    """Stands in for a kill -9 between a hand-on and its publish: nothing after it runs."""
+
+
+def handon_entries(client: redis.Redis, ext: Leases, resource: str) -> list[bytes]:
+    owner = ext.identity().owner
+    registry = ext.store.engine.registry_key(owner, ext.store.keys.group_of(resource))
+    return [m for m in client.smembers(registry) if m.startswith(b"p ")]
+
+
+def test_a_dead_releasers_hand_on_is_taken_over_by_a_cleanup(
+    producer: Celery, queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ext: Leases = producer.leases  # type: ignore[attr-defined]
+    store = ext.store
+    me = ext.identity()
+    client = redis.Redis.from_url(producer.conf.broker_url)
+    try:
+        # a releaser that publishes leaves no record behind
+        with ext.hold("excl:P"):
+            park_real(ext, producer, "excl:P", 0)
+        assert handon_entries(client, ext, "excl:P") == []
+        client.delete(queue)
+
+        # this process holds nothing and is not registered (as a worker's main process running
+        # the pump, once a reconcile forgot it when its liveness ran out)
+        held = store.acquire([Want("excl:T", "x", 0)], other(ext, "holder"), 30.0)
+        task_id = park_real(ext, producer, "excl:T", 1)
+        store.cleanup_owner(me.owner, dead=True)
+        store.engine.registered.pop(me.owner, None)
+        assert me.owner not in store.node_owners(me.node)
+        store.release(held)  # freed without a hand-on (a holder that died, a cleanup)
+
+        def die() -> None:
+            raise Killed
+
+        monkeypatch.setattr(_parking, "_die_here_for_a_test", die)
+        with pytest.raises(Killed):
+            _parking.hand_on_released(ext, ["excl:T"])
+        # handed on, not published; recorded where a cleanup of this process looks
+        [entry] = list_parked(ext, "excl:T")
+        assert entry["state"] == "handed on"
+        assert published_ids(client, queue) == []
+        # its wire format: "p <Redis us> <escaped task id> <mode> <limit> <resource>"
+        [record] = handon_entries(client, ext, "excl:T")
+        mark, stamp, task, rest = record.decode().split(" ", 3)
+        assert (mark, task, rest) == ("p", escape(task_id), "x 0 excl:T")
+        assert abs(int(stamp) / 1e6 - store.redis_time()) < 60
+        assert me.owner in store.node_owners(me.node)
+
+        # the cleanup of its node (a restart) takes the hand-on over: published now, once
+        report = store.cleanup_node(me.node)
+        assert [(o, t) for o, t, _ in report.handons] == [(me.owner, task_id)]
+        assert handon_entries(client, ext, "excl:T") == []
+        assert _parking.publish_taken_over(ext, report) == 1
+        assert published_ids(client, queue) == [task_id]
+        assert store.cleanup_owner(me.owner, dead=True).handons == []
+        # the copy finds its hand-on (its reservation stands) and runs
+        assert gate(ext, task_id, Want("excl:T", "x", 0)) == ParkGateReply.HANDED
     finally:
         client.close()

@@ -240,3 +240,54 @@ def test_hazard6_a_parked_unique_task_keeps_its_claim(
         lambda: len([e for e in events(client, leases_prefix) if e[0] == "e"]) == 2, 30, "3 ran"
     )
     client.close()
+
+
+def test_a_releaser_killed_before_its_publish_is_taken_over_by_its_cleanup(
+    producer: Celery,
+    leases_prefix: str,
+    queue: str,
+    start_worker: Callable[..., WorkerProc],
+    tmp_path: Path,
+):
+    # the releaser (the pool process that ran task 0) is killed between its hand-on to task 1
+    # and the publish; its worker's reaper cleans its owner and publishes task 1 at once. The
+    # hand-on's reservation lasts 300 s: running out is not what saves the task here
+    ext: Leases = producer.leases  # type: ignore[attr-defined]
+    trap = tmp_path / "die-before-publish"
+    trap.write_text("1")
+    env = {
+        "CELERY_LEASES_TEST_DIE_BEFORE_PUBLISH": str(trap),
+        "CELERY_LEASES_HANDON_TIMEOUT": "300",
+        "PAPP_SLOW": "2",
+    }
+    worker = start_worker(concurrency=2, env=env)
+    client = redis.Redis.from_url(producer.conf.broker_url)
+    excl = producer.tasks["park_app.excl"]
+
+    def started(n: int) -> list[tuple[str, str, int, str, int, int]]:
+        return [e for e in events(client, leases_prefix) if e[0] == "s" and e[2] == n]
+
+    try:
+        excl.delay("R", 0)
+        wait_until(lambda: started(0), 60, "task 0 started")
+        second = excl.delay("R", 1)
+        wait_until(lambda: list_parked(ext, "excl:R"), 60, "task 1 parked")
+        wait_until(lambda: not trap.exists(), 60, "the releaser of excl:R killed")
+        wait_until(lambda: started(1), 120, "task 1 started")
+        (end0,) = [e for e in events(client, leases_prefix) if e[0] == "e" and e[2] == 0]
+        (start1,) = started(1)
+        delay = (start1[5] - end0[5]) / 1e6
+        print(f"task 1 started {delay:.2f} s after task 0's body ended (handon_timeout 300 s)")
+        assert delay < 60
+        assert start1[3] == second.id
+        assert start1[4] == 1  # the published copy of its parked delivery
+        # nothing left to run it again: nothing parked, no copy queued, and it ran once
+        wait_until(lambda: [e for e in events(client, leases_prefix) if e[:3] == ("e", "R", 1)],
+                   60, "task 1 done")  # fmt: skip
+        wait_until(lambda: not list_parked(ext) and not client.llen(queue), 60, "nothing left")
+        assert len(started(1)) == 1
+        log = worker.log()
+        assert "killed between a hand-on and its publish" in log
+        assert f"took over the hand-on to {second.id}" in log
+    finally:
+        client.close()
