@@ -102,13 +102,18 @@ def _ms(seconds: float) -> int:
 
 
 # --- the task's side ------------------------------------------------------------------------
-def admit(ext: Leases, task: Any, wants: Sequence[Want]) -> bool:
-    """Before a deferring task takes its leases: True if this delivery consumed its hand-on
-    (the lease is reserved for it). Raises ``Ignore`` for a delivery that must not run: a
-    copy of a task that is parked, or whose hand-on another copy consumed (a redelivery of a
-    copy that started is let through: the redelivery guard's business)."""
+def admit(ext: Leases, task: Any, wants: Sequence[Want]) -> tuple[bool, LeaseBusy | None]:
+    """Before a deferring task takes its leases: ``(consumed, behind)``. ``consumed``: True if
+    this delivery consumed its hand-on (the lease is reserved for it). ``behind``: for a
+    delivery of a task that is not parked, a ``LeaseBusy`` of a resource on which others are
+    parked (not yet handed on): it parks behind them without trying the lease, so it cannot
+    take a place freed by a release before that release's hand-on. Raises ``Ignore`` for a
+    delivery that must not run: a copy of a task that is parked, or whose hand-on another
+    copy consumed (a redelivery of a copy that started is let through: the redelivery guard's
+    business)."""
     request = task.request
     task_id = escape(request.id)
+    behind: LeaseBusy | None = None
     seen: set[int] = set()
     for want in wants:
         group = ext.store.keys.group_of(want.resource)
@@ -129,7 +134,10 @@ def admit(ext: Leases, task: Any, wants: Sequence[Want]) -> bool:
         reply = ParkGateReply(int(raw))
         if reply == ParkGateReply.HANDED:
             logger.info("leases: %s[%s] handed on: runs", task.name, request.id)
-            return True
+            return True, None
+        if reply == ParkGateReply.BEHIND:
+            behind = behind or LeaseBusy(want.resource)
+            continue
         if reply == ParkGateReply.PARKED:
             logger.info("leases: %s[%s] is parked: this copy is dropped", task.name, request.id)
             raise Ignore()
@@ -137,14 +145,14 @@ def admit(ext: Leases, task: Any, wants: Sequence[Want]) -> bool:
             copy = getattr(request, PARKED_HEADER, None) is not None
             redelivered = bool((request.delivery_info or {}).get("redelivered"))
             if copy and redelivered:
-                return False  # a copy that started and died: the redelivery guard decides
+                return False, None  # a copy that started and died: the redelivery guard decides
             logger.info(
                 "leases: %s[%s] already ran from its hand-on: this copy is dropped",
                 task.name,
                 request.id,
             )
             raise Ignore()
-    return False
+    return False, behind
 
 
 def defer(

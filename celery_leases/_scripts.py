@@ -106,6 +106,7 @@ class ParkGateReply(IntEnum):
     HANDED = 1  #: the hand-on, consumed now: go on (the lease is reserved for the task)
     PARKED = 2  #: a copy of a parked task: drop this delivery
     CONSUMED = 3  #: consumed already: drop this delivery, unless it is a redelivered copy
+    BEHIND = 4  #: not parked, but others are parked on the resource: park behind them
 
 
 class BeatClaimReply(IntEnum):

@@ -401,9 +401,12 @@ class LeasedTask(Task[Any, Any]):
         deferring = on_busy == "defer" and bool(task_id)
         deferring = deferring and not (request.is_eager or request.called_directly)
         try:
-            consumed = deferring and _parking.admit(ext, self, wants)
+            consumed, behind = _parking.admit(ext, self, wants) if deferring else (False, None)
             for _attempt in range(_DEFER_ATTEMPTS):
                 try:
+                    if behind is not None:  # others are parked on it: behind them, no acquire
+                        busy, behind = behind, None
+                        raise busy
                     leases = self._take(ext, wants, wait, task_id, interrupter, args, kwargs)
                     break
                 except LeaseBusy as busy:

@@ -327,3 +327,21 @@ def test_a_dead_releasers_hand_on_is_taken_over_by_a_cleanup(
         assert gate(ext, task_id, Want("excl:T", "x", 0)) == ParkGateReply.HANDED
     finally:
         client.close()
+
+
+def test_a_newcomer_parks_behind_parked_tasks_even_when_the_resource_is_free(leases: Leases):
+    # t0 a holder releases R with T parked on it; t1 newcomer N's gate, before the hand-on:
+    # R is free, but N must park behind T rather than take R (it would overtake T)
+    want = Want("behind", "x", 0)
+    assert take(leases, want, "-", owner="holder")
+    assert park(leases, "T", want) == ParkReply.PARKED
+    leases.store.client.delete(leases.store.keys.exclusive(want.resource))  # the release
+    assert gate(leases, "N", want) == ParkGateReply.BEHIND
+    assert park(leases, "N", want) == ParkReply.PARKED
+    # once T is handed on (R reserved for it), the next newcomer is behind N, not behind T
+    assert hand_on(leases, want) == "T"
+    assert gate(leases, "M", want) == ParkGateReply.BEHIND
+    assert gate(leases, "T", want) == ParkGateReply.HANDED
+    # with nothing parked any more, a newcomer goes on to its acquire
+    assert unpark(leases, "N")
+    assert gate(leases, "M", want) == ParkGateReply.NOT_PARKED

@@ -56,13 +56,16 @@ def run_tenants(
     leases_redis: redis.Redis,
     leases_prefix: str,
     kill: Callable[[], None] | None = None,
-) -> list[tuple[str, str, int, str, int, int]]:
+) -> tuple[list[tuple[str, str, int, str, int, int]], int]:
+    """The ledger's events, and the Redis time (us) once the lone task C was sent."""
     client = redis.Redis.from_url(producer.conf.broker_url)
     erp = producer.tasks["park_app.erp"]
     for tenant in "AB":  # tenant by tenant: the first 4 tasks of A fill the slots
         for n in range(200):
             erp.delay(tenant, n)
     erp.delay("C", 0)
+    s, us = client.time()
+    lone_sent = s * 1_000_000 + us
     if kill is not None:
         wait_until(
             lambda: sum(1 for e in events(client, leases_prefix) if e[0] == "e") >= 150,
@@ -78,7 +81,24 @@ def run_tenants(
     wait_until(done, DEADLINE, "all 401 tasks done")
     evs = events(client, leases_prefix)
     client.close()
-    return evs
+    return evs, lone_sent
+
+
+def hand_ons_before_the_lone_task(
+    evs: list[tuple[str, str, int, str, int, int]], lone_sent: int
+) -> tuple[int, int, int]:
+    """How many hand-ons the lone task C waited for: copies of the other tenants published
+    before C was sent that started after it was sent and before C started (ahead of C in the
+    broker's queue). Also: all the copies that started before C (most were handed on before C
+    existed), and those published after C was sent that still started first (two deliveries
+    dispatched at once to two pool processes: whichever writes its start first)."""
+    (c_start,) = [e[5] for e in evs if e[0] == "s" and e[1] == "C"]
+    published = {(e[3], e[4]): e[5] for e in evs if e[0] == "p"}
+    copies = [(published.get((e[3], e[4])), e[5]) for e in evs if e[0] == "s" and e[4] > 0]
+    before = [(pub, start) for pub, start in copies if start < c_start]
+    waited = sum(1 for pub, start in before if pub is not None and pub < lone_sent < start)
+    later = sum(1 for pub, _ in before if pub is not None and pub > lone_sent)
+    return waited, len(before), later
 
 
 def check_tenants(evs: list[tuple[str, str, int, str, int, int]], *, exactly_once: bool) -> None:
@@ -106,8 +126,22 @@ def test_tenants_limit_two_each_done_once(
     start_worker: Callable[..., WorkerProc],
 ):
     start_worker(concurrency=4)
-    evs = run_tenants(producer, leases_redis, leases_prefix)
+    evs, lone_sent = run_tenants(producer, leases_redis, leases_prefix)
     check_tenants(evs, exactly_once=True)
+    # the lone task starts within 2 hand-ons: C, never parked, waits only for what is ahead of
+    # it in the broker's queue, where each tenant has at most `limit` (2) copies at a time (a
+    # copy holds one of its tenant's places); B's first tasks start after C was sent
+    waited, before, later = hand_ons_before_the_lone_task(evs, lone_sent)
+    print(f"the lone task waited for {waited} hand-on(s); {before} copies started before it, "
+          f"{later} of them published after it was sent")  # fmt: skip
+    assert waited <= 2
+    # and within a tenant, first parked first served: after the first 2 tasks of A and of B,
+    # every task ran from a hand-on (a newcomer parks behind the parked ones, even in the
+    # moment between a release and its hand-on)
+    originals = Counter(e[1] for e in evs if e[0] == "s" and e[4] == 0)
+    print(f"tasks that started without being parked: {dict(originals)}")
+    assert originals["A"] == 2
+    assert originals["B"] == 2
     ext: Leases = producer.leases  # type: ignore[attr-defined]
     wait_until(lambda: not list_parked(ext), 30, "no parked task left")
 
@@ -124,7 +158,7 @@ def test_tenants_with_worker_killed_halfway(
         worker.kill9()
         worker.start()
 
-    evs = run_tenants(producer, leases_redis, leases_prefix, kill)
+    evs, _ = run_tenants(producer, leases_redis, leases_prefix, kill)
     # acks_late: a body cut by the kill runs again (at least once); every task is done
     check_tenants(evs, exactly_once=False)
     starts = Counter((e[1], e[2]) for e in evs if e[0] == "s")
