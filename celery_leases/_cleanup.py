@@ -17,9 +17,9 @@ from typing import Final
 
 from . import _releases
 from ._engine import LeaseEngine
-from ._keys import escaped_node_of_owner, node_of_owner, split_owner
+from ._keys import escaped_node_of_owner, node_of_owner, split_owner, unescape
 from ._protocol import Command, Script, Steps, clock_us, pairs
-from ._registry import KEEPER, Entry, parse_entry
+from ._registry import HANDON_MARK, KEEPER, PARKED_OWNER, Entry, HandOn, parse_entry, parse_handon
 from ._scripts import ReleaseReply
 from .exceptions import LeaseBackendError
 
@@ -29,6 +29,7 @@ __all__ = (
     "cleanup_owner",
     "cleanup_owner_isolated",
     "clocks_us",
+    "take_over",
     "expired_owner_times",
     "expired_owners",
     "node_owners",
@@ -52,6 +53,9 @@ class CleanupReport:
         errors: ``(owner, message)`` of owners whose cleanup failed; the others went on.
         freed: ``(owner, registry entry)`` of each lease in ``released``, in the same order:
             the entry tells the holding task's id.
+        handons: ``(owner, task id, message)`` of each parked task's hand-on that the owner
+            recorded and did not publish (it died in between): taken over, its reservation
+            extended; the cleaning process publishes the message (see _parking.py).
     """
 
     owners: list[str] = field(default_factory=list)
@@ -60,11 +64,13 @@ class CleanupReport:
     kept: list[tuple[str, str]] = field(default_factory=list)
     errors: list[tuple[str, str]] = field(default_factory=list)
     freed: list[tuple[str, Entry]] = field(default_factory=list)
+    handons: list[tuple[str, str, str]] = field(default_factory=list)
 
     def merge(self, other: CleanupReport) -> None:
         self.owners += other.owners
         self.released += other.released
         self.freed += other.freed
+        self.handons += other.handons
         self.expired += other.expired
         self.kept += other.kept
         self.errors += other.errors
@@ -111,10 +117,22 @@ def cleanup_owner(
         if before is not None and clock_offsets_us is not None:
             before += clock_offsets_us[group]
         entries: list[Entry] = []
+        handons: list[HandOn] = []
         names = sorted(str(m) for m in members or ())
         left = 0  # members that stay: unreadable entries, and leases granted after `before`
         for member in names:
             if member == KEEPER:
+                continue
+            if member.startswith(HANDON_MARK + " "):
+                handon = parse_handon(member)
+                if handon is None:
+                    report.kept.append((owner, member))
+                    left += 1
+                elif before is not None and handon.stamp >= before:
+                    spared = True  # made after the owner was seen dead: it is alive again
+                    left += 1
+                else:
+                    handons.append(handon)
                 continue
             parsed = parse_entry(member)
             if parsed is None:
@@ -140,6 +158,9 @@ def cleanup_owner(
                     left += 1
                 else:
                     report.expired += 1
+        for start in range(0, len(handons), _RELEASE_BATCH):
+            batch_h = handons[start : start + _RELEASE_BATCH]
+            report.handons += yield from take_over(engine, owner, group, batch_h)
         if not left and KEEPER in names:
             # nothing left but the registry's keeper (see lua/_registry.lua): let the set go
             # (a grant of the owner in between keeps its entry, and makes the set anew with
@@ -156,6 +177,37 @@ def cleanup_owner(
         # idempotent (ZREM, SREM): redis-py's own retry may run it twice
         yield from engine.send("forget an owner", [forget])
     return report
+
+
+def take_over(
+    engine: LeaseEngine, owner: str, group: int, handons: Sequence[HandOn]
+) -> Steps[list[tuple[str, str, str]]]:
+    """Take over the hand-ons that ``owner`` recorded in its registry of ``group`` and did not
+    publish: ``(owner, task id, message)`` of each task to publish again (handon_takeover.lua).
+
+    Timeline: t0 a releaser frees R and hands it on to parked task T (R reserved for T, the
+    hand-on recorded in its registry); t1 it is killed before it publishes T; t2 a cleanup of
+    it (the reaper of its worker, a restart, a reconcile) takes the hand-on over and publishes
+    T at once, instead of T waiting for the reservation to run out (``handon_timeout``).
+    A lost reply loses those messages: the hand-ons then run out and are handed on again.
+    """
+    keys = [
+        engine.registry_key(owner, group),
+        engine.keys.park_state(group),
+        engine.keys.park_messages(group),
+    ]
+    args: list[object] = [PARKED_OWNER, engine.ms(engine.settings.handon_timeout)]
+    for handon in handons:
+        rk = engine.resource_keys(handon.resource)
+        keys += (rk.exclusive, rk.shared)
+        args += (handon.text, handon.task, handon.mode)
+    call = Script("handon_takeover", keys, args)
+    (reply,) = yield from engine.send("take over a dead owner's hand-ons", [call], once=True)
+    return [
+        (owner, unescape(handon.task), str(message))
+        for handon, message in zip(handons, reply or (), strict=True)
+        if message
+    ]
 
 
 def cleanup_owner_isolated(

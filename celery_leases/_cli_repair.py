@@ -164,6 +164,7 @@ def reconcile(ctx: click.Context, as_json: bool) -> None:
                 "expired": report.expired,
                 "kept": [{"owner": o, "entry": e} for o, e in report.kept],
                 "errors": [{"owner": o, "error": e} for o, e in report.errors],
+                "handed_on": [{"owner": o, "task_id": t} for o, t, _ in report.handons],
             }
         )
     else:
@@ -174,6 +175,8 @@ def reconcile(ctx: click.Context, as_json: bool) -> None:
         )
         for owner, resource in report.released:
             click.echo(f"  released {printable(resource)} of {owner}")
+        for owner, task_id, _ in report.handons:
+            click.echo(f"  published parked task {task_id}, handed on by {owner}")
         for owner, entry in report.kept:
             click.echo(f"  kept an unreadable registry entry of {owner}: {entry!r}")
         for owner, error in report.errors:

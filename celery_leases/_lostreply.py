@@ -76,6 +76,9 @@ POLICIES: Final[Mapping[str, str]] = {
     "the hand-on, and the redelivered copy runs (a redelivered copy passes a consumed gate)",
     "handon": "not sent again: a hand-on that ran is a reservation nobody publishes for; it "
     "runs out (handon_timeout) and the task goes back to its queue, handed on again later",
+    "handon_takeover": "not sent again: a takeover that ran took the dead owner's hand-ons "
+    "out of its registry, and their messages are lost with the reply; each reservation runs "
+    "out (handon_timeout) and its task goes back to its queue, handed on again later",
     "unpark": "idempotent: the operator runs it again (a second run finds nothing parked)",
     "park_limit": "not sent again: as park (the task's on_backend_error applies; a park that "
     "ran makes the retry's delivery find the task parked, and be dropped)",

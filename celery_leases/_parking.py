@@ -8,6 +8,7 @@ the task again, with its id and arguments. See docs/parking.md for the guarantee
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -20,13 +21,16 @@ from kombu.utils.json import dumps, loads
 from redis.exceptions import RedisError
 
 from . import _scripts
+from ._grants import Busy, acquire_group
 from ._keys import escape, unescape
 from ._lease import Want
 from ._limits import LimitWant
+from ._registry import PARKED_OWNER
 from ._scripts import ParkGateReply, ParkReply
 from .exceptions import LeaseBackendError, LeaseBusy, RateLimited
 
 if TYPE_CHECKING:
+    from ._cleanup import CleanupReport
     from .app import Leases
 
 __all__ = (
@@ -35,12 +39,15 @@ __all__ = (
     "ended_parked",
     "parked_observers",
     "admit",
+    "ahand_on_released",
     "defer",
     "hand_on",
     "hand_on_released",
     "list_parked",
     "parked_counts",
     "parking_used",
+    "parks",
+    "publish_taken_over",
     "pump",
     "unpark",
 )
@@ -51,7 +58,7 @@ logger = get_logger(__name__)
 #: redelivery guard tells copies apart by it)
 PARKED_HEADER: Final = "lease_parked"
 #: the owner of a hand-on's reservation is this prefix and the escaped task id (acquire.lua)
-PLACEHOLDER: Final = "%parked/"
+PLACEHOLDER: Final = PARKED_OWNER
 #: milliseconds a consumed hand-on's tombstone is kept: a later copy of the task is dropped
 DONE_KEEP_MS: Final = 7 * 24 * 3600 * 1000
 #: at most this many hand-ons of one resource in one call (a Shared lease with room for many)
@@ -96,18 +103,28 @@ def _ms(seconds: float) -> int:
 
 
 # --- the task's side ------------------------------------------------------------------------
-def admit(ext: Leases, task: Any, wants: Sequence[Want], limits: Sequence[LimitWant] = ()) -> bool:
-    """Before a deferring task takes its leases: True if this delivery consumed its hand-on
-    (the lease is reserved for it, or its rate limit had room for it). Raises ``Ignore`` for
-    a delivery that must not run: a copy of a task that is parked, or whose hand-on another
+def admit(
+    ext: Leases, task: Any, wants: Sequence[Want], limits: Sequence[LimitWant] = ()
+) -> tuple[bool, LeaseBusy | None]:
+    """Before a deferring task takes its leases: ``(consumed, behind)``. ``consumed``: True if
+    this delivery consumed its hand-on (the lease is reserved for it, or its rate limit had
+    room for it). ``behind``: for a delivery of a task that is not parked, a ``LeaseBusy`` of
+    a resource on which others are parked (not yet handed on): it parks behind them without
+    trying the lease, so it cannot take a place freed by a release before that release's
+    hand-on (rate limits have no such check: see docs/limits.md). Raises ``Ignore`` for a
+    delivery that must not run: a copy of a task that is parked, or whose hand-on another
     copy consumed (a redelivery of a copy that started is let through: the redelivery
     guard's business)."""
     request = task.request
     task_id = escape(request.id)
     keys = ext.store.keys
-    fifos: dict[int, list[str]] = {}  # slot group -> the task's FIFOs there
+    behind: LeaseBusy | None = None
+    fifos: dict[int, list[str]] = {}  # slot group -> the task's FIFOs there, leases first
+    first: dict[int, str] = {}  # slot group -> its first lease (the gate's behind check)
     for want in wants:
-        fifos.setdefault(keys.group_of(want.resource), []).append(keys.parked(want.resource))
+        group = keys.group_of(want.resource)
+        first.setdefault(group, want.resource)
+        fifos.setdefault(group, []).append(keys.parked(want.resource))
     for limit in limits:
         fifos.setdefault(keys.group_of(limit.name), []).append(keys.parked_limit(limit.name))
     for group, queues in fifos.items():
@@ -125,7 +142,11 @@ def admit(ext: Leases, task: Any, wants: Sequence[Want], limits: Sequence[LimitW
         reply = ParkGateReply(int(raw))
         if reply == ParkGateReply.HANDED:
             logger.info("leases: %s[%s] handed on: runs", task.name, request.id)
-            return True
+            return True, None
+        if reply == ParkGateReply.BEHIND:
+            if group in first:  # a lease's FIFO (a limit's is never first in its group)
+                behind = behind or LeaseBusy(first[group])
+            continue
         if reply == ParkGateReply.PARKED:
             logger.info("leases: %s[%s] is parked: this copy is dropped", task.name, request.id)
             raise Ignore()
@@ -133,14 +154,14 @@ def admit(ext: Leases, task: Any, wants: Sequence[Want], limits: Sequence[LimitW
             copy = getattr(request, PARKED_HEADER, None) is not None
             redelivered = bool((request.delivery_info or {}).get("redelivered"))
             if copy and redelivered:
-                return False  # a copy that started and died: the redelivery guard decides
+                return False, None  # a copy that started and died: the redelivery guard decides
             logger.info(
                 "leases: %s[%s] already ran from its hand-on: this copy is dropped",
                 task.name,
                 request.id,
             )
             raise Ignore()
-    return False
+    return False, behind
 
 
 def defer(
@@ -361,6 +382,21 @@ def hand_on_released(ext: Leases, resources: Iterable[str]) -> int:
     return count
 
 
+async def ahand_on_released(ext: Leases, resources: Iterable[str]) -> int:
+    """:func:`hand_on_released` for asyncio (``Leases.arelease``, ``ahold()``): the same
+    hand-ons, run in a worker thread, as the publish goes through the app's (blocking)
+    producer. A cancelled caller does not stop them: the thread runs them to the end."""
+    return await asyncio.to_thread(hand_on_released, ext, list(resources))
+
+
+def parks(ext: Leases) -> bool:
+    """True if ``ext``'s releases hand on (:func:`parking_used`, looked up once per Leases)."""
+    known = ext._parking
+    if known is None:
+        known = ext._parking = parking_used(ext.app)
+    return known
+
+
 def parking_used(app: Any) -> bool:
     """True if a task of ``app`` (or its ``on_busy`` setting) defers: then its releases hand
     on and its workers run the pump."""
@@ -371,44 +407,80 @@ def parking_used(app: Any) -> bool:
     return any(getattr(t, "on_busy", None) == "defer" for t in list(app.tasks.values()))
 
 
+def _registered(ext: Leases) -> str:
+    """The owner id of this process, registered under its node (and in the owners index) so
+    that a cleanup of it reads the registry where its hand-ons are recorded. A process that
+    holds no lease (a worker's main process running the pump) was never registered, or was
+    forgotten by a reconcile once its liveness ran out: then the owner's home call first, as
+    a grant outside the home group does (see _claims.py)."""
+    store = ext.store
+    engine = store.engine
+    ident = ext.identity()
+    if not engine.liveness_covers(ident.owner, 0.0):
+        home = store.run(acquire_group(engine, 0, [], ident, ext.settings.ttl, True))
+        if isinstance(home, Busy):  # restart grace: Redis restarted; hand on unrecorded
+            logger.debug("leases: could not register %s before a hand-on", ident.owner)
+    return ident.owner
+
+
 def _hand_on_one(ext: Leases, resource: str, mode: str, limit: int) -> bool:
     keys = ext.store.keys
-    _, msgs, _, due = _group_keys(ext, keys.group_of(resource))
-    state = keys.park_state(keys.group_of(resource))
+    group = keys.group_of(resource)
+    _, msgs, _, due = _group_keys(ext, group)
+    state = keys.park_state(group)
+    settings = ext.settings
+    registry = ext.store.engine.registry_key(_registered(ext), group)
     reply = _call(
         ext,
         _scripts.HANDON,
-        [keys.exclusive(resource), keys.shared(resource), keys.parked(resource), state, msgs, due],
+        [
+            keys.exclusive(resource),
+            keys.shared(resource),
+            keys.parked(resource),
+            state,
+            msgs,
+            due,
+            registry,
+        ],
         [
             mode,
             limit,
-            _ms(ext.settings.handon_timeout),
+            _ms(settings.handon_timeout),
             f"{mode} {limit} {resource}",
             PLACEHOLDER,
+            # the record outlives the reservation by a ttl: a cleanup of this process when
+            # it dies comes within that (its reaper, its restart, a reconcile)
+            _ms(settings.handon_timeout + settings.ttl),
         ],
         "hand on a parked task",
     )
     if int(reply[0]) != 1:
         return False
-    _publish(ext, resource, _text(reply[1]), _text(reply[2]))
+    task_id = unescape(_text(reply[1]))
+    if _publish(ext, task_id, _text(reply[2])):
+        logger.info("leases: handed %s on to %s", resource, task_id)
+    try:  # published (or given up): a cleanup of this process has nothing to take over
+        ext.store.client.srem(registry, _text(reply[3]))
+    except RedisError as exc:
+        logger.error("leases: could not remove the record of a hand-on: %s", exc)
     return True
 
 
-def _publish(ext: Leases, resource: str, escaped_id: str, raw: str) -> None:
-    """Publish a handed-on task's message. Never raises: a hand-on not published runs out,
-    and the task is handed on (published) again in its turn."""
-    task_id = unescape(escaped_id)
+def _publish(ext: Leases, task_id: str, raw: str) -> bool:
+    """Publish a parked task's message again; False (logged) if that failed or it has no
+    message: its reservation then runs out unclaimed, the task goes back to its FIFO and is
+    handed on again in its turn. Never raises."""
     if not raw:
         logger.warning("leases: parked task %s has no message; left to its redelivery", task_id)
-        return
+        return False
     _die_here_for_a_test()
     try:
         record = loads(raw)
         ext.app.signature(record["sig"]).apply_async()
     except Exception:
         logger.exception("leases: could not publish parked task %s", task_id)
-        return
-    logger.info("leases: handed %s on to %s[%s]", resource, record.get("task"), task_id)
+        return False
+    return True
 
 
 def _hand_on_limit(ext: Leases, spec: str, name: str, soonest: list[float] | None) -> int:
@@ -432,8 +504,21 @@ def _hand_on_limit(ext: Leases, spec: str, name: str, soonest: list[float] | Non
             if soonest is not None and int(reply[1]) > 0:
                 soonest.append(int(reply[1]) / 1000)
             break
-        _publish(ext, f"rate limit {name}", _text(reply[1]), _text(reply[2]))
+        task_id = unescape(_text(reply[1]))
+        if _publish(ext, task_id, _text(reply[2])):
+            logger.info("leases: handed rate limit %s on to %s", name, task_id)
         count += 1
+    return count
+
+
+def publish_taken_over(ext: Leases, report: CleanupReport) -> int:
+    """Publish the hand-ons a cleanup took over from dead owners (``report.handons``);
+    returns how many were published. Never raises."""
+    count = 0
+    for owner, task_id, raw in report.handons:
+        if _publish(ext, task_id, raw):
+            logger.info("leases: took over the hand-on to %s of dead owner %s", task_id, owner)
+            count += 1
     return count
 
 

@@ -10,7 +10,11 @@ entry bears its own call's id); for an exclusive lease a release hands over dire
 as the resource's handed tickets record it (its token is not known in advance; the entry is
 written with the token once the waiter learns it: acquire.lua, renew.lua); and the member
 ``"~"`` (:data:`KEEPER`), which keeps the set and its expiry while the owner holds nothing
-(see lua/_registry.lua). An
+(see lua/_registry.lua); and a parked task's hand-on not yet published,
+``"p <Redis us> <escaped task id> <mode> <limit> <resource>"`` (:class:`HandOn`: handon.lua
+writes it, its writer removes it once it published the task, a cleanup of a writer that died
+first takes the hand-on over). A reader that knows none of these kinds (:func:`parse_entry`
+gives None: an older version reading a newer entry) keeps the entry and skips it. An
 exclusive lease key's value is ``"<token> <owner id>"``, or, for a queued unique claim,
 ``"<token> %queued/<escaped task id>"``. A waiter's ticket with its order, the member of a
 waiter queue, is ``"<id> <ttl ms> <task> <owner>"`` (:func:`ticket_text`). This module reads
@@ -29,14 +33,18 @@ if TYPE_CHECKING:
 
 __all__ = (
     "CALL_MARK",
+    "HANDON_MARK",
     "KEEPER",
+    "PARKED_OWNER",
     "QUEUED_OWNER",
     "TICKET_SLACK_MS",
     "Entry",
+    "HandOn",
     "counted_held",
     "entry_text",
     "held_entry",
     "parse_entry",
+    "parse_handon",
     "split_holder",
     "task_field",
     "task_in_registry",
@@ -52,6 +60,10 @@ KEEPER: Final = "~"
 #: task id never holds it (escape() writes "%" with two upper-case hex digits). A lost grant's
 #: recovery adopts only a grant whose entry bears its own call's id (lua/acquire.lua)
 CALL_MARK: Final = "%c"
+
+#: the owner part of a parked task's reservation, ``"0 %parked/<escaped task id>"`` (a hand-on
+#: writes it as the lease's holder, for that task only: lua/handon.lua, acquire.lua)
+PARKED_OWNER: Final = "%parked/"
 
 #: the owner part of a queued claim's value: "%queued/<escaped task id>". No owner id starts
 #: so: an owner id starts with an escaped node name, where "%" is always followed by hex.
@@ -153,6 +165,39 @@ def parse_entry(member: str) -> Entry | None:
     if mode == "h":
         return Entry("x", 0, task_id, resource, int(token))
     return Entry(mode, int(token), task_id, resource, call=call)
+
+
+#: the kind of a hand-on's registry entry (:class:`HandOn`), before its first space
+HANDON_MARK: Final = "p"
+
+
+class HandOn(NamedTuple):
+    """A hand-on recorded in its writer's registry (handon.lua), not yet published."""
+
+    #: the Redis clock (us) when it was made: a cleanup that spares leases granted from a
+    #: time on spares the hand-ons made from then on too
+    stamp: int
+    #: the parked task's id, escaped (as the parked tasks' hashes name it)
+    task: str
+    mode: str
+    limit: int
+    resource: str
+    #: the entry as stored in the registry set
+    text: str
+
+
+def parse_handon(member: str) -> HandOn | None:
+    """A registry member ``"p <us> <task> <mode> <limit> <resource>"`` as a :class:`HandOn`;
+    None if it is not one (or cannot be read: a cleanup keeps it)."""
+    parts = member.split(" ", 5)
+    if len(parts) != 6 or parts[0] != HANDON_MARK:
+        return None
+    _, stamp, task, mode, limit, resource = parts
+    if not stamp.isdigit() or not task or mode not in ("x", "s") or not limit.isdigit():
+        return None
+    if not resource:
+        return None
+    return HandOn(int(stamp), task, mode, int(limit), resource, member)
 
 
 #: milliseconds a queued ticket outlives the wait its waiter was told: the waiter's next

@@ -108,6 +108,7 @@ class ParkGateReply(IntEnum):
     HANDED = 1  #: the hand-on, consumed now: go on (the lease is reserved for the task)
     PARKED = 2  #: a copy of a parked task: drop this delivery
     CONSUMED = 3  #: consumed already: drop this delivery, unless it is a redelivered copy
+    BEHIND = 4  #: not parked, but others are parked on the resource: park behind them
 
 
 class BeatClaimReply(IntEnum):
@@ -222,6 +223,7 @@ UNPARK: Final = _with("unpark", "_parking")
 PARK_LIMIT: Final = _with("park_limit", "_parking", "_limit")
 HANDON_LIMIT: Final = _with("handon_limit", "_limit")
 REVOKE: Final = _read("revoke")
+HANDON_TAKEOVER: Final = _read("handon_takeover")
 
 ALL: Final[dict[str, str]] = {
     "acquire": ACQUIRE,
@@ -248,6 +250,7 @@ ALL: Final[dict[str, str]] = {
     "park_limit": PARK_LIMIT,
     "handon_limit": HANDON_LIMIT,
     "revoke": REVOKE,
+    "handon_takeover": HANDON_TAKEOVER,
 }
 
 #: the Redis clock, read on the node serving KEYS[1] (a cluster pipeline cannot send TIME,

@@ -45,7 +45,7 @@ from ._outcomes import (
     same_owner_busy,
     to_release,
 )
-from ._parking import hand_on_released, parking_used
+from ._parking import ahand_on_released, hand_on_released, parks
 from ._revocation import Revoked, check_revoke
 from ._sync.driver import LeaseStore
 from ._sync.heartbeat import heartbeat
@@ -154,9 +154,8 @@ class Leases:
         return self._settings.check(full=full)
 
     def __repr__(self) -> str:
-        settings = self._settings.peek()
-        where = safe_url(settings.url)
-        return f"<Leases {self.app.main!r} at {where} prefix={settings.key_prefix!r}>"
+        s = self._settings.peek()
+        return f"<Leases {self.app.main!r} at {safe_url(s.url)} prefix={s.key_prefix!r}>"
 
     # --- identity -----------------------------------------------------------------------
     def identity(self) -> Identity:
@@ -332,8 +331,7 @@ class Leases:
         except LeaseBackendError as exc:
             logger.error("leases: could not release %d lease(s): %s", len(todo), exc)
             return lost
-        parks = self._parking = parking_used(self.app) if self._parking is None else self._parking
-        if parks:  # on_busy="defer": hand on to a parked task (_parking.py)
+        if parks(self):  # on_busy="defer": hand on to a parked task (_parking.py)
             hand_on_released(self, [lease.resource for lease in todo])
         return released_leases(todo, freed, lost, asked)
 
@@ -457,6 +455,8 @@ class Leases:
         except LeaseBackendError as exc:
             logger.error("leases: could not release %d lease(s): %s", len(todo), exc)
             return lost
+        if parks(self):  # as release does
+            await ahand_on_released(self, [lease.resource for lease in todo])
         return released_leases(todo, freed, lost, asked)
 
 

@@ -404,9 +404,14 @@ class LeasedTask(Task[Any, Any]):
             limits = []
             if deferring and self._rate_templates:  # a limit's refusal parks too
                 limits = limit_wants(self, self._bound_values(args, kwargs))
-            consumed = deferring and _parking.admit(ext, self, wants, limits)
+            consumed, behind = (
+                _parking.admit(ext, self, wants, limits) if deferring else (False, None)
+            )
             for _attempt in range(_DEFER_ATTEMPTS):
                 try:
+                    if behind is not None:  # others are parked on it: behind them, no acquire
+                        busy, behind = behind, None
+                        raise busy
                     leases = self._take(ext, wants, wait, task_id, interrupter, args, kwargs)
                     break
                 except LeaseBusy as busy:

@@ -32,7 +32,7 @@ from ._guard import on_task_postrun as guard_task_postrun
 from ._identity import set_node
 from ._keys import split_owner
 from ._lease import Want
-from ._parking import parking_used
+from ._parking import parking_used, publish_taken_over
 from ._parking import pump as pump_parked
 from ._text import printable
 from .config import DEFAULT_REDIS_URL, renewal_interval, safe_url, timing_warnings
@@ -129,6 +129,20 @@ def _log_report(
         logger.error("leases: %s kept an unreadable registry entry of %s: %r", what, owner, entry)
     for owner, error in report.errors:
         logger.error("leases: %s could not clean owner %s: %s", what, owner, error)
+
+
+def _cleaned(
+    ext: Leases,
+    kind: str,
+    what: str,
+    report: CleanupReport,
+    names: Mapping[str, str] | None = None,
+) -> None:
+    """After a cleanup pass: publish the parked tasks' hand-ons it took over from dead
+    owners (see _parking.py), then tell the observers and log (:func:`_log_report`)."""
+    if report.handons:
+        publish_taken_over(ext, report)
+    _log_report(kind, what, report, names)
 
 
 def _task_text(task_id: str | None, names: Mapping[str, str] | None) -> str:
@@ -261,8 +275,8 @@ class LeaseBootstep(bootsteps.StartStopStep):
         ident = ext.identity()
         report = _startup_cleanup(ext, ident.node, ident.incarnation)
         if report is not None:
-            _log_report(
-                "startup", f"start-up cleanup of earlier incarnations of {ident.node}", report
+            _cleaned(
+                ext, "startup", f"start-up cleanup of earlier incarnations of {ident.node}", report
             )
         timer = getattr(worker, "timer", None)
         if timer is None:
@@ -393,7 +407,7 @@ class LeaseBootstep(bootsteps.StartStopStep):
                             by=kind,
                         )
                     )
-        _log_report(kind, what, report, self._task_names(report))
+        _cleaned(ext, kind, what, report, self._task_names(report))
         return report
 
     def note_task(self, task_id: str | None, name: str | None) -> None:
@@ -467,7 +481,7 @@ def run_reconcile(ext: Leases) -> CleanupReport | None:
         return None
     try:
         report = ext.store.reconcile()
-        _log_report("reconcile", "orphan reconcile", report)
+        _cleaned(ext, "reconcile", "orphan reconcile", report)
         return report
     except LeaseError as exc:
         logger.error("leases: reconcile failed: %s", exc)

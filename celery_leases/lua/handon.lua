@@ -6,11 +6,18 @@
 -- of the FIFO, parked again (its copy was lost or is late: a late copy finds it parked and is
 -- dropped; it is published again in its turn).
 --
+-- The hand-on is recorded in the caller's owner registry, "p <Redis us> <task> <due member>"
+-- (see _registry.py), until the caller has published it (it removes the entry then): a
+-- cleanup of a caller that died in between takes the hand-on over (handon_takeover.lua).
+--
 -- KEYS[1] exclusive key   KEYS[2] shared key   KEYS[3] the resource's parked FIFO
 -- KEYS[4] parked states (group)   KEYS[5] parked messages (group)   KEYS[6] due index (group)
+-- KEYS[7] the caller's owner registry (group)
 -- ARGV[1] mode   ARGV[2] limit (0 = none)   ARGV[3] hand-on timeout in ms   ARGV[4] due member
 -- ARGV[5] placeholder owner prefix ("%parked/")
--- returns {1, task id (escaped), message}  handed on: publish it
+-- ARGV[6] ms the registry must live at least (it is made with this expiry, or extended to it)
+-- returns {1, task id (escaped), message, registry entry}  handed on: publish it, then remove
+--                                                         the entry
 --         {0, due ms}                      nothing to hand on now (full, or nobody parked);
 --                                          due ms: when the due index looks again (0: never)
 
@@ -83,10 +90,18 @@ else
   end
 end
 redis.call('HSET', KEYS[4], head, 'h')
+-- the record a cleanup of the caller reads; with the registry's keeper "~" (_registry.lua)
+local entry = 'p ' .. string.format('%.0f', now_us) .. ' ' .. head .. ' ' .. ARGV[4]
+local life = tonumber(ARGV[6])
+local made = redis.call('SADD', KEYS[7], '~', entry) == 2
+local pttl = redis.call('PTTL', KEYS[7])
+if made or (pttl >= 0 and pttl < life) then
+  redis.call('PEXPIRE', KEYS[7], life)
+end
 -- look again when the reservation runs out (or at once, when there may be room for more)
 local again = timeout
 if mode == 's' and limit ~= 1 then
   again = 0
 end
 redis.call('ZADD', KEYS[6], now + again, ARGV[4])
-return {1, head, msg or ''}
+return {1, head, msg or '', entry}

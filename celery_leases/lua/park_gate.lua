@@ -1,7 +1,10 @@
 -- park_gate.lua: a delivery of a task that may be parked, before it takes its leases. A task
 -- handed on is consumed here, once: the first delivery of its task id to get here runs (the
 -- published copy, or a redelivery of the original that parked it), and every later one is
--- told so.
+-- told so. A newcomer (a delivery of a task that is not parked) is told when tasks are parked
+-- on the resource and not yet handed on: it parks behind them rather than take a place that a
+-- release freed before its hand-on (t0 A releases R, with T parked on it; t1 newcomer N finds
+-- R free and takes it; t2 A's hand-on finds R full: N overtook T).
 --
 -- KEYS[1] parked states (group)   KEYS[2] parked messages (group)   KEYS[3] done (group)
 -- KEYS[4] the resource's parked FIFO (the resource named in the task's message, or any key
@@ -12,6 +15,7 @@
 -- returns 0 = not parked (go on)   1 = the hand-on, consumed now (go on: the lease is reserved)
 --         2 = parked: this delivery is a copy of a parked task (drop it)
 --         3 = consumed already (drop it, unless it is a redelivered copy)
+--         4 = not parked, but others are parked on the resource of KEYS[4]: park behind them
 
 local task = ARGV[1]
 local state = redis.call('HGET', KEYS[1], task)
@@ -31,5 +35,10 @@ if state == 'h' then
 end
 if redis.call('ZSCORE', KEYS[3], ARGV[3]) then
   return 3
+end
+for _, other in ipairs(redis.call('ZRANGE', KEYS[4], 0, 31)) do
+  if redis.call('HGET', KEYS[1], other) == 'p' then
+    return 4
+  end
 end
 return 0

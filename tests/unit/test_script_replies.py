@@ -38,6 +38,7 @@ DATA_ONLY = {
     "handon",
     "handon_limit",
     "unpark",
+    "handon_takeover",
 }
 
 

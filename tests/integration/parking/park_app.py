@@ -5,15 +5,18 @@ Configured from the environment (``LEASES_TEST_BROKER``, ``LEASES_TEST_QUEUE``,
 and end, on the Redis clock, in a ledger list: ``"<event> <tenant> <n> <task id> <parked>
 <Redis us>"``; ``PAPP_SLOW`` makes bodies sleep that long. Each rate limit admission is
 recorded too, at the Redis time the limit script admitted it: ``"a <limit> -1 <task id> 0
-<Redis us>"``.
+<Redis us>"``. The publish of a parked task's copy (a hand-on) is recorded too, as event
+``p`` (a ``before_task_publish`` handler).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 from celery import Celery
+from celery.signals import before_task_publish
 
 from celery_leases import LeasedTask, Leases, Rate, Shared, signals
 from tests.support.perprocess import PerProcessClient
@@ -48,6 +51,18 @@ def make_app(
         broker_transport_options={"visibility_timeout": 10},
     )
     Leases(app, **settings)
+
+    def on_publish(headers: dict[str, Any] | None = None, body: Any = None, **kw: Any) -> None:
+        parked = (headers or {}).get("lease_parked")
+        if not parked or (headers or {}).get("task") != "park_app.erp":
+            return
+        (tenant, n), _, _ = body
+        client = ledger()
+        s, us = client.time()
+        line = f"p {tenant} {n} {headers['id']} {parked} {s * 1_000_000 + us}"
+        client.rpush(ledger_key(PREFIX), line)
+
+    before_task_publish.connect(on_publish, weak=False, dispatch_uid="park_app.on_publish")
 
     def record(event: str, tenant: str, n: int, task: LeasedTask) -> None:
         client = ledger()

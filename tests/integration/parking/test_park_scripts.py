@@ -6,11 +6,15 @@ order a race would, and checks that nothing is lost and nothing runs twice.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
+import redis
+from celery import Celery, uuid
+from kombu.utils.json import dumps, loads
 
-from celery_leases import LeaseBusy, Leases
+from celery_leases import LeaseBusy, Leases, _parking
 from celery_leases._identity import Identity
 from celery_leases._keys import escape
 from celery_leases._lease import Want
@@ -77,6 +81,7 @@ def hand_on(ext: Leases, want: Want) -> str | None:
             state,
             msgs,
             due,
+            ext.store.engine.registry_key(ext.identity().owner, keys.group_of(want.resource)),
         ],
         [
             want.mode,
@@ -84,6 +89,7 @@ def hand_on(ext: Leases, want: Want) -> str | None:
             HANDON_MS,
             f"{want.mode} {want.limit} {want.resource}",
             PLACEHOLDER,
+            60_000,
         ],
         "hand on",
     )
@@ -209,3 +215,133 @@ def test_a_retry_of_a_task_that_ran_from_a_hand_on_is_not_dropped(leases: Leases
     assert gate(leases, "t1", X) == ParkGateReply.CONSUMED  # a copy of that message
     # the body called self.retry(): the same id, one retry more, a new message
     assert gate(leases, "t1", X, retries=1) == ParkGateReply.NOT_PARKED
+
+
+def park_real(ext: Leases, app: Celery, resource: str, n: int) -> str:
+    """Park a real ``park_app.excl`` message on ``resource`` (as defer() does): its task id."""
+    sig = app.tasks["park_app.excl"].s(resource.split(":", 1)[1], n).set(task_id=uuid())
+    want = Want(resource, "x", 0)
+    keys = ext.store.keys
+    state, msgs, done, due = _group_keys(ext, keys.group_of(resource))
+    message = dumps({"resource": resource, "task": "park_app.excl", "sig": dict(sig)})
+    lease_keys = [keys.exclusive(resource), keys.shared(resource), keys.parked(resource)]
+    args = [escape(sig.id), "x", 0, message, f"x 0 {resource}", DONE_KEEP_MS, "0"]
+    reply = _call(
+        ext, PARK, [*lease_keys, state, msgs, done, due], [*args, tombstone(sig.id, 0)], "park"
+    )
+    assert ParkReply(int(reply[0])) == ParkReply.PARKED, want
+    return str(sig.id)
+
+
+def published_ids(client: redis.Redis, queue: str) -> list[str]:
+    return [loads(raw)["headers"]["id"] for raw in client.lrange(queue, 0, -1)]
+
+
+def test_arelease_hands_on_as_release_does(producer: Celery, queue: str) -> None:
+    # no worker, so no pump: only the release can hand on here
+    ext: Leases = producer.leases  # type: ignore[attr-defined]
+    client = redis.Redis.from_url(producer.conf.broker_url)
+    try:
+        with ext.hold("excl:S"):
+            sync_id = park_real(ext, producer, "excl:S", 1)
+        [entry] = list_parked(ext, "excl:S")
+        assert entry["state"] == "handed on"
+        assert published_ids(client, queue) == [sync_id]
+
+        async def held() -> str:
+            async with ext.ahold("excl:A"):
+                task_id = park_real(ext, producer, "excl:A", 2)
+            await ext.aclose()
+            return task_id
+
+        async_id = asyncio.run(held())
+        [entry] = list_parked(ext, "excl:A")
+        assert entry["task_id"] == async_id
+        assert entry["state"] == "handed on"
+        assert published_ids(client, queue) == [async_id, sync_id]
+        # and the reservation is that task's: anybody else finds excl:A busy
+        with pytest.raises(LeaseBusy):
+            ext.acquire([Want("excl:A", "x", 0)])
+    finally:
+        client.close()
+
+
+class Killed(BaseException):
+    """Stands in for a kill -9 between a hand-on and its publish: nothing after it runs."""
+
+
+def handon_entries(client: redis.Redis, ext: Leases, resource: str) -> list[bytes]:
+    owner = ext.identity().owner
+    registry = ext.store.engine.registry_key(owner, ext.store.keys.group_of(resource))
+    return [m for m in client.smembers(registry) if m.startswith(b"p ")]
+
+
+def test_a_dead_releasers_hand_on_is_taken_over_by_a_cleanup(
+    producer: Celery, queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ext: Leases = producer.leases  # type: ignore[attr-defined]
+    store = ext.store
+    me = ext.identity()
+    client = redis.Redis.from_url(producer.conf.broker_url)
+    try:
+        # a releaser that publishes leaves no record behind
+        with ext.hold("excl:P"):
+            park_real(ext, producer, "excl:P", 0)
+        assert handon_entries(client, ext, "excl:P") == []
+        client.delete(queue)
+
+        # this process holds nothing and is not registered (as a worker's main process running
+        # the pump, once a reconcile forgot it when its liveness ran out)
+        held = store.acquire([Want("excl:T", "x", 0)], other(ext, "holder"), 30.0)
+        task_id = park_real(ext, producer, "excl:T", 1)
+        store.cleanup_owner(me.owner, dead=True)
+        store.engine.registered.pop(me.owner, None)
+        assert me.owner not in store.node_owners(me.node)
+        store.release(held)  # freed without a hand-on (a holder that died, a cleanup)
+
+        def die() -> None:
+            raise Killed
+
+        monkeypatch.setattr(_parking, "_die_here_for_a_test", die)
+        with pytest.raises(Killed):
+            _parking.hand_on_released(ext, ["excl:T"])
+        # handed on, not published; recorded where a cleanup of this process looks
+        [entry] = list_parked(ext, "excl:T")
+        assert entry["state"] == "handed on"
+        assert published_ids(client, queue) == []
+        # its wire format: "p <Redis us> <escaped task id> <mode> <limit> <resource>"
+        [record] = handon_entries(client, ext, "excl:T")
+        mark, stamp, task, rest = record.decode().split(" ", 3)
+        assert (mark, task, rest) == ("p", escape(task_id), "x 0 excl:T")
+        assert abs(int(stamp) / 1e6 - store.redis_time()) < 60
+        assert me.owner in store.node_owners(me.node)
+
+        # the cleanup of its node (a restart) takes the hand-on over: published now, once
+        report = store.cleanup_node(me.node)
+        assert [(o, t) for o, t, _ in report.handons] == [(me.owner, task_id)]
+        assert handon_entries(client, ext, "excl:T") == []
+        assert _parking.publish_taken_over(ext, report) == 1
+        assert published_ids(client, queue) == [task_id]
+        assert store.cleanup_owner(me.owner, dead=True).handons == []
+        # the copy finds its hand-on (its reservation stands) and runs
+        assert gate(ext, task_id, Want("excl:T", "x", 0)) == ParkGateReply.HANDED
+    finally:
+        client.close()
+
+
+def test_a_newcomer_parks_behind_parked_tasks_even_when_the_resource_is_free(leases: Leases):
+    # t0 a holder releases R with T parked on it; t1 newcomer N's gate, before the hand-on:
+    # R is free, but N must park behind T rather than take R (it would overtake T)
+    want = Want("behind", "x", 0)
+    assert take(leases, want, "-", owner="holder")
+    assert park(leases, "T", want) == ParkReply.PARKED
+    leases.store.client.delete(leases.store.keys.exclusive(want.resource))  # the release
+    assert gate(leases, "N", want) == ParkGateReply.BEHIND
+    assert park(leases, "N", want) == ParkReply.PARKED
+    # once T is handed on (R reserved for it), the next newcomer is behind N, not behind T
+    assert hand_on(leases, want) == "T"
+    assert gate(leases, "M", want) == ParkGateReply.BEHIND
+    assert gate(leases, "T", want) == ParkGateReply.HANDED
+    # with nothing parked any more, a newcomer goes on to its acquire
+    assert unpark(leases, "N")
+    assert gate(leases, "M", want) == ParkGateReply.NOT_PARKED

@@ -13,6 +13,8 @@ import redis
 from celery import Celery
 
 from celery_leases import Leases
+from celery_leases._identity import Identity
+from celery_leases._lease import Want
 from celery_leases._parking import list_parked, unpark
 from tests.support.polling import wait_until
 from tests.support.workers import WorkerProc
@@ -56,13 +58,16 @@ def run_tenants(
     leases_redis: redis.Redis,
     leases_prefix: str,
     kill: Callable[[], None] | None = None,
-) -> list[tuple[str, str, int, str, int, int]]:
+) -> tuple[list[tuple[str, str, int, str, int, int]], int]:
+    """The ledger's events, and the Redis time (us) once the lone task C was sent."""
     client = redis.Redis.from_url(producer.conf.broker_url)
     erp = producer.tasks["park_app.erp"]
     for tenant in "AB":  # tenant by tenant: the first 4 tasks of A fill the slots
         for n in range(200):
             erp.delay(tenant, n)
     erp.delay("C", 0)
+    s, us = client.time()
+    lone_sent = s * 1_000_000 + us
     if kill is not None:
         wait_until(
             lambda: sum(1 for e in events(client, leases_prefix) if e[0] == "e") >= 150,
@@ -78,7 +83,24 @@ def run_tenants(
     wait_until(done, DEADLINE, "all 401 tasks done")
     evs = events(client, leases_prefix)
     client.close()
-    return evs
+    return evs, lone_sent
+
+
+def hand_ons_before_the_lone_task(
+    evs: list[tuple[str, str, int, str, int, int]], lone_sent: int
+) -> tuple[int, int, int]:
+    """How many hand-ons the lone task C waited for: copies of the other tenants published
+    before C was sent that started after it was sent and before C started (ahead of C in the
+    broker's queue). Also: all the copies that started before C (most were handed on before C
+    existed), and those published after C was sent that still started first (two deliveries
+    dispatched at once to two pool processes: whichever writes its start first)."""
+    (c_start,) = [e[5] for e in evs if e[0] == "s" and e[1] == "C"]
+    published = {(e[3], e[4]): e[5] for e in evs if e[0] == "p"}
+    copies = [(published.get((e[3], e[4])), e[5]) for e in evs if e[0] == "s" and e[4] > 0]
+    before = [(pub, start) for pub, start in copies if start < c_start]
+    waited = sum(1 for pub, start in before if pub is not None and pub < lone_sent < start)
+    later = sum(1 for pub, _ in before if pub is not None and pub > lone_sent)
+    return waited, len(before), later
 
 
 def check_tenants(evs: list[tuple[str, str, int, str, int, int]], *, exactly_once: bool) -> None:
@@ -106,8 +128,22 @@ def test_tenants_limit_two_each_done_once(
     start_worker: Callable[..., WorkerProc],
 ):
     start_worker(concurrency=4)
-    evs = run_tenants(producer, leases_redis, leases_prefix)
+    evs, lone_sent = run_tenants(producer, leases_redis, leases_prefix)
     check_tenants(evs, exactly_once=True)
+    # the lone task starts within 2 hand-ons: C, never parked, waits only for what is ahead of
+    # it in the broker's queue, where each tenant has at most `limit` (2) copies at a time (a
+    # copy holds one of its tenant's places); B's first tasks start after C was sent
+    waited, before, later = hand_ons_before_the_lone_task(evs, lone_sent)
+    print(f"the lone task waited for {waited} hand-on(s); {before} copies started before it, "
+          f"{later} of them published after it was sent")  # fmt: skip
+    assert waited <= 2
+    # and within a tenant, first parked first served: after the first 2 tasks of A and of B,
+    # every task ran from a hand-on (a newcomer parks behind the parked ones, even in the
+    # moment between a release and its hand-on)
+    originals = Counter(e[1] for e in evs if e[0] == "s" and e[4] == 0)
+    print(f"tasks that started without being parked: {dict(originals)}")
+    assert originals["A"] == 2
+    assert originals["B"] == 2
     ext: Leases = producer.leases  # type: ignore[attr-defined]
     wait_until(lambda: not list_parked(ext), 30, "no parked task left")
 
@@ -124,7 +160,7 @@ def test_tenants_with_worker_killed_halfway(
         worker.kill9()
         worker.start()
 
-    evs = run_tenants(producer, leases_redis, leases_prefix, kill)
+    evs, _ = run_tenants(producer, leases_redis, leases_prefix, kill)
     # acks_late: a body cut by the kill runs again (at least once); every task is done
     check_tenants(evs, exactly_once=False)
     starts = Counter((e[1], e[2]) for e in evs if e[0] == "s")
@@ -240,3 +276,92 @@ def test_hazard6_a_parked_unique_task_keeps_its_claim(
         lambda: len([e for e in events(client, leases_prefix) if e[0] == "e"]) == 2, 30, "3 ran"
     )
     client.close()
+
+
+def test_a_releaser_killed_before_its_publish_is_taken_over_by_its_cleanup(
+    producer: Celery,
+    leases_prefix: str,
+    queue: str,
+    start_worker: Callable[..., WorkerProc],
+    tmp_path: Path,
+):
+    # the releaser (the pool process that ran task 0) is killed between its hand-on to task 1
+    # and the publish; its worker's reaper cleans its owner and publishes task 1 at once. The
+    # hand-on's reservation lasts 300 s: running out is not what saves the task here
+    ext: Leases = producer.leases  # type: ignore[attr-defined]
+    trap = tmp_path / "die-before-publish"
+    trap.write_text("1")
+    env = {
+        "CELERY_LEASES_TEST_DIE_BEFORE_PUBLISH": str(trap),
+        "CELERY_LEASES_HANDON_TIMEOUT": "300",
+        "PAPP_SLOW": "2",
+    }
+    worker = start_worker(concurrency=2, env=env)
+    client = redis.Redis.from_url(producer.conf.broker_url)
+    excl = producer.tasks["park_app.excl"]
+
+    def started(n: int) -> list[tuple[str, str, int, str, int, int]]:
+        return [e for e in events(client, leases_prefix) if e[0] == "s" and e[2] == n]
+
+    try:
+        excl.delay("R", 0)
+        wait_until(lambda: started(0), 60, "task 0 started")
+        second = excl.delay("R", 1)
+        wait_until(lambda: list_parked(ext, "excl:R"), 60, "task 1 parked")
+        wait_until(lambda: not trap.exists(), 60, "the releaser of excl:R killed")
+        wait_until(lambda: started(1), 120, "task 1 started")
+        (end0,) = [e for e in events(client, leases_prefix) if e[0] == "e" and e[2] == 0]
+        (start1,) = started(1)
+        delay = (start1[5] - end0[5]) / 1e6
+        print(f"task 1 started {delay:.2f} s after task 0's body ended (handon_timeout 300 s)")
+        assert delay < 60
+        assert start1[3] == second.id
+        assert start1[4] == 1  # the published copy of its parked delivery
+        # nothing left to run it again: nothing parked, no copy queued, and it ran once
+        wait_until(lambda: [e for e in events(client, leases_prefix) if e[:3] == ("e", "R", 1)],
+                   60, "task 1 done")  # fmt: skip
+        wait_until(lambda: not list_parked(ext) and not client.llen(queue), 60, "nothing left")
+        assert len(started(1)) == 1
+        log = worker.log()
+        assert "killed between a hand-on and its publish" in log
+        assert f"took over the hand-on to {second.id}" in log
+    finally:
+        client.close()
+
+
+def test_a_pump_killed_before_its_publish_is_taken_over_at_its_restart(
+    producer: Celery,
+    leases_prefix: str,
+    start_worker: Callable[..., WorkerProc],
+    tmp_path: Path,
+):
+    # the hand-on is the pump's, in the worker's main process, which holds no lease: it is
+    # killed between the hand-on and the publish; its node's start-up cleanup, when the worker
+    # comes back, takes the hand-on over (the reservation lasts 300 s: not what saves it)
+    ext: Leases = producer.leases  # type: ignore[attr-defined]
+    trap = tmp_path / "die-before-publish"
+    trap.write_text("1")
+    env = {
+        "CELERY_LEASES_TEST_DIE_BEFORE_PUBLISH": str(trap),
+        "CELERY_LEASES_HANDON_TIMEOUT": "300",
+    }
+    worker = start_worker(concurrency=2, env=env)
+    client = redis.Redis.from_url(producer.conf.broker_url)
+    try:
+        # a holder that dies without a release: its lease runs out, only the pump hands on
+        me = ext.identity()
+        ghost = Identity(f"ghost-{leases_prefix}", me.incarnation, me.pid)
+        ext.store.acquire([Want("excl:M", "x", 0)], ghost, 2.0)
+        parked = producer.tasks["park_app.excl"].delay("M", 1)
+        wait_until(lambda: list_parked(ext, "excl:M"), 60, "the task parked")
+        wait_until(lambda: not worker.alive(), 60, "the pump's process killed at its hand-on")
+        assert not trap.exists()
+        assert list_parked(ext, "excl:M")[0]["state"] == "handed on"
+        worker.start()
+        wait_until(lambda: [e for e in events(client, leases_prefix) if e[:2] == ("e", "M")],
+                   60, "the parked task done")  # fmt: skip
+        starts = [e for e in events(client, leases_prefix) if e[0] == "s"]
+        assert [(e[3], e[4]) for e in starts] == [(parked.id, 1)]
+        assert f"took over the hand-on to {parked.id}" in worker.current_log()
+    finally:
+        client.close()
