@@ -47,6 +47,7 @@ __all__ = (
     "BeatClaim",
     "BeatRun",
     "ClaimHolder",
+    "ClaimMode",
     "Claimed",
     "beat_claim",
     "beat_runs",
@@ -70,6 +71,23 @@ _Outcome = TypeVar("_Outcome")
 
 # --- what a claim call returns ------------------------------------------------------------
 @dataclass(frozen=True)
+class ClaimMode:
+    """What a producer's claim does besides refusing while a copy is queued or running.
+
+    Attributes:
+        window: ``unique_mode="throttle"``: seconds after an accepted send (from its
+            publish) during which every other send is refused; 0 none.
+        replace: ``unique_mode="replace"``: a claim still queued for another task id is
+            taken from it; that task's message then never runs.
+        forget: seconds a replaced task id is remembered (the queue TTL).
+    """
+
+    window: float = 0.0
+    replace: bool = False
+    forget: float = 0.0
+
+
+@dataclass(frozen=True)
 class Claimed:
     """A unique claim queued for a task (``again``: it already was, by an earlier publish)."""
 
@@ -77,6 +95,8 @@ class Claimed:
     task_id: str
     token: int
     again: bool = False
+    #: unique_mode="replace": the task id whose queued claim this one took (it never runs)
+    replaced: str | None = None
 
 
 @dataclass(frozen=True)
@@ -85,8 +105,10 @@ class ClaimHolder:
 
     Attributes:
         key: the rendered unique key.
-        state: ``"queued"`` (published, not started), ``"running"`` (a worker took it over)
-            or ``"grace"`` (Redis is in its restart grace; nobody may be granted anything).
+        state: ``"queued"`` (published, not started), ``"running"`` (a worker took it over),
+            ``"grace"`` (Redis is in its restart grace; nobody may be granted anything),
+            ``"throttled"`` (``unique_mode="throttle"``: the window of ``task_id``'s send
+            runs) or ``"replaced"`` (a later send replaced the starting task's claim).
         task_id: the holding task's id; None when it could not be read (it changed hands
             while it was read, or the key was written by something else).
         token: the claim's fencing token.
@@ -95,7 +117,7 @@ class ClaimHolder:
     """
 
     key: str
-    state: Literal["queued", "running", "grace"]
+    state: Literal["queued", "running", "grace", "throttled", "replaced"]
     task_id: str | None
     token: int
     owner: str | None
@@ -255,7 +277,7 @@ def claim_beat_run(
 
 # --- claim (the producer) -----------------------------------------------------------------
 def unique_claim(
-    engine: LeaseEngine, key: str, task_id: str, ttl: float
+    engine: LeaseEngine, key: str, task_id: str, ttl: float, mode: ClaimMode | None = None
 ) -> Steps[Claimed | ClaimHolder]:
     """Claim ``key`` for ``task_id``, about to be published, for ``ttl`` seconds.
 
@@ -266,19 +288,22 @@ def unique_claim(
         :class:`Claimed` (``again`` when it was already queued for this task id), or the
         :class:`ClaimHolder` that has it.
 
+    ``mode`` (a throttle window, replace) changes what the claim does: see
+    :class:`ClaimMode`.
+
     Raises:
         LeaseBackendError: with ``maybe_claimed`` set when the call's reply was lost and its
             resend failed: the claim may have been made.
     """
-    return (yield from _holder_read(lambda: _claim_attempt(engine, key, task_id, ttl)))
+    return (yield from _holder_read(lambda: _claim_attempt(engine, key, task_id, ttl, mode)))
 
 
 def _claim_attempt(
-    engine: LeaseEngine, key: str, task_id: str, ttl: float
+    engine: LeaseEngine, key: str, task_id: str, ttl: float, mode: ClaimMode | None
 ) -> Steps[Claimed | ClaimHolder]:
     resource = engine.keys.unique_resource(key)
     Want(resource)  # a name without a UTF-8 form is a LeaseConfigError, not a redis one
-    call = _unique_claim_call(engine, resource, task_id, ttl)
+    call = _unique_claim_call(engine, resource, task_id, ttl, None, mode)
     try:
         # one attempt first: a failure after it may have run is told apart below
         (reply,) = yield Send([call])
@@ -302,12 +327,22 @@ def _claim_attempt(
     code = int(reply[0])
     if code in (UniqueClaimReply.CLAIMED, UniqueClaimReply.CLAIMED_AGAIN):
         again = code == UniqueClaimReply.CLAIMED_AGAIN and not lost
-        return Claimed(key, task_id, int(reply[1]), again=again)
+        replaced = unescape(str(reply[2])) if len(reply) > 2 else None
+        return Claimed(key, task_id, int(reply[1]), again=again, replaced=replaced)
+    if code == UniqueClaimReply.THROTTLED:
+        pttl = int(reply[2])
+        last = unescape(str(reply[1]))
+        return ClaimHolder(key, "throttled", last, 0, None, None if pttl < 0 else pttl / 1000)
     return (yield from _claim_holder(engine, key, resource, str(reply[1]), int(reply[2])))
 
 
 def unique_confirm(
-    engine: LeaseEngine, key: str, task_id: str, token: int, ttl: float
+    engine: LeaseEngine,
+    key: str,
+    task_id: str,
+    token: int,
+    ttl: float,
+    mode: ClaimMode | None = None,
 ) -> Steps[bool]:
     """Confirm the pending claim of ``key`` for ``task_id`` (``token``): its message is
     published; it now lives ``ttl`` seconds (the queue TTL).
@@ -317,7 +352,8 @@ def unique_confirm(
     lands), it was released (the task ran and ended) or it ran out. A confirm never brings
     a claim back.
     """
-    call = _unique_claim_call(engine, engine.keys.unique_resource(key), task_id, ttl, token)
+    resource = engine.keys.unique_resource(key)
+    call = _unique_claim_call(engine, resource, task_id, ttl, token, mode)
     try:
         # idempotent (token-checked, only ever raises a TTL)
         (reply,), _ = yield from resend_if_lost([call])
@@ -327,14 +363,23 @@ def unique_confirm(
 
 
 def _unique_claim_call(
-    engine: LeaseEngine, resource: str, task_id: str, ttl: float, token: int | None = None
+    engine: LeaseEngine,
+    resource: str,
+    task_id: str,
+    ttl: float,
+    token: int | None = None,
+    mode: ClaimMode | None = None,
 ) -> Script:
     """unique_claim.lua for ``task_id``'s claim of ``resource``: a pending claim of ``ttl``,
     or with the claim's ``token``, its confirm (the claim now lives ``ttl``)."""
     rk = engine.resource_keys(resource)
     keys = [rk.exclusive, rk.counter, engine.keys.unique_queued(rk.group)]
+    keys += [engine.keys.unique_window(resource), engine.keys.unique_replaced(resource)]
     args: list[Any] = [escape(task_id), engine.ms(ttl), engine.token_memory_ms, resource]
     args.append("" if token is None else str(token))
+    mode = mode or ClaimMode()
+    args += [engine.ms(mode.window) if mode.window else "0", "r" if mode.replace else ""]
+    args.append(engine.ms(mode.forget))
     return Script("unique_claim", keys, args)
 
 
@@ -392,6 +437,7 @@ def _handover_attempt(
         rk.exclusive,
         rk.counter,
         engine.keys.unique_queued(group),
+        engine.keys.unique_replaced(resource),
     ]
     args: list[Any] = [
         owner,
@@ -422,6 +468,8 @@ def _handover_attempt(
         code = int(reply[0])
         if code == UniqueHandoverReply.GRACE:
             return ClaimHolder(key, "grace", None, 0, None, int(reply[1]) / 1000)
+        if code == UniqueHandoverReply.REPLACED:
+            return ClaimHolder(key, "replaced", task_id, 0, None, None)
         if code == UniqueHandoverReply.BUSY:
             return (yield from _claim_holder(engine, key, resource, str(reply[1]), int(reply[2])))
         # records the registry expiry, and the token in the BOOK before the call ends
@@ -528,22 +576,29 @@ def unique_requeue(engine: LeaseEngine, held: Held, ttl: float) -> Steps[bool]:
 
 
 def unique_unclaim(
-    engine: LeaseEngine, key: str, task_id: str, token: int | None = None
+    engine: LeaseEngine,
+    key: str,
+    task_id: str,
+    token: int | None = None,
+    replaced: str | None = None,
 ) -> Steps[bool]:
     """Release ``key``'s claim if it is still queued for ``task_id`` (and ``token``).
 
     Returns True if it was released; a claim a worker took over, or one of another task,
-    is left alone.
+    is left alone. Its throttle window goes with it; ``replaced``, the task id whose claim
+    it replaced, may run again.
     """
     resource = engine.keys.unique_resource(key)
     Want(resource)
     rk = engine.resource_keys(resource)
     keys = [rk.exclusive, engine.keys.unique_queued(rk.group)]
+    keys += [engine.keys.unique_window(resource), engine.keys.unique_replaced(resource)]
     args: list[Any] = [
         escape(task_id),
         "" if token is None else str(token),
         resource,
         rk.channel,
+        "" if replaced is None else escape(replaced),
     ]
     try:
         # idempotent (token-checked): sent again, it gives back what is still there

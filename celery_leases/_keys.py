@@ -233,6 +233,16 @@ class Keyspace:
         """
         return UNIQUE_PREFIX + key
 
+    def unique_window(self, resource: str) -> str:
+        """STRING: the escaped task id of the last send of a claim resource accepted under
+        ``unique_mode="throttle"``, with the ``unique_window`` as its PX."""
+        return f"{self.tag(self.group_of(resource))}:uw:{escape(resource)}"
+
+    def unique_replaced(self, resource: str) -> str:
+        """ZSET: escaped task ids whose queued claim of a claim resource a later send took
+        (``unique_mode="replace"``), scored by when they are forgotten (Redis ms)."""
+        return f"{self.tag(self.group_of(resource))}:ur:{escape(resource)}"
+
     def unique_queued(self, group: int) -> str:
         """ZSET of the claim resources queued in ``group``, scored by expiry (Redis ms)."""
         return f"{self.tag(group)}:unique-queued"

@@ -71,11 +71,13 @@ class UniqueClaimReply(IntEnum):
     BUSY = 0  #: held by another: the holder value and its pttl follow
     CLAIMED = 1  #: claimed for this task: the token follows
     CLAIMED_AGAIN = 2  #: already queued for this same task id (a re-publish): the token follows
+    THROTTLED = 3  #: a throttle window is running: the task id of its send and its pttl follow
 
 
 class UniqueHandoverReply(IntEnum):
     """unique_handover.lua's first reply element."""
 
+    REPLACED = -2  #: a later send replaced this task's claim: it never runs
     GRACE = -1  #: restart grace: wait_ms follows
     BUSY = 0  #: held by another: the holder value and its pttl follow
     TAKEN = 1  #: taken for this task: the token follows

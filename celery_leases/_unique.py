@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Final, Protocol, get_args
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, get_args
 
 from celery import signals as celery_signals
 from celery import states
@@ -18,7 +18,7 @@ from celery.utils.log import get_logger
 from kombu.utils.uuid import uuid
 
 from . import signals
-from ._claims import ClaimHolder
+from ._claims import ClaimHolder, ClaimMode
 from ._lease import Held, Lease, held_of
 from ._sync.heartbeat import heartbeat
 from .config import OnDuplicate
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from .app import Leases
 
-__all__ = ("UNIQUE_HEADER", "install", "release_claim", "take_claim")
+__all__ = ("UNIQUE_HEADER", "UniqueMode", "check_mode", "install", "release_claim", "take_claim")
 
 logger = get_logger(__name__)
 
@@ -42,12 +42,49 @@ _BEAT_HEADER: Final = "celery_beat_task"
 _REDELIVERY_SLACK: Final = 1.0
 
 
+#: what a send does while the key is taken (docs/unique.md, "Modes")
+UniqueMode = Literal["refuse", "throttle", "replace"]
+
+
+def check_mode(name: str, unique: object, mode: object, window: object) -> None:
+    """Check a task's (or one send's) ``unique_mode``/``unique_window``.
+
+    Raises:
+        LeaseConfigError: naming the task and the option that is wrong.
+    """
+    allowed = get_args(UniqueMode)
+    if mode is not None and mode not in allowed:
+        msg = f"task {name!r}: unique_mode={mode!r} is not one of {', '.join(allowed)}"
+        raise LeaseConfigError(msg)
+    if unique is None and (mode is not None or window is not None):
+        option = "unique_mode=" if mode is not None else "unique_window="
+        msg = f"task {name!r}: {option} needs unique= (the key it applies to)"
+        raise LeaseConfigError(msg)
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, (int, float)) or not window > 0
+    ):
+        msg = f"task {name!r}: unique_window={window!r} must be a number of seconds > 0"
+        raise LeaseConfigError(msg)
+    if mode == "throttle" and window is None:
+        msg = f"task {name!r}: unique_mode='throttle' needs unique_window= (seconds)"
+        raise LeaseConfigError(msg)
+    if mode != "throttle" and window is not None:
+        msg = (
+            f"task {name!r}: unique_window= means nothing with unique_mode={mode or 'refuse'!r}"
+            " (it is the window of unique_mode='throttle')"
+        )
+        raise LeaseConfigError(msg)
+
+
 class UniqueTask(Protocol):
     """What the producer and worker sides need of a task declared with ``unique=``."""
 
     name: str
+    unique: str | None
     unique_ttl: float | None
     on_duplicate: OnDuplicate | None
+    unique_mode: UniqueMode | None
+    unique_window: float | None
 
     @property
     def request(self) -> Any: ...
@@ -117,14 +154,17 @@ def install(ext: Leases) -> None:
         **options: Any,
     ) -> Any:
         per_call = options.pop("on_duplicate", None)
+        modes = options.pop("unique_mode", None), options.pop("unique_window", None)
         task = unique_task_of(options.get("task_type") or _registered(app, name))
         if task is None:
+            if modes != (None, None):
+                check_mode(name, None, *modes)  # a mode for a task without unique=: refused
             return _send(current, name, args, kwargs, countdown, eta, task_id, rest, options)
         return _publish_unique(
             find_leases(app) or ext,
             current,
             task,
-            per_call,
+            (per_call, *modes),
             name,
             args,
             kwargs,
@@ -204,7 +244,7 @@ def _publish_unique(
     ext: Leases,
     send: Callable[..., Any],
     task: UniqueTask,
-    per_call: object,
+    per_call: tuple[object, object, object],
     name: str,
     args: Any,
     kwargs: Any,
@@ -214,16 +254,18 @@ def _publish_unique(
     rest: tuple[Any, ...],
     options: dict[str, Any],
 ) -> Any:
-    policy = _check_policy(per_call) or task.on_duplicate or ext.settings.on_duplicate
+    policy = _check_policy(per_call[0]) or task.on_duplicate or ext.settings.on_duplicate
     task_id = task_id or uuid()
     base_ttl = task.unique_ttl if task.unique_ttl is not None else ext.settings.unique_ttl
     queue_ttl = base_ttl + _delay(ext.app, countdown, eta)
+    mode = _claim_mode(task, per_call[1], per_call[2], queue_ttl)
     headers = dict(options.get("headers") or {})
     store = ext.store
     # Our claim to give back if the publish fails: (token) of a claim made or requeued here.
     # Timeline it guards: t0 claim; t1 the broker refuses the message; t2 without this, every
     # later publish of the key is refused for the whole queue TTL, for a task that never was.
     ours: int | None = None
+    replaced: str | None = None  # replace: the task id whose queued claim ours took
     # The pending claim to confirm once the message is out (see unique_claim.lua): until
     # then it lives unique_confirm_window, so a claim left without its message (a producer
     # that died, a claim whose reply was lost with Redis then unreachable) frees its key soon.
@@ -237,13 +279,17 @@ def _publish_unique(
             ours = running.lease.token
         else:
             window = min(ext.settings.unique_confirm_window, queue_ttl)
-            outcome = store.unique_claim(key, task_id, window)
+            outcome = store.unique_claim(key, task_id, window, mode)
             if isinstance(outcome, ClaimHolder):
                 return _duplicate(ext, task, name, policy, outcome, task_id, headers, options)
             if not outcome.again:
                 ours = outcome.token
-            pending = outcome.token
+            pending, replaced = outcome.token, outcome.replaced
             logger.debug("leases: claimed unique key %r for %s[%s]", key, name, task_id)
+            if replaced is not None:
+                logger.info(
+                    "leases: %s[%s] replaces queued %s: unique key %r", name, task_id, replaced, key
+                )
     except LeaseBackendError as exc:
         # A task's retry of itself (self.retry, a busy retry, on_backend_error="retry") is
         # sent even when Redis fails: Celery rejects a task whose retry cannot be published,
@@ -270,7 +316,7 @@ def _publish_unique(
     except BaseException:
         if ours is not None:
             try:
-                store.unique_unclaim(key, task_id, ours)
+                store.unique_unclaim(key, task_id, ours, replaced)
             except Exception:
                 logger.exception("leases: could not give back the unique claim %r", key)
             else:
@@ -282,14 +328,32 @@ def _publish_unique(
                 )
         raise
     if pending is not None:
-        _confirm(ext, name, key, task_id, pending, queue_ttl)
+        _confirm(ext, name, key, task_id, pending, queue_ttl, mode)
     return result
 
 
-def _confirm(ext: Leases, name: str, key: str, task_id: str, token: int, ttl: float) -> None:
-    """The message of ``task_id`` is published: its pending claim now lives ``ttl``."""
+def _claim_mode(task: UniqueTask, mode: object, window: object, queue_ttl: float) -> ClaimMode:
+    """The :class:`ClaimMode` of one send: the task's ``unique_mode``/``unique_window``, or
+    the send's own (``apply_async`` options, a beat entry's ``options``), checked here."""
+    if mode is not None or window is not None:
+        mode = task.unique_mode if mode is None else mode
+        if window is None and mode == "throttle":
+            window = task.unique_window
+        check_mode(task.name, task.unique, mode, window)
+    else:
+        mode, window = task.unique_mode, task.unique_window
+    if mode == "throttle":
+        return ClaimMode(window=float(window), forget=queue_ttl)  # type: ignore[arg-type]
+    return ClaimMode(replace=mode == "replace", forget=queue_ttl)
+
+
+def _confirm(
+    ext: Leases, name: str, key: str, task_id: str, token: int, ttl: float, mode: ClaimMode
+) -> None:
+    """The message of ``task_id`` is published: its pending claim now lives ``ttl`` (and
+    its throttle window, if any, its full length from now)."""
     try:
-        confirmed = ext.store.unique_confirm(key, task_id, token, ttl)
+        confirmed = ext.store.unique_confirm(key, task_id, token, ttl, mode)
     except LeaseBackendError as exc:
         # the message is out: nothing to refuse; its claim lapses at the end of the window,
         # after which the key may take another copy (a worker still runs one at a time)
@@ -379,14 +443,23 @@ def _duplicate(
 ) -> Any:
     """Apply ``policy`` to a publish refused because ``holder`` has the key."""
     beat = bool(headers.get(_BEAT_HEADER))
-    logger.info(
-        "leases: %s%s not sent: unique key %r is held by %s task %s",
-        "beat: " if beat else "",
-        name,
-        holder.key,
-        holder.state,
-        holder.task_id or "(unknown)",
-    )
+    if holder.state == "throttled":
+        logger.info(
+            "leases: %s%s not sent: unique key %r is held by the throttle window of task %s",
+            "beat: " if beat else "",
+            name,
+            holder.key,
+            holder.task_id,
+        )
+    else:
+        logger.info(
+            "leases: %s%s not sent: unique key %r is held by %s task %s",
+            "beat: " if beat else "",
+            name,
+            holder.key,
+            holder.state,
+            holder.task_id or "(unknown)",
+        )
     try:
         signals.unique_duplicate.send(
             sender=name,
@@ -438,6 +511,14 @@ def take_claim(
         key = task._unique_key(args, kwargs)
     started = time.monotonic()
     outcome = ext.store.unique_take(key, task_id, ext.identity(), ttl, ttl + _REDELIVERY_SLACK)
+    if isinstance(outcome, ClaimHolder) and outcome.state == "replaced":
+        logger.info(
+            "leases: %s[%s] not run: a later send replaced it (unique key %r)",
+            task.name,
+            task_id,
+            key,
+        )
+        return None
     if isinstance(outcome, ClaimHolder):
         logger.info(
             "leases: %s[%s] not run: unique key %r is held by %s task %s",

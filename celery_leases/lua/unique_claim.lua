@@ -11,6 +11,12 @@
 -- ARGV[3] token counter memory in milliseconds ("0": none is written, one left is still read)
 -- ARGV[4] claim resource name (index member)
 -- ARGV[5] "" to claim; a token to confirm the claim "<token> %queued/<task id>" (below)
+-- KEYS[4] throttle window key of the claim resource: the escaped task id of the last accepted
+--         send, while its unique_window lasts   KEYS[5] replaced task ids of the claim resource
+--         (ZSET scored by when they are forgotten, Redis ms): their messages never run
+-- ARGV[6] unique_window in milliseconds ("0": no throttle window)
+-- ARGV[7] "r" (unique_mode="replace"): a claim queued for another task id is taken from it
+-- ARGV[8] how long a replaced task id is remembered, in milliseconds (its queue ttl)
 --
 -- A producer claims with a short ttl (the unique_confirm_window setting: the claim is
 -- pending) and, once its message is published, confirms it with the queue ttl. A claim whose
@@ -24,6 +30,10 @@
 --          {0, holder, pttl}   held by another: holder "<token> <owner>" (owner
 --                              "%queued/<task>" while queued), pttl ms until it runs out unless
 --                              renewed (-1: never)
+--          {3, task, pttl}     throttled: the window of the send of (escaped) task id "task"
+--                              lasts pttl ms more; nothing changed
+--          {1, token, task}    (replace) claimed for this task, taken from the claim queued for
+--                              (escaped) task id "task", now remembered as replaced
 -- returns, to a confirm:
 --          {1, token}          the claim is still queued for this task with this token: its
 --                              TTL is raised to ARGV[2] if it was shorter
@@ -46,8 +56,14 @@ local function index(expiry)
   end
 end
 
+local window = tonumber(ARGV[6] or '0')
 local current = redis.call('GET', KEYS[1])
 if ARGV[5] ~= '' then
+  -- the window counts from the publish (first, so a worker that took the claim over before
+  -- this confirm leaves the window its full length)
+  if window > 0 and redis.call('GET', KEYS[4]) == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[4], window)
+  end
   if current ~= ARGV[5] .. ' ' .. mine then
     return {0, current or '', current and redis.call('PTTL', KEYS[1]) or -2}
   end
@@ -58,6 +74,13 @@ if ARGV[5] ~= '' then
   end
   return {1, ARGV[5]}
 end
+if window > 0 then
+  local last = redis.call('GET', KEYS[4])
+  if last and last ~= ARGV[1] then
+    return {3, last, redis.call('PTTL', KEYS[4])}
+  end
+end
+local replaced = nil
 if current then
   local space = string.find(current, ' ', 1, true)
   local pttl = redis.call('PTTL', KEYS[1])
@@ -71,11 +94,27 @@ if current then
     end
     return {2, string.sub(current, 1, space - 1)}
   end
-  return {0, current, pttl}
+  if ARGV[7] ~= 'r' or not space or string.sub(current, space + 1, space + 8) ~= '%queued/' then
+    return {0, current, pttl}
+  end
+  -- replace: the queued task's message will find its id here and not run
+  replaced = string.sub(current, space + 9)
+  local forget = tonumber(ARGV[8])
+  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', num(now))
+  redis.call('ZADD', KEYS[5], num(now + forget), replaced)
+  if redis.call('PTTL', KEYS[5]) < forget then
+    redis.call('PEXPIRE', KEYS[5], forget)
+  end
 end
 
 -- a fencing token as acquire.lua makes them: above every earlier one, at least the clock in us
 local token, text = next_token(KEYS[2], now_us, now_text, ARGV[3])
 redis.call('SET', KEYS[1], (text or num(token)) .. ' ' .. mine, 'PX', ttl)
 index(now + ttl)
+if window > 0 then
+  redis.call('SET', KEYS[4], ARGV[1], 'PX', math.min(ttl, window))
+end
+if replaced then
+  return {1, token, replaced}
+end
 return {1, token}

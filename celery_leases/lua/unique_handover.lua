@@ -17,10 +17,12 @@
 --         registry, "0" none (see _registry.lua)
 -- ARGV[6] task id, escaped   ARGV[7] claim resource name
 -- ARGV[8] the call's id ("" none), written into the registry entry as acquire.lua does
+-- KEYS[6] replaced task ids of the claim resource (unique_mode="replace", unique_claim.lua)
 -- returns {1, token}          taken: it was queued for this task, or free
 --         {0, holder, pttl}   held by another: "<token> <owner>" ("%queued/<task>" while
 --                             queued), pttl ms until it runs out unless renewed (-1: never)
 --         {-1, wait_ms}       restart grace: Redis restarted or failed over (see above)
+--         {-2}                this task's claim was replaced by a later send: it never runs
 
 local now, now_us, now_text = clock_of(redis.call('TIME'))
 local owner, grace = ARGV[1], tonumber(ARGV[3])
@@ -31,6 +33,11 @@ if grace >= 0 then
   if wait > 0 then
     return {-1, wait}
   end
+end
+
+local gone = redis.call('ZSCORE', KEYS[6], ARGV[6])
+if gone and tonumber(gone) > now then
+  return {-2}
 end
 
 local current = redis.call('GET', KEYS[3])

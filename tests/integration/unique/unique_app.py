@@ -194,6 +194,34 @@ def make_app(
             time.sleep(60)
         return str(self.request.id)
 
+    @app.task(
+        name="unique_app.throttled",
+        shared=False,
+        base=LeasedTask,
+        bind=True,
+        unique="thr:{key}",
+        unique_mode="throttle",
+        unique_window=30,
+        on_duplicate="raise",
+    )
+    def throttled(self: Any, key: str, tag: str = "") -> str:
+        record(f"started:{key}", f"{self.request.id} {os.getpid()} {tag}")
+        return str(self.request.id)
+
+    @app.task(
+        name="unique_app.replaced",
+        shared=False,
+        base=LeasedTask,
+        bind=True,
+        unique="rep:{key}",
+        unique_mode="replace",
+        on_duplicate="raise",
+    )
+    def replaced(self: Any, key: str, tag: str = "") -> str:
+        record(f"started:{key}", f"{self.request.id} {os.getpid()} {tag}")
+        wait_gate(key)
+        return tag
+
     return app
 
 

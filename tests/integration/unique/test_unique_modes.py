@@ -1,0 +1,223 @@
+"""``unique_mode`` (issue 31) with real ``celery worker`` processes: throttle and replace.
+
+Many producers race through real processes (``racer.py``) and this test process; the runs are
+counted in the ledger the tasks write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import redis
+from celery import Celery
+from celery.result import AsyncResult
+
+from celery_leases import DuplicateTask, LeaseConfigError, Leases
+from tests.support.workers import WorkerProc
+
+from .conftest import REPO, RESULT_TIMEOUT, Ledger, wait_until
+from .racer import race
+
+pytestmark = pytest.mark.worker
+
+#: 200 producers: 4 processes of 40 threads, and 40 threads of this process
+PROCESSES = 4
+THREADS = 40
+PRODUCERS = PROCESSES * THREADS + THREADS
+
+
+def race_producers(
+    producer: Celery, url: str, prefix: str, queue: str, key: str, task: str
+) -> list[str]:
+    """Every one of :data:`PRODUCERS` threads sends ``task(key, tag)`` at once; their
+    outcomes (see :func:`racer.race`)."""
+    start_key = f"{{{prefix}:ledger}}:start:{task}:{key}"
+    client = redis.Redis.from_url(url)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    argv = [sys.executable, "-m", "tests.integration.unique.racer", url, prefix, queue, key]
+    racers = [
+        subprocess.Popen(
+            [*argv, str(THREADS), start_key, task],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(PROCESSES)
+    ]
+    try:
+        wait_until(
+            lambda: int(client.get(start_key + ":ready") or 0) >= PROCESSES,
+            60,
+            "the racing processes to be ready",
+        )
+        barrier = threading.Event()
+        local: list[str] = []
+        runner = threading.Thread(
+            target=lambda: local.extend(race(producer, key, barrier.wait, THREADS, task))
+        )
+        runner.start()
+        client.set(start_key, "1", ex=600)  # every process and thread goes now
+        barrier.set()
+        runner.join(120)
+        remote: list[str] = []
+        for proc in racers:
+            stdout, stderr = proc.communicate(timeout=120)
+            assert proc.returncode == 0, stderr
+            remote.extend(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for proc in racers:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+        client.close()
+    outcomes = local + remote
+    assert len(outcomes) == PRODUCERS
+    assert not [o for o in outcomes if o.startswith("error")], outcomes
+    return outcomes
+
+
+def runs(ledger: Ledger, key: str) -> list[tuple[str, str]]:
+    """``(task id, tag)`` of every body that started for ``key``."""
+    out = []
+    for event in ledger.events(f"started:{key}"):
+        task_id, _pid, tag = [*event.split(" ", 2), ""][:3]
+        out.append((task_id, tag))
+    return out
+
+
+# --- throttle ---------------------------------------------------------------------------------
+def test_throttle_200_concurrent_producers_give_one_run(
+    producer: Celery,
+    leases_redis_url: str,
+    leases_prefix: str,
+    queue: str,
+    ledger: Ledger,
+    start_worker: Callable[..., WorkerProc],
+):
+    outcomes = race_producers(
+        producer, leases_redis_url, leases_prefix, queue, "t", "unique_app.throttled"
+    )
+    sent = [o.split()[1:] for o in outcomes if o.startswith("sent")]
+    assert len(sent) == 1, sent
+    ((winner, tag),) = sent
+    assert all(o == f"duplicate {winner}" for o in outcomes if not o.startswith("sent"))
+
+    start_worker()
+    assert AsyncResult(winner, app=producer).get(timeout=RESULT_TIMEOUT) == winner
+    assert runs(ledger, "t") == [(winner, tag)]
+    # the run ended, but its window (30 s from the publish) has not: still refused, and says so
+    with pytest.raises(DuplicateTask) as info:
+        producer.tasks["unique_app.throttled"].delay("t", "late")
+    assert (info.value.task_id, info.value.state) == (winner, "throttled")
+    time.sleep(2)  # a refused send that got through anyway would have started by now
+    assert runs(ledger, "t") == [(winner, tag)]
+
+
+def test_throttle_as_send_options_of_a_refuse_task_as_a_beat_entry_gives_them(
+    producer: Celery, ledger: Ledger, start_worker: Callable[..., WorkerProc]
+):
+    # a beat entry's "options" reach apply_async as these keyword arguments
+    quick = producer.tasks["unique_app.quick"]  # unique="job:{key}", no mode of its own
+    options = {"unique_mode": "throttle", "unique_window": 8, "on_duplicate": "raise"}
+    start_worker()
+    before = time.monotonic()
+    first = quick.apply_async(("w",), **options)
+    first.get(timeout=RESULT_TIMEOUT)
+    refused_at = time.monotonic()
+    with pytest.raises(DuplicateTask) as info:
+        quick.apply_async(("w",), **options)
+    if refused_at - before < 8:  # on a machine slow enough to take 8 s, nothing to check here
+        assert (info.value.task_id, info.value.state) == (first.id, "throttled")
+    # without the options the task is a refuse task again: its key is free
+    plain = quick.apply_async(("w",), on_duplicate="raise")
+    plain.get(timeout=RESULT_TIMEOUT)
+
+    def accepted() -> AsyncResult | None:
+        try:
+            return quick.apply_async(("w",), **options)
+        except DuplicateTask:
+            return None
+
+    second = wait_until(accepted, 60, "the throttle window to end", step=0.25)
+    assert time.monotonic() - before >= 8  # the window counts from the first publish
+    second.get(timeout=RESULT_TIMEOUT)
+    assert [r[0] for r in runs(ledger, "w")] == [first.id, plain.id, second.id]
+
+
+def test_bad_send_options_are_a_config_error_and_send_nothing(
+    producer: Celery, leases_of: Leases, leases_redis: redis.Redis, queue: str
+):
+    quick = producer.tasks["unique_app.quick"]
+    with pytest.raises(LeaseConfigError, match="unique_mode='sometimes'"):
+        quick.apply_async(("k",), unique_mode="sometimes")
+    with pytest.raises(LeaseConfigError, match="needs unique_window="):
+        quick.apply_async(("k",), unique_mode="throttle")
+    with pytest.raises(LeaseConfigError, match="means nothing with unique_mode='replace'"):
+        quick.apply_async(("k",), unique_mode="replace", unique_window=3)
+    assert leases_redis.llen(queue) == 0
+    assert leases_of.store.unique_holder("job:k") is None
+
+
+# --- replace ----------------------------------------------------------------------------------
+def test_replace_200_concurrent_producers_give_one_run_with_the_last_arguments(
+    producer: Celery,
+    leases_of: Leases,
+    leases_redis_url: str,
+    leases_prefix: str,
+    queue: str,
+    ledger: Ledger,
+    start_worker: Callable[..., WorkerProc],
+):
+    outcomes = race_producers(
+        producer, leases_redis_url, leases_prefix, queue, "r", "unique_app.replaced"
+    )
+    # nothing runs yet: each send takes the place of the one queued before it
+    assert all(o.startswith("sent") for o in outcomes), outcomes
+    tags = dict(o.split()[1:] for o in outcomes)
+    assert len(tags) == PRODUCERS
+    last = leases_of.store.unique_holder("rep:r")
+    assert last is not None
+    assert last.state == "queued"
+    assert last.task_id in tags
+
+    ledger.open_gate("r")
+    start_worker()
+    results = [AsyncResult(task_id, app=producer) for task_id in tags]
+    wait_until(
+        lambda: all(r.ready() for r in results), 120, "every message to be consumed", step=0.5
+    )
+    assert runs(ledger, "r") == [(last.task_id, tags[last.task_id])]
+    assert AsyncResult(last.task_id, app=producer).get() == tags[last.task_id]
+    assert [r.result for r in results if r.id != last.task_id] == [None] * (PRODUCERS - 1)
+
+
+def test_replace_a_running_copy_is_a_duplicate_and_a_replaced_copy_never_runs(
+    producer: Celery, leases_of: Leases, ledger: Ledger, start_worker: Callable[..., WorkerProc]
+):
+    replaced = producer.tasks["unique_app.replaced"]
+    start_worker()
+    running = replaced.delay("g", "a")
+    wait_until(lambda: runs(ledger, "g"), RESULT_TIMEOUT, "the first run to start")
+    with pytest.raises(DuplicateTask) as info:
+        replaced.delay("g", "b")
+    assert (info.value.task_id, info.value.state) == (running.id, "running")
+    ledger.open_gate("g")
+    assert running.get(timeout=RESULT_TIMEOUT) == "a"
+
+    # a copy that waits for its countdown is replaced by one sent after it, which runs first;
+    # when the replaced copy's time comes the key is free, and still it does not run
+    old = replaced.apply_async(("g", "old"), countdown=4)
+    new = replaced.delay("g", "new")
+    assert new.get(timeout=RESULT_TIMEOUT) == "new"
+    assert old.get(timeout=RESULT_TIMEOUT) is None
+    assert [tag for _, tag in runs(ledger, "g")] == ["a", "new"]
+    assert leases_of.store.unique_holder("rep:g") is None
