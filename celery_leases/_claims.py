@@ -72,19 +72,15 @@ _Outcome = TypeVar("_Outcome")
 # --- what a claim call returns ------------------------------------------------------------
 @dataclass(frozen=True)
 class ClaimMode:
-    """What a producer's claim does besides refusing while a copy is queued or running.
-
-    Attributes:
-        window: ``unique_mode="throttle"``: seconds after an accepted send (from its
-            publish) during which every other send is refused; 0 none.
-        replace: ``unique_mode="replace"``: a claim still queued for another task id is
-            taken from it; that task's message then never runs.
-        forget: seconds a replaced task id is remembered (the queue TTL).
-    """
+    """What a producer's claim does besides refusing while a copy is queued or running
+    (the modes of docs/unique.md): ``window`` (throttle, seconds; 0 none), ``replace``,
+    ``message`` (keep_last: the send as a parked message, JSON, see _parking.py) and
+    ``forget``, seconds a replaced task id or a run's newest arguments are kept."""
 
     window: float = 0.0
     replace: bool = False
     forget: float = 0.0
+    message: str | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +93,8 @@ class Claimed:
     again: bool = False
     #: unique_mode="replace": the task id whose queued claim this one took (it never runs)
     replaced: str | None = None
+    #: unique_mode="keep_last": not sent; the task id of the run that takes its arguments
+    follows: str | None = None
 
 
 @dataclass(frozen=True)
@@ -288,8 +286,7 @@ def unique_claim(
         :class:`Claimed` (``again`` when it was already queued for this task id), or the
         :class:`ClaimHolder` that has it.
 
-    ``mode`` (a throttle window, replace) changes what the claim does: see
-    :class:`ClaimMode`.
+    ``mode`` changes what the claim does: see :class:`ClaimMode`.
 
     Raises:
         LeaseBackendError: with ``maybe_claimed`` set when the call's reply was lost and its
@@ -329,6 +326,8 @@ def _claim_attempt(
         again = code == UniqueClaimReply.CLAIMED_AGAIN and not lost
         replaced = unescape(str(reply[2])) if len(reply) > 2 else None
         return Claimed(key, task_id, int(reply[1]), again=again, replaced=replaced)
+    if code == UniqueClaimReply.FOLLOWS:
+        return Claimed(key, task_id, 0, follows=unescape(str(reply[1])))
     if code == UniqueClaimReply.THROTTLED:
         pttl = int(reply[2])
         last = unescape(str(reply[1]))
@@ -375,11 +374,14 @@ def _unique_claim_call(
     rk = engine.resource_keys(resource)
     keys = [rk.exclusive, rk.counter, engine.keys.unique_queued(rk.group)]
     keys += [engine.keys.unique_window(resource), engine.keys.unique_replaced(resource)]
+    keys += engine.keys.park_keys(resource)[:3]
+    keys += [engine.keys.park_due(rk.group), engine.keys.unique_newest(resource)]
     args: list[Any] = [escape(task_id), engine.ms(ttl), engine.token_memory_ms, resource]
     args.append("" if token is None else str(token))
     mode = mode or ClaimMode()
-    args += [engine.ms(mode.window) if mode.window else "0", "r" if mode.replace else ""]
-    args.append(engine.ms(mode.forget))
+    letter = "r" if mode.replace else "k" if mode.message is not None else ""
+    args += [engine.ms(mode.window) if mode.window else "0", letter, engine.ms(mode.forget)]
+    args += [mode.message or "", f"x 0 {resource}"]
     return Script("unique_claim", keys, args)
 
 
@@ -402,18 +404,33 @@ def _holder_read(attempt: Callable[[], Steps[_Outcome]]) -> Steps[_Outcome]:
 
 # --- handover (the worker that starts the task) ---------------------------------------------
 def unique_handover(
-    engine: LeaseEngine, key: str, task_id: str, ident: Identity, ttl: float
+    engine: LeaseEngine,
+    key: str,
+    task_id: str,
+    ident: Identity,
+    ttl: float,
+    handed: tuple[str, int] | None = None,
 ) -> Steps[Held | ClaimHolder]:
     """One attempt to take over ``key``'s claim for ``task_id`` as a lease of ``ident``.
 
     It succeeds when the claim is queued for ``task_id`` or when there is none. (A holder
     that changed hands while it was read is looked at again: see :func:`_holder_read`.)
+    ``handed`` (``unique_mode="keep_last"``): the message's park tombstone and how long it
+    is kept, ms: a follow-up handed on to ``task_id`` is taken over and consumed; a copy of
+    one consumed already is refused (``"replaced"``).
     """
-    return (yield from _holder_read(lambda: _handover_attempt(engine, key, task_id, ident, ttl)))
+    return (
+        yield from _holder_read(lambda: _handover_attempt(engine, key, task_id, ident, ttl, handed))
+    )
 
 
 def _handover_attempt(
-    engine: LeaseEngine, key: str, task_id: str, ident: Identity, ttl: float
+    engine: LeaseEngine,
+    key: str,
+    task_id: str,
+    ident: Identity,
+    ttl: float,
+    handed: tuple[str, int] | None,
 ) -> Steps[Held | ClaimHolder]:
     resource = engine.keys.unique_resource(key)
     want = Want(resource)
@@ -438,6 +455,7 @@ def _handover_attempt(
         rk.counter,
         engine.keys.unique_queued(group),
         engine.keys.unique_replaced(resource),
+        *engine.keys.park_keys(resource),
     ]
     args: list[Any] = [
         owner,
@@ -448,6 +466,7 @@ def _handover_attempt(
         escape(task_id),
         resource,
         grant.call_id,
+        *(handed or ("", 0)),
     ]
     call = Script("unique_handover", keys, args)
     book = [rk.exclusive]

@@ -288,7 +288,10 @@ def parking_used(app: Any) -> bool:
 
     if get_settings(app).on_busy == "defer":
         return True
-    return any(getattr(t, "on_busy", None) == "defer" for t in list(app.tasks.values()))
+    return any(
+        getattr(t, "on_busy", None) == "defer" or getattr(t, "unique_mode", None) == "keep_last"
+        for t in list(app.tasks.values())
+    )
 
 
 def _hand_on_one(ext: Leases, resource: str, mode: str, limit: int) -> bool:
@@ -318,6 +321,8 @@ def _hand_on_one(ext: Leases, resource: str, mode: str, limit: int) -> bool:
     _die_here_for_a_test()
     try:
         record = loads(raw)
+        # a keep_last follow-up's message has no id of its own: it is the parked task's
+        record["sig"].setdefault("options", {}).setdefault("task_id", task_id)
         ext.app.signature(record["sig"]).apply_async()
     except Exception:
         # the reservation runs out unclaimed: the task goes back to the FIFO, and is handed on

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, get_args
+from typing import TYPE_CHECKING, Any, Final, Protocol, get_args
 
 from celery import signals as celery_signals
 from celery import states
@@ -20,6 +20,18 @@ from kombu.utils.uuid import uuid
 from . import signals
 from ._claims import ClaimHolder, ClaimMode
 from ._lease import Held, Lease, held_of
+from ._modes import (
+    MODE_HEADER,
+    UNIQUE_HEADER,
+    UniqueMode,
+    check_mode,
+    claim_mode,
+    handed_on,
+    header,
+    keeps_last,
+    kept,
+)
+from ._parking import DONE_KEEP_MS, PARKED_HEADER, tombstone
 from ._sync.heartbeat import heartbeat
 from .config import OnDuplicate
 from .exceptions import DuplicateTask, LeaseBackendError, LeaseConfigError
@@ -29,51 +41,14 @@ if TYPE_CHECKING:
 
     from .app import Leases
 
-__all__ = ("UNIQUE_HEADER", "UniqueMode", "check_mode", "install", "release_claim", "take_claim")
+__all__ = ("UNIQUE_HEADER", "install", "release_claim", "take_claim")
 
 logger = get_logger(__name__)
 
-#: message header carrying the unique key the producer claimed (the worker takes over exactly
-#: that key, whatever its own rendering of the arguments after serialisation would give)
-UNIQUE_HEADER: Final = "lease_unique"
 #: header celery beat puts on what it sends
 _BEAT_HEADER: Final = "celery_beat_task"
 #: extra seconds a redelivered task waits, past its lease TTL, for its first run's claim
 _REDELIVERY_SLACK: Final = 1.0
-
-
-#: what a send does while the key is taken (docs/unique.md, "Modes")
-UniqueMode = Literal["refuse", "throttle", "replace"]
-
-
-def check_mode(name: str, unique: object, mode: object, window: object) -> None:
-    """Check a task's (or one send's) ``unique_mode``/``unique_window``.
-
-    Raises:
-        LeaseConfigError: naming the task and the option that is wrong.
-    """
-    allowed = get_args(UniqueMode)
-    if mode is not None and mode not in allowed:
-        msg = f"task {name!r}: unique_mode={mode!r} is not one of {', '.join(allowed)}"
-        raise LeaseConfigError(msg)
-    if unique is None and (mode is not None or window is not None):
-        option = "unique_mode=" if mode is not None else "unique_window="
-        msg = f"task {name!r}: {option} needs unique= (the key it applies to)"
-        raise LeaseConfigError(msg)
-    if window is not None and (
-        isinstance(window, bool) or not isinstance(window, (int, float)) or not window > 0
-    ):
-        msg = f"task {name!r}: unique_window={window!r} must be a number of seconds > 0"
-        raise LeaseConfigError(msg)
-    if mode == "throttle" and window is None:
-        msg = f"task {name!r}: unique_mode='throttle' needs unique_window= (seconds)"
-        raise LeaseConfigError(msg)
-    if mode != "throttle" and window is not None:
-        msg = (
-            f"task {name!r}: unique_window= means nothing with unique_mode={mode or 'refuse'!r}"
-            " (it is the window of unique_mode='throttle')"
-        )
-        raise LeaseConfigError(msg)
 
 
 class UniqueTask(Protocol):
@@ -159,6 +134,9 @@ def install(ext: Leases) -> None:
         if task is None:
             if modes != (None, None):
                 check_mode(name, None, *modes)  # a mode for a task without unique=: refused
+            return _send(current, name, args, kwargs, countdown, eta, task_id, rest, options)
+        if handed_on(task, modes[0], options):
+            # a keep_last follow-up published by its hand-on: the claim is reserved for it
             return _send(current, name, args, kwargs, countdown, eta, task_id, rest, options)
         return _publish_unique(
             find_leases(app) or ext,
@@ -258,7 +236,6 @@ def _publish_unique(
     task_id = task_id or uuid()
     base_ttl = task.unique_ttl if task.unique_ttl is not None else ext.settings.unique_ttl
     queue_ttl = base_ttl + _delay(ext.app, countdown, eta)
-    mode = _claim_mode(task, per_call[1], per_call[2], queue_ttl)
     headers = dict(options.get("headers") or {})
     store = ext.store
     # Our claim to give back if the publish fails: (token) of a claim made or requeued here.
@@ -273,6 +250,9 @@ def _publish_unique(
     with _running_lock:
         running = _running.get(task_id)
     key = running.key if running is not None else task._unique_key(args or (), kwargs or {})
+    mode = claim_mode(task, per_call, queue_ttl)
+    if mode.message is not None:
+        mode = kept(mode, key, name, args, kwargs, options)
     try:
         _give_back_unsent(ext)
         if running is not None and _requeue(ext, task_id, running, queue_ttl):
@@ -282,6 +262,16 @@ def _publish_unique(
             outcome = store.unique_claim(key, task_id, window, mode)
             if isinstance(outcome, ClaimHolder):
                 return _duplicate(ext, task, name, policy, outcome, task_id, headers, options)
+            if outcome.follows is not None:
+                logger.info(
+                    "leases: %s[%s] not sent: its arguments go to %s (unique key %r, keep_last)",
+                    name,
+                    task_id,
+                    outcome.follows,
+                    key,
+                )
+                result_cls = options.get("result_cls") or ext.app.AsyncResult
+                return result_cls(outcome.follows)
             if not outcome.again:
                 ours = outcome.token
             pending, replaced = outcome.token, outcome.replaced
@@ -310,6 +300,8 @@ def _publish_unique(
             exc,
         )
     headers[UNIQUE_HEADER] = key
+    if mode.message is not None:
+        headers[MODE_HEADER] = "keep_last"
     options["headers"] = headers
     try:
         result = _send(send, name, args, kwargs, countdown, eta, task_id, rest, options)
@@ -330,21 +322,6 @@ def _publish_unique(
     if pending is not None:
         _confirm(ext, name, key, task_id, pending, queue_ttl, mode)
     return result
-
-
-def _claim_mode(task: UniqueTask, mode: object, window: object, queue_ttl: float) -> ClaimMode:
-    """The :class:`ClaimMode` of one send: the task's ``unique_mode``/``unique_window``, or
-    the send's own (``apply_async`` options, a beat entry's ``options``), checked here."""
-    if mode is not None or window is not None:
-        mode = task.unique_mode if mode is None else mode
-        if window is None and mode == "throttle":
-            window = task.unique_window
-        check_mode(task.name, task.unique, mode, window)
-    else:
-        mode, window = task.unique_mode, task.unique_window
-    if mode == "throttle":
-        return ClaimMode(window=float(window), forget=queue_ttl)  # type: ignore[arg-type]
-    return ClaimMode(replace=mode == "replace", forget=queue_ttl)
 
 
 def _confirm(
@@ -482,15 +459,6 @@ def _duplicate(
 
 
 # --- worker side --------------------------------------------------------------------------
-def _header(request: Any, name: str) -> Any:
-    value = getattr(request, name, None)
-    if value is None:
-        raw = getattr(request, "headers", None)
-        if isinstance(raw, Mapping):
-            value = raw.get(name)
-    return value
-
-
 def take_claim(
     ext: Leases,
     task: UniqueTask,
@@ -506,18 +474,21 @@ def take_claim(
     The key comes from the message header the producer wrote (what it claimed), else it is
     rendered here (a producer that did not know the task published it without a claim).
     """
-    key = _header(request, UNIQUE_HEADER)
+    key = header(request, UNIQUE_HEADER)
     if not isinstance(key, str) or not key:
         key = task._unique_key(args, kwargs)
     started = time.monotonic()
-    outcome = ext.store.unique_take(key, task_id, ext.identity(), ttl, ttl + _REDELIVERY_SLACK)
+    handed = None
+    if keeps_last(task, request) and header(request, PARKED_HEADER):
+        handed = (tombstone(task_id, getattr(request, "retries", 0)), DONE_KEEP_MS)
+    wait = ttl + _REDELIVERY_SLACK
+    outcome = ext.store.unique_take(key, task_id, ext.identity(), ttl, wait, handed)
     if isinstance(outcome, ClaimHolder) and outcome.state == "replaced":
-        logger.info(
-            "leases: %s[%s] not run: a later send replaced it (unique key %r)",
-            task.name,
-            task_id,
-            key,
-        )
+        if handed:
+            text = "leases: %s[%s] not run: its keep_last follow-up ran already (unique key %r)"
+        else:
+            text = "leases: %s[%s] not run: a later send replaced it (unique key %r)"
+        logger.info(text, task.name, task_id, key)
         return None
     if isinstance(outcome, ClaimHolder):
         logger.info(
@@ -583,7 +554,7 @@ def on_task_revoked(
         if ext is None:
             return
         store = ext.store
-        key = _header(request, UNIQUE_HEADER)
+        key = header(request, UNIQUE_HEADER)
         if not isinstance(key, str) or not key:
             key = task._unique_key(getattr(request, "args", ()), getattr(request, "kwargs", {}))
         if store.unique_unclaim(key, task_id):

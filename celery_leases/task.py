@@ -99,8 +99,9 @@ from ._interrupt import Interrupter
 from ._lease import Lease, Shared, Want
 from ._limiter import check_rates, take
 from ._limits import Rate
+from ._modes import UniqueMode, check_mode, newest_arguments
 from ._templates import Template, plain_params
-from ._unique import UniqueMode, check_mode, release_claim, take_claim
+from ._unique import release_claim, take_claim
 from .app import Leases, find_leases, ttl_of
 from .config import LeaseSettings, OnBackendError, OnBusy, OnDuplicate, OnLost, get_settings
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseError, RateLimited
@@ -242,7 +243,7 @@ class LeasedTask(Task[Any, Any]):
         _check_seconds(name, "wait_timeout", cls.wait_timeout, zero_ok=True)
         _check_seconds(name, "unique_ttl", cls.unique_ttl, zero_ok=False)
         _check_choice(name, "on_duplicate", cls.on_duplicate, get_args(OnDuplicate))
-        check_mode(name, cls.unique, cls.unique_mode, cls.unique_window)
+        check_mode(name, cls.unique, cls.unique_mode, cls.unique_window, cls.on_duplicate)
         if cls.unique is not None and not (isinstance(cls.unique, str) and cls.unique):
             msg = f"task {name!r}: unique= must be a non-empty str template, not {cls.unique!r}"
             raise LeaseConfigError(msg)
@@ -376,6 +377,7 @@ class LeasedTask(Task[Any, Any]):
             self._backend_failed(exc)
         if claim is None:
             return None  # a duplicate of a queued or running copy: not run (logged)
+        args, kwargs, wants = newest_arguments(ext, self, task_id, args, kwargs, wants)
         try:
             return self._call_leased(ext, settings, wants, task_id, interrupter, args, kwargs)
         finally:

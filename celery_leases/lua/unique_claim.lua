@@ -17,6 +17,13 @@
 -- ARGV[6] unique_window in milliseconds ("0": no throttle window)
 -- ARGV[7] "r" (unique_mode="replace"): a claim queued for another task id is taken from it
 -- ARGV[8] how long a replaced task id is remembered, in milliseconds (its queue ttl)
+-- KEYS[6] parked FIFO of the claim resource   KEYS[7] parked states (group)
+-- KEYS[8] parked messages (group)   KEYS[9] park due index (group)
+-- KEYS[10] newest arguments of the claim resource's runs (HASH: escaped task id -> message)
+-- ARGV[7] "k" (unique_mode="keep_last"): a send while the key is taken gives its arguments
+--         to the run that will carry them (see below), instead of being refused
+-- ARGV[9] (keep_last) the send as a parked message (JSON, _parking.py's format)
+-- ARGV[10] (keep_last) the claim resource's due member in the park due index
 --
 -- A producer claims with a short ttl (the unique_confirm_window setting: the claim is
 -- pending) and, once its message is published, confirms it with the queue ttl. A claim whose
@@ -34,6 +41,10 @@
 --                              lasts pttl ms more; nothing changed
 --          {1, token, task}    (replace) claimed for this task, taken from the claim queued for
 --                              (escaped) task id "task", now remembered as replaced
+--          {4, task}           (keep_last) not sent: (escaped) task id "task" will run with
+--                              this send's arguments: the copy queued (or handed on), or the
+--                              follow-up parked behind the running copy (this task id when
+--                              this send parked it)
 -- returns, to a confirm:
 --          {1, token}          the claim is still queued for this task with this token: its
 --                              TTL is raised to ARGV[2] if it was shorter
@@ -80,6 +91,54 @@ if window > 0 then
     return {3, last, redis.call('PTTL', KEYS[4])}
   end
 end
+-- keep_last: at most one copy queued or running, and one follow-up parked behind a running
+-- one (handed on by its release, or by the park pump once it died); the newest arguments win
+if ARGV[7] == 'k' then
+  local function newest(task)
+    redis.call('HSET', KEYS[10], task, ARGV[9])
+    local forget = tonumber(ARGV[8])
+    if redis.call('PTTL', KEYS[10]) < forget then
+      redis.call('PEXPIRE', KEYS[10], forget)
+    end
+  end
+  local follow = redis.call('ZRANGE', KEYS[6], 0, 0)[1]
+  if follow and not redis.call('HGET', KEYS[7], follow) then
+    redis.call('ZREM', KEYS[6], follow)  -- consumed or unparked meanwhile
+    follow = nil
+  end
+  local who = nil
+  if current then
+    local space = string.find(current, ' ', 1, true)
+    who = space and string.sub(current, space + 1) or ''
+  end
+  if who and who ~= mine then
+    local kind = string.sub(who, 1, 8)
+    if kind == '%queued/' or kind == '%parked/' then
+      newest(string.sub(who, 9))
+      return {4, string.sub(who, 9)}
+    end
+  end
+  if follow and who ~= mine then
+    redis.call('HSET', KEYS[8], follow, ARGV[9])
+    newest(follow)
+    return {4, follow}
+  end
+  if who and who ~= mine then
+    -- running: park this send as the follow-up, looked at again when the holder runs out
+    redis.call('ZADD', KEYS[6], 'NX', string.format('%.0f', now_us), ARGV[1])
+    redis.call('HSET', KEYS[7], ARGV[1], 'p')
+    redis.call('HSET', KEYS[8], ARGV[1], ARGV[9])
+    redis.call('HSET', KEYS[8], '%r' .. ARGV[4], ARGV[10])
+    local pttl = redis.call('PTTL', KEYS[1])
+    local due = now + (pttl >= 0 and math.max(pttl, 1) or 1000)
+    local known = redis.call('ZSCORE', KEYS[9], ARGV[10])
+    if not known or tonumber(known) > due then
+      redis.call('ZADD', KEYS[9], num(due), ARGV[10])
+    end
+    return {4, ARGV[1]}
+  end
+end
+
 local replaced = nil
 if current then
   local space = string.find(current, ' ', 1, true)

@@ -93,6 +93,7 @@ LAYERS: dict[str, int] = {
             "_census",
             "web",
             "_unique",
+            "_modes",
             "_guard",
             "_parking",
             "fence",

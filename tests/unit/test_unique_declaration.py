@@ -131,6 +131,14 @@ def test_duplicate_task_is_a_lease_busy_that_survives_json_results():
         ({"unique": "r:{account_id}", "unique_window": 5}, "means nothing with unique_mode="),
         ({"unique_mode": "throttle", "unique_window": 5}, "unique_mode= needs unique="),
         ({"lease": "a:{account_id}", "unique_window": 5}, "unique_window= needs unique="),
+        (
+            {"unique": "r:{account_id}", "unique_mode": "keep_last", "on_duplicate": "raise"},
+            "on_duplicate= means nothing with unique_mode='keep_last'",
+        ),
+        (
+            {"unique": "r:{account_id}", "unique_mode": "keep_last", "unique_window": 2},
+            "unique_window= means nothing with unique_mode='keep_last'",
+        ),
     ],
 )
 def test_bad_modes_fail_at_declaration_naming_task_and_option(
@@ -147,6 +155,7 @@ def test_bad_modes_fail_at_declaration_naming_task_and_option(
         {"unique_mode": "refuse"},
         {"unique_mode": "replace", "on_duplicate": "raise"},
         {"unique_mode": "throttle", "unique_window": 0.5, "on_duplicate": "ignore"},
+        {"unique_mode": "keep_last"},
     ],
 )
 def test_good_modes_are_declared(app: Celery, options: dict[str, Any]):

@@ -22,7 +22,7 @@ from celery.result import AsyncResult
 from celery_leases import DuplicateTask, LeaseConfigError, Leases
 from tests.support.workers import WorkerProc
 
-from .conftest import REPO, RESULT_TIMEOUT, Ledger, wait_until
+from .conftest import REPO, RESULT_TIMEOUT, Ledger, kill_whole_worker, wait_until
 from .racer import race
 
 pytestmark = pytest.mark.worker
@@ -221,3 +221,61 @@ def test_replace_a_running_copy_is_a_duplicate_and_a_replaced_copy_never_runs(
     assert old.get(timeout=RESULT_TIMEOUT) is None
     assert [tag for _, tag in runs(ledger, "g")] == ["a", "new"]
     assert leases_of.store.unique_holder("rep:g") is None
+
+
+# --- keep_last --------------------------------------------------------------------------------
+BURST = 50
+
+
+def test_keep_last_50_sends_during_a_run_give_one_follow_up_with_the_last_arguments(
+    producer: Celery, leases_of: Leases, ledger: Ledger, start_worker: Callable[..., WorkerProc]
+):
+    kept = producer.tasks["unique_app.kept"]
+    start_worker()
+    first = kept.delay("k", "first", 3.0)
+    wait_until(lambda: runs(ledger, "k"), RESULT_TIMEOUT, "the first run to start")
+    sent = [kept.delay("k", f"n{i}") for i in range(BURST)]
+    follow_up = sent[0].id
+    assert follow_up != first.id
+    assert {r.id for r in sent} == {follow_up}  # every send of the burst: the one run's result
+    assert first.get(timeout=RESULT_TIMEOUT) == "first"
+    assert sent[-1].get(timeout=RESULT_TIMEOUT) == f"n{BURST - 1}"
+    time.sleep(2)  # a second follow-up, if one were sent, would have started by now
+    assert runs(ledger, "k") == [(first.id, "first"), (follow_up, f"n{BURST - 1}")]
+    # the follow-up started after the first run ended: one at a time
+    assert [e.split()[0] for e in ledger.events("finished:k")] == [first.id, follow_up]
+    assert leases_of.store.unique_holder("keep:k") is None
+
+
+def test_keep_last_sends_while_queued_give_their_arguments_to_the_queued_copy(
+    producer: Celery, ledger: Ledger, start_worker: Callable[..., WorkerProc]
+):
+    kept = producer.tasks["unique_app.kept"]
+    sent = [kept.delay("q", f"q{i}") for i in range(10)]  # no worker yet: one copy queued
+    assert {r.id for r in sent} == {sent[0].id}
+    start_worker()
+    assert sent[0].get(timeout=RESULT_TIMEOUT) == "q9"
+    time.sleep(2)
+    assert runs(ledger, "q") == [(sent[0].id, "q9")]
+
+
+def test_keep_last_follow_up_runs_once_when_the_worker_running_the_first_is_killed(
+    producer: Celery,
+    leases_of: Leases,
+    ledger: Ledger,
+    start_worker: Callable[..., WorkerProc],
+):
+    kept = producer.tasks["unique_app.kept"]
+    doomed = start_worker(concurrency=1)
+    first = kept.delay("x", "first", 60.0)
+    wait_until(lambda: runs(ledger, "x"), RESULT_TIMEOUT, "the first run to start")
+    start_worker(concurrency=1)  # its pump hands the follow-up on once the first is gone
+    sent = [kept.delay("x", f"n{i}") for i in range(BURST)]
+    follow_up = sent[0].id
+    assert {r.id for r in sent} == {follow_up}
+    kill_whole_worker(doomed)
+    assert sent[-1].get(timeout=60) == f"n{BURST - 1}"
+    time.sleep(3)  # a second copy of the follow-up, if one were sent, would have started
+    assert runs(ledger, "x") == [(first.id, "first"), (follow_up, f"n{BURST - 1}")]
+    assert [e.split()[0] for e in ledger.events("finished:x")] == [follow_up]
+    wait_until(lambda: leases_of.store.unique_holder("keep:x") is None, 30, "the key to be free")

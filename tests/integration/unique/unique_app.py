@@ -222,6 +222,21 @@ def make_app(
         wait_gate(key)
         return tag
 
+    @app.task(
+        name="unique_app.kept",
+        shared=False,
+        base=LeasedTask,
+        bind=True,
+        unique="keep:{key}",
+        unique_mode="keep_last",
+    )
+    def kept(self: Any, key: str, tag: str = "", seconds: float = 0.0) -> str:
+        """Announces it started, sleeps ``seconds``, announces it finished."""
+        record(f"started:{key}", f"{self.request.id} {os.getpid()} {tag}")
+        time.sleep(seconds)
+        record(f"finished:{key}", f"{self.request.id} {tag}")
+        return tag
+
     return app
 
 
