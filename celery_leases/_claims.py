@@ -73,14 +73,18 @@ _Outcome = TypeVar("_Outcome")
 @dataclass(frozen=True)
 class ClaimMode:
     """What a producer's claim does besides refusing while a copy is queued or running
-    (the modes of docs/unique.md): ``window`` (throttle, seconds; 0 none), ``replace``,
-    ``message`` (keep_last: the send as a parked message, JSON, see _parking.py) and
-    ``forget``, seconds a replaced task id or a run's newest arguments are kept."""
+    (docs/unique.md "Modes", unique_claim.lua's ARGV): ``kind`` (ARGV[7]: "" refuse or
+    throttle, "r" replace, "k" keep_last, "d" debounce), ``window`` (throttle, seconds),
+    ``forget`` (seconds a replaced task id or a run's newest arguments are kept),
+    ``message`` (keep_last, debounce: the send as a parked message), ``quiet`` and
+    ``max_wait`` (debounce: its window and longest wait, seconds)."""
 
+    kind: str = ""
     window: float = 0.0
-    replace: bool = False
     forget: float = 0.0
-    message: str | None = None
+    message: str = ""
+    quiet: float = 0.0
+    max_wait: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -379,9 +383,8 @@ def _unique_claim_call(
     args: list[Any] = [escape(task_id), engine.ms(ttl), engine.token_memory_ms, resource]
     args.append("" if token is None else str(token))
     mode = mode or ClaimMode()
-    letter = "r" if mode.replace else "k" if mode.message is not None else ""
-    args += [engine.ms(mode.window) if mode.window else "0", letter, engine.ms(mode.forget)]
-    args += [mode.message or "", f"x 0 {resource}"]
+    args += [engine.ms(mode.window) if mode.window else "0", mode.kind, engine.ms(mode.forget)]
+    args += [mode.message, f"x 0 {resource}", engine.ms(mode.quiet), engine.ms(mode.max_wait)]
     return Script("unique_claim", keys, args)
 
 

@@ -5,6 +5,7 @@ arguments."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Final, Literal, get_args
 
 from celery.utils.log import get_logger
@@ -30,8 +31,10 @@ UNIQUE_HEADER: Final = "lease_unique"
 #: message header of a keep_last send (a per-call unique_mode too): its run reads the newest
 #: arguments sent for it, and its follow-up's hand-on is consumed as it starts
 MODE_HEADER: Final = "lease_unique_mode"
+#: debounce without unique_max_wait: the latest a burst's run may be, seconds (30 years)
+_NO_MAX_WAIT: Final = 1e9
 #: what a send does while the key is taken (docs/unique.md, "Modes")
-UniqueMode = Literal["refuse", "throttle", "replace", "keep_last"]
+UniqueMode = Literal["refuse", "throttle", "replace", "keep_last", "debounce"]
 #: options of a send kept in a keep_last follow-up's message (published when it is due)
 _KEPT_OPTIONS: Final = (
     "queue",
@@ -46,11 +49,24 @@ _KEPT_OPTIONS: Final = (
 )
 
 
+def _seconds(name: str, option: str, value: object) -> None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+    ):
+        msg = f"task {name!r}: {option}={value!r} must be a number of seconds > 0"
+        raise LeaseConfigError(msg)
+
+
 def check_mode(
-    name: str, unique: object, mode: object, window: object, on_duplicate: object = None
+    name: str,
+    unique: object,
+    mode: object,
+    window: object,
+    on_duplicate: object = None,
+    max_wait: object = None,
 ) -> None:
-    """Check a task's (or one send's) ``unique_mode``/``unique_window`` (and that its
-    ``on_duplicate`` means something with that mode).
+    """Check a task's (or one send's) ``unique_mode``, ``unique_window`` and
+    ``unique_max_wait`` (and that its ``on_duplicate`` means something with that mode).
 
     Raises:
         LeaseConfigError: naming the task and the option that is wrong.
@@ -59,27 +75,37 @@ def check_mode(
     if mode is not None and mode not in allowed:
         msg = f"task {name!r}: unique_mode={mode!r} is not one of {', '.join(allowed)}"
         raise LeaseConfigError(msg)
-    if unique is None and (mode is not None or window is not None):
-        option = "unique_mode=" if mode is not None else "unique_window="
-        msg = f"task {name!r}: {option} needs unique= (the key it applies to)"
+    given = [o for o, v in (("mode", mode), ("window", window), ("max_wait", max_wait)) if v]
+    if unique is None and given:
+        msg = f"task {name!r}: unique_{given[0]}= needs unique= (the key it applies to)"
         raise LeaseConfigError(msg)
-    if window is not None and (
-        isinstance(window, bool) or not isinstance(window, (int, float)) or not window > 0
-    ):
-        msg = f"task {name!r}: unique_window={window!r} must be a number of seconds > 0"
+    _seconds(name, "unique_window", window)
+    _seconds(name, "unique_max_wait", max_wait)
+    timed = mode in ("throttle", "debounce")
+    if timed and window is None:
+        msg = f"task {name!r}: unique_mode={mode!r} needs unique_window= (seconds)"
         raise LeaseConfigError(msg)
-    if mode == "throttle" and window is None:
-        msg = f"task {name!r}: unique_mode='throttle' needs unique_window= (seconds)"
-        raise LeaseConfigError(msg)
-    if mode != "throttle" and window is not None:
+    if not timed and window is not None:
         msg = (
             f"task {name!r}: unique_window= means nothing with unique_mode={mode or 'refuse'!r}"
-            " (it is the window of unique_mode='throttle')"
+            " (it is the window of unique_mode='throttle' or 'debounce')"
         )
         raise LeaseConfigError(msg)
-    if mode == "keep_last" and on_duplicate is not None:
+    if max_wait is not None and mode != "debounce":
         msg = (
-            f"task {name!r}: on_duplicate= means nothing with unique_mode='keep_last' (a send "
+            f"task {name!r}: unique_max_wait= means nothing with unique_mode="
+            f"{mode or 'refuse'!r} (it is for unique_mode='debounce')"
+        )
+        raise LeaseConfigError(msg)
+    if max_wait is not None and max_wait < window:  # type: ignore[operator]
+        msg = (
+            f"task {name!r}: unique_max_wait={max_wait!r} is less than unique_window="
+            f"{window!r}: a run could never wait for a quiet window"
+        )
+        raise LeaseConfigError(msg)
+    if mode in ("keep_last", "debounce") and on_duplicate is not None:
+        msg = (
+            f"task {name!r}: on_duplicate= means nothing with unique_mode={mode!r} (a send "
             "is never refused: its arguments go to the run that will carry them)"
         )
         raise LeaseConfigError(msg)
@@ -94,24 +120,31 @@ def header(request: Any, name: str) -> Any:
     return value
 
 
-def claim_mode(
-    task: UniqueTask, per_call: tuple[object, object, object], queue_ttl: float
-) -> ClaimMode:
-    """The :class:`ClaimMode` of one send: the task's ``unique_mode``/``unique_window``, or
-    the send's own (``apply_async`` options, a beat entry's ``options``), checked here."""
-    on_duplicate, mode, window = per_call
-    if mode is not None or window is not None or on_duplicate is not None:
-        mode = task.unique_mode if mode is None else mode
-        if window is None and mode == "throttle":
-            window = task.unique_window
-        check_mode(task.name, task.unique, mode, window, on_duplicate)
+def claim_mode(task: UniqueTask, per_call: tuple[object, ...], queue_ttl: float) -> ClaimMode:
+    """The :class:`ClaimMode` of one send: the task's ``unique_mode``, ``unique_window`` and
+    ``unique_max_wait``, or the send's own (``apply_async`` options, a beat entry's
+    ``options``), checked here."""
+    on_duplicate, mode, window, max_wait = per_call
+    if any(v is not None for v in per_call):
+        if mode is None or mode == task.unique_mode:
+            mode = task.unique_mode
+            window = task.unique_window if window is None else window
+            max_wait = task.unique_max_wait if max_wait is None else max_wait
+        check_mode(task.name, task.unique, mode, window, on_duplicate, max_wait)
     else:
-        mode, window = task.unique_mode, task.unique_window
+        mode, window, max_wait = task.unique_mode, task.unique_window, task.unique_max_wait
     if mode == "throttle":
         return ClaimMode(window=float(window), forget=queue_ttl)  # type: ignore[arg-type]
-    if mode == "keep_last":
-        return ClaimMode(forget=queue_ttl, message="")
-    return ClaimMode(replace=mode == "replace", forget=queue_ttl)
+    if mode == "debounce":
+        wait = float(max_wait or _NO_MAX_WAIT)  # type: ignore[arg-type]
+        return ClaimMode("d", forget=queue_ttl, quiet=float(window), max_wait=wait)  # type: ignore[arg-type]
+    letter = {"keep_last": "k", "replace": "r"}.get(str(mode), "")
+    return ClaimMode(letter, forget=queue_ttl)
+
+
+def parked_kind(mode: ClaimMode) -> str | None:
+    """The mode whose sends are parked messages (keep_last, debounce), else None."""
+    return {"k": "keep_last", "d": "debounce"}.get(mode.kind)
 
 
 def kept(
@@ -121,7 +154,7 @@ def kept(
     without a task id: the hand-on gives it the id of the run it is)."""
     kept = {k: options[k] for k in _KEPT_OPTIONS if options.get(k) is not None}
     headers = dict(options.get("headers") or {})
-    headers.update({UNIQUE_HEADER: key, PARKED_HEADER: 1, MODE_HEADER: "keep_last"})
+    headers.update({UNIQUE_HEADER: key, PARKED_HEADER: 1, MODE_HEADER: parked_kind(mode)})
     sig = {
         "task": name,
         "args": list(args or ()),
@@ -133,21 +166,23 @@ def kept(
     try:
         message = dumps({"resource": UNIQUE_PREFIX + key, "task": name, "sig": sig})
     except (TypeError, ValueError) as exc:
-        msg = f"task {name!r}: unique_mode='keep_last' needs JSON arguments: {exc}"
+        msg = f"task {name!r}: unique_mode={parked_kind(mode)!r} needs JSON arguments: {exc}"
         raise LeaseConfigError(msg) from exc
-    return ClaimMode(forget=mode.forget, message=message)
+    return replace(mode, message=message)
 
 
 def handed_on(task: UniqueTask, mode: object, options: Mapping[str, Any]) -> bool:
     """True for the publish of a keep_last follow-up by its hand-on (_parking.py)."""
     headers = options.get("headers") or {}
-    keep_last = (mode or task.unique_mode) == "keep_last" or headers.get(MODE_HEADER) == "keep_last"
+    kinds = ("keep_last", "debounce")
+    keep_last = (mode or task.unique_mode) in kinds or headers.get(MODE_HEADER) in kinds
     return keep_last and bool(headers.get(PARKED_HEADER)) and bool(headers.get(UNIQUE_HEADER))
 
 
 def keeps_last(task: Any, request: Any) -> bool:
-    """True for a run of a keep_last task (declared so, or sent with the per-call option)."""
-    return bool(task.unique_mode == "keep_last" or header(request, MODE_HEADER) == "keep_last")
+    """True for a run of a keep_last or debounce task (declared so, or sent so per call)."""
+    kinds = ("keep_last", "debounce")
+    return bool(task.unique_mode in kinds or header(request, MODE_HEADER) in kinds)
 
 
 def newest_arguments(

@@ -30,6 +30,7 @@ from ._modes import (
     header,
     keeps_last,
     kept,
+    parked_kind,
 )
 from ._parking import DONE_KEEP_MS, PARKED_HEADER, tombstone
 from ._sync.heartbeat import heartbeat
@@ -60,6 +61,7 @@ class UniqueTask(Protocol):
     on_duplicate: OnDuplicate | None
     unique_mode: UniqueMode | None
     unique_window: float | None
+    unique_max_wait: float | None
 
     @property
     def request(self) -> Any: ...
@@ -129,11 +131,13 @@ def install(ext: Leases) -> None:
         **options: Any,
     ) -> Any:
         per_call = options.pop("on_duplicate", None)
-        modes = options.pop("unique_mode", None), options.pop("unique_window", None)
+        modes = tuple(
+            options.pop(o, None) for o in ("unique_mode", "unique_window", "unique_max_wait")
+        )
         task = unique_task_of(options.get("task_type") or _registered(app, name))
         if task is None:
-            if modes != (None, None):
-                check_mode(name, None, *modes)  # a mode for a task without unique=: refused
+            if any(m is not None for m in modes):  # for a task without unique=: refused
+                check_mode(name, None, modes[0], modes[1], None, modes[2])
             return _send(current, name, args, kwargs, countdown, eta, task_id, rest, options)
         if handed_on(task, modes[0], options):
             # a keep_last follow-up published by its hand-on: the claim is reserved for it
@@ -222,7 +226,7 @@ def _publish_unique(
     ext: Leases,
     send: Callable[..., Any],
     task: UniqueTask,
-    per_call: tuple[object, object, object],
+    per_call: tuple[object, ...],
     name: str,
     args: Any,
     kwargs: Any,
@@ -251,7 +255,7 @@ def _publish_unique(
         running = _running.get(task_id)
     key = running.key if running is not None else task._unique_key(args or (), kwargs or {})
     mode = claim_mode(task, per_call, queue_ttl)
-    if mode.message is not None:
+    if parked_kind(mode):
         mode = kept(mode, key, name, args, kwargs, options)
     try:
         _give_back_unsent(ext)
@@ -300,8 +304,8 @@ def _publish_unique(
             exc,
         )
     headers[UNIQUE_HEADER] = key
-    if mode.message is not None:
-        headers[MODE_HEADER] = "keep_last"
+    if parked_kind(mode):
+        headers[MODE_HEADER] = parked_kind(mode)
     options["headers"] = headers
     try:
         result = _send(send, name, args, kwargs, countdown, eta, task_id, rest, options)

@@ -53,7 +53,8 @@ Options (each also an app-wide setting, see the configuration reference):
   ``REJECTED`` result). ``unique_ttl`` (setting ``unique_ttl``) bounds how long a claim waits
   in the queue. ``unique_mode`` (also an ``apply_async``/beat entry option): ``"refuse"``
   (default, the above), ``"throttle"`` (also refused for ``unique_window`` seconds after an
-  accepted send) or ``"replace"`` (a send takes the place of the copy still queued). See
+  accepted send), ``"replace"`` (a send takes the place of the copy still queued),
+  ``"keep_last"`` or ``"debounce"`` (``unique_window``, ``unique_max_wait``). See
   docs/unique.md::
 
       @app.task(base=LeasedTask, unique="report:{account_id}", on_duplicate="raise")
@@ -202,6 +203,7 @@ class LeasedTask(Task[Any, Any]):
     on_duplicate: OnDuplicate | None = None
     unique_mode: UniqueMode | None = None
     unique_window: float | None = None
+    unique_max_wait: float | None = None
     rate: Rate | None = None
     rates: Sequence[Rate] | None = None
 
@@ -243,7 +245,14 @@ class LeasedTask(Task[Any, Any]):
         _check_seconds(name, "wait_timeout", cls.wait_timeout, zero_ok=True)
         _check_seconds(name, "unique_ttl", cls.unique_ttl, zero_ok=False)
         _check_choice(name, "on_duplicate", cls.on_duplicate, get_args(OnDuplicate))
-        check_mode(name, cls.unique, cls.unique_mode, cls.unique_window, cls.on_duplicate)
+        check_mode(
+            name,
+            cls.unique,
+            cls.unique_mode,
+            cls.unique_window,
+            cls.on_duplicate,
+            cls.unique_max_wait,
+        )
         if cls.unique is not None and not (isinstance(cls.unique, str) and cls.unique):
             msg = f"task {name!r}: unique= must be a non-empty str template, not {cls.unique!r}"
             raise LeaseConfigError(msg)
@@ -589,6 +598,7 @@ LEASE_OPTIONS: Final = (
     "on_duplicate",
     "unique_mode",
     "unique_window",
+    "unique_max_wait",
     "rate",
     "rates",
 )

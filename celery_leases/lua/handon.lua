@@ -10,6 +10,10 @@
 -- KEYS[4] parked states (group)   KEYS[5] parked messages (group)   KEYS[6] due index (group)
 -- ARGV[1] mode   ARGV[2] limit (0 = none)   ARGV[3] hand-on timeout in ms   ARGV[4] due member
 -- ARGV[5] placeholder owner prefix ("%parked/")
+-- A debounced claim resource (unique_mode="debounce", unique_claim.lua) is not handed on
+-- before the "<not before ms> ..." of the messages' field "%d<resource>", cleared here when
+-- it is handed on.
+--
 -- returns {1, task id (escaped), message}  handed on: publish it
 --         {0, due ms}                      nothing to hand on now (full, or nobody parked);
 --                                          due ms: when the due index looks again (0: never)
@@ -68,10 +72,17 @@ if not head then
   redis.call('ZADD', KEYS[6], now + timeout, ARGV[4])
   return {0, timeout}
 end
+local resource = string.match(ARGV[4], '^%S+ %S+ (.*)$')
+local quiet = redis.call('HGET', KEYS[5], '%d' .. resource)
+quiet = quiet and tonumber(string.match(quiet, '^(%d+)')) or 0
+if quiet > now then
+  wait = math.max(wait, quiet - now)
+end
 if wait > 0 then
   redis.call('ZADD', KEYS[6], now + wait, ARGV[4])
   return {0, wait}
 end
+redis.call('HDEL', KEYS[5], '%d' .. resource)
 msg = redis.call('HGET', KEYS[5], head)
 local holder = '0 ' .. ARGV[5] .. head
 if mode == 'x' then

@@ -24,6 +24,10 @@
 --         to the run that will carry them (see below), instead of being refused
 -- ARGV[9] (keep_last) the send as a parked message (JSON, _parking.py's format)
 -- ARGV[10] (keep_last) the claim resource's due member in the park due index
+-- ARGV[7] "d" (unique_mode="debounce"): as "k", and a send while the key is free is parked
+--         too; the follow-up is handed on (handon.lua) no sooner than ARGV[11] ms after the
+--         last send and no later than ARGV[12] ms after the first one of its burst: the field
+--         "%d<claim resource>" of the parked messages holds "<not before ms> <deadline ms>"
 --
 -- A producer claims with a short ttl (the unique_confirm_window setting: the claim is
 -- pending) and, once its message is published, confirms it with the queue ttl. A claim whose
@@ -93,7 +97,18 @@ if window > 0 then
 end
 -- keep_last: at most one copy queued or running, and one follow-up parked behind a running
 -- one (handed on by its release, or by the park pump once it died); the newest arguments win
-if ARGV[7] == 'k' then
+if ARGV[7] == 'k' or ARGV[7] == 'd' then
+  local debounce = ARGV[7] == 'd'
+  local function quiet(fresh)
+    if not debounce then
+      return
+    end
+    local old = not fresh and redis.call('HGET', KEYS[8], '%d' .. ARGV[4])
+    local deadline = old and tonumber(string.match(old, ' (%d+)$')) or now + tonumber(ARGV[12])
+    local due = math.min(now + tonumber(ARGV[11]), deadline)
+    redis.call('HSET', KEYS[8], '%d' .. ARGV[4], num(due) .. ' ' .. num(deadline))
+    redis.call('ZADD', KEYS[9], num(due), ARGV[10])
+  end
   local function newest(task)
     redis.call('HSET', KEYS[10], task, ARGV[9])
     local forget = tonumber(ARGV[8])
@@ -121,9 +136,10 @@ if ARGV[7] == 'k' then
   if follow and who ~= mine then
     redis.call('HSET', KEYS[8], follow, ARGV[9])
     newest(follow)
+    quiet(false)
     return {4, follow}
   end
-  if who and who ~= mine then
+  if (who and who ~= mine) or (debounce and not who) then
     -- running: park this send as the follow-up, looked at again when the holder runs out
     redis.call('ZADD', KEYS[6], 'NX', string.format('%.0f', now_us), ARGV[1])
     redis.call('HSET', KEYS[7], ARGV[1], 'p')
@@ -135,6 +151,7 @@ if ARGV[7] == 'k' then
     if not known or tonumber(known) > due then
       redis.call('ZADD', KEYS[9], num(due), ARGV[10])
     end
+    quiet(true)
     return {4, ARGV[1]}
   end
 end

@@ -139,6 +139,39 @@ def test_duplicate_task_is_a_lease_busy_that_survives_json_results():
             {"unique": "r:{account_id}", "unique_mode": "keep_last", "unique_window": 2},
             "unique_window= means nothing with unique_mode='keep_last'",
         ),
+        ({"unique": "r:{account_id}", "unique_mode": "debounce"}, "needs unique_window="),
+        (
+            {"unique": "r:{account_id}", "unique_mode": "debounce", "unique_window": 0},
+            "unique_window=0 must be a number of seconds > 0",
+        ),
+        (
+            {
+                "unique": "r:{account_id}",
+                "unique_mode": "debounce",
+                "unique_window": 5,
+                "unique_max_wait": 2,
+            },
+            "unique_max_wait=2 is less than unique_window=5",
+        ),
+        (
+            {
+                "unique": "r:{account_id}",
+                "unique_mode": "throttle",
+                "unique_window": 5,
+                "unique_max_wait": 20,
+            },
+            "unique_max_wait= means nothing with unique_mode='throttle'",
+        ),
+        (
+            {
+                "unique": "r:{account_id}",
+                "unique_mode": "debounce",
+                "unique_window": 5,
+                "on_duplicate": "existing",
+            },
+            "on_duplicate= means nothing with unique_mode='debounce'",
+        ),
+        ({"unique_max_wait": 5}, "unique_max_wait= needs unique="),
     ],
 )
 def test_bad_modes_fail_at_declaration_naming_task_and_option(
@@ -156,6 +189,8 @@ def test_bad_modes_fail_at_declaration_naming_task_and_option(
         {"unique_mode": "replace", "on_duplicate": "raise"},
         {"unique_mode": "throttle", "unique_window": 0.5, "on_duplicate": "ignore"},
         {"unique_mode": "keep_last"},
+        {"unique_mode": "debounce", "unique_window": 2.0},
+        {"unique_mode": "debounce", "unique_window": 2.0, "unique_max_wait": 2.0},
     ],
 )
 def test_good_modes_are_declared(app: Celery, options: dict[str, Any]):

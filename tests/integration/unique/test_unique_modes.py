@@ -6,6 +6,7 @@ counted in the ledger the tasks write.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -279,3 +280,80 @@ def test_keep_last_follow_up_runs_once_when_the_worker_running_the_first_is_kill
     assert runs(ledger, "x") == [(first.id, "first"), (follow_up, f"n{BURST - 1}")]
     assert [e.split()[0] for e in ledger.events("finished:x")] == [follow_up]
     wait_until(lambda: leases_of.store.unique_holder("keep:x") is None, 30, "the key to be free")
+
+
+# --- debounce ---------------------------------------------------------------------------------
+def test_debounce_100_sends_in_2_s_give_one_run_with_the_last_arguments(
+    producer: Celery, leases_of: Leases, ledger: Ledger, start_worker: Callable[..., WorkerProc]
+):
+    debounced = producer.tasks["unique_app.debounced"]  # window 3 s, max wait 30 s
+    start_worker()
+    sent = []
+    for i in range(100):
+        sent.append(debounced.delay("b", f"d{i}"))
+        time.sleep(0.02)
+    assert {r.id for r in sent} == {sent[0].id}  # every send: the one run's result
+    assert sent[0].get(timeout=RESULT_TIMEOUT) == "d99"
+    time.sleep(2)
+    assert runs(ledger, "b") == [(sent[0].id, "d99")]
+    wait_until(lambda: leases_of.store.unique_holder("deb:b") is None, 30, "the key to be free")
+
+
+#: the steady stream: a send every STEP s for STREAM s, with a window it never leaves quiet
+STEP, STREAM, QUIET, MAX_WAIT = 0.25, 14.0, 1.0, 4.0
+#: what a run may take past max_wait: the pump's interval (1 s) and a loaded machine
+MARGIN = 4.0
+
+
+def test_debounce_steady_stream_runs_at_least_every_max_wait_as_send_options(
+    producer: Celery, ledger: Ledger, start_worker: Callable[..., WorkerProc]
+):
+    # the options a beat entry's "options" give, on a task declared without a mode
+    quick = producer.tasks["unique_app.quick"]
+    options = {"unique_mode": "debounce", "unique_window": QUIET, "unique_max_wait": MAX_WAIT}
+    start_worker()
+    started = time.monotonic()
+    seen: list[float] = []  # when each run was first seen, from the start of the stream
+    last = None
+    i = 0
+    while time.monotonic() - started < STREAM:
+        last = quick.apply_async(("s", f"s{i}"), **options)
+        i += 1
+        time.sleep(STEP)
+        seen += [time.monotonic() - started] * (len(runs(ledger, "s")) - len(seen))
+    assert last is not None
+    assert last.get(timeout=RESULT_TIMEOUT) == last.id  # quick returns its task id
+    seen += [time.monotonic() - started] * (len(runs(ledger, "s")) - len(seen))
+    tags = [tag for _, tag in runs(ledger, "s")]
+    assert tags[-1] == f"s{i - 1}"  # the burst's end ran with the last send's arguments
+    assert len(set(tags)) == len(tags)  # each run is another send's arguments
+    during = [t for t in seen if t < STREAM]  # the runs while the stream went on
+    ends = [0.0, *during, STREAM]  # no run for longer than max_wait, to the stream's end
+    gaps = [round(b - a, 2) for a, b in itertools.pairwise(ends)]
+    print(f"debounce steady stream: runs seen at {[round(t, 2) for t in seen]} s, gaps {gaps}")
+    assert len(during) >= int(STREAM / (MAX_WAIT + MARGIN)), seen
+    assert all(gap <= MAX_WAIT + MARGIN for gap in gaps), gaps
+
+
+def test_debounce_a_burst_across_a_release_still_waits_for_quiet(
+    producer: Celery, ledger: Ledger, start_worker: Callable[..., WorkerProc]
+):
+    # the release of the running copy finds the follow-up's burst still going: no hand-on
+    # until the window is quiet, then one run with the last arguments
+    kept = producer.tasks["unique_app.kept"]  # sleeps; sent with debounce options
+    options = {"unique_mode": "debounce", "unique_window": 1.0}
+    start_worker()
+    first = kept.apply_async(("r", "first", 3.0), **options)
+    wait_until(lambda: runs(ledger, "r"), RESULT_TIMEOUT, "the first run to start")
+    sent = []
+    while not ledger.events("finished:r"):  # a send every 0.2 s until the first run ended
+        sent.append(kept.apply_async(("r", f"r{len(sent)}"), **options))
+        time.sleep(0.2)
+    for _ in range(5):  # and a second more
+        sent.append(kept.apply_async(("r", f"r{len(sent)}"), **options))
+        time.sleep(0.2)
+    assert {r.id for r in sent} == {sent[0].id}
+    assert first.get(timeout=RESULT_TIMEOUT) == "first"
+    assert sent[-1].get(timeout=RESULT_TIMEOUT) == f"r{len(sent) - 1}"
+    time.sleep(2)
+    assert runs(ledger, "r") == [(first.id, "first"), (sent[0].id, f"r{len(sent) - 1}")]

@@ -237,6 +237,20 @@ def make_app(
         record(f"finished:{key}", f"{self.request.id} {tag}")
         return tag
 
+    @app.task(
+        name="unique_app.debounced",
+        shared=False,
+        base=LeasedTask,
+        bind=True,
+        unique="deb:{key}",
+        unique_mode="debounce",
+        unique_window=3.0,
+        unique_max_wait=30.0,
+    )
+    def debounced(self: Any, key: str, tag: str = "") -> str:
+        record(f"started:{key}", f"{self.request.id} {os.getpid()} {tag}")
+        return tag
+
     return app
 
 
