@@ -12,6 +12,7 @@ lists, so a test can tell whether a body ran, and gates the test opens to let a 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from datetime import timedelta
@@ -41,6 +42,7 @@ def make_app(
     beat_key: str | None = None,
     backend: str | None = None,
     tasks: bool = True,
+    beat_entry: dict[str, Any] | None = None,
     **settings: Any,
 ) -> Celery:
     """A Celery app with the test tasks (unless not ``tasks``), ``Leases`` made with
@@ -60,6 +62,7 @@ def make_app(
                 "task": "unique_app.gated",
                 "schedule": timedelta(seconds=1),
                 "args": [beat_key],
+                **(beat_entry or {}),
             }
         }
     leases = Leases(app, **settings)
@@ -255,5 +258,8 @@ def make_app(
 
 
 app = make_app(
-    beat_key=os.environ.get("UAPP_BEAT_KEY") or None, tasks=not os.environ.get("UAPP_NO_TASKS")
+    beat_key=os.environ.get("UAPP_BEAT_KEY") or None,
+    tasks=not os.environ.get("UAPP_NO_TASKS"),
+    # the beat entry's "task", "args" and "options" (JSON), instead of gated(key)
+    beat_entry=json.loads(os.environ.get("UAPP_BEAT_ENTRY") or "{}"),
 )
