@@ -282,14 +282,15 @@ def hand_on_released(ext: Leases, resources: Iterable[str]) -> int:
 
 
 def parking_used(app: Any) -> bool:
-    """True if a task of ``app`` (or its ``on_busy`` setting) defers: then its releases hand
-    on and its workers run the pump."""
+    """True if a task of ``app`` (or its ``on_busy`` setting) defers, or is unique (a send
+    of it may be keep_last or debounce, declared or per call): then its releases hand on and
+    its workers run the pump."""
     from .config import get_settings
 
     if get_settings(app).on_busy == "defer":
         return True
     return any(
-        getattr(t, "on_busy", None) == "defer" or getattr(t, "unique_mode", None) == "keep_last"
+        getattr(t, "on_busy", None) == "defer" or getattr(t, "_unique_template", None) is not None
         for t in list(app.tasks.values())
     )
 

@@ -357,3 +357,17 @@ def test_debounce_a_burst_across_a_release_still_waits_for_quiet(
     assert sent[-1].get(timeout=RESULT_TIMEOUT) == f"r{len(sent) - 1}"
     time.sleep(2)
     assert runs(ledger, "r") == [(first.id, "first"), (sent[0].id, f"r{len(sent) - 1}")]
+
+
+def test_a_worker_without_mode_tasks_publishes_a_per_call_debounced_run(
+    producer: Celery, ledger: Ledger, start_worker: Callable[..., WorkerProc]
+):
+    # the worker's app declares no task with a unique_mode: its pump must still run, for
+    # sends that ask for debounce per call (a beat entry's options)
+    start_worker(env={"UAPP_NO_MODE_TASKS": "1"})
+    quick = producer.tasks["unique_app.quick"]
+    options = {"unique_mode": "debounce", "unique_window": 1.0}
+    sent = [quick.apply_async(("p", f"p{i}"), **options) for i in range(5)]
+    assert {r.id for r in sent} == {sent[0].id}
+    assert sent[0].get(timeout=RESULT_TIMEOUT) == sent[0].id
+    assert runs(ledger, "p") == [(sent[0].id, "p4")]

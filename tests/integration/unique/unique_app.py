@@ -197,62 +197,64 @@ def make_app(
             time.sleep(60)
         return str(self.request.id)
 
-    @app.task(
-        name="unique_app.throttled",
-        shared=False,
-        base=LeasedTask,
-        bind=True,
-        unique="thr:{key}",
-        unique_mode="throttle",
-        unique_window=30,
-        on_duplicate="raise",
-    )
-    def throttled(self: Any, key: str, tag: str = "") -> str:
-        record(f"started:{key}", f"{self.request.id} {os.getpid()} {tag}")
-        return str(self.request.id)
+    if not os.environ.get("UAPP_NO_MODE_TASKS"):  # tasks declared with a unique_mode
 
-    @app.task(
-        name="unique_app.replaced",
-        shared=False,
-        base=LeasedTask,
-        bind=True,
-        unique="rep:{key}",
-        unique_mode="replace",
-        on_duplicate="raise",
-    )
-    def replaced(self: Any, key: str, tag: str = "") -> str:
-        record(f"started:{key}", f"{self.request.id} {os.getpid()} {tag}")
-        wait_gate(key)
-        return tag
+        @app.task(
+            name="unique_app.throttled",
+            shared=False,
+            base=LeasedTask,
+            bind=True,
+            unique="thr:{key}",
+            unique_mode="throttle",
+            unique_window=30,
+            on_duplicate="raise",
+        )
+        def throttled(self: Any, key: str, tag: str = "") -> str:
+            record(f"started:{key}", f"{self.request.id} {os.getpid()} {tag}")
+            return str(self.request.id)
 
-    @app.task(
-        name="unique_app.kept",
-        shared=False,
-        base=LeasedTask,
-        bind=True,
-        unique="keep:{key}",
-        unique_mode="keep_last",
-    )
-    def kept(self: Any, key: str, tag: str = "", seconds: float = 0.0) -> str:
-        """Announces it started, sleeps ``seconds``, announces it finished."""
-        record(f"started:{key}", f"{self.request.id} {os.getpid()} {tag}")
-        time.sleep(seconds)
-        record(f"finished:{key}", f"{self.request.id} {tag}")
-        return tag
+        @app.task(
+            name="unique_app.replaced",
+            shared=False,
+            base=LeasedTask,
+            bind=True,
+            unique="rep:{key}",
+            unique_mode="replace",
+            on_duplicate="raise",
+        )
+        def replaced(self: Any, key: str, tag: str = "") -> str:
+            record(f"started:{key}", f"{self.request.id} {os.getpid()} {tag}")
+            wait_gate(key)
+            return tag
 
-    @app.task(
-        name="unique_app.debounced",
-        shared=False,
-        base=LeasedTask,
-        bind=True,
-        unique="deb:{key}",
-        unique_mode="debounce",
-        unique_window=3.0,
-        unique_max_wait=30.0,
-    )
-    def debounced(self: Any, key: str, tag: str = "") -> str:
-        record(f"started:{key}", f"{self.request.id} {os.getpid()} {tag}")
-        return tag
+        @app.task(
+            name="unique_app.kept",
+            shared=False,
+            base=LeasedTask,
+            bind=True,
+            unique="keep:{key}",
+            unique_mode="keep_last",
+        )
+        def kept(self: Any, key: str, tag: str = "", seconds: float = 0.0) -> str:
+            """Announces it started, sleeps ``seconds``, announces it finished."""
+            record(f"started:{key}", f"{self.request.id} {os.getpid()} {tag}")
+            time.sleep(seconds)
+            record(f"finished:{key}", f"{self.request.id} {tag}")
+            return tag
+
+        @app.task(
+            name="unique_app.debounced",
+            shared=False,
+            base=LeasedTask,
+            bind=True,
+            unique="deb:{key}",
+            unique_mode="debounce",
+            unique_window=3.0,
+            unique_max_wait=30.0,
+        )
+        def debounced(self: Any, key: str, tag: str = "") -> str:
+            record(f"started:{key}", f"{self.request.id} {os.getpid()} {tag}")
+            return tag
 
     return app
 
