@@ -31,6 +31,8 @@ UNIQUE_HEADER: Final = "lease_unique"
 #: message header of a keep_last send (a per-call unique_mode too): its run reads the newest
 #: arguments sent for it, and its follow-up's hand-on is consumed as it starts
 MODE_HEADER: Final = "lease_unique_mode"
+#: the per-call options of a unique mode (apply_async, send_task, a beat entry's options)
+PER_CALL: Final = ("unique_mode", "unique_window", "unique_max_wait")
 #: debounce without unique_max_wait: the latest a burst's run may be, seconds (30 years)
 _NO_MAX_WAIT: Final = 1e9
 #: what a send does while the key is taken (docs/unique.md, "Modes")
@@ -109,6 +111,25 @@ def check_mode(
             "is never refused: its arguments go to the run that will carry them)"
         )
         raise LeaseConfigError(msg)
+
+
+def check_beat_entries(sender: Any = None, **kwargs: Any) -> None:
+    """At beat start: check the unique modes in the options of each ``beat_schedule``
+    entry, logging each bad one at ERROR (a ``beat_init`` receiver cannot stop beat; the
+    entry's sends are refused with the same error)."""
+    app = getattr(sender, "app", None)
+    schedule = getattr(getattr(app, "conf", None), "beat_schedule", None) or {}
+    for name, entry in dict(schedule).items():
+        options = dict(entry.get("options") or {})
+        given = [options.get(o) for o in ("on_duplicate", *PER_CALL)]
+        task = app.tasks.get(entry.get("task")) if app is not None else None
+        try:
+            if task is not None and getattr(task, "_unique_template", None) is not None:
+                claim_mode(task, tuple(given), 0.0)
+            elif any(v is not None for v in given[1:]):
+                check_mode(str(entry.get("task")), None, given[1], given[2], None, given[3])
+        except LeaseConfigError as exc:
+            logger.error("leases: beat entry %r is refused at each send: %s", name, exc)
 
 
 def header(request: Any, name: str) -> Any:

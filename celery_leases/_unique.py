@@ -22,8 +22,10 @@ from ._claims import ClaimHolder, ClaimMode
 from ._lease import Held, Lease, held_of
 from ._modes import (
     MODE_HEADER,
+    PER_CALL,
     UNIQUE_HEADER,
     UniqueMode,
+    check_beat_entries,
     check_mode,
     claim_mode,
     handed_on,
@@ -131,9 +133,7 @@ def install(ext: Leases) -> None:
         **options: Any,
     ) -> Any:
         per_call = options.pop("on_duplicate", None)
-        modes = tuple(
-            options.pop(o, None) for o in ("unique_mode", "unique_window", "unique_max_wait")
-        )
+        modes = tuple(options.pop(o, None) for o in PER_CALL)
         task = unique_task_of(options.get("task_type") or _registered(app, name))
         if task is None:
             if any(m is not None for m in modes):  # for a task without unique=: refused
@@ -161,6 +161,9 @@ def install(ext: Leases) -> None:
     app.send_task = send_task  # type: ignore[method-assign]
     celery_signals.task_revoked.connect(
         on_task_revoked, weak=False, dispatch_uid="celery_leases.unique.task_revoked"
+    )
+    celery_signals.beat_init.connect(
+        check_beat_entries, weak=False, dispatch_uid="celery_leases.unique.beat_init"
     )
 
 

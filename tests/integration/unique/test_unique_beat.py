@@ -178,3 +178,23 @@ def test_beat_entry_options_give_the_mode(
         finished = [e.split()[0] for e in ledger.events("finished:m")]
         assert finished == started[: len(finished)]
         assert len(finished) >= len(started) - 1
+
+
+def test_bad_mode_options_of_a_beat_entry_are_reported_at_start_and_refused(
+    ledger: Ledger,
+    start_beat: Callable[..., BeatProc],
+    start_worker: Callable[..., WorkerProc],
+):
+    entry = {"task": "unique_app.quick", "options": {"unique_mode": "throttle"}}
+    beat = start_beat("z", UAPP_BEAT_ENTRY=json.dumps(entry))
+    at_start = (
+        "leases: beat entry 'unique-every-second' is refused at each send: task "
+        "'unique_app.quick': unique_mode='throttle' needs unique_window= (seconds)"
+    )
+    wait_until(lambda: at_start in beat.log(), RESULT_TIMEOUT, "beat to report the entry")
+    wait_until(
+        lambda: beat.log().count("needs unique_window=") >= 3, RESULT_TIMEOUT, "3 refused sends"
+    )
+    start_worker()
+    time.sleep(2)
+    assert ledger.started("z") == []  # nothing was sent
