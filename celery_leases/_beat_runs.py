@@ -18,8 +18,9 @@ from kombu.utils.uuid import uuid
 
 from ._claims import ClaimHolder
 from ._lease import Lease, Want
+from ._modes import header
 from ._sync.heartbeat import heartbeat
-from ._unique import _REDELIVERY_SLACK, _header
+from ._unique import _REDELIVERY_SLACK
 from .exceptions import LeaseBusy, LeaseConfigError, LeaseError
 
 if TYPE_CHECKING:
@@ -335,7 +336,7 @@ def on_task_prerun(task_id: str | None = None, task: Any = None, **kwargs: Any) 
     """Pool process: a run sent with a marker takes it over before its body runs."""
     try:
         request = getattr(task, "request", None)
-        key = _header(request, RUN_HEADER) if request is not None else None
+        key = header(request, RUN_HEADER) if request is not None else None
         if not isinstance(key, str) or not key or not task_id:
             return
         from .app import find_leases, ttl_of  # app.py imports worker.py, which imports this
@@ -384,7 +385,7 @@ def on_task_postrun(task_id: str | None = None, task: Any = None, **kwargs: Any)
 def on_task_revoked(request: Any = None, terminated: bool = False, **kwargs: Any) -> None:
     """Worker: a run discarded before it started (revoked, expired) gives its marker back."""
     try:
-        key = _header(request, RUN_HEADER) if request is not None else None
+        key = header(request, RUN_HEADER) if request is not None else None
         task_id = getattr(request, "id", None)
         if terminated or not isinstance(key, str) or not key or not isinstance(task_id, str):
             return

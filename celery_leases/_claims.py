@@ -1,4 +1,4 @@
-"""Unique claims and beat claims, written once: claim, handover, requeue, unclaim, inspect.
+"""Unique claims, written once: claim, handover, requeue, unclaim, inspect.
 
 A task declared with ``unique=`` has at most one copy queued or running per rendered key.
 The claim is the exclusive lease of ``Keyspace.unique_resource(key)``: the producer takes it
@@ -8,16 +8,14 @@ process, renewed and cleaned up like every other); the task's finalizer releases
 release.lua (token-checked), and so does any cleanup of a dead owner. All the keys of one
 claim are in the claim resource's slot group.
 
-A beat claim records which replica won one due run of a beat entry, so each run is sent
-once across replicas.
-
 Each operation is a generator of protocol requests (see ``_protocol``), carried out by a
-driver (its ``run``). A lost reply's recovery is decided with ``_lostreply``. No I/O.
+driver (its ``run``). A lost reply's recovery is decided with ``_lostreply``. No I/O. The
+beat claims are in ``_beat_claims``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 
@@ -26,13 +24,12 @@ from ._grants import EXPIRY_SLACK, Busy, acquire_call, acquire_group, acquire_ou
 from ._inspect import OPS_BATCH, registry_task
 from ._keys import UNIQUE_PREFIX, escape, holder_parts, holder_value, unescape
 from ._lease import Held, Want
-from ._lostreply import BOOK, own_beat_win, requeue_recovered, resend_if_lost
-from ._protocol import Call, Command, Failure, Script, Send, Steps
+from ._lostreply import BOOK, requeue_recovered, resend_if_lost
+from ._protocol import Command, Failure, Script, Send, Steps
 from ._readback import GrantsInFlight, log_unrecovered, recover_grant
 from ._registry import QUEUED_OWNER, held_entry
 from ._scripts import (
     AcquireReply,
-    BeatClaimReply,
     UniqueClaimReply,
     UniqueHandoverReply,
     UniqueRequeueReply,
@@ -44,14 +41,9 @@ if TYPE_CHECKING:
     from ._identity import Identity
 
 __all__ = (
-    "BeatClaim",
-    "BeatRun",
     "ClaimHolder",
+    "ClaimMode",
     "Claimed",
-    "beat_claim",
-    "beat_runs",
-    "claim_beat_run",
-    "parse_beat_claim",
     "claim_waiting_time",
     "queued_claims",
     "unique_claim",
@@ -70,6 +62,23 @@ _Outcome = TypeVar("_Outcome")
 
 # --- what a claim call returns ------------------------------------------------------------
 @dataclass(frozen=True)
+class ClaimMode:
+    """What a producer's claim does besides refusing while a copy is queued or running
+    (docs/unique.md "Modes", unique_claim.lua's ARGV): ``kind`` (ARGV[7]: "" refuse or
+    throttle, "r" replace, "k" keep_last, "d" debounce), ``window`` (throttle, seconds),
+    ``forget`` (seconds a replaced task id or a run's newest arguments are kept),
+    ``message`` (keep_last, debounce: the send as a parked message), ``quiet`` and
+    ``max_wait`` (debounce: its window and longest wait, seconds)."""
+
+    kind: str = ""
+    window: float = 0.0
+    forget: float = 0.0
+    message: str = ""
+    quiet: float = 0.0
+    max_wait: float = 0.0
+
+
+@dataclass(frozen=True)
 class Claimed:
     """A unique claim queued for a task (``again``: it already was, by an earlier publish)."""
 
@@ -77,6 +86,10 @@ class Claimed:
     task_id: str
     token: int
     again: bool = False
+    #: unique_mode="replace": the task id whose queued claim this one took (it never runs)
+    replaced: str | None = None
+    #: unique_mode="keep_last": not sent; the task id of the run that takes its arguments
+    follows: str | None = None
 
 
 @dataclass(frozen=True)
@@ -85,8 +98,10 @@ class ClaimHolder:
 
     Attributes:
         key: the rendered unique key.
-        state: ``"queued"`` (published, not started), ``"running"`` (a worker took it over)
-            or ``"grace"`` (Redis is in its restart grace; nobody may be granted anything).
+        state: ``"queued"`` (published, not started), ``"running"`` (a worker took it over),
+            ``"grace"`` (Redis is in its restart grace; nobody may be granted anything),
+            ``"throttled"`` (``unique_mode="throttle"``: the window of ``task_id``'s send
+            runs) or ``"replaced"`` (a later send replaced the starting task's claim).
         task_id: the holding task's id; None when it could not be read (it changed hands
             while it was read, or the key was written by something else).
         token: the claim's fencing token.
@@ -95,7 +110,7 @@ class ClaimHolder:
     """
 
     key: str
-    state: Literal["queued", "running", "grace"]
+    state: Literal["queued", "running", "grace", "throttled", "replaced"]
     task_id: str | None
     token: int
     owner: str | None
@@ -112,176 +127,9 @@ class ClaimHolder:
         return self.state == "grace" or (self.state == "running" and self.task_id == task_id)
 
 
-# --- beat ---------------------------------------------------------------------------------
-#: why beat_claim.lua did not claim a run newer than the last claimed one (see BeatClaim)
-Refusal = Literal["", "early", "future", "skipped", "missed"]
-#: the marker of a run recorded as skipped (after an outage), before the replica's name
-SKIPPED_BY: Final = "skipped:"
-_REFUSALS: Final[dict[int, Refusal]] = {
-    BeatClaimReply.EARLY: "early",
-    BeatClaimReply.FUTURE: "future",
-    BeatClaimReply.SKIPPED: "skipped",
-    BeatClaimReply.MISSED: "missed",
-}
-
-
-@dataclass(frozen=True)
-class BeatRun:
-    """The last claimed run of one beat entry, as its claim key records it."""
-
-    entry: str
-    kind: str  # "cron" (run = due time in ms) or "every" (run = Redis-time bucket)
-    run: int
-    replica: str  # the replica that won (sent) it
-    expires_in: float  # seconds the claim is still remembered
-
-
-def parse_beat_claim(value: str) -> tuple[int, int | None, str] | None:
-    """``(run id, Redis ms of the claim or None, winner)`` of a claim key's value, or None.
-
-    The value is ``"<run id> <Redis ms> <replica>"``; a key written before the Redis ms was
-    recorded holds ``"<run id> <replica>"`` (a replica name never starts with a digit).
-    """
-    run, _, rest = value.partition(" ")
-    if not run.lstrip("-").isdigit():
-        return None
-    ms, _, replica = rest.partition(" ")
-    if ms.isdigit():
-        return int(run), int(ms), replica
-    return int(run), None, rest
-
-
-def beat_runs(engine: LeaseEngine, entries: Sequence[str]) -> Steps[list[BeatRun]]:
-    """The last claimed run of each of ``entries`` (beat entry names) that has one.
-
-    The entries come from the caller (the app's ``beat_schedule``): claims are found by
-    name, never by a keyspace scan. One round trip.
-    """
-    wanted = [(entry, kind) for entry in entries for kind in ("cron", "every")]
-    calls: list[Call] = []
-    for entry, kind in wanted:
-        key = engine.keys.beat_claim(entry, kind)
-        calls += (Command(("GET", key)), Command(("PTTL", key)))
-    if not calls:
-        return []
-    replies = yield from engine.send("read beat claims", calls)
-    out: list[BeatRun] = []
-    for i, (entry, kind) in enumerate(wanted):
-        value, pttl = replies[2 * i], replies[2 * i + 1]
-        parsed = None if value is None else parse_beat_claim(str(value))
-        if parsed is not None:
-            run, _, replica = parsed
-            out.append(BeatRun(entry, kind, run, replica, max(int(pttl), 0) / 1000))
-    return out
-
-
-@dataclass(frozen=True)
-class BeatClaim:
-    """The outcome of one beat claim.
-
-    ``refused`` says why a run newer than the last claimed one was not claimed: ``"early"``
-    (an interval run less than half an interval after the last claim, on the Redis clock),
-    ``"future"`` (a crontab run due further ahead of the Redis clock than the tolerance);
-    ``retry_ms`` is then the Redis time from which it may be claimed. After an outage:
-    ``"skipped"`` (the run, ``run``, was missed outside the catch-up window: recorded as
-    skipped, sent by no one; an interval's next run is due at ``retry_ms``) or ``"missed"``
-    (a crontab run whose next run is due too: claim the latest due run with ``latest``).
-    ``catch_up``: won as the one catch-up run after an outage.
-    """
-
-    won: bool
-    run: int
-    now_ms: int  # the Redis clock when the claim was judged
-    winner: str  # the replica that won this run ('' if not known)
-    refused: Refusal = ""
-    retry_ms: int | None = None
-    catch_up: bool = False
-
-
-def beat_claim(
-    engine: LeaseEngine,
-    entry: str,
-    *,
-    due_ms: int | None,
-    bucket: float | None,
-    replica: str,
-    keep: float,
-) -> Steps[tuple[bool, int, int, str]]:
-    """Claim one due run of beat entry ``entry`` (see :func:`claim_beat_run`).
-
-    Returns:
-        ``(won, run id, Redis time in ms, winner of that run)``.
-    """
-    claim = yield from claim_beat_run(
-        engine, entry, due_ms=due_ms, bucket=bucket, replica=replica, keep=keep
-    )
-    return claim.won, claim.run, claim.now_ms, claim.winner
-
-
-def claim_beat_run(
-    engine: LeaseEngine,
-    entry: str,
-    *,
-    due_ms: int | None,
-    bucket: float | None,
-    replica: str,
-    keep: float,
-    tolerance: float = 0.0,
-    catch_up: float | Literal[""] | None = "",
-    next_due_ms: int | None = None,
-    latest: bool = False,
-) -> Steps[BeatClaim]:
-    """Claim one due run of beat entry ``entry``, judged on the Redis clock.
-
-    Args:
-        due_ms: the run's due time in ms (crontab), or None to claim the current bucket
-            of ``bucket`` seconds on the Redis clock (interval schedules).
-        replica: the claimant's name, recorded with the claim.
-        keep: seconds the claim is remembered after it was made.
-        tolerance: crontab: seconds a run may be due ahead of the Redis clock and still be
-            claimed.
-        catch_up: after an outage (runs were due that nobody claimed), the seconds within
-            which the latest missed due time still gets one catch-up run; None: no catch-up
-            (the missed runs are skipped); ``""``: outages are not looked for.
-        next_due_ms: crontab: the due time of the run after ``due_ms`` (finds an outage).
-        latest: crontab: ``due_ms`` is the latest due run of an outage (after ``"missed"``).
-    """
-    kind = "every" if due_ms is None else "cron"
-    policy = catch_up if catch_up == "" else "none" if catch_up is None else engine.ms(catch_up)
-    args: list[Any] = [
-        "" if due_ms is None else str(due_ms),
-        engine.ms(bucket or 1.0),
-        engine.ms(keep),
-        replica,
-        str(max(0, round(tolerance * 1000))),
-        policy,
-        "" if next_due_ms is None else str(next_due_ms),
-        "latest" if latest else "",
-    ]
-    keys = [engine.keys.beat_claim(entry, kind)]
-    try:
-        # idempotent: sent again, it loses to the lost call if that one won; the claim
-        # records the winner, so this replica recognises its own win (own_beat_win)
-        (reply,), lost = yield from resend_if_lost([Script("beat_claim", keys, args)])
-    except Failure as failure:
-        raise engine.backend_error("claim a beat run", failure) from failure.cause
-    code = int(reply[0])
-    won = code == BeatClaimReply.WON
-    run, now, winner = int(reply[1]), int(reply[2]), str(reply[3])
-    retry = str(reply[4]) if len(reply) > 4 else ""
-    if lost:
-        won = own_beat_win(won, run, winner, replica, engine.beat_won.get(keys[0]))
-    if won:
-        engine.beat_won[keys[0]] = run
-        catch = len(reply) > 5 and str(reply[5]) == "1"
-        return BeatClaim(True, run, now, replica, catch_up=catch)
-    refused = _REFUSALS.get(code, "")
-    return BeatClaim(False, run, now, winner, refused, int(retry) if retry else None)
-
-
 # --- claim (the producer) -----------------------------------------------------------------
 def unique_claim(
-    engine: LeaseEngine, key: str, task_id: str, ttl: float
+    engine: LeaseEngine, key: str, task_id: str, ttl: float, mode: ClaimMode | None = None
 ) -> Steps[Claimed | ClaimHolder]:
     """Claim ``key`` for ``task_id``, about to be published, for ``ttl`` seconds.
 
@@ -292,19 +140,21 @@ def unique_claim(
         :class:`Claimed` (``again`` when it was already queued for this task id), or the
         :class:`ClaimHolder` that has it.
 
+    ``mode`` changes what the claim does: see :class:`ClaimMode`.
+
     Raises:
         LeaseBackendError: with ``maybe_claimed`` set when the call's reply was lost and its
             resend failed: the claim may have been made.
     """
-    return (yield from _holder_read(lambda: _claim_attempt(engine, key, task_id, ttl)))
+    return (yield from _holder_read(lambda: _claim_attempt(engine, key, task_id, ttl, mode)))
 
 
 def _claim_attempt(
-    engine: LeaseEngine, key: str, task_id: str, ttl: float
+    engine: LeaseEngine, key: str, task_id: str, ttl: float, mode: ClaimMode | None
 ) -> Steps[Claimed | ClaimHolder]:
     resource = engine.keys.unique_resource(key)
     Want(resource)  # a name without a UTF-8 form is a LeaseConfigError, not a redis one
-    call = _unique_claim_call(engine, resource, task_id, ttl)
+    call = _unique_claim_call(engine, resource, task_id, ttl, None, mode)
     try:
         # one attempt first: a failure after it may have run is told apart below
         (reply,) = yield Send([call])
@@ -328,12 +178,24 @@ def _claim_attempt(
     code = int(reply[0])
     if code in (UniqueClaimReply.CLAIMED, UniqueClaimReply.CLAIMED_AGAIN):
         again = code == UniqueClaimReply.CLAIMED_AGAIN and not lost
-        return Claimed(key, task_id, int(reply[1]), again=again)
+        replaced = unescape(str(reply[2])) if len(reply) > 2 else None
+        return Claimed(key, task_id, int(reply[1]), again=again, replaced=replaced)
+    if code == UniqueClaimReply.FOLLOWS:
+        return Claimed(key, task_id, 0, follows=unescape(str(reply[1])))
+    if code == UniqueClaimReply.THROTTLED:
+        pttl = int(reply[2])
+        last = unescape(str(reply[1]))
+        return ClaimHolder(key, "throttled", last, 0, None, None if pttl < 0 else pttl / 1000)
     return (yield from _claim_holder(engine, key, resource, str(reply[1]), int(reply[2])))
 
 
 def unique_confirm(
-    engine: LeaseEngine, key: str, task_id: str, token: int, ttl: float
+    engine: LeaseEngine,
+    key: str,
+    task_id: str,
+    token: int,
+    ttl: float,
+    mode: ClaimMode | None = None,
 ) -> Steps[bool]:
     """Confirm the pending claim of ``key`` for ``task_id`` (``token``): its message is
     published; it now lives ``ttl`` seconds (the queue TTL).
@@ -343,7 +205,8 @@ def unique_confirm(
     lands), it was released (the task ran and ended) or it ran out. A confirm never brings
     a claim back.
     """
-    call = _unique_claim_call(engine, engine.keys.unique_resource(key), task_id, ttl, token)
+    resource = engine.keys.unique_resource(key)
+    call = _unique_claim_call(engine, resource, task_id, ttl, token, mode)
     try:
         # idempotent (token-checked, only ever raises a TTL)
         (reply,), _ = yield from resend_if_lost([call])
@@ -353,14 +216,25 @@ def unique_confirm(
 
 
 def _unique_claim_call(
-    engine: LeaseEngine, resource: str, task_id: str, ttl: float, token: int | None = None
+    engine: LeaseEngine,
+    resource: str,
+    task_id: str,
+    ttl: float,
+    token: int | None = None,
+    mode: ClaimMode | None = None,
 ) -> Script:
     """unique_claim.lua for ``task_id``'s claim of ``resource``: a pending claim of ``ttl``,
     or with the claim's ``token``, its confirm (the claim now lives ``ttl``)."""
     rk = engine.resource_keys(resource)
     keys = [rk.exclusive, rk.counter, engine.keys.unique_queued(rk.group)]
+    keys += [engine.keys.unique_window(resource), engine.keys.unique_replaced(resource)]
+    keys += engine.keys.park_keys(resource)[:3]
+    keys += [engine.keys.park_due(rk.group), engine.keys.unique_newest(resource)]
     args: list[Any] = [escape(task_id), engine.ms(ttl), engine.token_memory_ms, resource]
     args.append("" if token is None else str(token))
+    mode = mode or ClaimMode()
+    args += [engine.ms(mode.window) if mode.window else "0", mode.kind, engine.ms(mode.forget)]
+    args += [mode.message, f"x 0 {resource}", engine.ms(mode.quiet), engine.ms(mode.max_wait)]
     return Script("unique_claim", keys, args)
 
 
@@ -383,18 +257,33 @@ def _holder_read(attempt: Callable[[], Steps[_Outcome]]) -> Steps[_Outcome]:
 
 # --- handover (the worker that starts the task) ---------------------------------------------
 def unique_handover(
-    engine: LeaseEngine, key: str, task_id: str, ident: Identity, ttl: float
+    engine: LeaseEngine,
+    key: str,
+    task_id: str,
+    ident: Identity,
+    ttl: float,
+    handed: tuple[str, int] | None = None,
 ) -> Steps[Held | ClaimHolder]:
     """One attempt to take over ``key``'s claim for ``task_id`` as a lease of ``ident``.
 
     It succeeds when the claim is queued for ``task_id`` or when there is none. (A holder
     that changed hands while it was read is looked at again: see :func:`_holder_read`.)
+    ``handed`` (``unique_mode="keep_last"``): the message's park tombstone and how long it
+    is kept, ms: a follow-up handed on to ``task_id`` is taken over and consumed; a copy of
+    one consumed already is refused (``"replaced"``).
     """
-    return (yield from _holder_read(lambda: _handover_attempt(engine, key, task_id, ident, ttl)))
+    return (
+        yield from _holder_read(lambda: _handover_attempt(engine, key, task_id, ident, ttl, handed))
+    )
 
 
 def _handover_attempt(
-    engine: LeaseEngine, key: str, task_id: str, ident: Identity, ttl: float
+    engine: LeaseEngine,
+    key: str,
+    task_id: str,
+    ident: Identity,
+    ttl: float,
+    handed: tuple[str, int] | None,
 ) -> Steps[Held | ClaimHolder]:
     resource = engine.keys.unique_resource(key)
     want = Want(resource)
@@ -418,6 +307,8 @@ def _handover_attempt(
         rk.exclusive,
         rk.counter,
         engine.keys.unique_queued(group),
+        engine.keys.unique_replaced(resource),
+        *engine.keys.park_keys(resource),
     ]
     args: list[Any] = [
         owner,
@@ -428,6 +319,7 @@ def _handover_attempt(
         escape(task_id),
         resource,
         grant.call_id,
+        *(handed or ("", 0)),
     ]
     call = Script("unique_handover", keys, args)
     book = [rk.exclusive]
@@ -448,6 +340,8 @@ def _handover_attempt(
         code = int(reply[0])
         if code == UniqueHandoverReply.GRACE:
             return ClaimHolder(key, "grace", None, 0, None, int(reply[1]) / 1000)
+        if code == UniqueHandoverReply.REPLACED:
+            return ClaimHolder(key, "replaced", task_id, 0, None, None)
         if code == UniqueHandoverReply.BUSY:
             return (yield from _claim_holder(engine, key, resource, str(reply[1]), int(reply[2])))
         # records the registry expiry, and the token in the BOOK before the call ends
@@ -554,22 +448,29 @@ def unique_requeue(engine: LeaseEngine, held: Held, ttl: float) -> Steps[bool]:
 
 
 def unique_unclaim(
-    engine: LeaseEngine, key: str, task_id: str, token: int | None = None
+    engine: LeaseEngine,
+    key: str,
+    task_id: str,
+    token: int | None = None,
+    replaced: str | None = None,
 ) -> Steps[bool]:
     """Release ``key``'s claim if it is still queued for ``task_id`` (and ``token``).
 
     Returns True if it was released; a claim a worker took over, or one of another task,
-    is left alone.
+    is left alone. Its throttle window goes with it; ``replaced``, the task id whose claim
+    it replaced, may run again.
     """
     resource = engine.keys.unique_resource(key)
     Want(resource)
     rk = engine.resource_keys(resource)
     keys = [rk.exclusive, engine.keys.unique_queued(rk.group)]
+    keys += [engine.keys.unique_window(resource), engine.keys.unique_replaced(resource)]
     args: list[Any] = [
         escape(task_id),
         "" if token is None else str(token),
         resource,
         rk.channel,
+        "" if replaced is None else escape(replaced),
     ]
     try:
         # idempotent (token-checked): sent again, it gives back what is still there

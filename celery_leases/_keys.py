@@ -238,6 +238,31 @@ class Keyspace:
         """
         return UNIQUE_PREFIX + key
 
+    def unique_window(self, resource: str) -> str:
+        """STRING: the escaped task id of the last send of a claim resource accepted under
+        ``unique_mode="throttle"``, with the ``unique_window`` as its PX."""
+        return f"{self.tag(self.group_of(resource))}:uw:{escape(resource)}"
+
+    def unique_replaced(self, resource: str) -> str:
+        """ZSET: escaped task ids whose queued claim of a claim resource a later send took
+        (``unique_mode="replace"``), scored by when they are forgotten (Redis ms)."""
+        return f"{self.tag(self.group_of(resource))}:ur:{escape(resource)}"
+
+    def unique_newest(self, resource: str) -> str:
+        """HASH: escaped task id -> the newest arguments (a parked message, JSON) sent for
+        that queued run of a claim resource (``unique_mode="keep_last"``)."""
+        return f"{self.tag(self.group_of(resource))}:uo:{escape(resource)}"
+
+    def park_keys(self, resource: str) -> list[str]:
+        """The parked FIFO of ``resource`` and its group's parked states, messages, done."""
+        group = self.group_of(resource)
+        return [
+            self.parked(resource),
+            self.park_state(group),
+            self.park_messages(group),
+            self.park_done(group),
+        ]
+
     def unique_queued(self, group: int) -> str:
         """ZSET of the claim resources queued in ``group``, scored by expiry (Redis ms)."""
         return f"{self.tag(group)}:unique-queued"

@@ -57,8 +57,10 @@ POLICIES: Final[Mapping[str, str]] = {
     "twice, which costs it one attempt)",
     "renew (heartbeat)": "idempotent: the next renewal runs it again (the asyncio renewal "
     "client's retry may replay it: it extends the same leases again)",
-    "unique_claim": "idempotent: sent again; 'already queued for this task' is this call's claim",
-    "unique_handover": "read-back: adopt the own grant, else give it back and send again",
+    "unique_claim": "idempotent: sent again; 'already queued for this task' is this call's claim "
+    "(a throttle window naming this task is passed; a replace finds its claim, not the old)",
+    "unique_handover": "read-back: adopt the own grant, else give it back and send again (a "
+    "keep_last hand-on is consumed by the same call: with the grant, or not at all)",
     "unique_requeue": "read-back: the key queued for the task with our token means it ran",
     "unique_unclaim": "idempotent: sent again (token-checked)",
     "beat_claim": "idempotent: sent again; a run whose recorded winner is this replica is won",

@@ -398,13 +398,17 @@ def parks(ext: Leases) -> bool:
 
 
 def parking_used(app: Any) -> bool:
-    """True if a task of ``app`` (or its ``on_busy`` setting) defers: then its releases hand
-    on and its workers run the pump."""
+    """True if a task of ``app`` (or its ``on_busy`` setting) defers, or is unique (a send
+    of it may be keep_last or debounce, declared or per call): then its releases hand on and
+    its workers run the pump."""
     from .config import get_settings
 
     if get_settings(app).on_busy == "defer":
         return True
-    return any(getattr(t, "on_busy", None) == "defer" for t in list(app.tasks.values()))
+    return any(
+        getattr(t, "on_busy", None) == "defer" or getattr(t, "_unique_template", None) is not None
+        for t in list(app.tasks.values())
+    )
 
 
 def _registered(ext: Leases) -> str:
@@ -457,6 +461,7 @@ def _hand_on_one(ext: Leases, resource: str, mode: str, limit: int) -> bool:
     if int(reply[0]) != 1:
         return False
     task_id = unescape(_text(reply[1]))
+    _die_here_for_a_test()
     if _publish(ext, task_id, _text(reply[2])):
         logger.info("leases: handed %s on to %s", resource, task_id)
     try:  # published (or given up): a cleanup of this process has nothing to take over
@@ -473,9 +478,10 @@ def _publish(ext: Leases, task_id: str, raw: str) -> bool:
     if not raw:
         logger.warning("leases: parked task %s has no message; left to its redelivery", task_id)
         return False
-    _die_here_for_a_test()
     try:
         record = loads(raw)
+        # a keep_last follow-up's message has no id of its own: it is the parked task's
+        record["sig"].setdefault("options", {}).setdefault("task_id", task_id)
         ext.app.signature(record["sig"]).apply_async()
     except Exception:
         logger.exception("leases: could not publish parked task %s", task_id)
@@ -505,6 +511,7 @@ def _hand_on_limit(ext: Leases, spec: str, name: str, soonest: list[float] | Non
                 soonest.append(int(reply[1]) / 1000)
             break
         task_id = unescape(_text(reply[1]))
+        _die_here_for_a_test()
         if _publish(ext, task_id, _text(reply[2])):
             logger.info("leases: handed rate limit %s on to %s", name, task_id)
         count += 1

@@ -73,11 +73,14 @@ class UniqueClaimReply(IntEnum):
     BUSY = 0  #: held by another: the holder value and its pttl follow
     CLAIMED = 1  #: claimed for this task: the token follows
     CLAIMED_AGAIN = 2  #: already queued for this same task id (a re-publish): the token follows
+    FOLLOWS = 4  #: keep_last: not sent; the task id of the run that takes its arguments follows
+    THROTTLED = 3  #: a throttle window is running: the task id of its send and its pttl follow
 
 
 class UniqueHandoverReply(IntEnum):
     """unique_handover.lua's first reply element."""
 
+    REPLACED = -2  #: a later send replaced this task's claim: it never runs
     GRACE = -1  #: restart grace: wait_ms follows
     BUSY = 0  #: held by another: the holder value and its pttl follow
     TAKEN = 1  #: taken for this task: the token follows
@@ -208,7 +211,7 @@ FORGET_OWNER: Final = _read("forget_owner")
 COMMIT_RECEIPT: Final = _read("commit_receipt")
 BEAT_CLAIM: Final = _read("beat_claim")
 UNIQUE_CLAIM: Final = _with("unique_claim", "_tokens")
-UNIQUE_HANDOVER: Final = _with_lifetime("unique_handover", "_tokens", "_registry")
+UNIQUE_HANDOVER: Final = _with_lifetime("unique_handover", "_tokens", "_registry", "_parking")
 LIFETIME_CHECK: Final = _with_lifetime("lifetime_check")
 UNIQUE_REQUEUE: Final = _read("unique_requeue")
 UNIQUE_UNCLAIM: Final = _read("unique_unclaim")

@@ -18,8 +18,23 @@ from celery.utils.log import get_logger
 from kombu.utils.uuid import uuid
 
 from . import signals
-from ._claims import ClaimHolder
+from ._claims import ClaimHolder, ClaimMode
 from ._lease import Held, Lease, held_of
+from ._modes import (
+    MODE_HEADER,
+    PER_CALL,
+    UNIQUE_HEADER,
+    UniqueMode,
+    check_beat_entries,
+    check_mode,
+    claim_mode,
+    handed_on,
+    header,
+    keeps_last,
+    kept,
+    parked_kind,
+)
+from ._parking import DONE_KEEP_MS, PARKED_HEADER, tombstone
 from ._sync.heartbeat import heartbeat
 from .config import OnDuplicate
 from .exceptions import DuplicateTask, LeaseBackendError, LeaseConfigError
@@ -33,9 +48,6 @@ __all__ = ("UNIQUE_HEADER", "install", "release_claim", "take_claim")
 
 logger = get_logger(__name__)
 
-#: message header carrying the unique key the producer claimed (the worker takes over exactly
-#: that key, whatever its own rendering of the arguments after serialisation would give)
-UNIQUE_HEADER: Final = "lease_unique"
 #: header celery beat puts on what it sends
 _BEAT_HEADER: Final = "celery_beat_task"
 #: extra seconds a redelivered task waits, past its lease TTL, for its first run's claim
@@ -46,8 +58,12 @@ class UniqueTask(Protocol):
     """What the producer and worker sides need of a task declared with ``unique=``."""
 
     name: str
+    unique: str | None
     unique_ttl: float | None
     on_duplicate: OnDuplicate | None
+    unique_mode: UniqueMode | None
+    unique_window: float | None
+    unique_max_wait: float | None
 
     @property
     def request(self) -> Any: ...
@@ -117,14 +133,20 @@ def install(ext: Leases) -> None:
         **options: Any,
     ) -> Any:
         per_call = options.pop("on_duplicate", None)
+        modes = tuple(options.pop(o, None) for o in PER_CALL)
         task = unique_task_of(options.get("task_type") or _registered(app, name))
         if task is None:
+            if any(m is not None for m in modes):  # for a task without unique=: refused
+                check_mode(name, None, modes[0], modes[1], None, modes[2])
+            return _send(current, name, args, kwargs, countdown, eta, task_id, rest, options)
+        if handed_on(task, modes[0], options):
+            # a keep_last follow-up published by its hand-on: the claim is reserved for it
             return _send(current, name, args, kwargs, countdown, eta, task_id, rest, options)
         return _publish_unique(
             find_leases(app) or ext,
             current,
             task,
-            per_call,
+            (per_call, *modes),
             name,
             args,
             kwargs,
@@ -139,6 +161,9 @@ def install(ext: Leases) -> None:
     app.send_task = send_task  # type: ignore[method-assign]
     celery_signals.task_revoked.connect(
         on_task_revoked, weak=False, dispatch_uid="celery_leases.unique.task_revoked"
+    )
+    celery_signals.beat_init.connect(
+        check_beat_entries, weak=False, dispatch_uid="celery_leases.unique.beat_init"
     )
 
 
@@ -204,7 +229,7 @@ def _publish_unique(
     ext: Leases,
     send: Callable[..., Any],
     task: UniqueTask,
-    per_call: object,
+    per_call: tuple[object, ...],
     name: str,
     args: Any,
     kwargs: Any,
@@ -214,7 +239,7 @@ def _publish_unique(
     rest: tuple[Any, ...],
     options: dict[str, Any],
 ) -> Any:
-    policy = _check_policy(per_call) or task.on_duplicate or ext.settings.on_duplicate
+    policy = _check_policy(per_call[0]) or task.on_duplicate or ext.settings.on_duplicate
     task_id = task_id or uuid()
     base_ttl = task.unique_ttl if task.unique_ttl is not None else ext.settings.unique_ttl
     queue_ttl = base_ttl + _delay(ext.app, countdown, eta)
@@ -224,6 +249,7 @@ def _publish_unique(
     # Timeline it guards: t0 claim; t1 the broker refuses the message; t2 without this, every
     # later publish of the key is refused for the whole queue TTL, for a task that never was.
     ours: int | None = None
+    replaced: str | None = None  # replace: the task id whose queued claim ours took
     # The pending claim to confirm once the message is out (see unique_claim.lua): until
     # then it lives unique_confirm_window, so a claim left without its message (a producer
     # that died, a claim whose reply was lost with Redis then unreachable) frees its key soon.
@@ -231,19 +257,36 @@ def _publish_unique(
     with _running_lock:
         running = _running.get(task_id)
     key = running.key if running is not None else task._unique_key(args or (), kwargs or {})
+    mode = claim_mode(task, per_call, queue_ttl)
+    if parked_kind(mode):
+        mode = kept(mode, key, name, args, kwargs, options)
     try:
         _give_back_unsent(ext)
         if running is not None and _requeue(ext, task_id, running, queue_ttl):
             ours = running.lease.token
         else:
             window = min(ext.settings.unique_confirm_window, queue_ttl)
-            outcome = store.unique_claim(key, task_id, window)
+            outcome = store.unique_claim(key, task_id, window, mode)
             if isinstance(outcome, ClaimHolder):
                 return _duplicate(ext, task, name, policy, outcome, task_id, headers, options)
+            if outcome.follows is not None:
+                logger.info(
+                    "leases: %s[%s] not sent: its arguments go to %s (unique key %r, keep_last)",
+                    name,
+                    task_id,
+                    outcome.follows,
+                    key,
+                )
+                result_cls = options.get("result_cls") or ext.app.AsyncResult
+                return result_cls(outcome.follows)
             if not outcome.again:
                 ours = outcome.token
-            pending = outcome.token
+            pending, replaced = outcome.token, outcome.replaced
             logger.debug("leases: claimed unique key %r for %s[%s]", key, name, task_id)
+            if replaced is not None:
+                logger.info(
+                    "leases: %s[%s] replaces queued %s: unique key %r", name, task_id, replaced, key
+                )
     except LeaseBackendError as exc:
         # A task's retry of itself (self.retry, a busy retry, on_backend_error="retry") is
         # sent even when Redis fails: Celery rejects a task whose retry cannot be published,
@@ -264,13 +307,15 @@ def _publish_unique(
             exc,
         )
     headers[UNIQUE_HEADER] = key
+    if parked_kind(mode):
+        headers[MODE_HEADER] = parked_kind(mode)
     options["headers"] = headers
     try:
         result = _send(send, name, args, kwargs, countdown, eta, task_id, rest, options)
     except BaseException:
         if ours is not None:
             try:
-                store.unique_unclaim(key, task_id, ours)
+                store.unique_unclaim(key, task_id, ours, replaced)
             except Exception:
                 logger.exception("leases: could not give back the unique claim %r", key)
             else:
@@ -282,14 +327,17 @@ def _publish_unique(
                 )
         raise
     if pending is not None:
-        _confirm(ext, name, key, task_id, pending, queue_ttl)
+        _confirm(ext, name, key, task_id, pending, queue_ttl, mode)
     return result
 
 
-def _confirm(ext: Leases, name: str, key: str, task_id: str, token: int, ttl: float) -> None:
-    """The message of ``task_id`` is published: its pending claim now lives ``ttl``."""
+def _confirm(
+    ext: Leases, name: str, key: str, task_id: str, token: int, ttl: float, mode: ClaimMode
+) -> None:
+    """The message of ``task_id`` is published: its pending claim now lives ``ttl`` (and
+    its throttle window, if any, its full length from now)."""
     try:
-        confirmed = ext.store.unique_confirm(key, task_id, token, ttl)
+        confirmed = ext.store.unique_confirm(key, task_id, token, ttl, mode)
     except LeaseBackendError as exc:
         # the message is out: nothing to refuse; its claim lapses at the end of the window,
         # after which the key may take another copy (a worker still runs one at a time)
@@ -379,14 +427,23 @@ def _duplicate(
 ) -> Any:
     """Apply ``policy`` to a publish refused because ``holder`` has the key."""
     beat = bool(headers.get(_BEAT_HEADER))
-    logger.info(
-        "leases: %s%s not sent: unique key %r is held by %s task %s",
-        "beat: " if beat else "",
-        name,
-        holder.key,
-        holder.state,
-        holder.task_id or "(unknown)",
-    )
+    if holder.state == "throttled":
+        logger.info(
+            "leases: %s%s not sent: unique key %r is held by the throttle window of task %s",
+            "beat: " if beat else "",
+            name,
+            holder.key,
+            holder.task_id,
+        )
+    else:
+        logger.info(
+            "leases: %s%s not sent: unique key %r is held by %s task %s",
+            "beat: " if beat else "",
+            name,
+            holder.key,
+            holder.state,
+            holder.task_id or "(unknown)",
+        )
     try:
         signals.unique_duplicate.send(
             sender=name,
@@ -409,15 +466,6 @@ def _duplicate(
 
 
 # --- worker side --------------------------------------------------------------------------
-def _header(request: Any, name: str) -> Any:
-    value = getattr(request, name, None)
-    if value is None:
-        raw = getattr(request, "headers", None)
-        if isinstance(raw, Mapping):
-            value = raw.get(name)
-    return value
-
-
 def take_claim(
     ext: Leases,
     task: UniqueTask,
@@ -433,11 +481,22 @@ def take_claim(
     The key comes from the message header the producer wrote (what it claimed), else it is
     rendered here (a producer that did not know the task published it without a claim).
     """
-    key = _header(request, UNIQUE_HEADER)
+    key = header(request, UNIQUE_HEADER)
     if not isinstance(key, str) or not key:
         key = task._unique_key(args, kwargs)
     started = time.monotonic()
-    outcome = ext.store.unique_take(key, task_id, ext.identity(), ttl, ttl + _REDELIVERY_SLACK)
+    handed = None
+    if keeps_last(task, request) and header(request, PARKED_HEADER):
+        handed = (tombstone(task_id, getattr(request, "retries", 0)), DONE_KEEP_MS)
+    wait = ttl + _REDELIVERY_SLACK
+    outcome = ext.store.unique_take(key, task_id, ext.identity(), ttl, wait, handed)
+    if isinstance(outcome, ClaimHolder) and outcome.state == "replaced":
+        if handed:
+            text = "leases: %s[%s] not run: its keep_last follow-up ran already (unique key %r)"
+        else:
+            text = "leases: %s[%s] not run: a later send replaced it (unique key %r)"
+        logger.info(text, task.name, task_id, key)
+        return None
     if isinstance(outcome, ClaimHolder):
         logger.info(
             "leases: %s[%s] not run: unique key %r is held by %s task %s",
@@ -502,7 +561,7 @@ def on_task_revoked(
         if ext is None:
             return
         store = ext.store
-        key = _header(request, UNIQUE_HEADER)
+        key = header(request, UNIQUE_HEADER)
         if not isinstance(key, str) or not key:
             key = task._unique_key(getattr(request, "args", ()), getattr(request, "kwargs", {}))
         if store.unique_unclaim(key, task_id):

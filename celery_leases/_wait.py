@@ -168,7 +168,13 @@ def acquire(
 
 # --- a unique claim -----------------------------------------------------------------------
 def unique_take(
-    engine: LeaseEngine, key: str, task_id: str, ident: Identity, ttl: float, wait: float
+    engine: LeaseEngine,
+    key: str,
+    task_id: str,
+    ident: Identity,
+    ttl: float,
+    wait: float,
+    handed: tuple[str, int] | None = None,
 ) -> Wait[Held | ClaimHolder]:
     """Take over ``key``'s claim for ``task_id``, waiting where waiting can help.
 
@@ -178,19 +184,20 @@ def unique_take(
     release (no polling) or the holder's expiry. A claim of another task id is answered at
     once: waiting cannot make it ours. No ticket: a claim has no waiter queue, so a caller
     that went away leaves nothing (only the sync driver takes claims, and it is never
-    handed an outcome once its caller is gone).
+    handed an outcome once its caller is gone). ``handed``: see
+    :func:`_claims.unique_handover`.
     """
 
     def steps() -> Steps[Held | ClaimHolder]:
         start = time.monotonic()
-        outcome = yield from _claims.unique_handover(engine, key, task_id, ident, ttl)
+        outcome = yield from _claims.unique_handover(engine, key, task_id, ident, ttl, handed)
         if isinstance(outcome, Held) or not outcome.waits_for(task_id) or wait <= 0:
             return outcome
         deadline = start + wait
         channels = [engine.resource_keys(engine.keys.unique_resource(key)).channel]
         yield from listen(engine, FOR_CLAIM, channels, 0.0)  # subscribed first
         while True:
-            outcome = yield from _claims.unique_handover(engine, key, task_id, ident, ttl)
+            outcome = yield from _claims.unique_handover(engine, key, task_id, ident, ttl, handed)
             pause = claim_waiting_time(outcome, task_id, time.monotonic(), deadline)
             if pause is None:
                 return outcome

@@ -75,6 +75,7 @@ from celery.schedules import crontab
 from celery.schedules import schedule as interval_schedule
 from celery.utils.log import get_logger
 
+from ._beat_claims import SKIPPED_BY
 from ._beat_runs import (
     BUFFER_POLL,
     EntryPolicy,
@@ -85,14 +86,13 @@ from ._beat_runs import (
     cron_latest,
     entry_policy,
 )
-from ._claims import SKIPPED_BY
 from ._identity import set_process_kind
 from ._lease import Lease, Want
 from .config import get_settings
 from .exceptions import LeaseBusy, LeaseError
 
 if TYPE_CHECKING:
-    from ._claims import BeatClaim
+    from ._beat_claims import BeatClaim
     from .app import Leases
 
 __all__ = ("LeasedScheduler", "LeasedSchedulerMixin", "clock_observers")

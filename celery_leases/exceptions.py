@@ -111,7 +111,8 @@ class DuplicateTask(LeaseBusy):
     Attributes:
         key: the rendered unique key.
         task_id: the id of the copy that holds the key (None if it could not be read).
-        state: ``"queued"`` or ``"running"``.
+        state: ``"queued"``, ``"running"`` or ``"throttled"`` (``unique_mode="throttle"``:
+            ``task_id``'s send was accepted less than ``unique_window`` seconds ago).
         resource: the claim's resource name (``celery_leases:unique:<key>``).
 
     .. versionadded:: 0.1

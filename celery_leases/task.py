@@ -51,7 +51,11 @@ Options (each also an app-wide setting, see the configuration reference):
   beat) is not sent; ``on_duplicate`` says what its sender gets: ``"existing"`` (default: the
   holder's ``AsyncResult``), ``"raise"`` (:class:`DuplicateTask`) or ``"ignore"`` (a
   ``REJECTED`` result). ``unique_ttl`` (setting ``unique_ttl``) bounds how long a claim waits
-  in the queue. See docs/unique.md::
+  in the queue. ``unique_mode`` (also an ``apply_async``/beat entry option): ``"refuse"``
+  (default, the above), ``"throttle"`` (also refused for ``unique_window`` seconds after an
+  accepted send), ``"replace"`` (a send takes the place of the copy still queued),
+  ``"keep_last"`` or ``"debounce"`` (``unique_window``, ``unique_max_wait``). See
+  docs/unique.md::
 
       @app.task(base=LeasedTask, unique="report:{account_id}", on_duplicate="raise")
       def build_report(account_id): ...
@@ -96,6 +100,7 @@ from ._interrupt import Interrupter
 from ._lease import Lease, Shared, Want
 from ._limiter import check_rates, limit_wants, take
 from ._limits import Rate
+from ._modes import UniqueMode, check_mode, newest_arguments
 from ._templates import Template, plain_params
 from ._unique import release_claim, take_claim
 from .app import Leases, find_leases, ttl_of
@@ -196,6 +201,9 @@ class LeasedTask(Task[Any, Any]):
     unique: str | None = None
     unique_ttl: float | None = None
     on_duplicate: OnDuplicate | None = None
+    unique_mode: UniqueMode | None = None
+    unique_window: float | None = None
+    unique_max_wait: float | None = None
     rate: Rate | None = None
     rates: Sequence[Rate] | None = None
 
@@ -237,6 +245,14 @@ class LeasedTask(Task[Any, Any]):
         _check_seconds(name, "wait_timeout", cls.wait_timeout, zero_ok=True)
         _check_seconds(name, "unique_ttl", cls.unique_ttl, zero_ok=False)
         _check_choice(name, "on_duplicate", cls.on_duplicate, get_args(OnDuplicate))
+        check_mode(
+            name,
+            cls.unique,
+            cls.unique_mode,
+            cls.unique_window,
+            cls.on_duplicate,
+            cls.unique_max_wait,
+        )
         if cls.unique is not None and not (isinstance(cls.unique, str) and cls.unique):
             msg = f"task {name!r}: unique= must be a non-empty str template, not {cls.unique!r}"
             raise LeaseConfigError(msg)
@@ -370,6 +386,7 @@ class LeasedTask(Task[Any, Any]):
             self._backend_failed(exc)
         if claim is None:
             return None  # a duplicate of a queued or running copy: not run (logged)
+        args, kwargs, wants = newest_arguments(ext, self, task_id, args, kwargs, wants)
         try:
             return self._call_leased(ext, settings, wants, task_id, interrupter, args, kwargs)
         finally:
@@ -582,6 +599,9 @@ LEASE_OPTIONS: Final = (
     "unique",
     "unique_ttl",
     "on_duplicate",
+    "unique_mode",
+    "unique_window",
+    "unique_max_wait",
     "rate",
     "rates",
 )

@@ -245,11 +245,17 @@ class LeaseStore(Operations):
         return node_of(self.client, key, self.cluster)
 
     def unique_take(
-        self, key: str, task_id: str, ident: Identity, ttl: float, wait: float
+        self,
+        key: str,
+        task_id: str,
+        ident: Identity,
+        ttl: float,
+        wait: float,
+        handed: tuple[str, int] | None = None,
     ) -> Held | ClaimHolder:
         """Take over ``key``'s claim for ``task_id``, waiting up to ``wait`` seconds where
         waiting can help (see :func:`_wait.unique_take`)."""
-        return self.run_wait(_wait.unique_take(self.engine, key, task_id, ident, ttl, wait))
+        return self.run_wait(_wait.unique_take(self.engine, key, task_id, ident, ttl, wait, handed))
 
     def wait_until_free(self, resource: str, timeout: float | None) -> bool:
         """Wait until ``resource`` has no holder (True) or ``timeout`` seconds pass (False;

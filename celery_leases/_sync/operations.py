@@ -12,8 +12,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
-from .. import _claims, _cleanup, _grants, _inspect, _revocation
-from .._claims import BeatClaim, BeatRun, Claimed, ClaimHolder
+from .. import _beat_claims, _claims, _cleanup, _grants, _inspect, _revocation
+from .._beat_claims import BeatClaim, BeatRun
+from .._claims import Claimed, ClaimHolder, ClaimMode
 from .._cleanup import CleanupReport
 from .._engine import LeaseEngine, ResourceKeys
 from .._grants import Busy
@@ -261,13 +262,13 @@ class Operations:
     def beat_claim(
         self, entry: str, *, due_ms: int | None, bucket: float | None, replica: str, keep: float
     ) -> tuple[bool, int, int, str]:
-        """Claim one due run of beat entry ``entry`` (see :func:`_claims.beat_claim`).
+        """Claim one due run of beat entry ``entry`` (see :func:`_beat_claims.beat_claim`).
 
         Returns:
             ``(won, run id, Redis time in ms, winner of that run)``.
         """
         return self.run(
-            _claims.beat_claim(
+            _beat_claims.beat_claim(
                 self.engine, entry, due_ms=due_ms, bucket=bucket, replica=replica, keep=keep
             )
         )
@@ -286,9 +287,9 @@ class Operations:
         latest: bool = False,
     ) -> BeatClaim:
         """Claim one due run of beat entry ``entry``, judged on the Redis clock (see
-        :func:`_claims.claim_beat_run`)."""
+        :func:`_beat_claims.claim_beat_run`)."""
         return self.run(
-            _claims.claim_beat_run(
+            _beat_claims.claim_beat_run(
                 self.engine,
                 entry,
                 due_ms=due_ms,
@@ -303,25 +304,31 @@ class Operations:
         )
 
     def beat_runs(self, entries: Sequence[str]) -> list[BeatRun]:
-        """The last claimed run of each beat entry that has one (see `_claims.beat_runs`)."""
-        return self.run(_claims.beat_runs(self.engine, entries))
+        """The last claimed run of each beat entry that has one (see `_beat_claims.beat_runs`)."""
+        return self.run(_beat_claims.beat_runs(self.engine, entries))
 
     # --- unique claims (see _claims) ----------------------------------------------------------
-    def unique_claim(self, key: str, task_id: str, ttl: float) -> Claimed | ClaimHolder:
-        """Claim ``key`` for ``task_id``, about to be published, for ``ttl`` seconds.
+    def unique_claim(
+        self, key: str, task_id: str, ttl: float, mode: ClaimMode | None = None
+    ) -> Claimed | ClaimHolder:
+        """Claim ``key`` for ``task_id``, about to be published, for ``ttl`` seconds
+        (``mode``: a throttle window, replace; see :class:`ClaimMode`).
 
         Returns:
             :class:`Claimed` (``again`` when it was already queued for this task id), or the
             :class:`ClaimHolder` that has it.
         """
-        return self.run(_claims.unique_claim(self.engine, key, task_id, ttl))
+        return self.run(_claims.unique_claim(self.engine, key, task_id, ttl, mode))
 
-    def unique_confirm(self, key: str, task_id: str, token: int, ttl: float) -> bool:
-        """Confirm the pending claim of ``key`` for ``task_id`` (published): it lives ``ttl``.
+    def unique_confirm(
+        self, key: str, task_id: str, token: int, ttl: float, mode: ClaimMode | None = None
+    ) -> bool:
+        """Confirm the pending claim of ``key`` for ``task_id`` (published): it lives ``ttl``
+        (and a throttle window of ``mode`` its full length).
 
         False, changing nothing, when it is no longer queued for that task and token.
         """
-        return self.run(_claims.unique_confirm(self.engine, key, task_id, token, ttl))
+        return self.run(_claims.unique_confirm(self.engine, key, task_id, token, ttl, mode))
 
     def unique_handover(
         self, key: str, task_id: str, ident: Identity, ttl: float
@@ -339,13 +346,15 @@ class Operations:
         """
         return self.run(_claims.unique_requeue(self.engine, held, ttl))
 
-    def unique_unclaim(self, key: str, task_id: str, token: int | None = None) -> bool:
+    def unique_unclaim(
+        self, key: str, task_id: str, token: int | None = None, replaced: str | None = None
+    ) -> bool:
         """Release ``key``'s claim if it is still queued for ``task_id`` (and ``token``).
 
         Returns True if it was released; a claim a worker took over, or one of another task,
-        is left alone.
+        is left alone. ``replaced``: the task id its claim replaced, which may run again.
         """
-        return self.run(_claims.unique_unclaim(self.engine, key, task_id, token))
+        return self.run(_claims.unique_unclaim(self.engine, key, task_id, token, replaced))
 
     def unique_holder(self, key: str) -> ClaimHolder | None:
         """Who holds ``key``'s claim now, or None when it is free."""

@@ -18,6 +18,9 @@
 -- ARGV[6] ms the registry must live at least (it is made with this expiry, or extended to it)
 -- returns {1, task id (escaped), message, registry entry}  handed on: publish it, then remove
 --                                                         the entry
+-- A debounced claim resource (unique_mode="debounce", unique_claim.lua) is not handed on
+-- before the "<not before ms> ..." of the messages' field "%d<resource>", cleared here when
+-- it is handed on.
 --         {0, due ms}                      nothing to hand on now (full, or nobody parked);
 --                                          due ms: when the due index looks again (0: never)
 
@@ -75,10 +78,17 @@ if not head then
   redis.call('ZADD', KEYS[6], now + timeout, ARGV[4])
   return {0, timeout}
 end
+local resource = string.match(ARGV[4], '^%S+ %S+ (.*)$')
+local quiet = redis.call('HGET', KEYS[5], '%d' .. resource)
+quiet = quiet and tonumber(string.match(quiet, '^(%d+)')) or 0
+if quiet > now then
+  wait = math.max(wait, quiet - now)
+end
 if wait > 0 then
   redis.call('ZADD', KEYS[6], now + wait, ARGV[4])
   return {0, wait}
 end
+redis.call('HDEL', KEYS[5], '%d' .. resource)
 msg = redis.call('HGET', KEYS[5], head)
 local holder = '0 ' .. ARGV[5] .. head
 if mode == 'x' then

@@ -17,10 +17,19 @@
 --         registry, "0" none (see _registry.lua)
 -- ARGV[6] task id, escaped   ARGV[7] claim resource name
 -- ARGV[8] the call's id ("" none), written into the registry entry as acquire.lua does
+-- KEYS[6] replaced task ids of the claim resource (unique_mode="replace", unique_claim.lua)
+-- KEYS[7] parked FIFO of the claim resource   KEYS[8] parked states (group)
+-- KEYS[9] parked messages (group)   KEYS[10] consumed hand-ons (group)
+-- ARGV[9] "" or (unique_mode="keep_last") the message's tombstone "<task id>#<retries>": a
+--         follow-up handed on to this task ("0 %parked/<task>", handon.lua) is taken over and
+--         consumed here, at once; a later copy of a consumed one never runs
+-- ARGV[10] how long a consumed hand-on's tombstone is kept, in milliseconds
 -- returns {1, token}          taken: it was queued for this task, or free
 --         {0, holder, pttl}   held by another: "<token> <owner>" ("%queued/<task>" while
 --                             queued), pttl ms until it runs out unless renewed (-1: never)
 --         {-1, wait_ms}       restart grace: Redis restarted or failed over (see above)
+--         {-2}                this task's claim was replaced by a later send, or (keep_last)
+--                             this is a copy of a follow-up that ran already: it never runs
 
 local now, now_us, now_text = clock_of(redis.call('TIME'))
 local owner, grace = ARGV[1], tonumber(ARGV[3])
@@ -33,12 +42,26 @@ if grace >= 0 then
   end
 end
 
+local gone = redis.call('ZSCORE', KEYS[6], ARGV[6])
+if gone and tonumber(gone) > now then
+  return {-2}
+end
+
 local current = redis.call('GET', KEYS[3])
-if current then
+local handed = ARGV[9] and ARGV[9] ~= '' and current == '0 %parked/' .. ARGV[6]
+if ARGV[9] and ARGV[9] ~= '' and not handed and redis.call('ZSCORE', KEYS[10], ARGV[9]) then
+  return {-2}
+end
+if current and not handed then
   local space = string.find(current, ' ', 1, true)
   if not space or string.sub(current, space + 1) ~= '%queued/' .. ARGV[6] then
     return {0, current, redis.call('PTTL', KEYS[3])}
   end
+end
+if handed then
+  park_forget(KEYS[7], KEYS[8], KEYS[9], ARGV[6])
+  redis.call('ZADD', KEYS[10], now, ARGV[9])
+  park_prune(KEYS[10], now, tonumber(ARGV[10]))
 end
 
 local token = next_token(KEYS[4], now_us, now_text, ARGV[4])

@@ -6,6 +6,9 @@
 -- KEYS[1] claim key   KEYS[2] queued-claims index of the group
 -- ARGV[1] task id, escaped   ARGV[2] token, or "" for any token of that task
 -- ARGV[3] claim resource name (index member)   ARGV[4] release channel of the claim resource
+-- KEYS[3] throttle window key of the claim resource: dropped too if it names the task
+-- KEYS[4] replaced task ids of the claim resource   ARGV[5] "" or the escaped task id this
+--         task's claim replaced (unique_mode="replace"): it may run again, its claim is gone
 -- returns 1 = released; 0 = not queued for that task (nothing changed)
 
 local current = redis.call('GET', KEYS[1])
@@ -22,5 +25,11 @@ if ARGV[2] ~= '' and token ~= ARGV[2] then
 end
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[3])
+if KEYS[3] and redis.call('GET', KEYS[3]) == ARGV[1] then
+  redis.call('DEL', KEYS[3])
+end
+if KEYS[4] and ARGV[5] and ARGV[5] ~= '' then
+  redis.call('ZREM', KEYS[4], ARGV[5])
+end
 redis.call('PUBLISH', ARGV[4], token)
 return 1

@@ -34,7 +34,7 @@ def test_every_lua_file_is_a_script_constant():
     fragments = {
         "acquire": ["_lifetime", "_waiters", "_tokens", "_registry"],
         "unique_claim": ["_tokens"],
-        "unique_handover": ["_lifetime", "_tokens", "_registry"],
+        "unique_handover": ["_lifetime", "_tokens", "_registry", "_parking"],
         "lifetime_check": ["_lifetime"],
         "release": ["_lifetime", "_waiters", "_tokens"],
         "leave": ["_waiters"],

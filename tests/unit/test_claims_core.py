@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from celery_leases import _claims, _grants
+from celery_leases import _beat_claims, _claims, _grants
 from celery_leases._claims import Claimed, ClaimHolder
 from celery_leases._engine import LeaseEngine
 from celery_leases._identity import Identity
@@ -51,7 +51,7 @@ def _onces(made: list[object]) -> list[bool]:
 def _beat(
     engine: LeaseEngine, replica: str = "replica-a"
 ) -> _claims.Steps[tuple[bool, int, int, str]]:
-    return _claims.beat_claim(
+    return _beat_claims.beat_claim(
         engine, "nightly", due_ms=DUE_MS, bucket=None, replica=replica, keep=60
     )
 
@@ -88,7 +88,7 @@ def test_a_beat_claim_refused_as_early_or_future_says_why_and_from_when():
     engine = _engine()
     reply = [BeatClaimReply.FUTURE, DUE_MS, DUE_MS - 30_000, "", str(DUE_MS)]
     claim, _ = drive(
-        _claims.claim_beat_run(
+        _beat_claims.claim_beat_run(
             engine, "nightly", due_ms=DUE_MS, bucket=None, replica="a", keep=60, tolerance=1
         ),
         replies([reply]),
@@ -96,7 +96,7 @@ def test_a_beat_claim_refused_as_early_or_future_says_why_and_from_when():
     assert (claim.won, claim.refused, claim.retry_ms) == (False, "future", DUE_MS)
     reply = [BeatClaimReply.EARLY, 7, 14_100, "b", "15000"]
     claim, _ = drive(
-        _claims.claim_beat_run(engine, "tick", due_ms=None, bucket=2.0, replica="a", keep=60),
+        _beat_claims.claim_beat_run(engine, "tick", due_ms=None, bucket=2.0, replica="a", keep=60),
         replies([reply]),
     )
     assert (claim.won, claim.refused, claim.retry_ms, claim.winner) == (False, "early", 15000, "b")
@@ -104,10 +104,14 @@ def test_a_beat_claim_refused_as_early_or_future_says_why_and_from_when():
 
 
 def test_a_claim_key_is_read_in_its_current_and_its_older_form():
-    assert _claims.parse_beat_claim("17 1700000000123 beat@h/1") == (17, 1700000000123, "beat@h/1")
-    assert _claims.parse_beat_claim("17 beat@h 1") == (17, None, "beat@h 1")
-    assert _claims.parse_beat_claim("-1 5 r") == (-1, 5, "r")
-    assert _claims.parse_beat_claim("x r") is None
+    assert _beat_claims.parse_beat_claim("17 1700000000123 beat@h/1") == (
+        17,
+        1700000000123,
+        "beat@h/1",
+    )
+    assert _beat_claims.parse_beat_claim("17 beat@h 1") == (17, None, "beat@h 1")
+    assert _beat_claims.parse_beat_claim("-1 5 r") == (-1, 5, "r")
+    assert _beat_claims.parse_beat_claim("x r") is None
 
 
 # --- unique claim ---------------------------------------------------------------------------
@@ -252,7 +256,7 @@ def test_a_beat_claim_after_an_outage_says_skipped_missed_or_catch_up():
     engine = _engine()
     skipped = [BeatClaimReply.SKIPPED, 41, 83_000, "", "83000"]
     claim, made = drive(
-        _claims.claim_beat_run(
+        _beat_claims.claim_beat_run(
             engine, "tick", due_ms=None, bucket=2.0, replica="a", keep=60, catch_up=None
         ),
         replies([skipped]),
@@ -261,7 +265,7 @@ def test_a_beat_claim_after_an_outage_says_skipped_missed_or_catch_up():
     assert made[0].calls[0].args[5] == "none"  # no window: a missed run is skipped
     missed = [BeatClaimReply.MISSED, DUE_MS, DUE_MS + 90_000, "", ""]
     claim, made = drive(
-        _claims.claim_beat_run(
+        _beat_claims.claim_beat_run(
             engine,
             "nightly",
             due_ms=DUE_MS,
@@ -277,7 +281,7 @@ def test_a_beat_claim_after_an_outage_says_skipped_missed_or_catch_up():
     assert made[0].calls[0].args[5:] == [30_000, str(DUE_MS + 60_000), ""]
     won = [BeatClaimReply.WON, DUE_MS, DUE_MS + 5, "a", "", "1"]
     claim, made = drive(
-        _claims.claim_beat_run(
+        _beat_claims.claim_beat_run(
             engine, "nightly", due_ms=DUE_MS, bucket=None, replica="a", keep=60, latest=True
         ),
         replies([won]),

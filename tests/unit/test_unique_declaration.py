@@ -108,3 +108,91 @@ def test_duplicate_task_is_a_lease_busy_that_survives_json_results():
         "running",
         12.5,
     )
+
+
+# --- unique_mode / unique_window (issue 31) ---------------------------------------------------
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"unique": "r:{account_id}", "unique_mode": "debounce!"}, "unique_mode='debounce!'"),
+        ({"unique": "r:{account_id}", "unique_mode": "throttle"}, "needs unique_window="),
+        (
+            {"unique": "r:{account_id}", "unique_mode": "throttle", "unique_window": -1},
+            "unique_window=-1 must be a number of seconds > 0",
+        ),
+        (
+            {"unique": "r:{account_id}", "unique_mode": "throttle", "unique_window": "60"},
+            "unique_window='60'",
+        ),
+        (
+            {"unique": "r:{account_id}", "unique_mode": "replace", "unique_window": 5},
+            "unique_window= means nothing with unique_mode='replace'",
+        ),
+        ({"unique": "r:{account_id}", "unique_window": 5}, "means nothing with unique_mode="),
+        ({"unique_mode": "throttle", "unique_window": 5}, "unique_mode= needs unique="),
+        ({"lease": "a:{account_id}", "unique_window": 5}, "unique_window= needs unique="),
+        (
+            {"unique": "r:{account_id}", "unique_mode": "keep_last", "on_duplicate": "raise"},
+            "on_duplicate= means nothing with unique_mode='keep_last'",
+        ),
+        (
+            {"unique": "r:{account_id}", "unique_mode": "keep_last", "unique_window": 2},
+            "unique_window= means nothing with unique_mode='keep_last'",
+        ),
+        ({"unique": "r:{account_id}", "unique_mode": "debounce"}, "needs unique_window="),
+        (
+            {"unique": "r:{account_id}", "unique_mode": "debounce", "unique_window": 0},
+            "unique_window=0 must be a number of seconds > 0",
+        ),
+        (
+            {
+                "unique": "r:{account_id}",
+                "unique_mode": "debounce",
+                "unique_window": 5,
+                "unique_max_wait": 2,
+            },
+            "unique_max_wait=2 is less than unique_window=5",
+        ),
+        (
+            {
+                "unique": "r:{account_id}",
+                "unique_mode": "throttle",
+                "unique_window": 5,
+                "unique_max_wait": 20,
+            },
+            "unique_max_wait= means nothing with unique_mode='throttle'",
+        ),
+        (
+            {
+                "unique": "r:{account_id}",
+                "unique_mode": "debounce",
+                "unique_window": 5,
+                "on_duplicate": "existing",
+            },
+            "on_duplicate= means nothing with unique_mode='debounce'",
+        ),
+        ({"unique_max_wait": 5}, "unique_max_wait= needs unique="),
+    ],
+)
+def test_bad_modes_fail_at_declaration_naming_task_and_option(
+    app: Celery, options: dict[str, Any], match: str
+):
+    with pytest.raises(LeaseConfigError, match=match) as info:
+        declare(app, report, name="modes.bad", **options)
+    assert "'modes.bad'" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"unique_mode": "refuse"},
+        {"unique_mode": "replace", "on_duplicate": "raise"},
+        {"unique_mode": "throttle", "unique_window": 0.5, "on_duplicate": "ignore"},
+        {"unique_mode": "keep_last"},
+        {"unique_mode": "debounce", "unique_window": 2.0},
+        {"unique_mode": "debounce", "unique_window": 2.0, "unique_max_wait": 2.0},
+    ],
+)
+def test_good_modes_are_declared(app: Celery, options: dict[str, Any]):
+    task = declare(app, report, unique="r:{account_id}", **options)
+    assert task.unique_mode == options["unique_mode"]

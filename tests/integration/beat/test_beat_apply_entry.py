@@ -17,7 +17,7 @@ from celery.beat import ScheduleEntry, Scheduler
 from celery.schedules import crontab, schedule
 
 from celery_leases import Leases
-from celery_leases._claims import parse_beat_claim
+from celery_leases._beat_claims import parse_beat_claim
 from celery_leases.beat import LeasedMemoryScheduler
 from tests.support.polling import wait_until
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
+from celery_leases._beat_claims import BeatClaim
 from celery_leases._beat_runs import run_key
-from celery_leases._claims import BeatClaim
 from celery_leases._sync.driver import LeaseStore
 from tests.support.workers import WorkerProc, kill_whole_worker, worker_factory
 

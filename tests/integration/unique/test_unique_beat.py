@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -131,3 +132,69 @@ def test_a_beat_that_does_not_know_the_task_is_guarded_by_the_worker(
     later = ledger.wait_started("n", count=2)
     assert later[0] == first
     assert len(set(later)) == len(later)
+
+
+#: due runs a mode test lets beat send (one a second): without a mode, each would run
+DUE = 12
+MODE_ENTRIES = {
+    # throttle: one accepted send per 3.5 s window
+    "throttle": (
+        {"task": "unique_app.quick", "options": {"unique_mode": "throttle", "unique_window": 3.5}},
+        2,
+        5,
+    ),
+    # debounce: a due run every second never leaves 2 s quiet: a run every max_wait (4 s)
+    "debounce": (
+        {
+            "task": "unique_app.quick",
+            "options": {"unique_mode": "debounce", "unique_window": 2, "unique_max_wait": 4},
+        },
+        1,
+        4,
+    ),
+    # keep_last: runs of 2.5 s, back to back, each with one follow-up
+    "keep_last": ({"task": "unique_app.kept", "args": ["m", "beat", 2.5]}, 2, 6),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODE_ENTRIES))
+def test_beat_entry_options_give_the_mode(
+    mode: str,
+    ledger: Ledger,
+    start_beat: Callable[..., BeatProc],
+    start_worker: Callable[..., WorkerProc],
+):
+    entry, low, high = MODE_ENTRIES[mode]
+    start_worker(concurrency=2)
+    beat = start_beat("m", UAPP_BEAT_ENTRY=json.dumps(entry))
+    wait_until(lambda: beat.log().count(SENDING) >= DUE, DUE * 5, f"beat to send {DUE} due runs")
+    beat.stop()
+    time.sleep(2 if mode != "debounce" else 6)  # what beat sent last may still run
+    started = ledger.started("m")
+    print(f"beat, {mode}: {len(started)} run(s) of {beat.log().count(SENDING)} due")
+    assert low <= len(started) <= high, started
+    assert len(set(started)) == len(started)
+    if mode == "keep_last":  # one at a time: each run ended before the next started
+        finished = [e.split()[0] for e in ledger.events("finished:m")]
+        assert finished == started[: len(finished)]
+        assert len(finished) >= len(started) - 1
+
+
+def test_bad_mode_options_of_a_beat_entry_are_reported_at_start_and_refused(
+    ledger: Ledger,
+    start_beat: Callable[..., BeatProc],
+    start_worker: Callable[..., WorkerProc],
+):
+    entry = {"task": "unique_app.quick", "options": {"unique_mode": "throttle"}}
+    beat = start_beat("z", UAPP_BEAT_ENTRY=json.dumps(entry))
+    at_start = (
+        "leases: beat entry 'unique-every-second' is refused at each send: task "
+        "'unique_app.quick': unique_mode='throttle' needs unique_window= (seconds)"
+    )
+    wait_until(lambda: at_start in beat.log(), RESULT_TIMEOUT, "beat to report the entry")
+    wait_until(
+        lambda: beat.log().count("needs unique_window=") >= 3, RESULT_TIMEOUT, "3 refused sends"
+    )
+    start_worker()
+    time.sleep(2)
+    assert ledger.started("z") == []  # nothing was sent

@@ -12,6 +12,7 @@ lists, so a test can tell whether a body ran, and gates the test opens to let a 
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from datetime import timedelta
@@ -41,6 +42,7 @@ def make_app(
     beat_key: str | None = None,
     backend: str | None = None,
     tasks: bool = True,
+    beat_entry: dict[str, Any] | None = None,
     **settings: Any,
 ) -> Celery:
     """A Celery app with the test tasks (unless not ``tasks``), ``Leases`` made with
@@ -60,6 +62,7 @@ def make_app(
                 "task": "unique_app.gated",
                 "schedule": timedelta(seconds=1),
                 "args": [beat_key],
+                **(beat_entry or {}),
             }
         }
     leases = Leases(app, **settings)
@@ -194,9 +197,71 @@ def make_app(
             time.sleep(60)
         return str(self.request.id)
 
+    if not os.environ.get("UAPP_NO_MODE_TASKS"):  # tasks declared with a unique_mode
+
+        @app.task(
+            name="unique_app.throttled",
+            shared=False,
+            base=LeasedTask,
+            bind=True,
+            unique="thr:{key}",
+            unique_mode="throttle",
+            unique_window=30,
+            on_duplicate="raise",
+        )
+        def throttled(self: Any, key: str, tag: str = "") -> str:
+            record(f"started:{key}", f"{self.request.id} {os.getpid()} {tag}")
+            return str(self.request.id)
+
+        @app.task(
+            name="unique_app.replaced",
+            shared=False,
+            base=LeasedTask,
+            bind=True,
+            unique="rep:{key}",
+            unique_mode="replace",
+            on_duplicate="raise",
+        )
+        def replaced(self: Any, key: str, tag: str = "") -> str:
+            record(f"started:{key}", f"{self.request.id} {os.getpid()} {tag}")
+            wait_gate(key)
+            return tag
+
+        @app.task(
+            name="unique_app.kept",
+            shared=False,
+            base=LeasedTask,
+            bind=True,
+            unique="keep:{key}",
+            unique_mode="keep_last",
+        )
+        def kept(self: Any, key: str, tag: str = "", seconds: float = 0.0) -> str:
+            """Announces it started, sleeps ``seconds``, announces it finished."""
+            record(f"started:{key}", f"{self.request.id} {os.getpid()} {tag}")
+            time.sleep(seconds)
+            record(f"finished:{key}", f"{self.request.id} {tag}")
+            return tag
+
+        @app.task(
+            name="unique_app.debounced",
+            shared=False,
+            base=LeasedTask,
+            bind=True,
+            unique="deb:{key}",
+            unique_mode="debounce",
+            unique_window=3.0,
+            unique_max_wait=30.0,
+        )
+        def debounced(self: Any, key: str, tag: str = "") -> str:
+            record(f"started:{key}", f"{self.request.id} {os.getpid()} {tag}")
+            return tag
+
     return app
 
 
 app = make_app(
-    beat_key=os.environ.get("UAPP_BEAT_KEY") or None, tasks=not os.environ.get("UAPP_NO_TASKS")
+    beat_key=os.environ.get("UAPP_BEAT_KEY") or None,
+    tasks=not os.environ.get("UAPP_NO_TASKS"),
+    # the beat entry's "task", "args" and "options" (JSON), instead of gated(key)
+    beat_entry=json.loads(os.environ.get("UAPP_BEAT_ENTRY") or "{}"),
 )
