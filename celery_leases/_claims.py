@@ -262,15 +262,16 @@ def unique_handover(
     task_id: str,
     ident: Identity,
     ttl: float,
-    handed: tuple[str, int] | None = None,
+    handed: tuple[str, int, str] | None = None,
 ) -> Steps[Held | ClaimHolder]:
     """One attempt to take over ``key``'s claim for ``task_id`` as a lease of ``ident``.
 
     It succeeds when the claim is queued for ``task_id`` or when there is none. (A holder
     that changed hands while it was read is looked at again: see :func:`_holder_read`.)
-    ``handed`` (``unique_mode="keep_last"``): the message's park tombstone and how long it
-    is kept, ms: a follow-up handed on to ``task_id`` is taken over and consumed; a copy of
-    one consumed already is refused (``"replaced"``).
+    ``handed`` (``unique_mode="keep_last"``): the message's park tombstone, how long it is
+    kept (ms) and ``"1"`` for a message the broker redelivered: a follow-up handed on to
+    ``task_id`` is taken over and consumed; a copy of one consumed already is refused
+    (``"replaced"``), unless redelivered (a run that started and died: it runs again).
     """
     return (
         yield from _holder_read(lambda: _handover_attempt(engine, key, task_id, ident, ttl, handed))
@@ -283,7 +284,7 @@ def _handover_attempt(
     task_id: str,
     ident: Identity,
     ttl: float,
-    handed: tuple[str, int] | None,
+    handed: tuple[str, int, str] | None,
 ) -> Steps[Held | ClaimHolder]:
     resource = engine.keys.unique_resource(key)
     want = Want(resource)
@@ -319,7 +320,7 @@ def _handover_attempt(
         escape(task_id),
         resource,
         grant.call_id,
-        *(handed or ("", 0)),
+        *(handed or ("", 0, "")),
     ]
     call = Script("unique_handover", keys, args)
     book = [rk.exclusive]

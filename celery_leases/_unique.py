@@ -487,7 +487,8 @@ def take_claim(
     started = time.monotonic()
     handed = None
     if keeps_last(task, request) and header(request, PARKED_HEADER):
-        handed = (tombstone(task_id, getattr(request, "retries", 0)), DONE_KEEP_MS)
+        again = "1" if (request.delivery_info or {}).get("redelivered") else ""
+        handed = (tombstone(task_id, getattr(request, "retries", 0)), DONE_KEEP_MS, again)
     wait = ttl + _REDELIVERY_SLACK
     outcome = ext.store.unique_take(key, task_id, ext.identity(), ttl, wait, handed)
     if isinstance(outcome, ClaimHolder) and outcome.state == "replaced":

@@ -174,7 +174,7 @@ def unique_take(
     ident: Identity,
     ttl: float,
     wait: float,
-    handed: tuple[str, int] | None = None,
+    handed: tuple[str, int, str] | None = None,
 ) -> Wait[Held | ClaimHolder]:
     """Take over ``key``'s claim for ``task_id``, waiting where waiting can help.
 

@@ -251,7 +251,7 @@ class LeaseStore(Operations):
         ident: Identity,
         ttl: float,
         wait: float,
-        handed: tuple[str, int] | None = None,
+        handed: tuple[str, int, str] | None = None,
     ) -> Held | ClaimHolder:
         """Take over ``key``'s claim for ``task_id``, waiting up to ``wait`` seconds where
         waiting can help (see :func:`_wait.unique_take`)."""

@@ -24,6 +24,8 @@
 --         follow-up handed on to this task ("0 %parked/<task>", handon.lua) is taken over and
 --         consumed here, at once; a later copy of a consumed one never runs
 -- ARGV[10] how long a consumed hand-on's tombstone is kept, in milliseconds
+-- ARGV[11] "1" if the broker redelivered this message: a copy of a consumed follow-up is
+--          then a run that started and died (acks_late), not a second copy, and it runs
 -- returns {1, token}          taken: it was queued for this task, or free
 --         {0, holder, pttl}   held by another: "<token> <owner>" ("%queued/<task>" while
 --                             queued), pttl ms until it runs out unless renewed (-1: never)
@@ -49,7 +51,8 @@ end
 
 local current = redis.call('GET', KEYS[3])
 local handed = ARGV[9] and ARGV[9] ~= '' and current == '0 %parked/' .. ARGV[6]
-if ARGV[9] and ARGV[9] ~= '' and not handed and redis.call('ZSCORE', KEYS[10], ARGV[9]) then
+if ARGV[9] and ARGV[9] ~= '' and not handed and ARGV[11] ~= '1'
+    and redis.call('ZSCORE', KEYS[10], ARGV[9]) then
   return {-2}
 end
 if current and not handed then

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -280,6 +281,36 @@ def test_keep_last_follow_up_runs_once_when_the_worker_running_the_first_is_kill
     assert runs(ledger, "x") == [(first.id, "first"), (follow_up, f"n{BURST - 1}")]
     assert [e.split()[0] for e in ledger.events("finished:x")] == [follow_up]
     wait_until(lambda: leases_of.store.unique_holder("keep:x") is None, 30, "the key to be free")
+
+
+def test_keep_last_follow_up_redelivered_after_its_child_was_killed_runs_again(
+    producer: Celery, leases_of: Leases, ledger: Ledger, start_worker: Callable[..., WorkerProc]
+):
+    # acks_late + reject_on_worker_lost: the follow-up's message comes back after its pool
+    # child was killed mid-run; its hand-on was consumed when it started, and the copy must
+    # not be taken for a second copy of a consumed hand-on (it never finished: it runs again)
+    kept = producer.tasks["unique_app.kept_late"]
+    worker = start_worker(concurrency=1)
+    first = kept.delay("d", "first", 2.0)
+    wait_until(lambda: runs(ledger, "d"), RESULT_TIMEOUT, "the first run to start")
+    sent = [kept.delay("d", f"n{i}", 60.0) for i in range(10)]
+    follow_up = sent[0].id
+    assert {r.id for r in sent} == {follow_up}
+    assert first.get(timeout=RESULT_TIMEOUT) == "first"
+    started = wait_until(
+        lambda: [e for e in ledger.events("started:d") if e.startswith(follow_up)],
+        RESULT_TIMEOUT,
+        "the follow-up to start",
+    )
+    pid = int(started[0].split()[1])
+    assert pid in worker.children()
+
+    os.kill(pid, signal.SIGKILL)
+
+    assert sent[-1].get(timeout=RESULT_TIMEOUT) == "n9"
+    assert [e.split()[0] for e in ledger.events("finished:d")] == [first.id, follow_up]
+    assert [t for t, _ in runs(ledger, "d")] == [first.id, follow_up, follow_up]
+    wait_until(lambda: leases_of.store.unique_holder("keeplate:d") is None, 60, "a free key")
 
 
 # --- debounce ---------------------------------------------------------------------------------

@@ -243,6 +243,25 @@ def make_app(
             return tag
 
         @app.task(
+            name="unique_app.kept_late",
+            shared=False,
+            base=LeasedTask,
+            bind=True,
+            unique="keeplate:{key}",
+            unique_mode="keep_last",
+            acks_late=True,
+            reject_on_worker_lost=True,
+        )
+        def kept_late(self: Any, key: str, tag: str = "", seconds: float = 0.0) -> str:
+            """keep_last with acks_late: sleeps ``seconds`` on its first delivery only (to be
+            killed there), announces it started and finished."""
+            record(f"started:{key}", f"{self.request.id} {os.getpid()} {tag}")
+            if not (self.request.delivery_info or {}).get("redelivered"):
+                time.sleep(seconds)
+            record(f"finished:{key}", f"{self.request.id} {tag}")
+            return tag
+
+        @app.task(
             name="unique_app.debounced",
             shared=False,
             base=LeasedTask,
