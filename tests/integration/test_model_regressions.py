@@ -5,10 +5,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from redis import Redis
+
+from celery_leases import Leases, _grants
 from celery_leases._claims import Claimed
 from celery_leases._identity import Identity
 from celery_leases._lease import Held, Want
+from celery_leases._parking import PLACEHOLDER
+from celery_leases._scripts import ParkGateReply, ParkReply
 from celery_leases._sync.driver import LeaseStore
+from tests.integration.parking.test_park_scripts import gate, hand_on, other, park, take
 from tests.support.polling import wait_until
 
 LIVENESS = 3.0  # the ttl setting
@@ -79,3 +85,66 @@ def test_a_shared_lease_that_ran_out_is_not_released_again(
     assert gone.resource == "q"
     assert other.token in [h.token for h in store.holders("r")]
     store.cleanup_owner(B.owner, dead=True)
+
+
+def _reserve(leases: Leases, want: Want, task: str) -> None:
+    """Park ``task`` on ``want`` (busy now), free the resource, hand it on: the lease is
+    reserved for ``task`` (the placeholder holder "0 %parked/<task>")."""
+    blockers = [
+        leases.store.acquire([want], Identity(f"blocker-{i}@host", "b", 300 + i), 60)
+        for i in range(max(want.limit, 1))
+    ]
+    assert park(leases, task, want) == ParkReply.PARKED
+    for held in blockers:
+        leases.store.release(held)
+    assert hand_on(leases, want) == task
+    assert [h.owner for h in leases.store.holders(want.resource)] == [f"{PLACEHOLDER}{task}"]
+
+
+def test_a_task_handed_on_to_a_shared_lease_takes_over_its_reservation(leases: Leases) -> None:
+    """A hand-on's reservation of a shared place is taken over by its task, whatever room
+    the lease has besides.
+
+    Found by the model: acquire.lua took over the reservation only when the shared lease
+    was full without it. A task handed on to a ``Shared(limit=2)`` lease with the other
+    place free was granted a second place beside its own reservation: it counted twice,
+    and a newcomer was refused although one task held the lease.
+    """
+    want = Want("erp:1", "s", 2)
+    _reserve(leases, want, "t1")
+    assert gate(leases, "t1", want) == ParkGateReply.HANDED
+    assert take(leases, want, "t1")
+    holders = leases.store.holders(want.resource)
+    assert [h.owner for h in holders] == [other(leases, "copy").owner], holders
+    assert take(leases, want, "t2", owner="newcomer")  # the second place is free
+
+
+def test_a_task_handed_on_is_not_queued_behind_a_waiter(
+    leases: Leases, leases_redis: Redis
+) -> None:
+    """A hand-on's reservation is its task's turn: a waiter queued meanwhile (a task of
+    ``on_busy="wait"``) does not refuse it.
+
+    Found by the model: acquire.lua took the reservation over but then found the waiter at
+    the head of the resource's queue, refused the task, which parked again; the reservation
+    blocked the waiter too until ``handon_timeout``.
+    """
+    want = Want("db")
+    engine = leases.store.engine
+    waiter = Identity("waiter@host", "w", 400)
+    # a ticket without an order (as for a wait for several resources): a release wakes its
+    # waiter instead of handing it the lease
+    ticket = _grants.Ticket(waiter.owner, None, False)
+    # the waiter listens: a release wakes it and leaves its ticket queued (nobody listening,
+    # the release would drop the ticket)
+    pubsub = leases_redis.pubsub()
+    pubsub.subscribe(leases.store.keys.waiter_channel(ticket.id))
+    wait_until(lambda: pubsub.get_message(timeout=0.1) is not None, 5.0, "SUBSCRIBE")
+    with leases.hold("db"):
+        assert park(leases, "t1", want) == ParkReply.PARKED
+        busy = leases.store.run(_grants.try_acquire(engine, [want], waiter, 60, ticket=ticket))
+        assert isinstance(busy, _grants.Busy)  # queued
+    assert hand_on(leases, want) == "t1"
+    assert gate(leases, "t1", want) == ParkGateReply.HANDED
+    assert take(leases, want, "t1")
+    pubsub.close()
