@@ -123,7 +123,8 @@ if ordering then
 end
 
 -- the holder a hand-on of a parked task writes to reserve a lease for it (see _parking.lua):
--- this call takes it over as if the resource were free; reserved[i]: found in shared key i
+-- this call takes it over as if the resource were free; reserved[i]: found in exclusive key i
+-- ("x") or shared key i ("s")
 local reserved = {}
 local function reservation()
   return '0 %parked/' .. (string.match(ARGV[9], '^(.-)%%c') or ARGV[9])
@@ -197,7 +198,7 @@ for i = 0, n - 1 do
       local mode, limit = ARGV[a + 3 * i + 1], tonumber(ARGV[a + 3 * i + 2])
       local xttl = redis.call('PTTL', xkey)
       if xttl >= 0 and redis.call('GET', xkey) == reservation() then
-        xttl, reserved[i] = -2, true  -- a hand-on reserved it for this task (handon.lua): its own
+        xttl, reserved[i] = -2, 'x'  -- a hand-on reserved it for this task (handon.lua): its own
       end
       if xttl >= 0 then
         return busy(xttl)
@@ -210,7 +211,7 @@ for i = 0, n - 1 do
       -- a hand-on's place for this task is its own whenever it is there, full or not: taken
       -- over, never granted a second place beside it
       if count > 0 and redis.call('ZSCORE', skey, reservation()) then
-        count, reserved[i] = count - 1, true
+        count, reserved[i] = count - 1, 's'
       end
       if count > 0 and (mode == 'x' or (limit > 0 and count >= limit)) then
         local first = redis.call('ZRANGE', skey, 0, 0, 'WITHSCORES')
@@ -251,8 +252,12 @@ for i = 0, n - 1 do
     redis.call('SET', xkey, holder, 'PX', ARGV[2])  -- the ttl as sent: a number costs more
   else
     local ttl = tonumber(ARGV[2])
-    if reserved[i] and mode == 's' then
+    -- the reservation goes, in whichever key the hand-on made it: a FIFO of tasks of both
+    -- modes is handed on in the mode of the call that hands on (handon.lua)
+    if reserved[i] == 's' then
       redis.call('ZREM', skey, reservation())
+    elseif reserved[i] == 'x' and mode == 's' then
+      redis.call('DEL', xkey)
     end
     redis.call('ZADD', skey, now + ttl, holder)
     if redis.call('PTTL', skey) < ttl then

@@ -148,3 +148,26 @@ def test_a_task_handed_on_is_not_queued_behind_a_waiter(
     assert gate(leases, "t1", want) == ParkGateReply.HANDED
     assert take(leases, want, "t1")
     pubsub.close()
+
+
+def test_a_shared_task_handed_on_in_the_exclusive_mode_leaves_no_reservation(
+    leases: Leases,
+) -> None:
+    """A task takes over its reservation in whichever mode the hand-on made it.
+
+    Found by the model: tasks of both modes parked on one resource share its FIFO, which is
+    handed on in the mode of the caller (the releaser's lease, or the pump's due member). A
+    shared task handed on by an exclusive hand-on found its reservation in the exclusive
+    key; acquire.lua granted its shared place and left the exclusive placeholder: one task
+    held the resource in both modes, and nobody else could have it until the reservation
+    ran out.
+    """
+    shared, exclusive = Want("erp:2", "s", 2), Want("erp:2")
+    with leases.hold("erp:2"):
+        assert park(leases, "t1", shared) == ParkReply.PARKED
+        assert park(leases, "t2", exclusive) == ParkReply.PARKED
+    assert hand_on(leases, exclusive) == "t1"  # the head, handed on exclusively
+    assert gate(leases, "t1", shared) == ParkGateReply.HANDED
+    assert take(leases, shared, "t1")
+    holders = leases.store.holders(shared.resource)
+    assert [(h.mode, h.owner) for h in holders] == [("s", other(leases, "copy").owner)], holders
