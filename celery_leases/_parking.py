@@ -148,9 +148,13 @@ def defer(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     consumed: bool,
+    force: bool = False,
 ) -> None:
     """Park the task on the busy resource and end this delivery (raise ``Ignore``). Returns
-    only when the resource has room again (released meanwhile): acquire again."""
+    only when the resource has room again (released meanwhile): acquire again. ``force``:
+    park even then (an earlier park of this delivery found room, and the acquire was refused
+    again: by a restart grace or the waiter queue, which only the acquire sees); the pump
+    hands it on after the wait the refusal told."""
     request = task.request
     want = next((w for w in wants if w.resource == busy.resource), wants[0])
     generation = int(getattr(request, PARKED_HEADER, None) or 0) + 1
@@ -183,6 +187,8 @@ def defer(
             DONE_KEEP_MS,
             "1" if consumed else "0",
             tombstone(request.id, request.retries),
+            "1" if force else "0",
+            _ms(busy.retry_after or 0.001),
         ],
         "park a task",
     )

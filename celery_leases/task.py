@@ -411,8 +411,10 @@ class LeasedTask(Task[Any, Any]):
                     parks = deferring and not isinstance(busy, RateLimited)
                     if not parks or _attempt == _DEFER_ATTEMPTS - 1:
                         return self._busy(busy, on_busy, args, kwargs)
-                    # returns only when the resource has room again: acquire once more
-                    _parking.defer(ext, self, busy, wants, args, kwargs, consumed)
+                    # returns only when the resource has room again: acquire once more; a
+                    # second refusal parks (a restart grace, a waiter queue: see defer)
+                    force = _attempt > 0
+                    _parking.defer(ext, self, busy, wants, args, kwargs, consumed, force)
         except LeaseBackendError as exc:
             self._backend_failed(exc)
         traced = self._traced()

@@ -171,3 +171,35 @@ def test_a_shared_task_handed_on_in_the_exclusive_mode_leaves_no_reservation(
     assert take(leases, shared, "t1")
     holders = leases.store.holders(shared.resource)
     assert [(h.mode, h.owner) for h in holders] == [("s", other(leases, "copy").owner)], holders
+
+
+def test_a_deferring_task_behind_a_dead_waiters_ticket_parks_and_is_handed_on(
+    leases: Leases, leases_redis: Redis
+) -> None:
+    """A deferring task refused for what park.lua does not see parks all the same.
+
+    Found by the model: a resource without holders whose waiter queue is headed by the ticket
+    of a waiter that died (or within a restart grace) refuses the task's acquire, while
+    park.lua, which looks at the holders only, found room and told it to acquire again: five
+    times, then the task failed with LeaseBusy. A second refusal now parks it (``force``),
+    due when the refusal said; the hand-on's reservation is the task's turn in the queue.
+    """
+    want = Want("db")
+    engine = leases.store.engine
+    dead = Identity("dead-waiter@host", "w", 500)
+    ticket = _grants.Ticket(dead.owner, None, False)
+    pubsub = leases_redis.pubsub()
+    pubsub.subscribe(leases.store.keys.waiter_channel(ticket.id))
+    wait_until(lambda: pubsub.get_message(timeout=0.1) is not None, 5.0, "SUBSCRIBE")
+    with leases.hold("db"):
+        busy = leases.store.run(_grants.try_acquire(engine, [want], dead, 60, ticket=ticket))
+        assert isinstance(busy, _grants.Busy)  # its ticket is queued
+    pubsub.close()  # woken by the release, the waiter dies before its next attempt
+    assert not take(leases, want, "t1")  # refused: the dead waiter heads the queue
+    assert park(leases, "t1", want) == ParkReply.FREE  # park.lua sees no holder
+    assert not take(leases, want, "t1")
+    assert park(leases, "t1", want, force=True, wait_ms=50) == ParkReply.PARKED
+    time.sleep(0.1)
+    assert hand_on(leases, want) == "t1"  # the pump, when due
+    assert gate(leases, "t1", want) == ParkGateReply.HANDED
+    assert take(leases, want, "t1")

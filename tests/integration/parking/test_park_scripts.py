@@ -33,7 +33,15 @@ def other(leases: Leases, name: str) -> Identity:
     return Identity(name, ident.incarnation, ident.pid)
 
 
-def park(ext: Leases, task: str, want: Want, consumed: bool = False, retries: int = 0) -> ParkReply:
+def park(
+    ext: Leases,
+    task: str,
+    want: Want,
+    consumed: bool = False,
+    retries: int = 0,
+    force: bool = False,
+    wait_ms: int = 1,
+) -> ParkReply:
     keys = ext.store.keys
     state, msgs, done, due = _group_keys(ext, keys.group_of(want.resource))
     reply = _call(
@@ -57,6 +65,8 @@ def park(ext: Leases, task: str, want: Want, consumed: bool = False, retries: in
             DONE_KEEP_MS,
             "1" if consumed else "0",
             tombstone(task, retries),
+            "1" if force else "0",
+            wait_ms,
         ],
         "park",
     )
