@@ -166,7 +166,47 @@ def defer(
     message = dumps({"resource": want.resource, "task": task.name, "sig": dict(sig)})
     group = ext.store.keys.group_of(want.resource)
     state, msgs, done, due = _group_keys(ext, group)
-    reply = _call(
+    try:
+        reply = _park(ext, request, want, message, (state, msgs, done, due), consumed, force, busy)
+    except LeaseBackendError as exc:
+        # not retried (on_backend_error): a park that ran but whose reply was lost parked the
+        # task under this message's tombstone, and a retry is another message (one retry
+        # more), which would run beside the parked one once it is handed on. Requeued, this
+        # message meets the gate: dropped while parked, run once when handed on
+        logger.error("leases: %s[%s] requeued: %s", task.name, request.id, exc)
+        raise Reject(str(exc), requeue=True) from exc
+    code = ParkReply(int(reply[0]))
+    if code in (ParkReply.FREE, ParkReply.HANDED):
+        return
+    if code == ParkReply.PARKED:
+        from ._unique import keep_queued  # _unique imports the task layer's modules
+
+        keep_queued(ext, task, request.id)
+        _parked_now(task, want)
+        logger.info("leases: %s[%s] parked on %s", task.name, request.id, want.resource)
+        _mark_parked(request.id)
+    else:
+        logger.info(
+            "leases: %s[%s] is parked or ran already: this copy is dropped",
+            task.name,
+            request.id,
+        )
+    raise Ignore()
+
+
+def _park(
+    ext: Leases,
+    request: Any,
+    want: Want,
+    message: str,
+    group_keys: tuple[str, str, str, str],
+    consumed: bool,
+    force: bool,
+    busy: LeaseBusy,
+) -> Any:
+    """park.lua for ``request`` on ``want`` (see :func:`defer`)."""
+    state, msgs, done, due = group_keys
+    return _call(
         ext,
         _scripts.PARK,
         [
@@ -192,23 +232,6 @@ def defer(
         ],
         "park a task",
     )
-    code = ParkReply(int(reply[0]))
-    if code in (ParkReply.FREE, ParkReply.HANDED):
-        return
-    if code == ParkReply.PARKED:
-        from ._unique import keep_queued  # _unique imports the task layer's modules
-
-        keep_queued(ext, task, request.id)
-        _parked_now(task, want)
-        logger.info("leases: %s[%s] parked on %s", task.name, request.id, want.resource)
-        _mark_parked(request.id)
-    else:
-        logger.info(
-            "leases: %s[%s] is parked or ran already: this copy is dropped",
-            task.name,
-            request.id,
-        )
-    raise Ignore()
 
 
 #: called with (task name, lease template) for each task parked in this process: the metrics

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
+import pytest
+from celery.exceptions import Ignore, Reject
 from redis import Redis
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from celery_leases import Leases, _grants
+from celery_leases import LeaseBusy, Leases, _grants, _parking, _scripts
 from celery_leases._claims import Claimed
 from celery_leases._identity import Identity
 from celery_leases._lease import Held, Want
@@ -203,3 +207,44 @@ def test_a_deferring_task_behind_a_dead_waiters_ticket_parks_and_is_handed_on(
     assert hand_on(leases, want) == "t1"  # the pump, when due
     assert gate(leases, "t1", want) == ParkGateReply.HANDED
     assert take(leases, want, "t1")
+
+
+def test_a_lost_park_reply_requeues_the_message_instead_of_retrying(
+    leases: Leases, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A park whose reply is lost ends the delivery with a requeue, never a retry.
+
+    Suspected, then confirmed: park.lua ran (the task is parked under its tombstone
+    "<id>#0") and its reply was lost; the task layer retried the task (on_backend_error),
+    a new message "<id>#1" that the gate lets through once the task is handed on or ran:
+    the task ran twice. Requeued, the same message meets the gate: dropped while parked.
+    """
+
+    def deferred(self: Any) -> None:
+        """Never runs here."""
+
+    task = leases.app.task(name="reg.deferred", bind=True, shared=False)(deferred)
+    want = Want("db")
+    lost: list[str] = []
+
+    def lose_the_reply(ext: Leases, src: str, keys: Any, args: Any, what: str) -> Any:
+        reply = real_call(ext, src, keys, args, what)
+        if src == _scripts.PARK and not lost:
+            lost.append(what)
+            raise ext.store.backend_error(what, RedisTimeoutError("reply lost"))
+        return reply
+
+    real_call = _parking._call
+    monkeypatch.setattr(_parking, "_call", lose_the_reply)
+    task.push_request(id="t1", retries=0, delivery_info={}, headers={}, args=(), kwargs={})
+    try:
+        with leases.hold("db"):
+            with pytest.raises(Reject):
+                _parking.defer(leases, task, LeaseBusy("db", 1.0), [want], (), {}, False)
+            assert lost
+            # the requeued message comes back: the task is parked, so it is dropped
+            with pytest.raises(Ignore):
+                _parking.admit(leases, task, [want])
+    finally:
+        task.pop_request()
+    assert [p["task_id"] for p in _parking.list_parked(leases)] == ["t1"]
