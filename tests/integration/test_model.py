@@ -99,7 +99,8 @@ from typing import Any, TypeVar
 
 import hypothesis.strategies as st
 import pytest
-from celery import Celery
+from celery import Celery, Task
+from celery.exceptions import Ignore, Reject
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from redis import Redis
@@ -107,7 +108,17 @@ from redis.client import PubSub
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from celery_leases import LeaseBusy, Leases, _cleanup, _grants, _releases
+from celery_leases import (
+    LeaseBusy,
+    Leases,
+    RateLimited,
+    _cleanup,
+    _grants,
+    _limits,
+    _parking,
+    _releases,
+    _scripts,
+)
 from celery_leases._claims import Claimed, ClaimHolder
 from celery_leases._grants import TICKET_SLACK_MS, Busy
 from celery_leases._identity import Identity
@@ -155,6 +166,31 @@ SHARED_LIMIT = 2
 UNIQUE_KEYS = ("u0", "u1")
 TASKS = ("t0", "t1", "t2")
 ONCE_NAMES = ("o0", "o1")
+#: parked tasks: the resources deferring tasks lease (exclusive, or shared: the second has a
+#: limit), the handon_timeout setting, their leases' ttl, the attempts of one delivery
+DEFER_RESOURCES = (0, 1)
+HANDON = 0.4
+DEFER_TTL = 0.5
+DEFER_ATTEMPTS = 5
+#: what a delivery of a deferring task may meet (see LeaseModel.deliver)
+DELIVERY_FAULTS = (
+    "none",
+    "gate lost",
+    "gate dropped",
+    "acquire lost",
+    "park lost",
+    "park dropped",
+    "dies after park",
+)
+#: what a hand-on may meet: its reply lost (reserved, never published), its publish lost
+HANDON_FAULTS = ("none", "handon lost", "publish lost")
+#: the rate limits (N per period by cost, on the Redis clock)
+LIMIT_NAMES = ("api:0", "api:1")
+#: seconds the model waits at the end of an example for every parked task to run
+SETTLE = 20.0
+LIMIT_RATE = "3/s"
+#: _parking's own script call (the model wraps it to lose replies)
+_REAL_PARKING_CALL = _parking._call
 
 
 #: how often each path ran in this session (printed by the test, for a long search's report)
@@ -295,6 +331,30 @@ class Owner:
     def history(self) -> str:
         """What its waits were like, for the paths counted."""
         return "a wait in trouble" if self.trouble else "waited" if self.waited else "no wait"
+
+
+@dataclass(eq=False)
+class Deferring:
+    """A task of ``on_busy="defer"`` the model sent, and what became of it."""
+
+    task_id: str
+    want: Want
+    runs: int = 0  # its body started (at most once)
+    grant: Grant | None = None  # while it runs: its lease
+    owner: Owner | None = None
+    cancelled: bool = False  # unparked by an operator
+    lost: bool = False  # parked in Redis when Redis lost every key (not promised)
+    failed: bool = False
+
+
+@dataclass
+class Message:
+    """A message of a deferring task in the model's broker."""
+
+    task_id: str
+    retries: int
+    generation: int | None  # its lease_parked header: a hand-on's copy
+    redelivered: bool = False
 
 
 @dataclass(eq=False)
@@ -439,6 +499,7 @@ class LeaseModel(RuleBasedStateMachine):
         self.leases = Leases(
             Celery(f"model-{prefix}", set_as_current=False),
             **self._settings_kwargs(prefix),
+            handon_timeout=HANDON,
             node="once@model",
         )
         self.resources = spread_resources(self.store)
@@ -465,6 +526,13 @@ class LeaseModel(RuleBasedStateMachine):
         self.unknown: list[Unknown] = []
         self.waits = 0
         self.redis = Redis.from_url(type(self).server.url, decode_responses=True)
+        self.deferring: dict[str, Deferring] = {}
+        self.broker: list[Message] = []
+        self.script_faults: dict[str, str] = {}
+        self.publish_fault = False
+        self.admissions: dict[str, dict[str, tuple[int, int]]] = {}
+        self.deferring_task = self._make_deferring_task()
+        _parking._call = self._parking_call
         _trace.clear()
         EXAMPLES_RUN["examples"] += 1
         self._warm_up()
@@ -518,6 +586,13 @@ class LeaseModel(RuleBasedStateMachine):
         self.grace_done = set(range(SLOT_GROUPS))
 
     def teardown(self) -> None:
+        try:
+            self._settle_parking()
+        finally:
+            _parking._call = _REAL_PARKING_CALL
+            self._close()
+
+    def _close(self) -> None:
         for waiter in self.parked:
             waiter.pubsub.close()
         self.redis.close()
@@ -1307,6 +1382,316 @@ class LeaseModel(RuleBasedStateMachine):
     def time_passes(self, seconds: float) -> None:
         time.sleep(seconds)
 
+    # --- parked tasks (on_busy="defer") and rate limits (issue 30) ---------------------------
+    def _make_deferring_task(self) -> Any:
+        """A deferring task of the model's app whose publishes go to the model's broker (a
+        list): the releaser's and the pump's real code, the broker left out."""
+        machine = self
+
+        class Captured(Task):  # type: ignore[misc]
+            def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> None:
+                headers = options.get("headers") or {}
+                gen = headers.get(_parking.PARKED_HEADER, options.get(_parking.PARKED_HEADER))
+                msg = Message(options["task_id"], int(options.get("retries") or 0), gen)
+                if machine.publish_fault:
+                    machine.publish_fault = False
+                    event("parking: a publish lost (the releaser died, the broker lost it)")
+                    return
+                event("parking: published")
+                machine.broker.append(msg)
+
+        def deferred(self: Any) -> None:
+            """The body: the model counts its starts (see _started)."""
+
+        app = self.leases.app
+        return app.task(
+            name="model.deferred", bind=True, base=Captured, on_busy="defer", shared=False
+        )(deferred)
+
+    def _parking_call(self, ext: Leases, src: str, keys: Any, args: Any, what: str) -> Any:
+        """``_parking._call`` with the fault the model planned for this script (if any)."""
+        fault = self.script_faults.pop(src, None)
+        if fault == "dropped":
+            event(f"parking: {what}: dropped")
+            raise ext.store.backend_error(what, RedisTimeoutError("model: dropped"))
+        reply = _REAL_PARKING_CALL(ext, src, keys, args, what)
+        if fault == "lost":
+            event(f"parking: {what}: reply lost")
+            raise ext.store.backend_error(what, RedisTimeoutError("model: reply lost"))
+        return reply
+
+    @rule(
+        index=st.sampled_from(DEFER_RESOURCES),
+        burst=st.integers(1, 3),
+        node=st.integers(0, len(NODES) - 1),
+        slot=st.integers(0, SLOTS - 1),
+    )
+    @traced
+    def send_deferring(self, index: int, burst: int, node: int, slot: int) -> None:
+        """A client sends ``burst`` tasks of ``on_busy="defer"`` on one lease; a worker
+        process takes each at once (they run, or park behind each other). One mode per
+        resource, as one template has: exclusive on the first, shared (limit 2) on the
+        second (a FIFO of both modes is handed on in the mode of whoever hands on: not
+        modelled)."""
+        for _ in range(burst):
+            task_id = f"d{len(self.deferring)}"
+            self.deferring[task_id] = Deferring(task_id, self.want(index, index == 1))
+            self._deliver(Message(task_id, 0, None), self.owner_at(node, slot), "none")
+
+    @rule(
+        pick=st.integers(0, 1000),
+        node=st.integers(0, len(NODES) - 1),
+        slot=st.integers(0, SLOTS - 1),
+        fault=st.sampled_from(DELIVERY_FAULTS),
+    )
+    @traced
+    def deliver(self, pick: int, node: int, slot: int, fault: str) -> None:
+        """A worker process takes a message of a deferring task from the broker and runs it:
+        the gate, the acquire, the park; ``fault`` meets one of them."""
+        if self.broker:
+            msg = self.broker.pop(pick % len(self.broker))
+            self._deliver(msg, self.owner_at(node, slot), fault)
+
+    def _deliver(self, msg: Message, owner: Owner, fault: str) -> None:
+        d = self.deferring[msg.task_id]
+        task = self.deferring_task
+        if fault in ("gate lost", "gate dropped"):
+            self.script_faults[_scripts.PARK_GATE] = fault.split()[1]
+        elif fault in ("park lost", "park dropped"):
+            self.script_faults[_scripts.PARK] = fault.split()[1]
+        headers = {} if msg.generation is None else {_parking.PARKED_HEADER: msg.generation}
+        task.push_request(
+            id=msg.task_id,
+            retries=msg.retries,
+            delivery_info={"redelivered": msg.redelivered, "routing_key": "celery"},
+            headers=headers,
+            args=(),
+            kwargs={},
+            **headers,
+        )
+        try:
+            self._run_delivery(d, msg, owner, fault)
+        except Ignore:
+            event("parking: a delivery ended (parked, or dropped)")
+        except Reject:
+            event("parking: requeued (Reject)")
+            self.broker.append(Message(msg.task_id, msg.retries, msg.generation, True))
+        except LeaseBackendError:
+            # on_backend_error="retry": the task's own retry, a new message
+            event("parking: Redis failed: the task retries")
+            self.broker.append(Message(msg.task_id, msg.retries + 1, msg.generation))
+        finally:
+            self.script_faults.clear()
+            task.pop_request()
+
+    def _run_delivery(self, d: Deferring, msg: Message, owner: Owner, fault: str) -> None:
+        """What ``LeasedTask._call_leased`` does for a deferring task (task.py)."""
+        task, want = self.deferring_task, d.want
+        consumed = _parking.admit(self.leases, task, [want])
+        if consumed:
+            event("parking: a hand-on consumed")
+        for attempt in range(DEFER_ATTEMPTS):
+            sent = time.monotonic()
+            lose = {0: "lost"} if fault == "acquire lost" and attempt == 0 else None
+            steps = _grants.try_acquire(
+                self.store.engine, [want], owner.ident, DEFER_TTL, msg.task_id
+            )
+            try:
+                outcome = Stepper(self.store, steps, lose).outcome()
+            except LeaseBackendError:
+                self.unknown_outcome(owner, [want.resource], DEFER_TTL)
+                raise
+            if isinstance(outcome, list):
+                self._record(owner, outcome, DEFER_TTL, sent)
+                self._started(d, owner, outcome[0])
+                return
+            if consumed:
+                self._check_reservation_refused(d, sent)
+            try:
+                # as task.py: a second refusal parks (force), whatever park.lua sees
+                busy = LeaseBusy(want.resource, outcome.wait)
+                _parking.defer(self.leases, task, busy, [want], (), {}, consumed, attempt > 0)
+            except Ignore:
+                if fault == "dies after park":
+                    # the worker dies before the ack: the broker delivers the original again
+                    event("parking: the parking process died before its ack")
+                    self.broker.append(Message(msg.task_id, msg.retries, msg.generation, True))
+                raise
+        event("parking: LeaseBusy after every attempt")
+        d.failed = True
+        violated(f"deferring task {d.task_id} failed with LeaseBusy: neither granted nor parked")
+
+    def _check_reservation_refused(self, d: Deferring, sent: float) -> None:
+        """A task that consumed its hand-on is refused only when its reservation is gone (ran
+        out) or Redis restarted (its restart grace)."""
+        if not self.no_grace([d.want.resource]):
+            return
+        mine = _parking.PLACEHOLDER + d.task_id
+        if any(h.owner == mine for h in self.store.holders(d.want.resource)):
+            violated(
+                f"{d.task_id} was handed {d.want.resource} on, and refused beside its reservation"
+            )
+
+    def _started(self, d: Deferring, owner: Owner, held: Held) -> None:
+        d.runs += 1
+        event("parking: a deferring task runs")
+        if d.runs > 1:
+            violated(f"deferring task {d.task_id} ran twice")
+        if d.cancelled:
+            violated(f"deferring task {d.task_id} ran after it was unparked")
+        mine = _parking.PLACEHOLDER + d.task_id
+        if any(h.owner == mine for h in self.store.holders(d.want.resource)):
+            violated(f"{d.task_id} runs on {d.want.resource} beside its own reservation")
+        d.owner = owner
+        d.grant = next(g for g in owner.grants if g.held is held)
+
+    @rule(pick=st.integers(0, 1000), fault=st.sampled_from(HANDON_FAULTS))
+    @traced
+    def finish_deferring(self, pick: int, fault: str) -> None:
+        """A running deferring task ends: its release hands the resource on (``fault``: the
+        hand-on's reply is lost, or its publish is: the releaser died in between)."""
+        running = [d for d in self.deferring.values() if d.grant is not None]
+        if running:
+            self._finish(running[pick % len(running)], fault)
+
+    def _finish(self, d: Deferring, fault: str) -> None:
+        grant, d.grant = d.grant, None
+        assert grant is not None
+        if not grant.gone:
+            self._release([grant])
+        self._hand_on(d.want, fault)
+
+    def _hand_on(self, want: Want, fault: str) -> None:
+        if fault == "handon lost":
+            self.script_faults[_scripts.HANDON] = "lost"
+        self.publish_fault = fault == "publish lost"
+        try:
+            _parking.hand_on(self.leases, [want])
+        finally:
+            self.script_faults.clear()
+            self.publish_fault = False
+
+    @rule(fault=st.sampled_from(HANDON_FAULTS))
+    @traced
+    def pump(self, fault: str) -> None:
+        """A worker's park pump turns: every due resource is handed on once."""
+        if fault == "handon lost":
+            self.script_faults[_scripts.HANDON] = "lost"
+        self.publish_fault = fault == "publish lost"
+        try:
+            _parking.pump(self.leases)
+        finally:
+            self.script_faults.clear()
+            self.publish_fault = False
+
+    @rule(pick=st.integers(0, 1000))
+    @traced
+    def unpark(self, pick: int) -> None:
+        """An operator cancels a task (``celery leases unpark``): it never runs after."""
+        waiting = [d for d in self.deferring.values() if d.runs == 0 and not d.cancelled]
+        if not waiting:
+            return
+        d = waiting[pick % len(waiting)]
+        if _parking.unpark(self.leases, d.task_id):
+            event("parking: unparked")
+            d.cancelled = True
+
+    def _settle_parking(self) -> None:
+        """Nothing parked is lost: once the faults stop (every lease given back, every
+        waiter gone), the releases and the pump hand every parked task on, and it runs."""
+        if not self.deferring:
+            return
+        for waiter in list(self.parked):
+            self._give_up(waiter)
+        for owner in list(self.slots.values()):
+            self._release([g for g in owner.grants if g.held is not None])
+        deadline = time.monotonic() + SETTLE
+        owner = self.owner_at(0, 0)
+        while True:
+            for d in self.deferring.values():
+                if d.grant is not None:
+                    self._finish(d, "none")
+            while self.broker:
+                self._deliver(self.broker.pop(0), owner, "none")
+            pending = [d for d in self.deferring.values() if not (d.runs or d.cancelled or d.lost)]
+            if not pending and not any(d.grant for d in self.deferring.values()):
+                event(f"parking: settled, {min(len(self.deferring), 5)} task(s)")
+                return
+            if time.monotonic() > deadline:
+                parked = _parking.list_parked(self.leases)
+                violated(f"deferring tasks never ran: {[d.task_id for d in pending]}; {parked}")
+            _parking.pump(self.leases)
+            time.sleep(0.05)
+
+    def _reservations(self, resource: str, holders: list[Holder]) -> list[Holder]:
+        """The hand-ons' reservations among ``holders``, checked: each is of a deferring task
+        that has not taken it over (it never runs beside it)."""
+        out = []
+        for h in holders:
+            if not h.owner.startswith(_parking.PLACEHOLDER):
+                continue
+            d = self.deferring.get(h.owner[len(_parking.PLACEHOLDER) :])
+            if d is None or d.want.resource != resource:
+                violated(f"{resource} is reserved for a task the model never parked there: {h}")
+            elif d.grant is not None and not d.grant.gone:
+                violated(f"{resource} is reserved for {d.task_id}, which holds it already: {h}")
+            out.append(h)
+        return out
+
+    @rule(
+        cost=st.sampled_from((1, 2)),
+        lose=st.sampled_from((None, 0)),
+        both=st.booleans(),
+    )
+    @traced
+    def admit_limit(self, cost: int, lose: int | None, both: bool) -> None:
+        """An admission under the rate limit (``both``: and under a second one, all or
+        nothing: a refusal of one refunds the other); ``lose``: its reply is lost."""
+        wants = [_limits.want(LIMIT_NAMES[0], LIMIT_RATE, cost)]
+        if both:
+            wants.append(_limits.want(LIMIT_NAMES[1], LIMIT_RATE, 1))
+        op = Stepper(
+            self.store,
+            _limits.admit(self.store.engine, wants),
+            {lose: "lost"} if lose is not None else None,
+        )
+        try:
+            admitted = op.outcome()
+        except RateLimited:
+            event("limit: refused")
+            return
+        except LeaseBackendError:
+            event("limit: outcome unknown")
+            return
+        event("limit: admitted")
+        for a in admitted:
+            self.admissions.setdefault(a.name, {})[a.member] = (
+                a.at_us,
+                int(a.member.split(":")[1]),
+            )
+
+    @invariant()
+    def limits_hold(self) -> None:
+        """In no window of the period (on the Redis clock) more than N admitted, by cost:
+        every admission seen in the log, less those refunded (gone while still in it)."""
+        n, period = _limits.parse_rate(LIMIT_RATE, "model")
+        period_us = int(period * 1_000_000)
+        now_us = int(self.store.redis_time() * 1_000_000)
+        for name in LIMIT_NAMES:
+            log_key = self.store.keys.limit_keys(name)[0]
+            log = dict(self.redis.zrange(log_key, 0, -1, withscores=True))
+            seen = self.admissions.setdefault(name, {})
+            for member, (at, _) in list(seen.items()):
+                if member not in log and at > now_us - period_us + 1000:
+                    del seen[member]  # refunded (its call was refused elsewhere)
+            for member, score in log.items():
+                seen.setdefault(member, (int(score), int(member.split(":")[1])))
+            stamps = sorted(seen.values())
+            for i, (start, _) in enumerate(stamps):
+                total = sum(c for at, c in stamps[i:] if at < start + period_us)
+                if total > n:
+                    violated(f"limit {name} admitted {total} > {n} in one window of {period}s")
+
     # --- unique claims --------------------------------------------------------------------
     def _claim_grants(self, key: str) -> list[Grant]:
         return self.grants.get(self.store.keys.unique_resource(key), [])
@@ -1465,6 +1850,10 @@ class LeaseModel(RuleBasedStateMachine):
         for owner in self.owners.values():
             owner.liveness_sure_until = -math.inf
         self.receipts = dict.fromkeys(ONCE_NAMES)
+        for d in self.deferring.values():
+            d.grant = None
+            if d.runs == 0:
+                d.lost = True  # parked tasks go with every key (a message in the broker stays)
         if wait_out_grace:
             self._warm_up()
 
@@ -1491,6 +1880,8 @@ class LeaseModel(RuleBasedStateMachine):
         entries: dict[str, set[tuple[str, int, str]]],
     ) -> None:
         modes = [h.mode for h in holders]
+        reservations = self._reservations(resource, holders)
+        holders = [h for h in holders if h not in reservations]
         if modes.count("x") > 1 or ("x" in modes and "s" in modes):
             violated(f"{resource} has incompatible holders: {holders}")
         limit = self.limits.get(resource, 0)
