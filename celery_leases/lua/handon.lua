@@ -9,6 +9,8 @@
 -- KEYS[1] exclusive key   KEYS[2] shared key   KEYS[3] the resource's parked FIFO
 -- KEYS[4] parked states (group)   KEYS[5] parked messages (group)   KEYS[6] due index (group)
 -- ARGV[1] mode   ARGV[2] limit (0 = none)   ARGV[3] hand-on timeout in ms   ARGV[4] due member
+-- (ARGV[1] and ARGV[2] are the caller's: the head's own, recorded by park.lua, come first, so
+-- a FIFO of tasks of both modes hands each on in the mode it asked for)
 -- ARGV[5] placeholder owner prefix ("%parked/")
 -- returns {1, task id (escaped), message}  handed on: publish it
 --         {0, due ms}                      nothing to hand on now (full, or nobody parked);
@@ -18,18 +20,26 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local mode, limit, timeout = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+-- the mode and limit a parked task asked for (park.lua), else the caller's
+local function want_of(task)
+  local rec = redis.call('HGET', KEYS[5], '%m' .. task)
+  if rec then
+    local m, l = string.match(rec, '^(%S+) (%S+)$')
+    return m, tonumber(l)
+  end
+  return ARGV[1], tonumber(ARGV[2])
+end
 
 -- the tasks handed on whose reservation is gone without being claimed: parked again, last
 local function reserved(task)
   local holder = '0 ' .. ARGV[5] .. task
-  if mode == 'x' then
+  if want_of(task) == 'x' then
     return redis.call('GET', KEYS[1]) == holder
   end
   local score = redis.call('ZSCORE', KEYS[2], holder)
   return score and tonumber(score) > now
 end
 
-local wait = park_busy(KEYS[1], KEYS[2], mode, limit, now)
 local head, msg = nil, nil
 local bump = 0
 for _, task in ipairs(redis.call('ZRANGE', KEYS[3], 0, 31)) do
@@ -68,6 +78,8 @@ if not head then
   redis.call('ZADD', KEYS[6], now + timeout, ARGV[4])
   return {0, timeout}
 end
+mode, limit = want_of(head)
+local wait = park_busy(KEYS[1], KEYS[2], mode, limit, now)
 if wait > 0 then
   redis.call('ZADD', KEYS[6], now + wait, ARGV[4])
   return {0, wait}

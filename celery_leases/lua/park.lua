@@ -47,7 +47,7 @@ if wait == 0 and ahead == 0 then
 end
 redis.call('ZADD', KEYS[3], 'NX', now_us, task)
 redis.call('HSET', KEYS[4], task, 'p')
-redis.call('HSET', KEYS[5], task, ARGV[4])
+redis.call('HSET', KEYS[5], task, ARGV[4], '%m' .. task, ARGV[2] .. ' ' .. ARGV[3])
 -- the due member by resource ("%r<resource>": no escaped task id starts with "%"), for a
 -- release outside a task, which knows the resource only (see _parking.hand_on_released)
 redis.call('HSET', KEYS[5], '%r' .. string.match(ARGV[5], '^%S+ %S+ (.*)$'), ARGV[5])

@@ -248,3 +248,25 @@ def test_a_lost_park_reply_requeues_the_message_instead_of_retrying(
     finally:
         task.pop_request()
     assert [p["task_id"] for p in _parking.list_parked(leases)] == ["t1"]
+
+
+def test_a_fifo_of_both_modes_hands_each_task_on_in_its_own_mode(leases: Leases) -> None:
+    """A hand-on reserves the lease in the mode its task asked for, not the caller's.
+
+    Found by the model: tasks of both modes parked on one resource share its FIFO, and
+    handon.lua reserved in the mode of whoever handed on. An exclusive task handed on by a
+    shared hand-on (the pump's due member of a shared task) got a shared place while another
+    shared task was handed on beside it: its acquire was refused beside its own
+    reservation, and it parked again behind it.
+    """
+    shared, exclusive = Want("erp:3", "s", 2), Want("erp:3")
+    with leases.hold("erp:3"):
+        assert park(leases, "t1", exclusive) == ParkReply.PARKED
+        assert park(leases, "t2", shared) == ParkReply.PARKED
+    assert hand_on(leases, shared) == "t1"  # the head: handed on in its own mode
+    assert hand_on(leases, shared) is None  # t2 must wait: t1 is exclusive
+    assert gate(leases, "t1", exclusive) == ParkGateReply.HANDED
+    assert take(leases, exclusive, "t1")
+    holders = leases.store.holders(shared.resource)
+    assert [(h.mode, h.owner) for h in holders] == [("x", other(leases, "copy").owner)], holders
+
