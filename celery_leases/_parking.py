@@ -90,6 +90,11 @@ def _due_member(want: Want) -> str:
     return f"{want.mode} {want.limit} {want.resource}"
 
 
+def _consumer(request: Any) -> str:
+    """The message's generation as park_gate.lua records a hand-on's consumer: "g<n>"."""
+    return f"g{int(getattr(request, PARKED_HEADER, None) or 0)}"
+
+
 def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
@@ -102,6 +107,7 @@ def admit(ext: Leases, task: Any, wants: Sequence[Want]) -> bool:
     copy that started is let through: the redelivery guard's business)."""
     request = task.request
     task_id = escape(request.id)
+    redelivered = bool((request.delivery_info or {}).get("redelivered"))
     seen: set[int] = set()
     for want in wants:
         group = ext.store.keys.group_of(want.resource)
@@ -112,11 +118,12 @@ def admit(ext: Leases, task: Any, wants: Sequence[Want]) -> bool:
         keys = [state, msgs, done, ext.store.keys.parked(want.resource)]
         try:
             mark = tombstone(request.id, request.retries)
-            args = [task_id, DONE_KEEP_MS, mark]
+            args = [task_id, DONE_KEEP_MS, mark, _consumer(request), "1" if redelivered else "0"]
             raw = _call(ext, _scripts.PARK_GATE, keys, args, "admit a task")
         except LeaseBackendError as exc:
             # not retried (self.retry): a gate that ran but whose reply was lost consumed the
-            # hand-on, and only a redelivered copy passes a consumed gate: requeue this one
+            # hand-on for this message, which only this message, redelivered, passes again
+            # (park_gate.lua records its consumer): requeue this one
             logger.error("leases: %s[%s] requeued: %s", task.name, request.id, exc)
             raise Reject(str(exc), requeue=True) from exc
         reply = ParkGateReply(int(raw))
@@ -128,7 +135,6 @@ def admit(ext: Leases, task: Any, wants: Sequence[Want]) -> bool:
             raise Ignore()
         if reply == ParkGateReply.CONSUMED:
             copy = getattr(request, PARKED_HEADER, None) is not None
-            redelivered = bool((request.delivery_info or {}).get("redelivered"))
             if copy and redelivered:
                 return False  # a copy that started and died: the redelivery guard decides
             logger.info(
@@ -229,6 +235,7 @@ def _park(
             tombstone(request.id, request.retries),
             "1" if force else "0",
             _ms(busy.retry_after or 0.001),
+            _consumer(request),
         ],
         "park a task",
     )

@@ -9,11 +9,13 @@
 -- ARGV[1] task id (escaped)   ARGV[2] mode ("x" or "s")   ARGV[3] limit (0 = none)
 -- ARGV[4] the message (JSON)   ARGV[5] due member   ARGV[6] tombstone life in ms
 -- ARGV[7] "1" when this delivery consumed the task's hand-on (park_gate.lua): parked again
+--         (its tombstone goes, and the record of this message as its consumer, ARGV[11])
 -- ARGV[8] the task's tombstone "<task id>#<retries>" (see _parking.lua)
 -- ARGV[9] "1": park even if the resource has room by its holders (the acquire was refused
 --         for what this script does not see: a restart grace, the waiter queue; the task's
 --         earlier park found room and its acquire was refused again), to be handed on in
 --         ARGV[10] ms (the wait the acquire told) by the pump
+-- ARGV[11] the message's generation "g<n>" (see park_gate.lua)
 -- returns {1, wait_ms} parked (the resource looks free in wait_ms at the latest)
 --         {0}          the resource has room and nobody is parked ahead: acquire again
 --         {2}          already handed on: consumed here, acquire again (the reservation)
@@ -33,7 +35,7 @@ elseif state == 'p' then
   return {3}
 end
 if ARGV[7] == '1' then
-  redis.call('ZREM', KEYS[6], ARGV[8])
+  redis.call('ZREM', KEYS[6], ARGV[8], ARGV[8] .. '@' .. ARGV[11])
 elseif redis.call('ZSCORE', KEYS[6], ARGV[8]) then
   return {4}
 end

@@ -270,3 +270,25 @@ def test_a_fifo_of_both_modes_hands_each_task_on_in_its_own_mode(leases: Leases)
     holders = leases.store.holders(shared.resource)
     assert [(h.mode, h.owner) for h in holders] == [("x", other(leases, "copy").owner)], holders
 
+
+def test_a_redelivered_original_whose_gate_reply_was_lost_runs(leases: Leases) -> None:
+    """A message whose gate consumed the hand-on but lost its reply runs when requeued.
+
+    Suspected, then confirmed: a parked task's original message is delivered again (its
+    worker died after the park, before the ack) once the task was handed on; its gate
+    consumes the hand-on and the reply is lost; the message is requeued (Reject), and the
+    gate then found the hand-on consumed: an original (no lease_parked header) was dropped,
+    and so was the published copy when it came: the task never ran. park_gate.lua now
+    records which message consumed a hand-on (its generation), and tells that message so
+    when it is delivered again.
+    """
+    want = Want("db")
+    with leases.hold("db"):
+        assert park(leases, "t1", want) == ParkReply.PARKED  # the original, generation 0
+    assert hand_on(leases, want) == "t1"  # its copy (generation 1) is on its way
+    # the original, redelivered: its gate runs (the reply is lost), it is requeued
+    assert gate(leases, "t1", want, redelivered=True) == ParkGateReply.HANDED
+    assert gate(leases, "t1", want, redelivered=True) == ParkGateReply.HANDED  # runs
+    # the published copy comes: dropped (a fresh copy of a consumed hand-on)
+    assert gate(leases, "t1", want, generation=1) == ParkGateReply.CONSUMED
+    assert take(leases, want, "t1")

@@ -41,6 +41,7 @@ def park(
     retries: int = 0,
     force: bool = False,
     wait_ms: int = 1,
+    generation: int = 0,
 ) -> ParkReply:
     keys = ext.store.keys
     state, msgs, done, due = _group_keys(ext, keys.group_of(want.resource))
@@ -67,6 +68,7 @@ def park(
             tombstone(task, retries),
             "1" if force else "0",
             wait_ms,
+            f"g{generation}",
         ],
         "park",
     )
@@ -100,14 +102,28 @@ def hand_on(ext: Leases, want: Want) -> str | None:
     return str(reply[1]) if int(reply[0]) == 1 else None
 
 
-def gate(ext: Leases, task: str, want: Want, retries: int = 0) -> ParkGateReply:
+def gate(
+    ext: Leases,
+    task: str,
+    want: Want,
+    retries: int = 0,
+    generation: int = 0,
+    redelivered: bool = False,
+) -> ParkGateReply:
+    """park_gate.lua for a message of ``task`` (its lease_parked ``generation``)."""
     keys = ext.store.keys
     state, msgs, done, _ = _group_keys(ext, keys.group_of(want.resource))
     reply = _call(
         ext,
         PARK_GATE,
         [state, msgs, done, keys.parked(want.resource)],
-        [escape(task), DONE_KEEP_MS, tombstone(task, retries)],
+        [
+            escape(task),
+            DONE_KEEP_MS,
+            tombstone(task, retries),
+            f"g{generation}",
+            "1" if redelivered else "0",
+        ],
         "gate",
     )
     return ParkGateReply(int(reply))
