@@ -64,6 +64,28 @@ call whose outcome stays unknown (its recovery failed too) may have left a grant
 never saw: it is accepted in Redis until that call's ttl ran out (:class:`Unknown`), and
 learnt from then on.
 
+Parked tasks and rate limits (issue 30). Tasks of ``on_busy="defer"`` (exclusive or shared,
+on two resources of the first slot group) go through the real gate, acquire, park, hand-on and
+pump code of ``_parking`` (the broker is a list the model delivers from; a task's flow is
+``LeasedTask._call_leased``'s), with faults: a gate's or a park's reply lost or its request
+dropped (the message is requeued), a lost acquire reply, a parking process that dies before
+its ack (the original is delivered again), a hand-on whose reply is lost (reserved, never
+published), a publish lost (the releaser died in between); ``unpark``; and admissions under
+rate limits (one, or two all or nothing), a reply lost. Then also checked:
+
+- a reservation (``0 %parked/<task>``) is of a deferring task the model parked there, never
+  beside that task once it holds the lease, and counts as a holder (no exclusive holder
+  beside it, shared limits);
+- a task handed on is never refused beside its own reservation (outside a restart grace);
+- a deferring task never fails with ``LeaseBusy``, runs at most once, never after unpark;
+- no window of a limit's period admits more than N by cost (the Redis-time stamps of its log,
+  every admission seen, less those refunded);
+- at the end of each example (faults over, every lease given back), every task parked runs
+  (unless Redis lost it in a restart): the releases and the pump hand it on.
+
+:class:`ParkingModel` runs the same machine with fewer other rules, so that more of its steps
+park and hand on (``test_parked_tasks_and_limits_keep_their_invariants``).
+
 The default run is bounded and derandomized (a fixed seed: 25 examples of 30 steps, about
 60 s on a busy 2-core machine). On the code before the fixes of issue 26 it found break 8
 (a recovery adopts a sibling's released token) at its 7th example, and break 1 (a leftover
@@ -71,7 +93,8 @@ handoff entry lets a reconcile free a fresh lease) at its 19th with ``sibling_re
 ``lose_a_reply`` disabled (docs/faults.md has the runs with one fix only). Knobs (environment):
 
 - ``CELERY_LEASES_MODEL_EXAMPLES``: examples (default 25), ``CELERY_LEASES_MODEL_STEPS``:
-  steps per example (default 30);
+  steps per example (default 30), ``CELERY_LEASES_MODEL_PARKING_EXAMPLES``: examples of the
+  parking machine (default 20);
 - ``CELERY_LEASES_MODEL_RANDOM=1``: a new random seed each run, for a longer search;
 - ``CELERY_LEASES_MODEL_WITHOUT=rule,rule``: those rules do nothing (which rules does a
   violation need?);
@@ -135,6 +158,7 @@ from tests.support.polling import SCHEDULING
 
 EXAMPLES = int(os.environ.get("CELERY_LEASES_MODEL_EXAMPLES", "25"))
 STEPS = int(os.environ.get("CELERY_LEASES_MODEL_STEPS", "30"))
+PARKING_EXAMPLES = int(os.environ.get("CELERY_LEASES_MODEL_PARKING_EXAMPLES", "20"))
 #: a random search (a new seed each run) instead of the fixed one of CI
 RANDOM = os.environ.get("CELERY_LEASES_MODEL_RANDOM", "") not in ("", "0")
 #: CELERY_LEASES_MODEL_SHRINK=0: report the first violation as found, unshrunk (to count
@@ -235,6 +259,7 @@ def traced(fn: F) -> F:
             return
         args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         _trace.append(f"{time.monotonic():.3f} {fn.__name__}({args})")
+        event(f"rule {fn.__name__}")
         fn(self, **kwargs)
 
     return step  # type: ignore[return-value]
@@ -345,6 +370,11 @@ class Deferring:
     cancelled: bool = False  # unparked by an operator
     lost: bool = False  # parked in Redis when Redis lost every key (not promised)
     failed: bool = False
+
+    @property
+    def may_be_reserved(self) -> bool:
+        """A hand-on may hold a reservation for it (until its task takes it over)."""
+        return self.runs == 0 and not self.lost
 
 
 @dataclass
@@ -647,6 +677,10 @@ class LeaseModel(RuleBasedStateMachine):
             return False
         if any(u.resource == want.resource and u.until + SLACK >= at for u in self.unknown):
             return False
+        if any(
+            d.want.resource == want.resource and d.may_be_reserved for d in self.deferring.values()
+        ):
+            return False  # a hand-on may have reserved it for a deferring task
         maybe = [g for g in self.grants.get(want.resource, []) if g.maybe_held(at)]
         if any(conflicts(g.mode, want.mode) for g in maybe):
             return False
@@ -1422,21 +1456,48 @@ class LeaseModel(RuleBasedStateMachine):
 
     @rule(
         index=st.sampled_from(DEFER_RESOURCES),
-        burst=st.integers(1, 3),
+        shared=st.booleans(),
+        burst=st.integers(0, 3),
+        fault=st.sampled_from(DELIVERY_FAULTS),
+        finish=st.sampled_from(("no", *HANDON_FAULTS)),
+        then=st.sampled_from(("nothing", *DELIVERY_FAULTS)),
+        cycles=st.integers(1, 3),
         node=st.integers(0, len(NODES) - 1),
         slot=st.integers(0, SLOTS - 1),
     )
     @traced
-    def send_deferring(self, index: int, burst: int, node: int, slot: int) -> None:
-        """A client sends ``burst`` tasks of ``on_busy="defer"`` on one lease; a worker
-        process takes each at once (they run, or park behind each other). One mode per
-        resource, as one template has: exclusive on the first, shared (limit 2) on the
-        second (a FIFO of both modes is handed on in the mode of whoever hands on: not
-        modelled)."""
-        for _ in range(burst):
+    def deferring_round(
+        self,
+        index: int,
+        shared: bool,
+        burst: int,
+        fault: str,
+        finish: str,
+        then: str,
+        cycles: int,
+        node: int,
+        slot: int,
+    ) -> None:
+        """A client sends ``burst`` tasks of ``on_busy="defer"`` on one lease (exclusive or
+        shared: the FIFO of a resource may hold both modes) and a worker process takes each
+        at once: they run, or park behind each other; the last meets ``fault``. Then the
+        oldest running deferring task ends (``finish``: its release hands the resource on,
+        the hand-on's reply lost, or its publish: the releaser died in between), and a
+        worker takes every message in the broker (the first meeting ``then``), or not yet;
+        ``cycles`` times."""
+        owner = self.owner_at(node, slot)
+        for i in range(burst):
             task_id = f"d{len(self.deferring)}"
-            self.deferring[task_id] = Deferring(task_id, self.want(index, index == 1))
-            self._deliver(Message(task_id, 0, None), self.owner_at(node, slot), "none")
+            self.deferring[task_id] = Deferring(task_id, self.want(index, shared))
+            self._deliver(Message(task_id, 0, None), owner, fault if i == burst - 1 else "none")
+        for _ in range(cycles):
+            running = [d for d in self.deferring.values() if d.grant is not None]
+            if running and finish != "no":
+                self._finish(running[0], finish)
+            if then != "nothing":
+                todo, self.broker = self.broker, []
+                for i, msg in enumerate(todo):
+                    self._deliver(msg, owner, then if i == 0 else "none")
 
     @rule(
         pick=st.integers(0, 1000),
@@ -1454,6 +1515,7 @@ class LeaseModel(RuleBasedStateMachine):
 
     def _deliver(self, msg: Message, owner: Owner, fault: str) -> None:
         d = self.deferring[msg.task_id]
+        d.lost = False  # a message of it in the broker: back in play after a Redis restart
         task = self.deferring_task
         if fault in ("gate lost", "gate dropped"):
             self.script_faults[_scripts.PARK_GATE] = fault.split()[1]
@@ -1545,15 +1607,6 @@ class LeaseModel(RuleBasedStateMachine):
         d.owner = owner
         d.grant = next(g for g in owner.grants if g.held is held)
 
-    @rule(pick=st.integers(0, 1000), fault=st.sampled_from(HANDON_FAULTS))
-    @traced
-    def finish_deferring(self, pick: int, fault: str) -> None:
-        """A running deferring task ends: its release hands the resource on (``fault``: the
-        hand-on's reply is lost, or its publish is: the releaser died in between)."""
-        running = [d for d in self.deferring.values() if d.grant is not None]
-        if running:
-            self._finish(running[pick % len(running)], fault)
-
     def _finish(self, d: Deferring, fault: str) -> None:
         grant, d.grant = d.grant, None
         assert grant is not None
@@ -1566,7 +1619,8 @@ class LeaseModel(RuleBasedStateMachine):
             self.script_faults[_scripts.HANDON] = "lost"
         self.publish_fault = fault == "publish lost"
         try:
-            _parking.hand_on(self.leases, [want])
+            handed = _parking.hand_on(self.leases, [want])
+            event(f"parking: a release handed on {min(handed, 2)}, fault {fault}")
         finally:
             self.script_faults.clear()
             self.publish_fault = False
@@ -1640,13 +1694,19 @@ class LeaseModel(RuleBasedStateMachine):
 
     @rule(
         cost=st.sampled_from((1, 2)),
-        lose=st.sampled_from((None, 0)),
+        burst=st.integers(1, 4),
+        lose=st.sampled_from((None, 0, 1)),
         both=st.booleans(),
     )
     @traced
-    def admit_limit(self, cost: int, lose: int | None, both: bool) -> None:
-        """An admission under the rate limit (``both``: and under a second one, all or
-        nothing: a refusal of one refunds the other); ``lose``: its reply is lost."""
+    def admit_limit(self, cost: int, burst: int, lose: int | None, both: bool) -> None:
+        """``burst`` admissions under the rate limit (``both``: and under a second one, all
+        or nothing: a refusal of one refunds the other); ``lose``: the reply of that request
+        of the first one is lost (the admission, or the refund)."""
+        for i in range(burst):
+            self._admit_limit(cost, lose if i == 0 else None, both)
+
+    def _admit_limit(self, cost: int, lose: int | None, both: bool) -> None:
         wants = [_limits.want(LIMIT_NAMES[0], LIMIT_RATE, cost)]
         if both:
             wants.append(_limits.want(LIMIT_NAMES[1], LIMIT_RATE, 1))
@@ -1951,20 +2011,36 @@ def model_server(make_redis_server: Callable[..., RedisServer]) -> RedisServer:
     return make_redis_server()
 
 
-def test_the_engine_keeps_its_invariants(model_server: RedisServer, leases_prefix: str) -> None:
+class ParkingModel(LeaseModel):
+    """The machine with parked tasks, rate limits and the faults among fewer other rules
+    (no unique claims, once, sets or sibling threads): more of its steps park and hand on."""
+
+    # not rules here (a rule is an attribute hypothesis finds marked as one)
+    unique_claim = None
+    unique_handover = None
+    unique_unclaim = None
+    once = None
+    forget = None
+    acquire_set = None
+    sibling_recovers = None
+    reconcile_racing = None
+    renew = None
+    release_before_a_waiter = None
+
+
+def _run(base: type[LeaseModel], server: RedisServer, prefix: str, examples: int) -> None:
     counter = iter(range(1_000_000))
 
-    class Machine(LeaseModel):
-        server = model_server
-
+    class Machine(base):  # type: ignore[valid-type,misc]
         @staticmethod
         def make_prefix() -> str:
-            return f"{leases_prefix}-m{next(counter)}"
+            return f"{prefix}-m{next(counter)}"
 
+    Machine.server = server
     run_state_machine_as_test(
         Machine,
         settings=settings(
-            max_examples=EXAMPLES,
+            max_examples=examples,
             stateful_step_count=STEPS,
             deadline=None,
             database=None,
@@ -1975,3 +2051,16 @@ def test_the_engine_keeps_its_invariants(model_server: RedisServer, leases_prefi
         ),
     )
     print("paths run:", dict(sorted(SEEN.items())))
+    SEEN.clear()
+
+
+def test_the_engine_keeps_its_invariants(model_server: RedisServer, leases_prefix: str) -> None:
+    _run(LeaseModel, model_server, leases_prefix, EXAMPLES)
+
+
+def test_parked_tasks_and_limits_keep_their_invariants(
+    model_server: RedisServer, leases_prefix: str
+) -> None:
+    """The parking machine (:class:`ParkingModel`), ``CELERY_LEASES_MODEL_PARKING_EXAMPLES``
+    examples (default 20)."""
+    _run(ParkingModel, model_server, leases_prefix, PARKING_EXAMPLES)
