@@ -15,7 +15,7 @@ from celery_leases import LeaseBusy, Leases, _grants, _parking, _scripts
 from celery_leases._claims import Claimed
 from celery_leases._identity import Identity
 from celery_leases._lease import Held, Want
-from celery_leases._parking import PLACEHOLDER
+from celery_leases._parking import PLACEHOLDER, _group_keys
 from celery_leases._scripts import ParkGateReply, ParkReply
 from celery_leases._sync.driver import LeaseStore
 from tests.integration.parking.test_park_scripts import gate, hand_on, other, park, take
@@ -155,7 +155,7 @@ def test_a_task_handed_on_is_not_queued_behind_a_waiter(
 
 
 def test_a_shared_task_handed_on_in_the_exclusive_mode_leaves_no_reservation(
-    leases: Leases,
+    leases: Leases, leases_redis: Redis
 ) -> None:
     """A task takes over its reservation in whichever mode the hand-on made it.
 
@@ -164,12 +164,16 @@ def test_a_shared_task_handed_on_in_the_exclusive_mode_leaves_no_reservation(
     shared task handed on by an exclusive hand-on found its reservation in the exclusive
     key; acquire.lua granted its shared place and left the exclusive placeholder: one task
     held the resource in both modes, and nobody else could have it until the reservation
-    ran out.
+    ran out. (handon.lua now hands each task on in the mode park.lua recorded for it; a task
+    parked without that record, by an earlier version, is still handed on in the caller's.)
     """
     shared, exclusive = Want("erp:2", "s", 2), Want("erp:2")
     with leases.hold("erp:2"):
         assert park(leases, "t1", shared) == ParkReply.PARKED
         assert park(leases, "t2", exclusive) == ParkReply.PARKED
+    # t1 was parked by an earlier version: no mode recorded for it
+    msgs = _group_keys(leases, leases.store.keys.group_of("erp:2"))[1]
+    assert leases_redis.hdel(msgs, "%mt1") == 1
     assert hand_on(leases, exclusive) == "t1"  # the head, handed on exclusively
     assert gate(leases, "t1", shared) == ParkGateReply.HANDED
     assert take(leases, shared, "t1")
