@@ -1917,6 +1917,7 @@ class LeaseModel(RuleBasedStateMachine):
             d.grant = None
             if d.runs == 0:
                 d.lost = True  # parked tasks go with every key (a message in the broker stays)
+                d.cancelled = False  # and so does an unpark's tombstone: a copy may run
         if wait_out_grace:
             self._warm_up()
 
