@@ -72,10 +72,12 @@ POLICIES: Final[Mapping[str, str]] = {
     "side: it may admit less, never more) and the caller gets LeaseBackendError",
     "limit_refund": "none: not sent again; a lost refund leaves the admission counted",
     "limit_penalize": "idempotent: the caller may call again (the later end wins)",
-    "park": "not sent again: the task's on_backend_error applies; a park that ran makes the "
-    "retry's delivery find the task parked, and be dropped (the hand-on publishes it)",
+    "park": "not sent again: the delivery is requeued (Reject), never retried; a park that "
+    "ran parked the task under this message's tombstone, and the requeued delivery finds it "
+    "parked and is dropped (the hand-on publishes it)",
     "park_gate": "not sent again: the delivery is requeued (Reject): a gate that ran consumed "
-    "the hand-on, and the redelivered copy runs (a redelivered copy passes a consumed gate)",
+    "the hand-on for this message, which passes the gate again when redelivered (the gate "
+    "records the consumer of a hand-on)",
     "handon": "not sent again: a hand-on that ran is a reservation nobody publishes for; it "
     "runs out (handon_timeout) and the task goes back to its queue, handed on again later",
     "handon_takeover": "not sent again: a takeover that ran took the dead owner's hand-ons "

@@ -98,6 +98,11 @@ def _due_member(want: Want) -> str:
     return f"{want.mode} {want.limit} {want.resource}"
 
 
+def _consumer(request: Any) -> str:
+    """The message's generation as park_gate.lua records a hand-on's consumer: "g<n>"."""
+    return f"g{int(getattr(request, PARKED_HEADER, None) or 0)}"
+
+
 def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
@@ -118,6 +123,7 @@ def admit(
     request = task.request
     task_id = escape(request.id)
     keys = ext.store.keys
+    redelivered = bool((request.delivery_info or {}).get("redelivered"))
     behind: LeaseBusy | None = None
     fifos: dict[int, list[str]] = {}  # slot group -> the task's FIFOs there, leases first
     first: dict[int, str] = {}  # slot group -> its first lease (the gate's behind check)
@@ -132,11 +138,12 @@ def admit(
         keys_ = [state, msgs, done, *queues]
         try:
             mark = tombstone(request.id, request.retries)
-            args = [task_id, DONE_KEEP_MS, mark]
+            args = [task_id, DONE_KEEP_MS, mark, _consumer(request), "1" if redelivered else "0"]
             raw = _call(ext, _scripts.PARK_GATE, keys_, args, "admit a task")
         except LeaseBackendError as exc:
             # not retried (self.retry): a gate that ran but whose reply was lost consumed the
-            # hand-on, and only a redelivered copy passes a consumed gate: requeue this one
+            # hand-on for this message, which only this message, redelivered, passes again
+            # (park_gate.lua records its consumer): requeue this one
             logger.error("leases: %s[%s] requeued: %s", task.name, request.id, exc)
             raise Reject(str(exc), requeue=True) from exc
         reply = ParkGateReply(int(raw))
@@ -152,7 +159,6 @@ def admit(
             raise Ignore()
         if reply == ParkGateReply.CONSUMED:
             copy = getattr(request, PARKED_HEADER, None) is not None
-            redelivered = bool((request.delivery_info or {}).get("redelivered"))
             if copy and redelivered:
                 return False, None  # a copy that started and died: the redelivery guard decides
             logger.info(
@@ -173,23 +179,35 @@ def defer(
     kwargs: dict[str, Any],
     consumed: bool,
     limits: Sequence[LimitWant] = (),
+    force: bool = False,
 ) -> None:
     """Park the task on the busy resource (or the rate limit that refused it) and end this
     delivery (raise ``Ignore``). Returns only when the resource has room again (released
-    meanwhile, or the limit admits): acquire again."""
+    meanwhile, or the limit admits): acquire again. ``force``: park on a lease even then (an
+    earlier park of this delivery found room, and the acquire was refused again: by a restart
+    grace or the waiter queue, which only the acquire sees); the pump hands it on after the
+    wait the refusal told."""
     request = task.request
     limit = None
     if isinstance(busy, RateLimited):
         limit = next((w for w in limits if w.name == busy.resource), None)
-    if limit is not None:
-        code = _park_on_limit(ext, task, limit, args, kwargs, consumed)
-        template = limit.template or "?"
-        where = f"rate limit {limit.name}"
-    else:
-        want = next((w for w in wants if w.resource == busy.resource), wants[0])
-        code = _park_on_lease(ext, task, want, args, kwargs, consumed)
-        template = _lease_template(task, want)
-        where = want.resource
+    try:
+        if limit is not None:
+            code = _park_on_limit(ext, task, limit, args, kwargs, consumed)
+            template = limit.template or "?"
+            where = f"rate limit {limit.name}"
+        else:
+            want = next((w for w in wants if w.resource == busy.resource), wants[0])
+            code = _park_on_lease(ext, task, want, args, kwargs, consumed, force, busy)
+            template = _lease_template(task, want)
+            where = want.resource
+    except LeaseBackendError as exc:
+        # not retried (on_backend_error): a park that ran but whose reply was lost parked the
+        # task under this message's tombstone, and a retry is another message (one retry
+        # more), which would run beside the parked one once it is handed on. Requeued, this
+        # message meets the gate: dropped while parked, run once when handed on
+        logger.error("leases: %s[%s] requeued: %s", task.name, request.id, exc)
+        raise Reject(str(exc), requeue=True) from exc
     if code in (ParkReply.FREE, ParkReply.HANDED):
         return
     if code == ParkReply.PARKED:
@@ -232,10 +250,12 @@ def _park_on_lease(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     consumed: bool,
+    force: bool,
+    busy: LeaseBusy,
 ) -> ParkReply:
+    """park.lua for the task on ``want`` (see :func:`defer`)."""
     request = task.request
-    group = ext.store.keys.group_of(want.resource)
-    state, msgs, done, due = _group_keys(ext, group)
+    state, msgs, done, due = _group_keys(ext, ext.store.keys.group_of(want.resource))
     reply = _call(
         ext,
         _scripts.PARK,
@@ -257,6 +277,9 @@ def _park_on_lease(
             DONE_KEEP_MS,
             "1" if consumed else "0",
             tombstone(request.id, request.retries),
+            "1" if force else "0",
+            _ms(busy.retry_after or 0.001),
+            _consumer(request),
         ],
         "park a task",
     )

@@ -434,8 +434,10 @@ class LeasedTask(Task[Any, Any]):
                 except LeaseBusy as busy:
                     if not deferring or _attempt == _DEFER_ATTEMPTS - 1:
                         return self._busy(busy, on_busy, args, kwargs)
-                    # returns only when the resource (or limit) has room again: once more
-                    _parking.defer(ext, self, busy, wants, args, kwargs, consumed, limits)
+                    # returns only when the resource (or limit) has room again: acquire once
+                    # more; a second refusal parks (a restart grace, a waiter queue: see defer)
+                    force = _attempt > 0
+                    _parking.defer(ext, self, busy, wants, args, kwargs, consumed, limits, force)
         except LeaseBackendError as exc:
             self._backend_failed(exc)
         traced = self._traced()

@@ -37,9 +37,9 @@ local function park_prune(done, now, keep)
   end
 end
 
--- the task leaves its FIFO and both hashes
+-- the task leaves its FIFO and both hashes (its message, and its mode and limit "%m<task>")
 local function park_forget(queue, state, msgs, task)
   redis.call('ZREM', queue, task)
   redis.call('HDEL', state, task)
-  redis.call('HDEL', msgs, task)
+  redis.call('HDEL', msgs, task, '%m' .. task)
 end

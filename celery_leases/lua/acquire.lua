@@ -51,7 +51,9 @@
 --
 -- A parked task's hand-on (handon.lua) reserves a lease for it: the holder "0 %parked/<task>"
 -- (exclusive key or shared member) counts as free for the call of that task (ARGV[9]), which
--- takes it over, and as a holder for every other call.
+-- takes it over whenever it is there (a shared lease with room besides included: never a
+-- second place beside it) and is not queued behind a waiter there (the reservation is its
+-- turn), and as a holder for every other call.
 --
 -- The waiter queue (see _waiters.lua): a resource free for the mode asked is still busy while
 -- the live head of its queue is another waiter (first come, first served; a call without a
@@ -121,7 +123,8 @@ if ordering then
 end
 
 -- the holder a hand-on of a parked task writes to reserve a lease for it (see _parking.lua):
--- this call takes it over as if the resource were free; reserved[i]: found in shared key i
+-- this call takes it over as if the resource were free; reserved[i]: found in exclusive key i
+-- ("x") or shared key i ("s")
 local reserved = {}
 local function reservation()
   return '0 %parked/' .. (string.match(ARGV[9], '^(.-)%%c') or ARGV[9])
@@ -195,7 +198,7 @@ for i = 0, n - 1 do
       local mode, limit = ARGV[a + 3 * i + 1], tonumber(ARGV[a + 3 * i + 2])
       local xttl = redis.call('PTTL', xkey)
       if xttl >= 0 and redis.call('GET', xkey) == reservation() then
-        xttl = -2  -- a hand-on reserved it for this task (handon.lua): its own
+        xttl, reserved[i] = -2, 'x'  -- a hand-on reserved it for this task (handon.lua): its own
       end
       if xttl >= 0 then
         return busy(xttl)
@@ -205,9 +208,10 @@ for i = 0, n - 1 do
       end
       redis.call('ZREMRANGEBYSCORE', skey, '-inf', now)
       local count = redis.call('ZCARD', skey)
-      if count > 0 and (mode == 'x' or (limit > 0 and count >= limit))
-          and redis.call('ZSCORE', skey, reservation()) then
-        count, reserved[i] = count - 1, true  -- a hand-on's place for this task: its own
+      -- a hand-on's place for this task is its own whenever it is there, full or not: taken
+      -- over, never granted a second place beside it
+      if count > 0 and redis.call('ZSCORE', skey, reservation()) then
+        count, reserved[i] = count - 1, 's'
       end
       if count > 0 and (mode == 'x' or (limit > 0 and count >= limit)) then
         local first = redis.call('ZRANGE', skey, 0, 0, 'WITHSCORES')
@@ -215,8 +219,9 @@ for i = 0, n - 1 do
       end
       sharing[i] = count > 0
     end
-    if queued then
-      -- free for the mode asked, but first come, first served
+    if queued and not reserved[i] then
+      -- free for the mode asked, but first come, first served (a hand-on's reservation is
+      -- this task's turn: it was handed the resource, as a waiter is)
       local head, expiry = queue_head(wkey, ekey, now, hkey)
       if head and (ticket == '' or head ~= ticket_of(i)) then
         return busy(math.max(expiry - now, 1))
@@ -247,8 +252,12 @@ for i = 0, n - 1 do
     redis.call('SET', xkey, holder, 'PX', ARGV[2])  -- the ttl as sent: a number costs more
   else
     local ttl = tonumber(ARGV[2])
-    if reserved[i] then
+    -- the reservation goes, in whichever key the hand-on made it: a FIFO of tasks of both
+    -- modes is handed on in the mode of the call that hands on (handon.lua)
+    if reserved[i] == 's' then
       redis.call('ZREM', skey, reservation())
+    elseif reserved[i] == 'x' and mode == 's' then
+      redis.call('DEL', xkey)
     end
     redis.call('ZADD', skey, now + ttl, holder)
     if redis.call('PTTL', skey) < ttl then

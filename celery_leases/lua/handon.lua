@@ -6,21 +6,25 @@
 -- of the FIFO, parked again (its copy was lost or is late: a late copy finds it parked and is
 -- dropped; it is published again in its turn).
 --
--- The hand-on is recorded in the caller's owner registry, "p <Redis us> <task> <due member>"
--- (see _registry.py), until the caller has published it (it removes the entry then): a
--- cleanup of a caller that died in between takes the hand-on over (handon_takeover.lua).
+-- The hand-on is recorded in the caller's owner registry, "p <Redis us> <task> <mode> <limit>
+-- <resource>" (the head's own mode and limit; see _registry.py), until the caller has
+-- published it (it removes the entry then): a cleanup of a caller that died in between takes
+-- the hand-on over (handon_takeover.lua).
+--
+-- A debounced claim resource (unique_mode="debounce", unique_claim.lua) is not handed on
+-- before the "<not before ms> ..." of the messages' field "%d<resource>", cleared here when
+-- it is handed on.
 --
 -- KEYS[1] exclusive key   KEYS[2] shared key   KEYS[3] the resource's parked FIFO
 -- KEYS[4] parked states (group)   KEYS[5] parked messages (group)   KEYS[6] due index (group)
 -- KEYS[7] the caller's owner registry (group)
 -- ARGV[1] mode   ARGV[2] limit (0 = none)   ARGV[3] hand-on timeout in ms   ARGV[4] due member
+-- (ARGV[1] and ARGV[2] are the caller's: the head's own, recorded by park.lua, come first, so
+-- a FIFO of tasks of both modes hands each on in the mode it asked for)
 -- ARGV[5] placeholder owner prefix ("%parked/")
 -- ARGV[6] ms the registry must live at least (it is made with this expiry, or extended to it)
 -- returns {1, task id (escaped), message, registry entry}  handed on: publish it, then remove
 --                                                         the entry
--- A debounced claim resource (unique_mode="debounce", unique_claim.lua) is not handed on
--- before the "<not before ms> ..." of the messages' field "%d<resource>", cleared here when
--- it is handed on.
 --         {0, due ms}                      nothing to hand on now (full, or nobody parked);
 --                                          due ms: when the due index looks again (0: never)
 
@@ -28,18 +32,26 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local mode, limit, timeout = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+-- the mode and limit a parked task asked for (park.lua), else the caller's
+local function want_of(task)
+  local rec = redis.call('HGET', KEYS[5], '%m' .. task)
+  if rec then
+    local m, l = string.match(rec, '^(%S+) (%S+)$')
+    return m, tonumber(l)
+  end
+  return ARGV[1], tonumber(ARGV[2])
+end
 
 -- the tasks handed on whose reservation is gone without being claimed: parked again, last
 local function reserved(task)
   local holder = '0 ' .. ARGV[5] .. task
-  if mode == 'x' then
+  if want_of(task) == 'x' then
     return redis.call('GET', KEYS[1]) == holder
   end
   local score = redis.call('ZSCORE', KEYS[2], holder)
   return score and tonumber(score) > now
 end
 
-local wait = park_busy(KEYS[1], KEYS[2], mode, limit, now)
 local head, msg = nil, nil
 local bump = 0
 for _, task in ipairs(redis.call('ZRANGE', KEYS[3], 0, 31)) do
@@ -78,6 +90,8 @@ if not head then
   redis.call('ZADD', KEYS[6], now + timeout, ARGV[4])
   return {0, timeout}
 end
+mode, limit = want_of(head)
+local wait = park_busy(KEYS[1], KEYS[2], mode, limit, now)
 local resource = string.match(ARGV[4], '^%S+ %S+ (.*)$')
 local quiet = redis.call('HGET', KEYS[5], '%d' .. resource)
 quiet = quiet and tonumber(string.match(quiet, '^(%d+)')) or 0
@@ -101,7 +115,9 @@ else
 end
 redis.call('HSET', KEYS[4], head, 'h')
 -- the record a cleanup of the caller reads; with the registry's keeper "~" (_registry.lua)
-local entry = 'p ' .. string.format('%.0f', now_us) .. ' ' .. head .. ' ' .. ARGV[4]
+-- in the head's own mode and limit (want_of), which a takeover checks its reservation by
+local entry = 'p ' .. string.format('%.0f', now_us) .. ' ' .. head .. ' ' .. mode .. ' '
+  .. string.format('%d', limit) .. ' ' .. resource
 local life = tonumber(ARGV[6])
 local made = redis.call('SADD', KEYS[7], '~', entry) == 2
 local pttl = redis.call('PTTL', KEYS[7])

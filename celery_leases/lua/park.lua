@@ -9,7 +9,13 @@
 -- ARGV[1] task id (escaped)   ARGV[2] mode ("x" or "s")   ARGV[3] limit (0 = none)
 -- ARGV[4] the message (JSON)   ARGV[5] due member   ARGV[6] tombstone life in ms
 -- ARGV[7] "1" when this delivery consumed the task's hand-on (park_gate.lua): parked again
+--         (its tombstone goes, and the record of this message as its consumer, ARGV[11])
 -- ARGV[8] the task's tombstone "<task id>#<retries>" (see _parking.lua)
+-- ARGV[9] "1": park even if the resource has room by its holders (the acquire was refused
+--         for what this script does not see: a restart grace, the waiter queue; the task's
+--         earlier park found room and its acquire was refused again), to be handed on in
+--         ARGV[10] ms (the wait the acquire told) by the pump
+-- ARGV[11] the message's generation "g<n>" (see park_gate.lua)
 -- returns {1, wait_ms} parked (the resource looks free in wait_ms at the latest)
 --         {0}          the resource has room and nobody is parked ahead: acquire again
 --         {2}          already handed on: consumed here, acquire again (the reservation)
@@ -29,18 +35,21 @@ elseif state == 'p' then
   return {3}
 end
 if ARGV[7] == '1' then
-  redis.call('ZREM', KEYS[6], ARGV[8])
+  redis.call('ZREM', KEYS[6], ARGV[8], ARGV[8] .. '@' .. ARGV[11])
 elseif redis.call('ZSCORE', KEYS[6], ARGV[8]) then
   return {4}
 end
 local wait = park_busy(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[3]), now)
 local ahead = redis.call('ZCARD', KEYS[3])
 if wait == 0 and ahead == 0 then
-  return {0}
+  if ARGV[9] ~= '1' then
+    return {0}
+  end
+  wait = math.max(tonumber(ARGV[10]), 1)
 end
 redis.call('ZADD', KEYS[3], 'NX', now_us, task)
 redis.call('HSET', KEYS[4], task, 'p')
-redis.call('HSET', KEYS[5], task, ARGV[4])
+redis.call('HSET', KEYS[5], task, ARGV[4], '%m' .. task, ARGV[2] .. ' ' .. ARGV[3])
 -- the due member by resource ("%r<resource>": no escaped task id starts with "%"), for a
 -- release outside a task, which knows the resource only (see _parking.hand_on_released)
 redis.call('HSET', KEYS[5], '%r' .. string.match(ARGV[5], '^%S+ %S+ (.*)$'), ARGV[5])

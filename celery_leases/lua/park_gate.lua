@@ -12,7 +12,15 @@
 -- (its rate limits': a task may be parked on any of them)
 -- ARGV[1] task id (escaped)   ARGV[2] tombstone life in ms
 -- ARGV[3] the task's tombstone "<task id>#<retries>" (see _parking.lua)
--- returns 0 = not parked (go on)   1 = the hand-on, consumed now (go on: the lease is reserved)
+-- ARGV[4] the message's generation "g<n>" (its lease_parked header, 0 for the original): the
+--         consumer of a hand-on is recorded as the tombstone "@" it, so that this message,
+--         delivered again (its gate's reply was lost and it was requeued, or its worker died
+--         before the ack), is told it consumed the hand-on: no other message has both its
+--         retries and its generation, but a hand-on published twice (a stale one
+--         republished): so only a redelivered message is told (ARGV[5] "1"), as a fresh copy
+--         of a consumed hand-on is dropped
+-- returns 0 = not parked (go on)   1 = the hand-on, consumed now, or by this message before
+--         (go on: the lease is reserved)
 --         2 = parked: this delivery is a copy of a parked task (drop it)
 --         3 = consumed already (drop it, unless it is a redelivered copy)
 --         4 = not parked, but others are parked on the resource of KEYS[4]: park behind them
@@ -29,11 +37,14 @@ if state == 'h' then
   for i = 5, #KEYS do
     redis.call('ZREM', KEYS[i], task)
   end
-  redis.call('ZADD', KEYS[3], now, ARGV[3])
+  redis.call('ZADD', KEYS[3], now, ARGV[3], now, ARGV[3] .. '@' .. ARGV[4])
   park_prune(KEYS[3], now, tonumber(ARGV[2]))
   return 1
 end
 if redis.call('ZSCORE', KEYS[3], ARGV[3]) then
+  if ARGV[5] == '1' and redis.call('ZSCORE', KEYS[3], ARGV[3] .. '@' .. ARGV[4]) then
+    return 1
+  end
   return 3
 end
 for _, other in ipairs(redis.call('ZRANGE', KEYS[4], 0, 31)) do

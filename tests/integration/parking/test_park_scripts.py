@@ -37,7 +37,16 @@ def other(leases: Leases, name: str) -> Identity:
     return Identity(name, ident.incarnation, ident.pid)
 
 
-def park(ext: Leases, task: str, want: Want, consumed: bool = False, retries: int = 0) -> ParkReply:
+def park(
+    ext: Leases,
+    task: str,
+    want: Want,
+    consumed: bool = False,
+    retries: int = 0,
+    force: bool = False,
+    wait_ms: int = 1,
+    generation: int = 0,
+) -> ParkReply:
     keys = ext.store.keys
     state, msgs, done, due = _group_keys(ext, keys.group_of(want.resource))
     reply = _call(
@@ -61,6 +70,9 @@ def park(ext: Leases, task: str, want: Want, consumed: bool = False, retries: in
             DONE_KEEP_MS,
             "1" if consumed else "0",
             tombstone(task, retries),
+            "1" if force else "0",
+            wait_ms,
+            f"g{generation}",
         ],
         "park",
     )
@@ -96,14 +108,28 @@ def hand_on(ext: Leases, want: Want) -> str | None:
     return str(reply[1]) if int(reply[0]) == 1 else None
 
 
-def gate(ext: Leases, task: str, want: Want, retries: int = 0) -> ParkGateReply:
+def gate(
+    ext: Leases,
+    task: str,
+    want: Want,
+    retries: int = 0,
+    generation: int = 0,
+    redelivered: bool = False,
+) -> ParkGateReply:
+    """park_gate.lua for a message of ``task`` (its lease_parked ``generation``)."""
     keys = ext.store.keys
     state, msgs, done, _ = _group_keys(ext, keys.group_of(want.resource))
     reply = _call(
         ext,
         PARK_GATE,
         [state, msgs, done, keys.parked(want.resource)],
-        [escape(task), DONE_KEEP_MS, tombstone(task, retries)],
+        [
+            escape(task),
+            DONE_KEEP_MS,
+            tombstone(task, retries),
+            f"g{generation}",
+            "1" if redelivered else "0",
+        ],
         "gate",
     )
     return ParkGateReply(int(reply))
