@@ -130,7 +130,9 @@ class CommandLog:
 
     def _run(self) -> None:
         try:
-            client = redis.Redis.from_url(self._url, protocol=2)
+            # no socket timeout (redis-py 8 sets 5 s): a loaded machine can leave the server
+            # quiet for longer than that, and a read that times out would end the log
+            client = redis.Redis.from_url(self._url, protocol=2, socket_timeout=None)
             with client.monitor() as monitor:
                 self._ready.set()
                 for event in monitor.listen():

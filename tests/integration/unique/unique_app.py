@@ -27,7 +27,7 @@ BROKER = os.environ.get("LEASES_TEST_BROKER", "redis://127.0.0.1:6379/15")
 QUEUE = os.environ.get("LEASES_TEST_QUEUE", "leases-unique-tests")
 LEDGER_URL = os.environ.get("LEASES_TEST_LEDGER", BROKER)
 #: how long a gated body waits for its gate at most
-GATE_TIMEOUT = 60.0
+GATE_TIMEOUT = 240.0
 
 ledger = PerProcessClient(LEDGER_URL)
 
