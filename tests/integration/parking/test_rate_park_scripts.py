@@ -67,7 +67,9 @@ def hand_on(ext: Leases) -> tuple[str | None, int]:
 def gate(ext: Leases, task: str) -> ParkGateReply:
     state, msgs, done, _ = _group_keys(ext, ext.store.keys.group_of(NAME))
     keys = [state, msgs, done, ext.store.keys.parked_limit(NAME)]
-    raw = _call(ext, PARK_GATE, keys, [escape(task), DONE_KEEP_MS, tombstone(task, 0)], "gate")
+    # a first delivery of the task's copy (generation g0, not redelivered: see park_gate.lua)
+    args = [escape(task), DONE_KEEP_MS, tombstone(task, 0), "g0", "0"]
+    raw = _call(ext, PARK_GATE, keys, args, "gate")
     return ParkGateReply(int(raw))
 
 
