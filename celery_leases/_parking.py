@@ -25,6 +25,7 @@ from ._grants import Busy, acquire_group
 from ._keys import escape, unescape
 from ._lease import Want
 from ._limits import LimitWant
+from ._protocol import Failure, ReplicaShortfall, Script, SendReplicated, Steps
 from ._registry import PARKED_OWNER
 from ._scripts import ParkGateReply, ParkReply
 from .exceptions import LeaseBackendError, LeaseBusy, RateLimited
@@ -76,6 +77,28 @@ def _call(ext: Leases, src: str, keys: Sequence[str], args: Sequence[Any], what:
     try:
         return store.client.register_script(src)(keys=list(keys), args=list(args))
     except RedisError as exc:
+        raise store.backend_error(what, exc) from exc
+
+
+def _call_replicated(
+    ext: Leases, name: str, keys: Sequence[str], args: Sequence[Any], what: str
+) -> Any:
+    """The script ``name`` (of ``_scripts.ALL``), then (with ``min_replicas``) ``WAIT`` on
+    the same connection, as a grant does: a park is acknowledged to the broker once this
+    returns, so a failover to a replica that confirmed it keeps the parked task. Raises
+    ``LeaseBackendError`` when too few replicas confirmed it in ``min_replicas_timeout``."""
+    store = ext.store
+    if not store.engine.wait_replicas:
+        return _call(ext, _scripts.ALL[name], keys, args, what)
+
+    def replicated() -> Steps[Any]:
+        (reply,), (acked,) = yield SendReplicated([Script(name, keys, args)])
+        store.engine.check_replicated(acked, what)
+        return reply
+
+    try:
+        return store.run(replicated())
+    except (Failure, ReplicaShortfall) as exc:
         raise store.backend_error(what, exc) from exc
 
 
@@ -202,10 +225,11 @@ def defer(
             template = _lease_template(task, want)
             where = want.resource
     except LeaseBackendError as exc:
-        # not retried (on_backend_error): a park that ran but whose reply was lost parked the
-        # task under this message's tombstone, and a retry is another message (one retry
-        # more), which would run beside the parked one once it is handed on. Requeued, this
-        # message meets the gate: dropped while parked, run once when handed on
+        # not retried (on_backend_error): a park that ran but whose reply was lost (or that
+        # too few replicas confirmed: min_replicas) parked the task under this message's
+        # tombstone, and a retry is another message (one retry more), which would run beside
+        # the parked one once it is handed on. Requeued, not acked, this message meets the
+        # gate: dropped while parked, run once when handed on, parked again if the park is gone
         logger.error("leases: %s[%s] requeued: %s", task.name, request.id, exc)
         raise Reject(str(exc), requeue=True) from exc
     if code in (ParkReply.FREE, ParkReply.HANDED):
@@ -256,9 +280,9 @@ def _park_on_lease(
     """park.lua for the task on ``want`` (see :func:`defer`)."""
     request = task.request
     state, msgs, done, due = _group_keys(ext, ext.store.keys.group_of(want.resource))
-    reply = _call(
+    reply = _call_replicated(
         ext,
-        _scripts.PARK,
+        "park",
         [
             ext.store.keys.exclusive(want.resource),
             ext.store.keys.shared(want.resource),
@@ -307,9 +331,9 @@ def _park_on_limit(
 ) -> ParkReply:
     request = task.request
     state, msgs, done, due = _group_keys(ext, ext.store.keys.group_of(limit.name))
-    reply = _call(
+    reply = _call_replicated(
         ext,
-        _scripts.PARK_LIMIT,
+        "park_limit",
         [*_limit_script_keys(ext, limit.name), state, msgs, done, due],
         [
             escape(request.id),
