@@ -136,13 +136,14 @@ def admit(
 ) -> tuple[bool, LeaseBusy | None]:
     """Before a deferring task takes its leases: ``(consumed, behind)``. ``consumed``: True if
     this delivery consumed its hand-on (the lease is reserved for it, or its rate limit had
-    room for it). ``behind``: for a delivery of a task that is not parked, a ``LeaseBusy`` of
-    a resource on which others are parked (not yet handed on): it parks behind them without
-    trying the lease, so it cannot take a place freed by a release before that release's
-    hand-on (rate limits have no such check: see docs/limits.md). Raises ``Ignore`` for a
-    delivery that must not run: a copy of a task that is parked, or whose hand-on another
-    copy consumed (a redelivery of a copy that started is let through: the redelivery
-    guard's business)."""
+    room for it), or is a redelivered copy whose hand-on was consumed (by its own run, cut
+    short): a park of it then parks it again. ``behind``: for a delivery of a task that is
+    not parked, a ``LeaseBusy`` of a resource on which others are parked (not yet handed
+    on): it parks behind them without trying the lease, so it cannot take a place freed by
+    a release before that release's hand-on (rate limits have no such check: see
+    docs/limits.md). Raises ``Ignore`` for a delivery that must not run: a copy of a task
+    that is parked, or whose hand-on another copy consumed (a redelivery of a copy that
+    started is let through: the redelivery guard's business)."""
     request = task.request
     task_id = escape(request.id)
     keys = ext.store.keys
@@ -183,7 +184,11 @@ def admit(
         if reply == ParkGateReply.CONSUMED:
             copy = getattr(request, PARKED_HEADER, None) is not None
             if copy and redelivered:
-                return False, None  # a copy that started and died: the redelivery guard decides
+                # a copy that started and died (the redelivery guard decides whether it runs
+                # again): it consumed its hand-on, so, if it finds its lease busy (held by its
+                # own dead run until a cleanup frees it, or taken since), it parks again as the
+                # copy that consumed it, instead of being dropped for its own tombstone
+                return True, None
             logger.info(
                 "leases: %s[%s] already ran from its hand-on: this copy is dropped",
                 task.name,
