@@ -25,7 +25,7 @@ from ._grants import Busy, acquire_group
 from ._keys import escape, unescape
 from ._lease import Want
 from ._limits import LimitWant
-from ._protocol import Failure, ReplicaShortfall, Script, SendReplicated, Steps
+from ._protocol import Failure, ReplicaShortfall
 from ._registry import PARKED_OWNER
 from ._scripts import ParkGateReply, ParkReply
 from .exceptions import LeaseBackendError, LeaseBusy, RateLimited
@@ -72,33 +72,17 @@ class Parked(dict[str, Any]):
     """One parked task as ``celery leases parked`` shows it (a dict: JSON as it is)."""
 
 
-def _call(ext: Leases, src: str, keys: Sequence[str], args: Sequence[Any], what: str) -> Any:
-    store = ext.store
-    try:
-        return store.client.register_script(src)(keys=list(keys), args=list(args))
-    except RedisError as exc:
-        raise store.backend_error(what, exc) from exc
-
-
-def _call_replicated(
-    ext: Leases, name: str, keys: Sequence[str], args: Sequence[Any], what: str
+def _call(
+    ext: Leases, src: str, keys: Sequence[str], args: Sequence[Any], what: str, wait: str = ""
 ) -> Any:
-    """The script ``name`` (of ``_scripts.ALL``), then (with ``min_replicas``) ``WAIT`` on
-    the same connection, as a grant does: a park is acknowledged to the broker once this
-    returns, so a failover to a replica that confirmed it keeps the parked task. Raises
-    ``LeaseBackendError`` when too few replicas confirmed it in ``min_replicas_timeout``."""
+    """One script call; ``wait``: its name, to follow it with ``WAIT`` for ``min_replicas``
+    (if set) as a grant does (a park: its message is acked once this returns)."""
     store = ext.store
-    if not store.engine.wait_replicas:
-        return _call(ext, _scripts.ALL[name], keys, args, what)
-
-    def replicated() -> Steps[Any]:
-        (reply,), (acked,) = yield SendReplicated([Script(name, keys, args)])
-        store.engine.check_replicated(acked, what)
-        return reply
-
     try:
-        return store.run(replicated())
-    except (Failure, ReplicaShortfall) as exc:
+        if wait and store.engine.wait_replicas:
+            return store.run(store.engine.replicated(wait, keys, args, what))
+        return store.client.register_script(src)(keys=list(keys), args=list(args))
+    except (RedisError, Failure, ReplicaShortfall) as exc:
         raise store.backend_error(what, exc) from exc
 
 
@@ -184,10 +168,8 @@ def admit(
         if reply == ParkGateReply.CONSUMED:
             copy = getattr(request, PARKED_HEADER, None) is not None
             if copy and redelivered:
-                # a copy that started and died (the redelivery guard decides whether it runs
-                # again): it consumed its hand-on, so, if it finds its lease busy (held by its
-                # own dead run until a cleanup frees it, or taken since), it parks again as the
-                # copy that consumed it, instead of being dropped for its own tombstone
+                # a copy that started and died (the redelivery guard decides): if its lease
+                # is busy (its dead run's, or taken since), it parks again as the consumer
                 return True, None
             logger.info(
                 "leases: %s[%s] already ran from its hand-on: this copy is dropped",
@@ -230,11 +212,9 @@ def defer(
             template = _lease_template(task, want)
             where = want.resource
     except LeaseBackendError as exc:
-        # not retried (on_backend_error): a park that ran but whose reply was lost (or that
-        # too few replicas confirmed: min_replicas) parked the task under this message's
-        # tombstone, and a retry is another message (one retry more), which would run beside
-        # the parked one once it is handed on. Requeued, not acked, this message meets the
-        # gate: dropped while parked, run once when handed on, parked again if the park is gone
+        # not retried: a park that ran (its reply lost) or too few replicas confirmed stands
+        # under this message's tombstone; a retry, another message, would run beside it.
+        # Requeued, not acked: dropped while parked, parked again if the park is gone
         logger.error("leases: %s[%s] requeued: %s", task.name, request.id, exc)
         raise Reject(str(exc), requeue=True) from exc
     if code in (ParkReply.FREE, ParkReply.HANDED):
@@ -285,9 +265,9 @@ def _park_on_lease(
     """park.lua for the task on ``want`` (see :func:`defer`)."""
     request = task.request
     state, msgs, done, due = _group_keys(ext, ext.store.keys.group_of(want.resource))
-    reply = _call_replicated(
+    reply = _call(
         ext,
-        "park",
+        _scripts.PARK,
         [
             ext.store.keys.exclusive(want.resource),
             ext.store.keys.shared(want.resource),
@@ -311,6 +291,7 @@ def _park_on_lease(
             _consumer(request),
         ],
         "park a task",
+        wait="park",
     )
     return ParkReply(int(reply[0]))
 
@@ -336,9 +317,9 @@ def _park_on_limit(
 ) -> ParkReply:
     request = task.request
     state, msgs, done, due = _group_keys(ext, ext.store.keys.group_of(limit.name))
-    reply = _call_replicated(
+    reply = _call(
         ext,
-        "park_limit",
+        _scripts.PARK_LIMIT,
         [*_limit_script_keys(ext, limit.name), state, msgs, done, due],
         [
             escape(request.id),
@@ -352,6 +333,7 @@ def _park_on_limit(
             tombstone(request.id, request.retries),
         ],
         "park a task on a rate limit",
+        wait="park_limit",
     )
     return ParkReply(int(reply[0]))
 
