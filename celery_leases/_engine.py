@@ -18,7 +18,7 @@ from typing import Any, Final
 
 from ._connect import parse_target
 from ._keys import Keyspace
-from ._protocol import Call, Failure, ReplicaShortfall, Send, Steps
+from ._protocol import Call, Failure, ReplicaShortfall, Script, Send, SendReplicated, Steps
 from .config import LeaseSettings, safe_url
 from .exceptions import LeaseBackendError
 
@@ -252,6 +252,15 @@ class LeaseEngine:
                 f"within {self.settings.min_replicas_timeout}s"
             )
             raise ReplicaShortfall(msg)
+
+    def replicated(
+        self, name: str, keys: Sequence[str], args: Sequence[Any], what: str
+    ) -> Steps[Any]:
+        """The script ``name`` then ``WAIT`` (min_replicas) on its connection: its reply.
+        ReplicaShortfall when too few replicas confirmed it (the write stands on the master)."""
+        (reply,), (acked,) = yield SendReplicated([Script(name, keys, args)])
+        self.check_replicated(acked, what)
+        return reply
 
     # --- errors ---------------------------------------------------------------------------
     def backend_error(self, what: str, exc: BaseException) -> LeaseBackendError:

@@ -84,8 +84,8 @@ POLICIES: Final[Mapping[str, str]] = {
     "out of its registry, and their messages are lost with the reply; each reservation runs "
     "out (handon_timeout) and its task goes back to its queue, handed on again later",
     "unpark": "idempotent: the operator runs it again (a second run finds nothing parked)",
-    "park_limit": "not sent again: as park (the task's on_backend_error applies; a park that "
-    "ran makes the retry's delivery find the task parked, and be dropped)",
+    "park_limit": "not sent again: as park (the delivery is requeued; a park that ran makes "
+    "the redelivery find the task parked, and be dropped)",
     "handon_limit": "not sent again: a hand-on that ran is one nobody publishes for; it runs "
     "out (handon_timeout) and the task goes back to its queue, handed on again later",
     "revoke": "idempotent: sent again (the client may retry); a second run keeps the first's "

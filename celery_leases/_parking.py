@@ -25,6 +25,7 @@ from ._grants import Busy, acquire_group
 from ._keys import escape, unescape
 from ._lease import Want
 from ._limits import LimitWant
+from ._protocol import Failure, ReplicaShortfall
 from ._registry import PARKED_OWNER
 from ._scripts import ParkGateReply, ParkReply
 from .exceptions import LeaseBackendError, LeaseBusy, RateLimited
@@ -71,11 +72,17 @@ class Parked(dict[str, Any]):
     """One parked task as ``celery leases parked`` shows it (a dict: JSON as it is)."""
 
 
-def _call(ext: Leases, src: str, keys: Sequence[str], args: Sequence[Any], what: str) -> Any:
+def _call(
+    ext: Leases, src: str, keys: Sequence[str], args: Sequence[Any], what: str, wait: str = ""
+) -> Any:
+    """One script call; ``wait``: its name, to follow it with ``WAIT`` for ``min_replicas``
+    (if set) as a grant does (a park: its message is acked once this returns)."""
     store = ext.store
     try:
+        if wait and store.engine.wait_replicas:
+            return store.run(store.engine.replicated(wait, keys, args, what))
         return store.client.register_script(src)(keys=list(keys), args=list(args))
-    except RedisError as exc:
+    except (RedisError, Failure, ReplicaShortfall) as exc:
         raise store.backend_error(what, exc) from exc
 
 
@@ -113,13 +120,14 @@ def admit(
 ) -> tuple[bool, LeaseBusy | None]:
     """Before a deferring task takes its leases: ``(consumed, behind)``. ``consumed``: True if
     this delivery consumed its hand-on (the lease is reserved for it, or its rate limit had
-    room for it). ``behind``: for a delivery of a task that is not parked, a ``LeaseBusy`` of
-    a resource on which others are parked (not yet handed on): it parks behind them without
-    trying the lease, so it cannot take a place freed by a release before that release's
-    hand-on (rate limits have no such check: see docs/limits.md). Raises ``Ignore`` for a
-    delivery that must not run: a copy of a task that is parked, or whose hand-on another
-    copy consumed (a redelivery of a copy that started is let through: the redelivery
-    guard's business)."""
+    room for it), or is a redelivered copy whose hand-on was consumed (by its own run, cut
+    short): a park of it then parks it again. ``behind``: for a delivery of a task that is
+    not parked, a ``LeaseBusy`` of a resource on which others are parked (not yet handed
+    on): it parks behind them without trying the lease, so it cannot take a place freed by
+    a release before that release's hand-on (rate limits have no such check: see
+    docs/limits.md). Raises ``Ignore`` for a delivery that must not run: a copy of a task
+    that is parked, or whose hand-on another copy consumed (a redelivery of a copy that
+    started is let through: the redelivery guard's business)."""
     request = task.request
     task_id = escape(request.id)
     keys = ext.store.keys
@@ -160,7 +168,9 @@ def admit(
         if reply == ParkGateReply.CONSUMED:
             copy = getattr(request, PARKED_HEADER, None) is not None
             if copy and redelivered:
-                return False, None  # a copy that started and died: the redelivery guard decides
+                # a copy that started and died (the redelivery guard decides): if its lease
+                # is busy (its dead run's, or taken since), it parks again as the consumer
+                return True, None
             logger.info(
                 "leases: %s[%s] already ran from its hand-on: this copy is dropped",
                 task.name,
@@ -202,10 +212,9 @@ def defer(
             template = _lease_template(task, want)
             where = want.resource
     except LeaseBackendError as exc:
-        # not retried (on_backend_error): a park that ran but whose reply was lost parked the
-        # task under this message's tombstone, and a retry is another message (one retry
-        # more), which would run beside the parked one once it is handed on. Requeued, this
-        # message meets the gate: dropped while parked, run once when handed on
+        # not retried: a park that ran (its reply lost) or too few replicas confirmed stands
+        # under this message's tombstone; a retry, another message, would run beside it.
+        # Requeued, not acked: dropped while parked, parked again if the park is gone
         logger.error("leases: %s[%s] requeued: %s", task.name, request.id, exc)
         raise Reject(str(exc), requeue=True) from exc
     if code in (ParkReply.FREE, ParkReply.HANDED):
@@ -282,6 +291,7 @@ def _park_on_lease(
             _consumer(request),
         ],
         "park a task",
+        wait="park",
     )
     return ParkReply(int(reply[0]))
 
@@ -323,6 +333,7 @@ def _park_on_limit(
             tombstone(request.id, request.retries),
         ],
         "park a task on a rate limit",
+        wait="park_limit",
     )
     return ParkReply(int(reply[0]))
 

@@ -227,17 +227,21 @@ class LeaseSettings(BaseSettings):
         ge=0,
         le=16,
         description=(
-            "Replicas that must have each grant and renewal (Redis WAIT, in the same round trip) "
-            "before it counts. With 1 or more, a Sentinel failover to a replica that was in sync "
-            "loses no lease and repeats no fencing token; a grant not replicated within "
-            "min_replicas_timeout is given back and raises LeaseBackendError, a renewal not "
-            "replicated counts as failed. 0: asynchronous replication, as Redis does by default."
+            "Replicas that must have each grant, renewal and park of a deferred task (Redis "
+            "WAIT, in the same round trip) before it counts. With 1 or more, a Sentinel "
+            "failover to a replica that was in sync loses no lease, repeats no fencing token "
+            "and loses no parked task; a grant not replicated within min_replicas_timeout is "
+            "given back and raises LeaseBackendError, a renewal not replicated counts as "
+            "failed, a park not replicated requeues its message. 0: asynchronous replication, "
+            "as Redis does by default."
         ),
     )
     min_replicas_timeout: float = Field(
         0.5,
         gt=0.0,
-        description="Seconds a grant or renewal waits for min_replicas replicas to confirm it.",
+        description=(
+            "Seconds a grant, renewal or park waits for min_replicas replicas to confirm it."
+        ),
     )
     reconcile_interval: float = Field(
         60.0,

@@ -285,15 +285,17 @@ class Fleet:
         body: float = 0.03,
         long_share: float = 0.05,
         long_body: tuple[float, float] = (0.5, 2.5),
+        task: str = TASK,
     ) -> list[str]:
-        """Send ``count`` work tasks on ``resources`` resources.
+        """Send ``count`` work tasks (or ``task``, with the same arguments) on ``resources``
+        resources.
 
         Bodies last 0..``body`` s; a ``long_share`` of them last ``long_body`` s, longer than
         a renewal interval, most longer than the TTL.
         """
         rng = random.Random(seed)
         rids = [f"{self.name}-{i}" for i in range(resources)]
-        self.resources += [f"r:{rid}" for rid in rids]
+        self.resources += [f"r:{rid}" for rid in rids if f"r:{rid}" not in self.resources]
         ids = []
         with self.sender.producer_or_acquire() as producer:
             for _ in range(count):
@@ -302,7 +304,7 @@ class Fleet:
                 long = rng.random() < long_share
                 seconds = rng.uniform(*long_body) if long else rng.uniform(0, body)
                 self.sender.send_task(
-                    TASK,
+                    task,
                     (rid, round(seconds, 4)),
                     queue=self.queue,
                     task_id=task_id,

@@ -36,6 +36,7 @@ from celery import Celery, signals
 
 from celery_leases import LeasedTask, LeaseLost, Leases, current_leases
 from celery_leases._lease import Lease
+from celery_leases._parking import PARKED_HEADER, parked_observers
 from celery_leases.exceptions import LeaseBackendError
 from tests.faults.ledger import FIRST_MESSAGE, MESSAGE_HEADER, Ledger
 
@@ -78,6 +79,8 @@ leases = Leases(app)
 def _name_message(headers: dict[str, Any], **_: Any) -> None:
     """Give every message published here (a retry of any kind) a message id of its own."""
     headers[MESSAGE_HEADER] = uuid.uuid4().hex
+    if headers.get(PARKED_HEADER):  # a parked task's copy, published by a hand-on
+        ledger.incr("handed_on")
 
 
 @signals.after_task_publish.connect
@@ -90,6 +93,14 @@ def _published(headers: dict[str, Any], **_: Any) -> None:
 def _received(request: Any, **_: Any) -> None:
     """In the worker's main process, once the transport handed the message over."""
     ledger.received(request.id, request.request_dict.get(MESSAGE_HEADER, FIRST_MESSAGE))
+
+
+def _parked(task: str, template: str) -> None:
+    """A delivery ended parked (on_busy="defer"), in the pool process that parked it."""
+    ledger.incr("parked")
+
+
+parked_observers.append(_parked)
 
 
 # --- a wall-clock jump on this worker (FAULTS_CLOCK=1) -------------------------------------
@@ -171,6 +182,20 @@ def _leave(lease: Lease, task_id: str) -> None:
 @app.task(base=FaultTask, bind=True, lease="r:{rid}")
 def work(self: Any, rid: str, seconds: float) -> None:
     """Enter r:<rid>, write through the fenced store, work ``seconds``, write again, leave."""
+    _work(self, seconds)
+
+
+@app.task(base=FaultTask, bind=True, lease="r:{rid}", on_busy="defer")
+def deferred(self: Any, rid: str, seconds: float) -> None:
+    """``work`` that parks when r:<rid> is busy (on_busy="defer"): handed on by a release or
+    the pump. Each completion is recorded with its process (``Ledger.deferred_done``)."""
+    if getattr(self.request, PARKED_HEADER, None):
+        ledger.incr("ran_handed_on")
+    _work(self, seconds)
+    ledger.deferred_done(self.request.id, os.getpid())
+
+
+def _work(self: Any, seconds: float) -> None:
     (lease,) = current_leases()
     task_id = self.request.id
     try:

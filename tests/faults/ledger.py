@@ -211,6 +211,10 @@ class Ledger:
         r = self.r
         return int(self._done([self.key("done"), self.key("completions")], [task_id], client=r))
 
+    def deferred_done(self, task_id: str, pid: int) -> None:
+        """A deferring task completed in process ``pid`` (after ``done``)."""
+        self.r.rpush(self.key("deferred_done"), f"{task_id} {pid}")
+
     def event(self, name: str, text: object = "") -> int:
         """Push ``text`` on the event list ``name`` with the ledger time; returns that time."""
         r = self.r
@@ -241,6 +245,18 @@ class Ledger:
             ms, _, text = str(item).partition(" ")
             out.append((int(ms), text))
         return out
+
+    def deferred_completions(self) -> dict[str, list[int]]:
+        """Task id -> the processes in which that deferring task completed, in order."""
+        out: dict[str, list[int]] = {}
+        for item in self.r.lrange(self.key("deferred_done"), 0, -1):
+            task_id, pid = str(item).split(" ")
+            out.setdefault(task_id, []).append(int(pid))
+        return out
+
+    def count(self, name: str) -> int:
+        """The counter ``name`` (``incr``)."""
+        return int(self.r.get(self.key(name)) or 0)
 
     def completed(self) -> int:
         return int(self.r.zcard(self.key("done")))

@@ -12,9 +12,10 @@ import time
 import pytest
 import redis
 from celery import Celery, uuid
+from celery.exceptions import Ignore
 from kombu.utils.json import dumps, loads
 
-from celery_leases import LeaseBusy, Leases, _parking
+from celery_leases import LeaseBusy, LeasedTask, Leases, _parking
 from celery_leases._identity import Identity
 from celery_leases._keys import escape
 from celery_leases._lease import Want
@@ -371,3 +372,44 @@ def test_a_newcomer_parks_behind_parked_tasks_even_when_the_resource_is_free(lea
     # with nothing parked any more, a newcomer goes on to its acquire
     assert unpark(leases, "N")
     assert gate(leases, "M", want) == ParkGateReply.NOT_PARKED
+
+
+def test_a_redelivered_copy_that_finds_its_lease_busy_parks_again(
+    leases_redis_url: str, leases_prefix: str
+) -> None:
+    """A copy that consumed its hand-on, started and was killed is redelivered (acks_late):
+    its lease is busy (held by its dead run until a cleanup, or taken since). It must park
+    again, not be dropped for the tombstone its own run left: that lost the task."""
+    app = Celery("redelivered", broker="memory://", set_as_current=False)
+    ext = Leases(app, redis_url=leases_redis_url, key_prefix=leases_prefix)
+    # the scripts' side, in an app whose releases do not hand on (the test hands on)
+    plain = Leases(Celery("plain", set_as_current=False), redis_url=leases_redis_url,
+                   key_prefix=leases_prefix)  # fmt: skip
+
+    @app.task(bind=True, base=LeasedTask, name="p.job", lease="db", on_busy="defer", shared=False)
+    def job(self: LeasedTask) -> None: ...
+
+    try:
+        with plain.hold("db"):
+            assert park(plain, "t1", X) == ParkReply.PARKED
+        assert hand_on(plain, X) == "t1"
+        assert gate(plain, "t1", X) == ParkGateReply.HANDED  # the copy starts...
+        assert take(plain, X, "t1", owner="dead")
+        # ...and dies holding the lease; its redelivery comes while the lease is busy
+        job.push_request(
+            id="t1", retries=0, headers={}, args=(), kwargs={}, lease_parked=1,
+            delivery_info={"redelivered": True},
+        )  # fmt: skip
+        try:
+            consumed, behind = _parking.admit(ext, job, [X])
+            assert behind is None
+            with pytest.raises(Ignore):
+                _parking.defer(ext, job, LeaseBusy("db"), [X], (), {}, consumed)
+        finally:
+            job.pop_request()
+        assert [p["task_id"] for p in list_parked(ext, "db")] == ["t1"]
+        # parked: any other copy of it is dropped until it is handed on again
+        assert gate(plain, "t1", X) == ParkGateReply.PARKED
+    finally:
+        ext.store.close()
+        plain.store.close()
