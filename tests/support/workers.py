@@ -26,6 +26,21 @@ REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT = 30.0
 
 
+def leases_cli(app: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``celery -A <app> leases <args>`` as an operator runs it, from the repository root (no
+    input, 60 s at most); the caller checks its exit code."""
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", app, "leases", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        input="",
+        check=False,
+    )
+
+
 def children_of(pid: int) -> list[int]:
     """Direct children of ``pid`` (Linux /proc), zombies excluded."""
     out: list[int] = []

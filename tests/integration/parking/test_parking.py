@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +16,7 @@ from celery_leases._identity import Identity
 from celery_leases._lease import Want
 from celery_leases._parking import list_parked, unpark
 from tests.support.polling import wait_until
-from tests.support.workers import WorkerProc
+from tests.support.workers import WorkerProc, leases_cli
 
 from . import park_app
 from .conftest import APP
@@ -169,10 +168,7 @@ def test_tenants_with_worker_killed_halfway(
 
 
 def celery_leases(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", APP, "leases", *args],
-        env=env, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    return leases_cli(APP, env, *args)
 
 
 def test_unpark_cancels_and_marks_revoked(

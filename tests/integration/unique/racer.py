@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import redis
 from celery import Celery
@@ -54,6 +56,74 @@ def race(
     for t in threads:
         t.join(60)
     return out
+
+
+#: the repository's root, the racing processes' working directory and import path
+REPO = Path(__file__).resolve().parents[3]
+
+
+def race_producers(
+    producer: Celery,
+    url: str,
+    prefix: str,
+    queue: str,
+    key: str,
+    *,
+    processes: int,
+    threads: int,
+    local_threads: int,
+    task: str = "unique_app.raising",
+) -> list[str]:
+    """``processes`` racing processes of ``threads`` threads each, and ``local_threads``
+    threads of this process (``producer``), send ``task(key)`` at once; the outcome of every
+    send (see :func:`race`), all of them asserted free of errors."""
+    from tests.support.polling import wait_until
+
+    start_key = f"{{{prefix}:ledger}}:start:{task}:{key}"
+    client = redis.Redis.from_url(url)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    argv = [sys.executable, "-m", "tests.integration.unique.racer", url, prefix, queue, key]
+    racers = [
+        subprocess.Popen(
+            [*argv, str(threads), start_key, task],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(processes)
+    ]
+    try:
+        wait_until(
+            lambda: int(client.get(start_key + ":ready") or 0) >= processes,
+            60,
+            "the racing processes to be ready",
+        )
+        barrier = threading.Event()
+        local: list[str] = []
+        runner = threading.Thread(
+            target=lambda: local.extend(race(producer, key, barrier.wait, local_threads, task))
+        )
+        runner.start()
+        client.set(start_key, "1", ex=600)  # every process and thread goes now
+        barrier.set()
+        runner.join(120)
+        remote: list[str] = []
+        for proc in racers:
+            stdout, stderr = proc.communicate(timeout=120)
+            assert proc.returncode == 0, stderr
+            remote.extend(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for proc in racers:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+        client.close()
+    outcomes = local + remote
+    assert len(outcomes) == processes * threads + local_threads
+    assert not [o for o in outcomes if o.startswith("error")], outcomes
+    return outcomes
 
 
 def main(argv: list[str]) -> None:

@@ -4,30 +4,21 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections.abc import Callable
 
 import pytest
 from celery import Celery
 
 from celery_leases import Leases
-from tests.support.workers import WorkerProc
+from tests.support.workers import WorkerProc, leases_cli
 
-from .conftest import APP, REPO, RESULT_TIMEOUT, Ledger, wait_until
+from .conftest import APP, RESULT_TIMEOUT, Ledger, wait_until
 
 pytestmark = pytest.mark.worker
 
 
 def celery_leases(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", APP, "leases", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        input="",
-    )
+    return leases_cli(APP, env, *args)
 
 
 def test_ls_show_stats_and_release_of_claims(

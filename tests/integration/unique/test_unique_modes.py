@@ -7,12 +7,8 @@ counted in the ledger the tasks write.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable
 
@@ -24,8 +20,8 @@ from celery.result import AsyncResult
 from celery_leases import DuplicateTask, LeaseConfigError, Leases
 from tests.support.workers import WorkerProc
 
-from .conftest import REPO, RESULT_TIMEOUT, Ledger, kill_whole_worker, wait_until
-from .racer import race
+from . import racer
+from .conftest import RESULT_TIMEOUT, Ledger, kill_whole_worker, wait_until
 
 pytestmark = pytest.mark.worker
 
@@ -39,52 +35,11 @@ def race_producers(
     producer: Celery, url: str, prefix: str, queue: str, key: str, task: str
 ) -> list[str]:
     """Every one of :data:`PRODUCERS` threads sends ``task(key, tag)`` at once; their
-    outcomes (see :func:`racer.race`)."""
-    start_key = f"{{{prefix}:ledger}}:start:{task}:{key}"
-    client = redis.Redis.from_url(url)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    argv = [sys.executable, "-m", "tests.integration.unique.racer", url, prefix, queue, key]
-    racers = [
-        subprocess.Popen(
-            [*argv, str(THREADS), start_key, task],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(PROCESSES)
-    ]
-    try:
-        wait_until(
-            lambda: int(client.get(start_key + ":ready") or 0) >= PROCESSES,
-            60,
-            "the racing processes to be ready",
-        )
-        barrier = threading.Event()
-        local: list[str] = []
-        runner = threading.Thread(
-            target=lambda: local.extend(race(producer, key, barrier.wait, THREADS, task))
-        )
-        runner.start()
-        client.set(start_key, "1", ex=600)  # every process and thread goes now
-        barrier.set()
-        runner.join(120)
-        remote: list[str] = []
-        for proc in racers:
-            stdout, stderr = proc.communicate(timeout=120)
-            assert proc.returncode == 0, stderr
-            remote.extend(json.loads(stdout.strip().splitlines()[-1]))
-    finally:
-        for proc in racers:
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate()
-        client.close()
-    outcomes = local + remote
-    assert len(outcomes) == PRODUCERS
-    assert not [o for o in outcomes if o.startswith("error")], outcomes
-    return outcomes
+    outcomes (see :func:`racer.race_producers`)."""
+    return racer.race_producers(
+        producer, url, prefix, queue, key,
+        processes=PROCESSES, threads=THREADS, local_threads=THREADS, task=task,
+    )  # fmt: skip
 
 
 def runs(ledger: Ledger, key: str) -> list[tuple[str, str]]:

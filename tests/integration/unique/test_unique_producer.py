@@ -9,10 +9,6 @@ message.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,7 +24,7 @@ from celery_leases._lease import MAX_NAME_BYTES
 from celery_leases.signals import unique_duplicate
 
 from .conftest import QUEUE_TTL, wait_until
-from .racer import race
+from .racer import race_producers
 
 pytestmark = pytest.mark.worker
 
@@ -207,57 +203,10 @@ def test_concurrent_producers_send_exactly_one(
     producer: Celery, leases_redis_url: str, leases_prefix: str, queue: str, leases_redis
 ):
     key = "contended"
-    start_key = f"{{{leases_prefix}:ledger}}:start"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    racers = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.integration.unique.racer",
-                leases_redis_url,
-                leases_prefix,
-                queue,
-                key,
-                str(THREADS_PER_PROCESS),
-                start_key,
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(PROCESSES)
-    ]
-    try:
-        wait_until(
-            lambda: int(leases_redis.get(start_key + ":ready") or 0) >= PROCESSES,
-            60,
-            "the racing processes to be ready",
-        )
-        barrier = threading.Event()
-        local: list[str] = []
-        runner = threading.Thread(
-            target=lambda: local.extend(race(producer, key, barrier.wait, THREADS))
-        )
-        runner.start()
-        leases_redis.set(start_key, "1")  # every process and thread goes now
-        barrier.set()
-        runner.join(120)
-        remote: list[str] = []
-        for proc in racers:
-            stdout, stderr = proc.communicate(timeout=120)
-            assert proc.returncode == 0, stderr
-            remote.extend(json.loads(stdout.strip().splitlines()[-1]))
-    finally:
-        for proc in racers:
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate()
-    outcomes = local + remote
-    assert len(outcomes) == THREADS + PROCESSES * THREADS_PER_PROCESS
-    assert not [o for o in outcomes if o.startswith("error")], outcomes
+    outcomes = race_producers(
+        producer, leases_redis_url, leases_prefix, queue, key,
+        processes=PROCESSES, threads=THREADS_PER_PROCESS, local_threads=THREADS,
+    )  # fmt: skip
     sent = [o.split()[1] for o in outcomes if o.startswith("sent")]
     assert len(sent) == 1, sent
     (winner,) = sent

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -24,8 +23,9 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from rich.cells import cell_len
 
 from celery_leases._keys import escape
+from tests.support.workers import leases_cli
 
-from .conftest import APP, REPO, kill_whole_worker, wait_until
+from .conftest import APP, kill_whole_worker, wait_until
 
 pytestmark = pytest.mark.worker
 
@@ -38,17 +38,9 @@ LIVENESS_TTL = 24
 SLOW = {"CELERY_LEASES_TTL": str(LIVENESS_TTL), "CELERY_LEASES_RECONCILE_INTERVAL": "0"}
 
 
-def leases_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    """``celery -A worker_app leases <args>``, as an operator runs it."""
-    result = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", APP, "leases", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+def run_leases(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``celery -A worker_app leases <args>``, as an operator runs it; it must succeed."""
+    result = leases_cli(APP, env, *args)
     assert result.returncode == 0, result.stderr
     return result
 
@@ -73,7 +65,7 @@ def test_an_idle_worker_shows_idle_never_dead(
     def ran_out() -> list[dict[str, Any]] | None:
         rows = [
             o
-            for o in json.loads(leases_cli(env, "owners", "--json").stdout)
+            for o in json.loads(run_leases(env, "owners", "--json").stdout)
             if o["node"] == w.hostname
         ]
         return rows if any(o["liveness"] < 0 for o in rows) else None
@@ -82,11 +74,11 @@ def test_an_idle_worker_shows_idle_never_dead(
     assert all(o["leases"] == 0 for o in rows)
     assert "idle" in {o["status"] for o in rows}, rows
     assert not {o["status"] for o in rows} & {"late", "expired"}, rows
-    lines = [line for line in leases_cli(env, "owners").stdout.splitlines() if w.hostname in line]
+    lines = [line for line in run_leases(env, "owners").stdout.splitlines() if w.hostname in line]
     assert lines
     assert any("idle (holds nothing; its node is alive)" in line for line in lines), lines
     assert not [line for line in lines if "dead" in line or "renewed" in line], lines
-    assert f"node {w.hostname} is alive" in leases_cli(env, "health", "--node", w.hostname).stdout
+    assert f"node {w.hostname} is alive" in run_leases(env, "health", "--node", w.hostname).stdout
 
 
 def test_a_killed_worker_shows_renewed_n_s_ago_never_alive_until_it_expires(
@@ -104,8 +96,8 @@ def test_a_killed_worker_shows_renewed_n_s_ago_never_alive_until_it_expires(
         json ``status`` (read just before), else None."""
         # both views read side by side, so that they describe the same moment
         with ThreadPoolExecutor(2) as pool:
-            as_json = pool.submit(leases_cli, env, "owners", "--json")
-            as_table = pool.submit(leases_cli, env, "owners")
+            as_json = pool.submit(run_leases, env, "owners", "--json")
+            as_table = pool.submit(run_leases, env, "owners")
             (listed,) = [
                 o
                 for o in json.loads(as_json.result().stdout)
@@ -126,7 +118,7 @@ def test_a_killed_worker_shows_renewed_n_s_ago_never_alive_until_it_expires(
     assert " s ago, expires in " in line
 
     def ls_row() -> str | None:
-        (row,) = [r for r in leases_cli(env, "ls").stdout.splitlines() if r.startswith("res:k ")]
+        (row,) = [r for r in run_leases(env, "ls").stdout.splitlines() if r.startswith("res:k ")]
         return row if "renewed" in row or "dead" in row else None
 
     assert "alive" not in wait_until(ls_row, 30, "ls to show the killed owner as late")
@@ -215,15 +207,15 @@ def test_ls_and_show_name_the_task_next_to_its_id_as_its_live_worker_tells(
     try:
         task = send(worker_app.sleeper, "named", 300)
         ledger.wait_event("started:named")
-        (listed,) = json.loads(leases_cli(env, "ls", "--json").stdout)
+        (listed,) = json.loads(run_leases(env, "ls", "--json").stdout)
         assert (listed["task_id"], listed["task_name"]) == (task.id, worker_app.sleeper.name)
-        (row,) = [r for r in leases_cli(env, "ls").stdout.splitlines() if r.startswith("res:")]
+        (row,) = [r for r in run_leases(env, "ls").stdout.splitlines() if r.startswith("res:")]
         assert row.endswith(f"{task.id}  {worker_app.sleeper.name}")
-        (shown,) = json.loads(leases_cli(env, "show", "res:named", "--json").stdout)["holders"]
+        (shown,) = json.loads(run_leases(env, "show", "res:named", "--json").stdout)["holders"]
         assert shown["task_name"] == worker_app.sleeper.name
         kill_whole_worker(w)
         # a dead worker names nothing: the id is all the registry has
-        (listed,) = json.loads(leases_cli(env, "ls", "--json").stdout)
+        (listed,) = json.loads(run_leases(env, "ls", "--json").stdout)
         assert (listed["task_id"], listed["task_name"]) == (task.id, None)
     finally:
         if w.alive():
@@ -238,8 +230,8 @@ def test_ls_shows_any_resource_name_on_one_aligned_line_and_json_keeps_it_whole(
     worker_env: dict[str, str], test_leases: Any
 ) -> None:
     with test_leases.hold(NAMES, ttl=30):
-        table = leases_cli(worker_env, "ls").stdout
-        listed = json.loads(leases_cli(worker_env, "ls", "--json").stdout)
+        table = run_leases(worker_env, "ls").stdout
+        listed = json.loads(run_leases(worker_env, "ls", "--json").stdout)
     assert sorted(x["resource"] for x in listed) == sorted(NAMES)
     header, *rows = table.rstrip("\n").split("\n")
     assert len(rows) == len(NAMES)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ import redis
 from celery_leases import FencedRedis, Leases
 from celery_leases.config import renewal_interval
 from tests.support.polling import wait_until
-from tests.support.workers import REPO, WorkerProc, worker_factory
+from tests.support.workers import WorkerProc, leases_cli, worker_factory
 
 pytestmark = pytest.mark.worker
 
@@ -186,14 +185,7 @@ def test_a_holder_that_ignores_it_keeps_the_lease_until_the_deadline_then_is_fen
 
 def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     """``celery -A revoke_app leases <args>`` as an operator runs it."""
-    return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", APP, "leases", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return leases_cli(APP, env, *args)
 
 
 def test_the_cli_revokes_beside_the_forced_release(
