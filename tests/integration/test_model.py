@@ -1445,13 +1445,15 @@ class LeaseModel(RuleBasedStateMachine):
             name="model.deferred", bind=True, base=Captured, on_busy="defer", shared=False
         )(deferred)
 
-    def _parking_call(self, ext: Leases, src: str, keys: Any, args: Any, what: str) -> Any:
+    def _parking_call(
+        self, ext: Leases, src: str, keys: Any, args: Any, what: str, wait: str = ""
+    ) -> Any:
         """``_parking._call`` with the fault the model planned for this script (if any)."""
         fault = self.script_faults.pop(src, None)
         if fault == "dropped":
             event(f"parking: {what}: dropped")
             raise ext.store.backend_error(what, RedisTimeoutError("model: dropped"))
-        reply = _REAL_PARKING_CALL(ext, src, keys, args, what)
+        reply = _REAL_PARKING_CALL(ext, src, keys, args, what, wait)
         if fault == "lost":
             event(f"parking: {what}: reply lost")
             raise ext.store.backend_error(what, RedisTimeoutError("model: reply lost"))

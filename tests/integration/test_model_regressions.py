@@ -231,8 +231,10 @@ def test_a_lost_park_reply_requeues_the_message_instead_of_retrying(
     want = Want("db")
     lost: list[str] = []
 
-    def lose_the_reply(ext: Leases, src: str, keys: Any, args: Any, what: str) -> Any:
-        reply = real_call(ext, src, keys, args, what)
+    def lose_the_reply(
+        ext: Leases, src: str, keys: Any, args: Any, what: str, wait: str = ""
+    ) -> Any:
+        reply = real_call(ext, src, keys, args, what, wait)
         if src == _scripts.PARK and not lost:
             lost.append(what)
             raise ext.store.backend_error(what, RedisTimeoutError("reply lost"))
