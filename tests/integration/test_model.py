@@ -1554,30 +1554,33 @@ class LeaseModel(RuleBasedStateMachine):
     def _run_delivery(self, d: Deferring, msg: Message, owner: Owner, fault: str) -> None:
         """What ``LeasedTask._call_leased`` does for a deferring task (task.py)."""
         task, want = self.deferring_task, d.want
-        consumed = _parking.admit(self.leases, task, [want])
+        consumed, behind = _parking.admit(self.leases, task, [want])
         if consumed:
             event("parking: a hand-on consumed")
         for attempt in range(DEFER_ATTEMPTS):
-            sent = time.monotonic()
-            lose = {0: "lost"} if fault == "acquire lost" and attempt == 0 else None
-            steps = _grants.try_acquire(
-                self.store.engine, [want], owner.ident, DEFER_TTL, msg.task_id
-            )
-            try:
-                outcome = Stepper(self.store, steps, lose).outcome()
-            except LeaseBackendError:
-                self.unknown_outcome(owner, [want.resource], DEFER_TTL)
-                raise
-            if isinstance(outcome, list):
-                self._record(owner, outcome, DEFER_TTL, sent)
-                self._started(d, owner, outcome[0])
-                return
-            if consumed:
-                self._check_reservation_refused(d, sent)
+            if behind is not None:  # as task.py: others are parked on it, behind them
+                busy, behind = behind, None
+            else:
+                sent = time.monotonic()
+                lose = {0: "lost"} if fault == "acquire lost" and attempt == 0 else None
+                steps = _grants.try_acquire(
+                    self.store.engine, [want], owner.ident, DEFER_TTL, msg.task_id
+                )
+                try:
+                    outcome = Stepper(self.store, steps, lose).outcome()
+                except LeaseBackendError:
+                    self.unknown_outcome(owner, [want.resource], DEFER_TTL)
+                    raise
+                if isinstance(outcome, list):
+                    self._record(owner, outcome, DEFER_TTL, sent)
+                    self._started(d, owner, outcome[0])
+                    return
+                if consumed:
+                    self._check_reservation_refused(d, sent)
+                busy = LeaseBusy(want.resource, outcome.wait)
             try:
                 # as task.py: a second refusal parks (force), whatever park.lua sees
-                busy = LeaseBusy(want.resource, outcome.wait)
-                _parking.defer(self.leases, task, busy, [want], (), {}, consumed, attempt > 0)
+                _parking.defer(self.leases, task, busy, [want], (), {}, consumed, force=attempt > 0)
             except Ignore:
                 if fault == "dies after park":
                     # the worker dies before the ack: the broker delivers the original again
