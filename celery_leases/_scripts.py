@@ -224,7 +224,7 @@ HANDON: Final = _with("handon", "_parking")
 PARK_GATE: Final = _with("park_gate", "_parking")
 UNPARK: Final = _with("unpark", "_parking")
 PARK_LIMIT: Final = _with("park_limit", "_parking", "_limit")
-HANDON_LIMIT: Final = _with("handon_limit", "_limit")
+HANDON_LIMIT: Final = _with("handon_limit", "_parking", "_limit")
 REVOKE: Final = _read("revoke")
 HANDON_TAKEOVER: Final = _read("handon_takeover")
 

@@ -43,3 +43,14 @@ local function park_forget(queue, state, msgs, task)
   redis.call('HDEL', state, task)
   redis.call('HDEL', msgs, task, '%m' .. task)
 end
+
+-- record a hand-on in the caller's owner registry (with the registry's keeper "~", see
+-- _registry.lua), made with the expiry life ms or extended to it: a cleanup of the caller
+-- takes it over (handon_takeover.lua) until the caller removes it, once it published
+local function park_record(registry, entry, life)
+  local made = redis.call('SADD', registry, '~', entry) == 2
+  local pttl = redis.call('PTTL', registry)
+  if made or (pttl >= 0 and pttl < life) then
+    redis.call('PEXPIRE', registry, life)
+  end
+end

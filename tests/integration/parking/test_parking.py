@@ -361,3 +361,40 @@ def test_a_pump_killed_before_its_publish_is_taken_over_at_its_restart(
         assert f"took over the hand-on to {parked.id}" in worker.current_log()
     finally:
         client.close()
+
+
+def test_a_pump_killed_before_its_publish_on_a_rate_limit_is_taken_over_at_its_restart(
+    producer: Celery,
+    leases_prefix: str,
+    start_worker: Callable[..., WorkerProc],
+    tmp_path: Path,
+):
+    # the same with a rate limit: the pump hands the limit's FIFO on to the parked task and
+    # is killed before the publish; the start-up cleanup of its node takes the hand-on over
+    # (the hand-on in flight lasts 300 s: not what saves it)
+    ext: Leases = producer.leases  # type: ignore[attr-defined]
+    trap = tmp_path / "die-before-publish"
+    trap.write_text("1")
+    env = {
+        "CELERY_LEASES_TEST_DIE_BEFORE_PUBLISH": str(trap),
+        "CELERY_LEASES_HANDON_TIMEOUT": "300",
+    }
+    worker = start_worker(concurrency=2, env=env)
+    client = redis.Redis.from_url(producer.conf.broker_url)
+    try:
+        for _ in range(5):  # the window of rl:M full: the task is refused and parks
+            ext.limit("rl:M", "5/s")
+        parked = producer.tasks["park_app.rated"].delay("M", 1)
+        wait_until(lambda: not worker.alive(), 60, "the pump's process killed at its hand-on")
+        assert not trap.exists()
+        [entry] = list_parked(ext, "rl:M")
+        assert (entry["task_id"], entry["on"], entry["state"]) == (parked.id, "limit", "handed on")
+        worker.start()
+        wait_until(lambda: [e for e in events(client, leases_prefix) if e[:2] == ("e", "M")],
+                   60, "the parked task done")  # fmt: skip
+        starts = [e for e in events(client, leases_prefix) if e[0] == "s"]
+        assert [(e[3], e[4]) for e in starts] == [(parked.id, 1)]
+        assert f"took over the hand-on to {parked.id}" in worker.current_log()
+        wait_until(lambda: not list_parked(ext), 60, "nothing parked")
+    finally:
+        client.close()
