@@ -99,29 +99,36 @@ def admit(
     short): a park of it then parks it again. ``behind``: for a delivery of a task that is
     not parked, a ``LeaseBusy`` of a resource on which others are parked (not yet handed
     on): it parks behind them without trying the lease, so it cannot take a place freed by
-    a release before that release's hand-on (rate limits have no such check: see
-    docs/limits.md). Raises ``Ignore`` for a delivery that must not run: a copy of a task
-    that is parked, or whose hand-on another copy consumed (a redelivery of a copy that
-    started is let through: the redelivery guard's business)."""
+    a release before that release's hand-on; or a ``RateLimited`` of a rate limit with tasks
+    in its FIFO (parked, or handed on and not started): its park (park_limit.lua) admits it
+    again only if the window has room beyond them and nobody is parked ahead. Raises
+    ``Ignore`` for a delivery that must not run: a copy of a task that is parked, or whose
+    hand-on another copy consumed (a redelivery of a copy that started is let through: the
+    redelivery guard's business)."""
     request = task.request
     task_id = escape(request.id)
     keys = ext.store.keys
     redelivered = bool((request.delivery_info or {}).get("redelivered"))
     behind: LeaseBusy | None = None
     fifos: dict[int, list[str]] = {}  # slot group -> the task's FIFOs there, leases first
-    first: dict[int, str] = {}  # slot group -> its first lease (the gate's behind check)
+    # slot group -> what each of its FIFOs is busy as, when others are parked there
+    busy: dict[int, list[LeaseBusy]] = {}
     for want in wants:
         group = keys.group_of(want.resource)
-        first.setdefault(group, want.resource)
         fifos.setdefault(group, []).append(keys.parked(want.resource))
+        busy.setdefault(group, []).append(LeaseBusy(want.resource))
+    leases = {group: len(queues) for group, queues in fifos.items()}
     for limit in limits:
-        fifos.setdefault(keys.group_of(limit.name), []).append(keys.parked_limit(limit.name))
+        group = keys.group_of(limit.name)
+        fifos.setdefault(group, []).append(keys.parked_limit(limit.name))
+        busy.setdefault(group, []).append(RateLimited(limit.name))
     for group, queues in fifos.items():
         state, msgs, done, _ = _group_keys(ext, group)
         keys_ = [state, msgs, done, *queues]
         try:
             mark = tombstone(request.id, request.retries)
             args = [task_id, DONE_KEEP_MS, mark, _consumer(request), "1" if redelivered else "0"]
+            args.append(leases.get(group, 0))
             raw = _call(ext, _scripts.PARK_GATE, keys_, args, "admit a task")
         except LeaseBackendError as exc:
             # not retried (self.retry): a gate that ran but whose reply was lost consumed the
@@ -129,14 +136,17 @@ def admit(
             # (park_gate.lua records its consumer): requeue this one
             logger.error("leases: %s[%s] requeued: %s", task.name, request.id, exc)
             raise Reject(str(exc), requeue=True) from exc
+        if int(raw) >= ParkGateReply.BEHIND:  # 4 + k: behind the group's k-th FIFO
+            ahead = busy[group][int(raw) - ParkGateReply.BEHIND]
+            # the first in the task's order: its leases, then its limits
+            limited = isinstance(behind, RateLimited)
+            if behind is None or (limited and not isinstance(ahead, RateLimited)):
+                behind = ahead
+            continue
         reply = ParkGateReply(int(raw))
         if reply == ParkGateReply.HANDED:
             logger.info("leases: %s[%s] handed on: runs", task.name, request.id)
             return True, None
-        if reply == ParkGateReply.BEHIND:
-            if group in first:  # a lease's FIFO (a limit's is never first in its group)
-                behind = behind or LeaseBusy(first[group])
-            continue
         if reply == ParkGateReply.PARKED:
             logger.info("leases: %s[%s] is parked: this copy is dropped", task.name, request.id)
             raise Ignore()
@@ -197,6 +207,8 @@ def defer(
     if code == ParkReply.PARKED:
         from ._unique import keep_queued  # _unique imports the task layer's modules
 
+        if consumed:  # parked again: its hand-on's reservation on its other leases is no use
+            _unreserve(ext, request.id, [w for w in wants if w.resource != where])
         keep_queued(ext, task, request.id)
         _parked_now(task, template)
         logger.info("leases: %s[%s] parked on %s", task.name, request.id, where)
@@ -208,6 +220,35 @@ def defer(
             request.id,
         )
     raise Ignore()
+
+
+def _unreserve(ext: Leases, task_id: str, wants: Sequence[Want]) -> None:
+    """Free the reservations a hand-on made for ``task_id`` on ``wants`` and hand each freed
+    resource on to its next parked task. Called once the task parked again elsewhere (after
+    the park: a process killed before leaves the reservation to run out, as before). Never
+    raises: a reservation not freed runs out after ``handon_timeout``.
+
+    Timeline: t0 T (leases A and B) parked on A is handed A on (A reserved for T); t1 T's
+    copy consumes the hand-on and finds B busy; t2 T parks on B; t3 here A's reservation
+    goes and A is handed on to the next task parked on A, instead of A being held for nobody
+    until t0 + handon_timeout. When B hands on to T, T acquires A again (or parks on it)."""
+    keys = ext.store.keys
+    holder = f"0 {PLACEHOLDER}{escape(task_id)}"
+    for want in wants:
+        _, _, _, due = _group_keys(ext, keys.group_of(want.resource))
+        rkeys = [keys.exclusive(want.resource), keys.shared(want.resource), due]
+        try:
+            freed = _call(
+                ext, _scripts.UNRESERVE, rkeys, [holder, _due_member(want)], "free a reservation"
+            )
+        except LeaseBackendError as exc:
+            logger.error(
+                "leases: could not free %s reserved for %s: %s", want.resource, task_id, exc
+            )
+            continue
+        if int(freed):
+            logger.info("leases: %s parked again: %s no longer reserved", task_id, want.resource)
+            hand_on(ext, [want])
 
 
 def _message(
@@ -264,6 +305,7 @@ def _park_on_lease(
             "1" if force else "0",
             _ms(busy.retry_after or 0.001),
             _consumer(request),
+            PLACEHOLDER,
         ],
         "park a task",
         wait="park",
@@ -300,6 +342,7 @@ def _park_on_limit(
             DONE_KEEP_MS,
             "1" if consumed else "0",
             tombstone(request.id, request.retries),
+            _consumer(request),
         ],
         "park a task on a rate limit",
         wait="park_limit",

@@ -29,7 +29,7 @@ HANDON_MS = 300
 MEMBER = f"r {N}:{PERIOD_US}:1 {NAME}"
 
 
-def park(ext: Leases, task: str, consumed: bool = False) -> ParkReply:
+def park(ext: Leases, task: str, consumed: bool = False, generation: int = 0) -> ParkReply:
     state, msgs, done, due = _group_keys(ext, ext.store.keys.group_of(NAME))
     reply = _call(
         ext,
@@ -45,6 +45,7 @@ def park(ext: Leases, task: str, consumed: bool = False) -> ParkReply:
             DONE_KEEP_MS,
             "1" if consumed else "0",
             tombstone(task, 0),
+            f"g{generation}",
         ],
         "park",
     )
@@ -69,11 +70,12 @@ def hand_on(ext: Leases) -> tuple[str | None, int]:
     return None, int(reply[1])
 
 
-def gate(ext: Leases, task: str) -> ParkGateReply:
+def gate(ext: Leases, task: str, generation: int = 0, redelivered: bool = False) -> ParkGateReply:
     state, msgs, done, _ = _group_keys(ext, ext.store.keys.group_of(NAME))
     keys = [state, msgs, done, ext.store.keys.parked_limit(NAME)]
-    # a first delivery of the task's copy (generation g0, not redelivered: see park_gate.lua)
-    args = [escape(task), DONE_KEEP_MS, tombstone(task, 0), "g0", "0"]
+    # a delivery of the task's message of that generation (see park_gate.lua)
+    again = "1" if redelivered else "0"
+    args = [escape(task), DONE_KEEP_MS, tombstone(task, 0), f"g{generation}", again, 0]
     raw = _call(ext, PARK_GATE, keys, args, "gate")
     return ParkGateReply(int(raw))
 
@@ -239,3 +241,23 @@ def test_a_takeover_of_a_limits_hand_on_that_ran_out_publishes_nothing(
     report = leases.store.cleanup_owner(leases.identity().owner, dead=True)
     assert report.handons == []  # its copy may come late: its next hand-on is its turn
     assert handon_entries(leases) == []
+
+
+def test_a_task_parked_again_on_a_limit_is_no_longer_its_hand_ons_consumer(leases: Leases):
+    # the original message (g0) of t1, redelivered, consumes t1's hand-on, is refused and
+    # parks again; its worker dies before the ack. t1 is handed on again and its copy (g1)
+    # consumes that. The original, redelivered once more, must be dropped: it is not the
+    # consumer any more (park_limit.lua removes the "@g0" record, as park.lua does)
+    fill(leases)
+    assert park(leases, "t1") == ParkReply.PARKED
+    wait_for_room(leases)
+    assert hand_on(leases)[0] == "t1"
+    assert gate(leases, "t1", generation=0, redelivered=True) == ParkGateReply.HANDED
+    fill(leases)
+    assert park(leases, "t1", consumed=True, generation=0) == ParkReply.PARKED
+    wait_for_room(leases)
+    assert hand_on(leases)[0] == "t1"
+    assert gate(leases, "t1", generation=1) == ParkGateReply.HANDED
+    assert gate(leases, "t1", generation=0, redelivered=True) == ParkGateReply.CONSUMED
+    # the copy that consumed it, redelivered, still passes
+    assert gate(leases, "t1", generation=1, redelivered=True) == ParkGateReply.HANDED
