@@ -99,6 +99,7 @@ LAYERS: dict[str, int] = {
             "_modes",
             "_guard",
             "_parking",
+            "_parked",
             "fence",
             "metrics",
             "otel",
