@@ -49,9 +49,13 @@ Options (each also an app-wide setting, see the configuration reference):
 - ``unique``: a template like a lease's; at most one copy of the task per rendered key is
   queued or running. A copy sent while the key is held (by ``delay``, ``send_task``, canvas,
   beat) is not sent; ``on_duplicate`` says what its sender gets: ``"existing"`` (default: the
-  holder's ``AsyncResult``), ``"raise"`` (:class:`DuplicateTask`) or ``"ignore"`` (a
-  ``REJECTED`` result). ``unique_ttl`` (setting ``unique_ttl``) bounds how long a claim waits
-  in the queue. ``unique_mode`` (also an ``apply_async``/beat entry option): ``"refuse"``
+  holder's ``AsyncResult``), ``"raise"`` (:class:`DuplicateTask`), ``"ignore"`` (a
+  ``REJECTED`` result) or ``"cancel"`` (a copy running is asked to stop, ``LeaseRevoked`` in
+  it, its claim force-released after ``unique_cancel_deadline``; the send becomes the one
+  follow-up run after it; :func:`current_claim` is the run's claim). ``unique_ttl`` (setting
+  ``unique_ttl``) bounds how long a claim waits in the queue; ``unique_confirm=False`` makes
+  a send one script call, not two (a producer killed before its publish then blocks the key
+  for ``unique_ttl``). ``unique_mode`` (also an ``apply_async``/beat entry option): ``"refuse"``
   (default, the above), ``"throttle"`` (also refused for ``unique_window`` seconds after an
   accepted send), ``"replace"`` (a send takes the place of the copy still queued),
   ``"keep_last"`` or ``"debounce"`` (``unique_window``, ``unique_max_wait``). See
