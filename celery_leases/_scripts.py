@@ -76,6 +76,7 @@ class UniqueClaimReply(IntEnum):
     CLAIMED_AGAIN = 2  #: already queued for this same task id (a re-publish): the token follows
     FOLLOWS = 4  #: keep_last: not sent; the task id of the run that takes its arguments follows
     THROTTLED = 3  #: a throttle window is running: the task id of its send and its pttl follow
+    CANCELS = 5  #: cancel: not sent; the running holder, revoked, and ms to its deadline follow
 
 
 class UniqueHandoverReply(IntEnum):

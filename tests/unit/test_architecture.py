@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
             "config",
             "_config_source",
             "_config_diagnostics",
+            "_setting_texts",
             "_timing",
             "_keys",
             "_lease",
