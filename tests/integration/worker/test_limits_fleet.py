@@ -9,7 +9,7 @@ start with the Redis clock. On a Redis broker and on RabbitMQ:
   each at, which the task records), and no more than 10 starts (TIME in the body) in any
   window of 1 s less the spread of the admission-to-start delays (a few ms);
 - A sustains at least 9 starts a second, first start to last;
-- B is not slowed by A's backlog: every B starts while A is still far from done;
+- B is not slowed by A's backlog: every B starts in the first half of A's run;
 - every task runs exactly once.
 """
 
@@ -126,8 +126,11 @@ def test_a_fleet_keeps_a_at_10_per_second_and_b_is_not_slowed(
         span = (stamps[-1] - stamps[0]) / US
         rate = (A_TASKS - 1) / span
         assert rate >= 9.0, f"A ran at {rate:.2f}/s"
-        # B is not held back by A's backlog: all of B has started before a sixth of A's time
-        assert b[-1][0] - stamps[0] < span * US / 6, (b[-1][0] - stamps[0]) / US
+        # B is not held back by A's backlog: all of B has started in the first half of A's
+        # run (held back, it would end with A's last seconds). What B waits for is the worker
+        # getting through A's 600 first deliveries, which a loaded machine slows (11.6 and
+        # 13.3 s at load 15, 26 s once at load 20), while the limiter keeps A's run at 60 s
+        assert b[-1][0] - stamps[0] < span * US / 2, (b[-1][0] - stamps[0]) / US
         print(
             f"\n{broker}: A at {rate:.2f}/s over {span:.1f}s; B done in "
             f"{(b[-1][0] - stamps[0]) / US:.1f}s; most A in a second: admitted "
