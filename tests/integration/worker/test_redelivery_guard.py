@@ -37,6 +37,9 @@ APP = "tests.integration.worker.guard_app"
 VISIBILITY = 3.0
 #: the length of the slow task (seconds): more than twice the visibility timeout
 TASK_SECONDS = 8.0
+#: the first run of a task whose worker is killed once another worker is up: starting that
+#: worker took 9 s at load 15, and a run that ended before the kill left nothing to redeliver
+KILLED_RUN_SECONDS = 120.0
 
 
 @pytest.fixture
@@ -180,7 +183,7 @@ def test_a_killed_workers_task_completes_elsewhere(
     start: Callable[..., WorkerProc], fleet: Fleet
 ) -> None:
     victim = start(concurrency=1)
-    task_id = fleet.send("slow", TASK_SECONDS)
+    task_id = fleet.send("slow", TASK_SECONDS, KILLED_RUN_SECONDS)
     wait_until(lambda: fleet.count("started", task_id) >= 1, 30, "the first run")
     rescuer = start(concurrency=1)
     kill_whole_worker(victim)
@@ -310,7 +313,7 @@ def test_rabbitmq_a_killed_workers_task_completes_elsewhere(
     victim = start(concurrency=1, env=env)
     fleet = Fleet(env, amqp)
     try:
-        task_id = fleet.send("slow", TASK_SECONDS)
+        task_id = fleet.send("slow", TASK_SECONDS, KILLED_RUN_SECONDS)
         wait_until(lambda: fleet.count("started", task_id) >= 1, 30, "the first run")
         start(concurrency=1, env=env)
         kill_whole_worker(victim)
