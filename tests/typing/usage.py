@@ -21,6 +21,7 @@ from celery_leases import (
     Revoked,
     Shared,
     StaleFence,
+    current_claim,
     current_leases,
 )
 
@@ -32,6 +33,15 @@ leases = Leases(app, ttl=30.0, key_prefix="typing")
 def init_analysis(analysis_id: int) -> int:
     held: tuple[Lease, ...] = current_leases()
     return held[0].token
+
+
+@app.task(base=LeasedTask, unique="sync:{repo}", on_duplicate="cancel", unique_cancel_deadline=30)
+def sync_repo(repo: str) -> int:
+    claim: Lease | None = current_claim()
+    if claim is None:
+        return 0
+    claim.check()
+    return claim.token
 
 
 def one() -> int:
