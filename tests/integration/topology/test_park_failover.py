@@ -12,7 +12,9 @@ SIGKILL, a replica promoted by real sentinels.
   are let go. Without ``min_replicas`` the parks made meanwhile ended their deliveries (their
   messages acked) and are gone from the new master: the tasks are lost. With
   ``min_replicas=1`` each of those parks is refused and its message requeued; delivered again
-  after the failover, it parks on the new master.
+  after the failover, it parks on the new master. But with more replicas than
+  ``min_replicas``, Sentinel can promote one that did not confirm (here the one that did has
+  ``replica-priority 0``): the confirmed, acked parks are lost as well.
 """
 
 from __future__ import annotations
@@ -224,3 +226,49 @@ def _online_replicas(url: str) -> int:
         1 for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)
         and v.get("state") == "online"
     )  # fmt: skip
+
+
+# two replicas: the one that confirms every park can never be promoted (replica-priority 0)
+@pytest.mark.parametrize("sentinel", [2], indirect=True)
+def test_min_replicas_loses_parks_when_sentinel_promotes_a_replica_that_did_not_confirm(
+    sentinel, make
+) -> None:
+    leases, job = make(ttl=30.0, min_replicas=1, min_replicas_timeout=2.0)
+    old = sentinel.master()
+    confirming, lagging_replica = [s for s in sentinel.data if s is not old]
+    with closing(redis.Redis.from_url(confirming.url, socket_timeout=10)) as client:
+        client.config_set("replica-priority", 0)
+    wait_until(
+        lambda: _sentinels_see_priority(sentinel, confirming.port, 0),
+        60,
+        "every sentinel to know the confirming replica can't be promoted",
+    )
+    with leases.hold("pf:a") as lease:
+        kept = [park_one(leases, job, "a", n) for n in range(KEPT)]
+        with closing(redis.Redis.from_url(old.url, socket_timeout=10)) as client:
+            assert client.wait(2, 10_000) == 2
+            lagging_replica.pause()
+            try:
+                client.client_kill_filter(_type="replica")  # the confirming one reconnects
+                wait_until(lambda: _online_replicas(old.url) == 1, 60, "the confirming replica")
+                # confirmed by one replica, as min_replicas=1 asks: acked
+                lagging = [park_one(leases, job, "a", n) for n in range(KEPT, KEPT + LAGGING)]
+                old.kill()
+            finally:
+                lagging_replica.resume()
+        assert sentinel.wait_for_new_master(old.port, timeout=60) is lagging_replica
+        # the confirmed parks are gone with the replica that was not promoted
+        wait_until(lambda: _parked_ids(leases) == kept, 60, "the new master's parked tasks")
+        assert not set(lagging) & set(_parked_ids(leases))
+        lease.check()
+
+
+def _sentinels_see_priority(sentinel: LocalSentinel, port: int, priority: int) -> bool:
+    for sentinel_port in sentinel.sentinel_ports:
+        url = f"redis://127.0.0.1:{sentinel_port}/0"
+        with closing(redis.Redis.from_url(url, socket_timeout=5)) as client:
+            replicas = client.sentinel_slaves(sentinel.master_name)
+        mine = [r for r in replicas if int(r["port"]) == port]
+        if not mine or int(mine[0].get("slave-priority", -1)) != priority:
+            return False
+    return True
