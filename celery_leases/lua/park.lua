@@ -32,6 +32,7 @@ if state == 'h' then
   redis.call('ZADD', KEYS[6], now, ARGV[8])
   return {2}
 elseif state == 'p' then
+  redis.call('HSET', KEYS[4], task, 'p')  -- the WAIT after this call covers the park
   return {3}
 end
 if ARGV[7] == '1' then

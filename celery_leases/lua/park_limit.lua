@@ -24,6 +24,7 @@ if state == 'h' then
   redis.call('ZADD', KEYS[8], now, ARGV[9])
   return {2}
 elseif state == 'p' then
+  redis.call('HSET', KEYS[6], task, 'p')  -- the WAIT after this call covers the park
   return {3}
 end
 if ARGV[8] == '1' then

@@ -29,9 +29,11 @@ import redis
 from celery import Celery
 from celery.exceptions import Ignore, Reject
 
-from celery_leases import LeaseBusy, LeasedTask, Leases
+from celery_leases import LeaseBusy, LeasedTask, Leases, _scripts
+from celery_leases._keys import escape
 from celery_leases._lease import Want
-from celery_leases._parking import defer, list_parked
+from celery_leases._parking import DONE_KEEP_MS, admit, defer, list_parked, tombstone
+from celery_leases._scripts import ParkGateReply
 from tests.support.polling import wait_until
 from tests.support.topology import LocalSentinel
 
@@ -226,6 +228,100 @@ def _online_replicas(url: str) -> int:
         1 for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)
         and v.get("state") == "online"
     )  # fmt: skip
+
+
+def test_a_requeued_parks_redelivery_is_dropped_only_once_the_replica_has_the_park(
+    sentinel, make
+) -> None:
+    leases, job = make(ttl=10, min_replicas=1, min_replicas_timeout=0.5)
+    other, other_job = make(ttl=10, min_replicas=1, min_replicas_timeout=0.5)  # a 2nd worker
+    master = sentinel.master()
+    replica = next(s for s in sentinel.data if s is not master)
+    task_id = str(uuid.uuid4())
+    # one connection of its own: a write of this test's, confirmed by the replica
+    raw = redis.Redis.from_url(master.url, socket_timeout=10, single_connection_client=True)
+    with closing(raw), leases.hold("pf:a"):
+        park_one(other, other_job, "a", 0)
+        raw.set(f"{leases.store.keys.tag(0)}:test-probe", 1, ex=60)
+        assert raw.wait(1, 10_000) == 1
+        replica.pause()  # connected, but it confirms nothing more
+        try:
+            assert deliver(leases, job, "a", 1, task_id) == "requeued"
+            assert _on_master(master.url, leases, "pf:a")[-1] == task_id  # the park stands
+            # redelivered to the other worker: not dropped (acked) for a park with no replica
+            assert redeliver(other, other_job, "a", 1, task_id) == "requeued"
+            # whatever the connection wrote last: the gate's drop is a write of its own, so
+            # the WAIT after it covers the park (a WAIT counts the connection's writes only)
+            assert gate(raw, leases, "pf:a", task_id) == ParkGateReply.PARKED
+            assert raw.wait(1, 300) == 0
+        finally:
+            replica.resume()
+        # the replica has it now: the next redelivery is dropped, as a copy of a parked task
+        assert redeliver(other, other_job, "a", 1, task_id) == "acked"
+
+
+# two replicas, both lagging: after the failover the new master has the other to confirm to
+@pytest.mark.parametrize("sentinel", [2], indirect=True)
+def test_a_requeued_park_is_not_acked_on_its_redelivery_before_a_replica_has_it(
+    sentinel, make
+) -> None:
+    leases, job = make(ttl=30.0, min_replicas=1, min_replicas_timeout=1.0)
+    other, other_job = make(ttl=30.0, min_replicas=1, min_replicas_timeout=1.0)  # a 2nd worker
+    old = sentinel.master()
+    task_id = str(uuid.uuid4())
+    with leases.hold("pf:a") as lease:
+        kept = [park_one(leases, job, "a", n) for n in range(KEPT)]
+
+        def park_and_redeliver_while_lagging() -> None:
+            assert deliver(leases, job, "a", KEPT, task_id) == "requeued"
+            # the park stands on the master only: its redelivery, to another worker, is not
+            # dropped (acked) for it, but requeued again
+            assert redeliver(other, other_job, "a", KEPT, task_id) == "requeued"
+            assert _on_master(old.url, leases, "pf:a") == [*kept, task_id]
+
+        fail_over_to_lagging_replicas(sentinel, park_and_redeliver_while_lagging)
+        new = sentinel.master()
+        wait_until(lambda: _parked_ids(leases) == kept, 60, "the new master's parked tasks")
+        wait_until(lambda: _online_replicas(new.url) >= 1, 60, "a replica of the new master")
+        # delivered once more: the gate lets it through (not parked here), and it parks
+        assert redeliver(other, other_job, "a", KEPT, task_id) == "admitted"
+        assert deliver(other, other_job, "a", KEPT, task_id) == "acked"
+        # and a later redelivery is dropped (acked): a replica has the park now
+        assert redeliver(other, other_job, "a", KEPT, task_id) == "acked"
+        assert _parked_ids(leases) == [*kept, task_id]
+        lease.check()
+
+
+def gate(client: redis.Redis, leases: Leases, resource: str, task_id: str) -> int:
+    """park_gate.lua for the first message of ``task_id``, redelivered, on ``client``."""
+    keys = leases.store.keys
+    state, msgs, done = keys.park_state(0), keys.park_messages(0), keys.park_done(0)
+    args = [escape(task_id), DONE_KEEP_MS, tombstone(task_id, 0), "g0", "1"]
+    script = client.register_script(_scripts.PARK_GATE)
+    return int(script(keys=[state, msgs, done, keys.parked(resource)], args=args))
+
+
+def redeliver(leases: Leases, job: Any, k: str, n: int, task_id: str) -> str:
+    """The gate (admit()) of a redelivery of ``job(k, n)``'s first message: ``"acked"``
+    (``Ignore``: dropped as a copy of a parked task), ``"requeued"`` (``Reject``), or
+    ``"admitted"`` (it goes on to take its lease)."""
+    job.push_request(
+        id=task_id,
+        retries=0,
+        headers={},
+        args=(k, n),
+        kwargs={},
+        delivery_info={"redelivered": True},
+    )
+    try:
+        admit(leases, job, [Want(f"pf:{k}")])
+    except Ignore:
+        return "acked"
+    except Reject as exc:
+        return "requeued" if exc.requeue else "rejected"
+    finally:
+        job.pop_request()
+    return "admitted"
 
 
 # two replicas: the one that confirms every park can never be promoted (replica-priority 0)
