@@ -12,7 +12,8 @@ SIGKILL, a replica promoted by real sentinels.
   are let go. Without ``min_replicas`` the parks made meanwhile ended their deliveries (their
   messages acked) and are gone from the new master: the tasks are lost. With
   ``min_replicas=1`` each of those parks is refused and its message requeued; delivered again
-  after the failover, it parks on the new master. But with more replicas than
+  after the failover, it parks on the new master; delivered again before, it is requeued
+  again, not dropped for the park only the master has. But with more replicas than
   ``min_replicas``, Sentinel can promote one that did not confirm (here the one that did has
   ``replica-priority 0``): the confirmed, acked parks are lost as well.
 """
