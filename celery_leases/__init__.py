@@ -37,7 +37,7 @@ from .exceptions import (
     StaleFence,
 )
 from .fence import AsyncFencedRedis, FencedRedis
-from .task import LeasedTask, current_leases, is_skipped
+from .task import LeasedTask, current_claim, current_leases, is_skipped
 
 try:
     __version__ = _version("celery-leases")
@@ -46,6 +46,7 @@ except _PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = (
     "AsyncFencedRedis",
+    "current_claim",
     "current_leases",
     "DuplicateTask",
     "FencedRedis",

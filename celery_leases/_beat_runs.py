@@ -185,7 +185,9 @@ def claim_run(ext: Leases, entry: str, task_id: str) -> int | ClaimHolder:
     run still queued or running.
     """
     settings = ext.settings
-    window = min(settings.unique_confirm_window, settings.unique_ttl)
+    window = settings.unique_ttl  # unique_confirm off: the one call, no confirm
+    if settings.unique_confirm:
+        window = min(settings.unique_confirm_window, window)
     outcome = ext.store.unique_claim(run_key(entry), task_id, window)
     if isinstance(outcome, ClaimHolder):
         return outcome
@@ -193,7 +195,10 @@ def claim_run(ext: Leases, entry: str, task_id: str) -> int | ClaimHolder:
 
 
 def confirm_run(ext: Leases, entry: str, task_id: str, token: int) -> None:
-    """Run ``task_id`` is published: its marker now lives ``unique_ttl`` while it is queued."""
+    """Run ``task_id`` is published: its marker now lives ``unique_ttl`` while it is queued
+    (with ``unique_confirm`` off it did from its claim: nothing to do)."""
+    if not ext.settings.unique_confirm:
+        return
     try:
         ext.store.unique_confirm(run_key(entry), task_id, token, ext.settings.unique_ttl)
     except LeaseError as exc:

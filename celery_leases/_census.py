@@ -499,7 +499,7 @@ class CensusData:
         return owners_json(self.store)
 
     def parked(self) -> dict[str, int]:
-        from ._parking import parked_counts  # the integration layer: imported when used
+        from ._parked import parked_counts  # the integration layer: imported when used
         from .app import find_leases
 
         ext = find_leases(self.app)

@@ -68,7 +68,9 @@ class ClaimMode:
     throttle, "r" replace, "k" keep_last, "d" debounce), ``window`` (throttle, seconds),
     ``forget`` (seconds a replaced task id or a run's newest arguments are kept),
     ``message`` (keep_last, debounce: the send as a parked message), ``quiet`` and
-    ``max_wait`` (debounce: its window and longest wait, seconds)."""
+    ``max_wait`` (debounce: its window and longest wait, seconds), ``cancel`` (on_duplicate=
+    "cancel": seconds until a running copy's claim is force-released; 0: no cancel) and
+    ``reason`` (cancel: the revocation's reason)."""
 
     kind: str = ""
     window: float = 0.0
@@ -76,6 +78,8 @@ class ClaimMode:
     message: str = ""
     quiet: float = 0.0
     max_wait: float = 0.0
+    cancel: float = 0.0
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,10 @@ class Claimed:
     replaced: str | None = None
     #: unique_mode="keep_last": not sent; the task id of the run that takes its arguments
     follows: str | None = None
+    #: on_duplicate="cancel": the running copy asked to stop ("<token> <owner>"), and the
+    #: seconds until its claim is force-released; this send is parked as its follow-up
+    cancels: str | None = None
+    deadline: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -182,6 +190,9 @@ def _claim_attempt(
         return Claimed(key, task_id, int(reply[1]), again=again, replaced=replaced)
     if code == UniqueClaimReply.FOLLOWS:
         return Claimed(key, task_id, 0, follows=unescape(str(reply[1])))
+    if code == UniqueClaimReply.CANCELS:
+        holder, left = str(reply[1]), int(reply[2]) / 1000
+        return Claimed(key, task_id, 0, follows=task_id, cancels=holder, deadline=left)
     if code == UniqueClaimReply.THROTTLED:
         pttl = int(reply[2])
         last = unescape(str(reply[1]))
@@ -230,11 +241,13 @@ def _unique_claim_call(
     keys += [engine.keys.unique_window(resource), engine.keys.unique_replaced(resource)]
     keys += engine.keys.park_keys(resource)[:3]
     keys += [engine.keys.park_due(rk.group), engine.keys.unique_newest(resource)]
+    keys.append(rk.revocation)
     args: list[Any] = [escape(task_id), engine.ms(ttl), engine.token_memory_ms, resource]
     args.append("" if token is None else str(token))
     mode = mode or ClaimMode()
     args += [engine.ms(mode.window) if mode.window else "0", mode.kind, engine.ms(mode.forget)]
     args += [mode.message, f"x 0 {resource}", engine.ms(mode.quiet), engine.ms(mode.max_wait)]
+    args += [engine.ms(mode.cancel) if mode.cancel else "0", mode.reason]
     return Script("unique_claim", keys, args)
 
 

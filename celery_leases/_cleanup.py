@@ -189,6 +189,8 @@ def take_over(
     hand-on recorded in its registry); t1 it is killed before it publishes T; t2 a cleanup of
     it (the reaper of its worker, a restart, a reconcile) takes the hand-on over and publishes
     T at once, instead of T waiting for the reservation to run out (``handon_timeout``).
+    The same for a pump's hand-on on a rate limit (its hand-on in flight is extended: T
+    keeps its turn).
     A lost reply loses those messages: the hand-ons then run out and are handed on again.
     """
     keys = [
@@ -198,8 +200,12 @@ def take_over(
     ]
     args: list[object] = [PARKED_OWNER, engine.ms(engine.settings.handon_timeout)]
     for handon in handons:
-        rk = engine.resource_keys(handon.resource)
-        keys += (rk.exclusive, rk.shared)
+        if handon.mode == "r":  # a rate limit's hand-on: its entry in the limit's FIFO
+            fifo = engine.keys.parked_limit(handon.resource)
+            keys += (fifo, fifo)
+        else:
+            rk = engine.resource_keys(handon.resource)
+            keys += (rk.exclusive, rk.shared)
         args += (handon.text, handon.task, handon.mode)
     call = Script("handon_takeover", keys, args)
     (reply,) = yield from engine.send("take over a dead owner's hand-ons", [call], once=True)

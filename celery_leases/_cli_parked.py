@@ -8,7 +8,7 @@ from typing import Final
 import click
 
 from ._cli_base import Command, Failure, echo_json, json_option, leases_of, non_empty
-from ._parking import list_parked, unpark
+from ._parked import list_parked, unpark
 from ._render import printable
 
 

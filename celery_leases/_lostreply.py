@@ -83,6 +83,8 @@ POLICIES: Final[Mapping[str, str]] = {
     "handon_takeover": "not sent again: a takeover that ran took the dead owner's hand-ons "
     "out of its registry, and their messages are lost with the reply; each reservation runs "
     "out (handon_timeout) and its task goes back to its queue, handed on again later",
+    "unreserve": "idempotent: not sent again, as nothing waits for it; a second run finds "
+    "no reservation of the task (a lost one leaves it to run out after handon_timeout)",
     "unpark": "idempotent: the operator runs it again (a second run finds nothing parked)",
     "park_limit": "not sent again: as park (the delivery is requeued; a park that ran makes "
     "the redelivery find the task parked, and be dropped)",

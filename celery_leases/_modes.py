@@ -33,6 +33,12 @@ UNIQUE_HEADER: Final = "lease_unique"
 MODE_HEADER: Final = "lease_unique_mode"
 #: the per-call options of a unique mode (apply_async, send_task, a beat entry's options)
 PER_CALL: Final = ("unique_mode", "unique_window", "unique_max_wait")
+#: the MODE_HEADER of a message that a send parked as a follow-up (keep_last, debounce, and
+#: on_duplicate="cancel"): its run takes the hand-on and the newest arguments sent for it
+_FOLLOWING: Final = ("keep_last", "debounce", "cancel")
+#: the unique modes that take on_duplicate="cancel" (the others never refuse a running copy
+#: with on_duplicate, or, throttle, refuse every send while the window runs)
+CANCELS: Final = (None, "refuse", "replace")
 #: debounce without unique_max_wait: the latest a burst's run may be, seconds (30 years)
 _NO_MAX_WAIT: Final = 1e9
 #: what a send does while the key is taken (docs/unique.md, "Modes")
@@ -105,11 +111,33 @@ def check_mode(
             f"{window!r}: a run could never wait for a quiet window"
         )
         raise LeaseConfigError(msg)
+    if on_duplicate == "cancel" and mode not in CANCELS:
+        msg = (
+            f"task {name!r}: on_duplicate='cancel' is for unique_mode='refuse' or 'replace', "
+            f"not {mode!r}"
+        )
+        raise LeaseConfigError(msg)
     if mode in ("keep_last", "debounce") and on_duplicate is not None:
         msg = (
             f"task {name!r}: on_duplicate= means nothing with unique_mode={mode!r} (a send "
             "is never refused: its arguments go to the run that will carry them)"
         )
+        raise LeaseConfigError(msg)
+
+
+def check_unique_options(name: str, unique: object, deadline: object, confirm: object) -> None:
+    """Check a task's ``unique_cancel_deadline`` and ``unique_confirm`` options.
+
+    Raises:
+        LeaseConfigError: naming the task and the option that is wrong.
+    """
+    _seconds(name, "unique_cancel_deadline", deadline)
+    if confirm is not None and not isinstance(confirm, bool):
+        msg = f"task {name!r}: unique_confirm={confirm!r} must be True or False"
+        raise LeaseConfigError(msg)
+    given = [o for o, v in (("cancel_deadline", deadline), ("confirm", confirm)) if v is not None]
+    if unique is None and given:
+        msg = f"task {name!r}: unique_{given[0]}= needs unique= (the key it applies to)"
         raise LeaseConfigError(msg)
 
 
@@ -172,10 +200,12 @@ def kept(
     mode: ClaimMode, key: str, name: str, args: Any, kwargs: Any, options: Mapping[str, Any]
 ) -> ClaimMode:
     """``mode`` with the send as the message of a keep_last follow-up (_parking.py's format,
-    without a task id: the hand-on gives it the id of the run it is)."""
+    without a task id: the hand-on gives it the id of the run it is); the follow-up of a
+    cancel too (``mode.cancel``)."""
+    kind = parked_kind(mode) or ("cancel" if mode.cancel else None)
     kept = {k: options[k] for k in _KEPT_OPTIONS if options.get(k) is not None}
     headers = dict(options.get("headers") or {})
-    headers.update({UNIQUE_HEADER: key, PARKED_HEADER: 1, MODE_HEADER: parked_kind(mode)})
+    headers.update({UNIQUE_HEADER: key, PARKED_HEADER: 1, MODE_HEADER: kind})
     sig = {
         "task": name,
         "args": list(args or ()),
@@ -187,23 +217,23 @@ def kept(
     try:
         message = dumps({"resource": UNIQUE_PREFIX + key, "task": name, "sig": sig})
     except (TypeError, ValueError) as exc:
-        msg = f"task {name!r}: unique_mode={parked_kind(mode)!r} needs JSON arguments: {exc}"
+        what = f"unique_mode={kind!r}" if parked_kind(mode) else "on_duplicate='cancel'"
+        msg = f"task {name!r}: {what} needs JSON arguments: {exc}"
         raise LeaseConfigError(msg) from exc
     return replace(mode, message=message)
 
 
 def handed_on(task: UniqueTask, mode: object, options: Mapping[str, Any]) -> bool:
-    """True for the publish of a keep_last follow-up by its hand-on (_parking.py)."""
+    """True for the publish of a keep_last (or cancel) follow-up by its hand-on (_parking.py)."""
     headers = options.get("headers") or {}
-    kinds = ("keep_last", "debounce")
-    keep_last = (mode or task.unique_mode) in kinds or headers.get(MODE_HEADER) in kinds
+    keep_last = (mode or task.unique_mode) in _FOLLOWING or headers.get(MODE_HEADER) in _FOLLOWING
     return keep_last and bool(headers.get(PARKED_HEADER)) and bool(headers.get(UNIQUE_HEADER))
 
 
 def keeps_last(task: Any, request: Any) -> bool:
-    """True for a run of a keep_last or debounce task (declared so, or sent so per call)."""
-    kinds = ("keep_last", "debounce")
-    return bool(task.unique_mode in kinds or header(request, MODE_HEADER) in kinds)
+    """True for a run of a keep_last or debounce task (declared so, or sent so per call), and
+    for a cancel's follow-up."""
+    return bool(task.unique_mode in _FOLLOWING or header(request, MODE_HEADER) in _FOLLOWING)
 
 
 def newest_arguments(

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
+from celery.result import AsyncResult
 from celery.utils.log import get_logger
 
 from . import signals
@@ -20,6 +21,34 @@ if TYPE_CHECKING:
 
 #: the log lines of acquire and release keep the logger of Leases (users filter on it)
 logger = get_logger("celery_leases.app")
+
+
+#: the one key of the result of a task skipped by ``on_busy="skip"`` (see :func:`is_skipped`)
+SKIPPED_KEY: Final = "celery_leases.skipped"
+
+
+def is_skipped(result: object) -> bool:
+    """True if ``result`` is that of a task skipped by ``on_busy="skip"``.
+
+    A skipped task ends SUCCESS without running its body; its result is a small dict,
+    ``{"celery_leases.skipped": {"resource": ..., "holder_task": ...}}`` (JSON-safe, so it
+    crosses any result backend), unless the ``skip_result`` setting is ``"none"``. ::
+
+        result = build_report.delay(42)
+        if is_skipped(result.get()):
+            ...  # another copy held the report's lease
+
+    Args:
+        result: a task's return value, or its ``AsyncResult`` (a finished one is read
+            without waiting; an unfinished one is not skipped yet).
+
+    .. versionadded:: 0.1
+    """
+    if isinstance(result, AsyncResult):
+        if not result.successful():
+            return False
+        result = result.result
+    return isinstance(result, dict) and len(result) == 1 and SKIPPED_KEY in result
 
 
 def busy_seen(

@@ -1,4 +1,4 @@
-"""Parked tasks (``on_busy="defer"``): park, admit a copy, hand on, the pump, list, cancel.
+"""Parked tasks (``on_busy="defer"``): park, admit a copy, hand on, the pump.
 
 A task whose lease is busy is parked in Redis (its message, in its resource's FIFO) and its
 delivery ends without running the body; a release (or the pump, for a holder that died) hands
@@ -25,7 +25,19 @@ from ._grants import Busy, acquire_group
 from ._keys import escape, unescape
 from ._lease import Want
 from ._limits import LimitWant
-from ._protocol import Failure, ReplicaShortfall
+from ._parked import (
+    DONE_KEEP_MS,
+    Parked,
+    _call,
+    _group_keys,
+    _limit_script_keys,
+    _ms,
+    _text,
+    list_parked,
+    parked_counts,
+    tombstone,
+    unpark,
+)
 from ._registry import PARKED_OWNER
 from ._scripts import ParkGateReply, ParkReply
 from .exceptions import LeaseBackendError, LeaseBusy, RateLimited
@@ -35,6 +47,7 @@ if TYPE_CHECKING:
     from .app import Leases
 
 __all__ = (
+    "DONE_KEEP_MS",
     "PARKED_HEADER",
     "Parked",
     "ended_parked",
@@ -50,6 +63,7 @@ __all__ = (
     "parks",
     "publish_taken_over",
     "pump",
+    "tombstone",
     "unpark",
 )
 
@@ -60,45 +74,10 @@ logger = get_logger(__name__)
 PARKED_HEADER: Final = "lease_parked"
 #: the owner of a hand-on's reservation is this prefix and the escaped task id (acquire.lua)
 PLACEHOLDER: Final = PARKED_OWNER
-#: milliseconds a consumed hand-on's tombstone is kept: a later copy of the task is dropped
-DONE_KEEP_MS: Final = 7 * 24 * 3600 * 1000
 #: at most this many hand-ons of one resource in one call (a Shared lease with room for many)
 _MAX_HANDONS: Final = 64
 #: due resources the pump hands on per slot group and turn (one head each: round robin)
 _PUMP_BATCH: Final = 256
-
-
-class Parked(dict[str, Any]):
-    """One parked task as ``celery leases parked`` shows it (a dict: JSON as it is)."""
-
-
-def _call(
-    ext: Leases, src: str, keys: Sequence[str], args: Sequence[Any], what: str, wait: str = ""
-) -> Any:
-    """One script call; ``wait``: its name, to follow it with ``WAIT`` for ``min_replicas``
-    (if set) as a grant does (a park: its message is acked once this returns)."""
-    store = ext.store
-    try:
-        if wait and store.engine.wait_replicas:
-            return store.run(store.engine.replicated(wait, keys, args, what))
-        return store.client.register_script(src)(keys=list(keys), args=list(args))
-    except (RedisError, Failure, ReplicaShortfall) as exc:
-        raise store.backend_error(what, exc) from exc
-
-
-def _group_keys(ext: Leases, group: int) -> tuple[str, str, str, str]:
-    keys = ext.store.keys
-    return (
-        keys.park_state(group),
-        keys.park_messages(group),
-        keys.park_done(group),
-        keys.park_due(group),
-    )
-
-
-def tombstone(task_id: str, retries: int | None) -> str:
-    """The done ZSET's member of a consumed hand-on: per message, so a retry is not one."""
-    return f"{escape(task_id)}#{int(retries or 0)}"
 
 
 def _due_member(want: Want) -> str:
@@ -108,10 +87,6 @@ def _due_member(want: Want) -> str:
 def _consumer(request: Any) -> str:
     """The message's generation as park_gate.lua records a hand-on's consumer: "g<n>"."""
     return f"g{int(getattr(request, PARKED_HEADER, None) or 0)}"
-
-
-def _ms(seconds: float) -> int:
-    return max(1, round(seconds * 1000))
 
 
 # --- the task's side ------------------------------------------------------------------------
@@ -124,29 +99,36 @@ def admit(
     short): a park of it then parks it again. ``behind``: for a delivery of a task that is
     not parked, a ``LeaseBusy`` of a resource on which others are parked (not yet handed
     on): it parks behind them without trying the lease, so it cannot take a place freed by
-    a release before that release's hand-on (rate limits have no such check: see
-    docs/limits.md). Raises ``Ignore`` for a delivery that must not run: a copy of a task
-    that is parked, or whose hand-on another copy consumed (a redelivery of a copy that
-    started is let through: the redelivery guard's business)."""
+    a release before that release's hand-on; or a ``RateLimited`` of a rate limit with tasks
+    in its FIFO (parked, or handed on and not started): its park (park_limit.lua) admits it
+    again only if the window has room beyond them and nobody is parked ahead. Raises
+    ``Ignore`` for a delivery that must not run: a copy of a task that is parked, or whose
+    hand-on another copy consumed (a redelivery of a copy that started is let through: the
+    redelivery guard's business)."""
     request = task.request
     task_id = escape(request.id)
     keys = ext.store.keys
     redelivered = bool((request.delivery_info or {}).get("redelivered"))
     behind: LeaseBusy | None = None
     fifos: dict[int, list[str]] = {}  # slot group -> the task's FIFOs there, leases first
-    first: dict[int, str] = {}  # slot group -> its first lease (the gate's behind check)
+    # slot group -> what each of its FIFOs is busy as, when others are parked there
+    busy: dict[int, list[LeaseBusy]] = {}
     for want in wants:
         group = keys.group_of(want.resource)
-        first.setdefault(group, want.resource)
         fifos.setdefault(group, []).append(keys.parked(want.resource))
+        busy.setdefault(group, []).append(LeaseBusy(want.resource))
+    leases = {group: len(queues) for group, queues in fifos.items()}
     for limit in limits:
-        fifos.setdefault(keys.group_of(limit.name), []).append(keys.parked_limit(limit.name))
+        group = keys.group_of(limit.name)
+        fifos.setdefault(group, []).append(keys.parked_limit(limit.name))
+        busy.setdefault(group, []).append(RateLimited(limit.name))
     for group, queues in fifos.items():
         state, msgs, done, _ = _group_keys(ext, group)
         keys_ = [state, msgs, done, *queues]
         try:
             mark = tombstone(request.id, request.retries)
             args = [task_id, DONE_KEEP_MS, mark, _consumer(request), "1" if redelivered else "0"]
+            args.append(leases.get(group, 0))
             raw = _call(ext, _scripts.PARK_GATE, keys_, args, "admit a task")
             if int(raw) == ParkGateReply.PARKED and ext.store.engine.wait_replicas:
                 # dropped for a park min_replicas may not have (its own, refused and requeued:
@@ -158,14 +140,17 @@ def admit(
             # (park_gate.lua records its consumer): requeue this one
             logger.error("leases: %s[%s] requeued: %s", task.name, request.id, exc)
             raise Reject(str(exc), requeue=True) from exc
+        if int(raw) >= ParkGateReply.BEHIND:  # 4 + k: behind the group's k-th FIFO
+            ahead = busy[group][int(raw) - ParkGateReply.BEHIND]
+            # the first in the task's order: its leases, then its limits
+            limited = isinstance(behind, RateLimited)
+            if behind is None or (limited and not isinstance(ahead, RateLimited)):
+                behind = ahead
+            continue
         reply = ParkGateReply(int(raw))
         if reply == ParkGateReply.HANDED:
             logger.info("leases: %s[%s] handed on: runs", task.name, request.id)
             return True, None
-        if reply == ParkGateReply.BEHIND:
-            if group in first:  # a lease's FIFO (a limit's is never first in its group)
-                behind = behind or LeaseBusy(first[group])
-            continue
         if reply == ParkGateReply.PARKED:
             logger.info("leases: %s[%s] is parked: this copy is dropped", task.name, request.id)
             raise Ignore()
@@ -226,6 +211,8 @@ def defer(
     if code == ParkReply.PARKED:
         from ._unique import keep_queued  # _unique imports the task layer's modules
 
+        if consumed:  # parked again: its hand-on's reservation on its other leases is no use
+            _unreserve(ext, request.id, [w for w in wants if w.resource != where])
         keep_queued(ext, task, request.id)
         _parked_now(task, template)
         logger.info("leases: %s[%s] parked on %s", task.name, request.id, where)
@@ -237,6 +224,35 @@ def defer(
             request.id,
         )
     raise Ignore()
+
+
+def _unreserve(ext: Leases, task_id: str, wants: Sequence[Want]) -> None:
+    """Free the reservations a hand-on made for ``task_id`` on ``wants`` and hand each freed
+    resource on to its next parked task. Called once the task parked again elsewhere (after
+    the park: a process killed before leaves the reservation to run out, as before). Never
+    raises: a reservation not freed runs out after ``handon_timeout``.
+
+    Timeline: t0 T (leases A and B) parked on A is handed A on (A reserved for T); t1 T's
+    copy consumes the hand-on and finds B busy; t2 T parks on B; t3 here A's reservation
+    goes and A is handed on to the next task parked on A, instead of A being held for nobody
+    until t0 + handon_timeout. When B hands on to T, T acquires A again (or parks on it)."""
+    keys = ext.store.keys
+    holder = f"0 {PLACEHOLDER}{escape(task_id)}"
+    for want in wants:
+        _, _, _, due = _group_keys(ext, keys.group_of(want.resource))
+        rkeys = [keys.exclusive(want.resource), keys.shared(want.resource), due]
+        try:
+            freed = _call(
+                ext, _scripts.UNRESERVE, rkeys, [holder, _due_member(want)], "free a reservation"
+            )
+        except LeaseBackendError as exc:
+            logger.error(
+                "leases: could not free %s reserved for %s: %s", want.resource, task_id, exc
+            )
+            continue
+        if int(freed):
+            logger.info("leases: %s parked again: %s no longer reserved", task_id, want.resource)
+            hand_on(ext, [want])
 
 
 def _message(
@@ -293,6 +309,7 @@ def _park_on_lease(
             "1" if force else "0",
             _ms(busy.retry_after or 0.001),
             _consumer(request),
+            PLACEHOLDER,
         ],
         "park a task",
         wait="park",
@@ -303,12 +320,6 @@ def _park_on_lease(
 def _rate_member(limit: LimitWant) -> str:
     """The due index's member of a rate limit's FIFO: ``"r <N>:<period us>:<cost> <name>"``."""
     return f"r {limit.n}:{limit.period_us}:{limit.cost} {limit.name}"
-
-
-def _limit_script_keys(ext: Leases, name: str) -> list[str]:
-    keys = ext.store.keys
-    log, state, override, penalty, _ = keys.limit_keys(name)
-    return [log, state, override, penalty, keys.parked_limit(name)]
 
 
 def _park_on_limit(
@@ -335,6 +346,7 @@ def _park_on_limit(
             DONE_KEEP_MS,
             "1" if consumed else "0",
             tombstone(request.id, request.retries),
+            _consumer(request),
         ],
         "park a task on a rate limit",
         wait="park_limit",
@@ -502,11 +514,16 @@ def _hand_on_one(ext: Leases, resource: str, mode: str, limit: int) -> bool:
     _die_here_for_a_test()
     if _publish(ext, task_id, _text(reply[2])):
         logger.info("leases: handed %s on to %s", resource, task_id)
-    try:  # published (or given up): a cleanup of this process has nothing to take over
-        ext.store.client.srem(registry, _text(reply[3]))
+    _forget_record(ext, registry, reply[3])
+    return True
+
+
+def _forget_record(ext: Leases, registry: str, entry: object) -> None:
+    """Published (or given up): a cleanup of this process has nothing to take over."""
+    try:
+        ext.store.client.srem(registry, _text(entry))
     except RedisError as exc:
         logger.error("leases: could not remove the record of a hand-on: %s", exc)
-    return True
 
 
 def _publish(ext: Leases, task_id: str, raw: str) -> bool:
@@ -532,16 +549,26 @@ def _hand_on_limit(ext: Leases, spec: str, name: str, soonest: list[float] | Non
     ``_MAX_HANDONS``; ``spec`` is ``"<N>:<period us>:<cost>"`` of the due member); returns
     how many tasks were published again. Appends to ``soonest`` when it next has room."""
     keys = ext.store.keys
-    _, msgs, _, due = _group_keys(ext, keys.group_of(name))
-    state = keys.park_state(keys.group_of(name))
+    group = keys.group_of(name)
+    _, msgs, _, due = _group_keys(ext, group)
+    state = keys.park_state(group)
+    settings = ext.settings
+    registry = ext.store.engine.registry_key(_registered(ext), group)
     n, period_us, cost = spec.split(":")
     count = 0
     for _ in range(_MAX_HANDONS):
         reply = _call(
             ext,
             _scripts.HANDON_LIMIT,
-            [*_limit_script_keys(ext, name), state, msgs, due],
-            [n, period_us, cost, _ms(ext.settings.handon_timeout), f"r {spec} {name}"],
+            [*_limit_script_keys(ext, name), state, msgs, due, registry],
+            [
+                n,
+                period_us,
+                cost,
+                _ms(settings.handon_timeout),
+                f"r {spec} {name}",
+                _ms(settings.handon_timeout + settings.ttl),  # as _hand_on_one's record
+            ],
             "hand on a task parked on a rate limit",
         )
         if int(reply[0]) != 1:
@@ -552,6 +579,7 @@ def _hand_on_limit(ext: Leases, spec: str, name: str, soonest: list[float] | Non
         _die_here_for_a_test()
         if _publish(ext, task_id, _text(reply[2])):
             logger.info("leases: handed rate limit %s on to %s", name, task_id)
+        _forget_record(ext, registry, reply[3])
         count += 1
     return count
 
@@ -584,10 +612,6 @@ def _die_here_for_a_test() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def pump(ext: Leases, soonest: list[float] | None = None) -> int:
     """One turn of the park pump: each resource whose due time came, in every slot group, is
     handed on once (one head per resource and turn: round robin), and each rate limit as
@@ -614,87 +638,3 @@ def pump(ext: Leases, soonest: list[float] | None = None) -> int:
             except LeaseBackendError as exc:
                 logger.error("leases: could not hand on %s: %s", resource, exc)
     return count
-
-
-# --- operators ------------------------------------------------------------------------------
-def list_parked(ext: Leases, resource: str | None = None) -> list[Parked]:
-    """The parked tasks (of ``resource``, or all), in each resource's FIFO order."""
-    store = ext.store
-    client = store.client
-    out: list[Parked] = []
-    try:
-        groups = (
-            [store.keys.group_of(resource)]
-            if resource is not None
-            else list(range(store.keys.slot_groups))
-        )
-        for group in groups:
-            state, msgs, _, _ = _group_keys(ext, group)
-            states = {_text(k): _text(v) for k, v in client.hgetall(state).items()}
-            for key, raw in client.hgetall(msgs).items():
-                task_id = _text(key)
-                if task_id.startswith("%"):
-                    continue  # "%r<resource>": a resource's due member (park.lua)
-                record = loads(_text(raw))
-                if resource is not None and record.get("resource") != resource:
-                    continue
-                on = record.get("on", "lease")
-                handed = states.get(task_id) == "h"
-                since = client.zscore(_fifo(ext, record), task_id)
-                out.append(
-                    Parked(
-                        task_id=unescape(task_id),
-                        task=record.get("task"),
-                        resource=record.get("resource"),
-                        on=on,
-                        state="handed on" if handed else "parked",
-                        # a rate limit's hand-on is scored by when it runs out
-                        since=0.0 if handed and on == "limit" else (since or 0) / 1e6,
-                    )
-                )
-    except RedisError as exc:
-        raise store.backend_error("list parked tasks", exc) from exc
-    out.sort(key=lambda p: (p["resource"], p["since"]))
-    return out
-
-
-def _fifo(ext: Leases, record: dict[str, Any]) -> str:
-    """The FIFO a parked task's record says it waits in: its lease's or its rate limit's."""
-    keys = ext.store.keys
-    if record.get("on") == "limit":
-        return keys.parked_limit(record["resource"])
-    return keys.parked(record["resource"])
-
-
-def parked_counts(ext: Leases) -> dict[str, int]:
-    """Resource -> how many tasks are parked on it (the web view)."""
-    counts: dict[str, int] = {}
-    for p in list_parked(ext):
-        counts[p["resource"]] = counts.get(p["resource"], 0) + 1
-    return counts
-
-
-def unpark(ext: Leases, task_id: str) -> bool:
-    """Cancel the parked task ``task_id``: it leaves its FIFO, a copy already published is
-    dropped, and its result becomes REVOKED. False if it was not parked."""
-    store = ext.store
-    escaped = escape(task_id)
-    for group in range(store.keys.slot_groups):
-        state, msgs, done, _ = _group_keys(ext, group)
-        try:
-            raw = store.client.hget(msgs, escaped)
-        except RedisError as exc:
-            raise store.backend_error("find a parked task", exc) from exc
-        if raw is None:
-            continue
-        record = loads(_text(raw))
-        keys = [state, msgs, done, _fifo(ext, record)]
-        mark = tombstone(task_id, record.get("sig", {}).get("options", {}).get("retries"))
-        args = [escaped, DONE_KEEP_MS, mark]
-        if int(_call(ext, _scripts.UNPARK, keys, args, "unpark a task")):
-            try:
-                ext.app.backend.mark_as_revoked(task_id, "unparked")
-            except Exception:
-                logger.exception("leases: could not mark unparked task %s REVOKED", task_id)
-            return True
-    return False

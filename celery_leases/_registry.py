@@ -12,7 +12,8 @@ written with the token once the waiter learns it: acquire.lua, renew.lua); and t
 ``"~"`` (:data:`KEEPER`), which keeps the set and its expiry while the owner holds nothing
 (see lua/_registry.lua); and a parked task's hand-on not yet published,
 ``"p <Redis us> <escaped task id> <mode> <limit> <resource>"`` (:class:`HandOn`: handon.lua
-writes it, its writer removes it once it published the task, a cleanup of a writer that died
+writes it; handon_limit.lua writes a rate limit's as ``"p <us> <task> r 0 <limit name>"``; its
+writer removes it once it published the task, a cleanup of a writer that died
 first takes the hand-on over). A reader that knows none of these kinds (:func:`parse_entry`
 gives None: an older version reading a newer entry) keeps the entry and skips it. An
 exclusive lease key's value is ``"<token> <owner id>"``, or, for a queued unique claim,
@@ -179,6 +180,7 @@ class HandOn(NamedTuple):
     stamp: int
     #: the parked task's id, escaped (as the parked tasks' hashes name it)
     task: str
+    #: "x" or "s" (a lease's), "r" (a rate limit's: ``resource`` is the limit's name)
     mode: str
     limit: int
     resource: str
@@ -193,7 +195,7 @@ def parse_handon(member: str) -> HandOn | None:
     if len(parts) != 6 or parts[0] != HANDON_MARK:
         return None
     _, stamp, task, mode, limit, resource = parts
-    if not stamp.isdigit() or not task or mode not in ("x", "s") or not limit.isdigit():
+    if not stamp.isdigit() or not task or mode not in ("x", "s", "r") or not limit.isdigit():
         return None
     if not resource:
         return None

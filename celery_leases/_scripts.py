@@ -32,6 +32,7 @@ __all__ = (
     "PARK_GATE",
     "PARK_LIMIT",
     "HANDON_LIMIT",
+    "UNRESERVE",
     "SHA",
     "SOURCE",
     "RELEASE",
@@ -75,6 +76,7 @@ class UniqueClaimReply(IntEnum):
     CLAIMED_AGAIN = 2  #: already queued for this same task id (a re-publish): the token follows
     FOLLOWS = 4  #: keep_last: not sent; the task id of the run that takes its arguments follows
     THROTTLED = 3  #: a throttle window is running: the task id of its send and its pttl follow
+    CANCELS = 5  #: cancel: not sent; the running holder, revoked, and ms to its deadline follow
 
 
 class UniqueHandoverReply(IntEnum):
@@ -111,7 +113,9 @@ class ParkGateReply(IntEnum):
     HANDED = 1  #: the hand-on, consumed now: go on (the lease is reserved for the task)
     PARKED = 2  #: a copy of a parked task: drop this delivery
     CONSUMED = 3  #: consumed already: drop this delivery, unless it is a redelivered copy
-    BEHIND = 4  #: not parked, but others are parked on the resource: park behind them
+    #: not parked, but others are parked on the resource: park behind them (4 + k: in the
+    #: task's k-th FIFO of the group, see park_gate.lua)
+    BEHIND = 4
 
 
 class BeatClaimReply(IntEnum):
@@ -224,9 +228,10 @@ HANDON: Final = _with("handon", "_parking")
 PARK_GATE: Final = _with("park_gate", "_parking")
 UNPARK: Final = _with("unpark", "_parking")
 PARK_LIMIT: Final = _with("park_limit", "_parking", "_limit")
-HANDON_LIMIT: Final = _with("handon_limit", "_limit")
+HANDON_LIMIT: Final = _with("handon_limit", "_parking", "_limit")
 REVOKE: Final = _read("revoke")
 HANDON_TAKEOVER: Final = _read("handon_takeover")
+UNRESERVE: Final = _read("unreserve")
 
 ALL: Final[dict[str, str]] = {
     "acquire": ACQUIRE,
@@ -254,6 +259,7 @@ ALL: Final[dict[str, str]] = {
     "handon_limit": HANDON_LIMIT,
     "revoke": REVOKE,
     "handon_takeover": HANDON_TAKEOVER,
+    "unreserve": UNRESERVE,
 }
 
 #: the Redis clock, read on the node serving KEYS[1] (a cluster pipeline cannot send TIME,

@@ -7,7 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Final, Protocol, get_args
 
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     from .app import Leases
 
-__all__ = ("UNIQUE_HEADER", "install", "release_claim", "take_claim")
+__all__ = ("UNIQUE_HEADER", "current_claim", "install", "release_claim", "take_claim")
 
 logger = get_logger(__name__)
 
@@ -64,6 +64,8 @@ class UniqueTask(Protocol):
     unique_mode: UniqueMode | None
     unique_window: float | None
     unique_max_wait: float | None
+    unique_cancel_deadline: float | None
+    unique_confirm: bool | None
 
     @property
     def request(self) -> Any: ...
@@ -254,21 +256,43 @@ def _publish_unique(
     # then it lives unique_confirm_window, so a claim left without its message (a producer
     # that died, a claim whose reply was lost with Redis then unreachable) frees its key soon.
     pending: int | None = None
+    settings = ext.settings
+    confirm = task.unique_confirm if task.unique_confirm is not None else settings.unique_confirm
     with _running_lock:
         running = _running.get(task_id)
     key = running.key if running is not None else task._unique_key(args or (), kwargs or {})
     mode = claim_mode(task, per_call, queue_ttl)
-    if parked_kind(mode):
+    if policy == "cancel" and mode.kind in ("", "r"):  # refuse, throttle or replace
+        if mode.window:  # the on_duplicate setting: the task's own options were checked
+            msg = f"task {name!r}: on_duplicate='cancel' is not for unique_mode='throttle'"
+            raise LeaseConfigError(msg)
+        deadline = task.unique_cancel_deadline or settings.unique_cancel_deadline
+        reason = f"unique key {key!r}: cancelled by {name}[{task_id}]"
+        mode = replace(mode, cancel=deadline, reason=reason)
+    if parked_kind(mode) or mode.cancel:
         mode = kept(mode, key, name, args, kwargs, options)
     try:
         _give_back_unsent(ext)
         if running is not None and _requeue(ext, task_id, running, queue_ttl):
             ours = running.lease.token
         else:
-            window = min(ext.settings.unique_confirm_window, queue_ttl)
+            # unique_confirm off: the claim lives the queue TTL at once, and nothing confirms it
+            window = min(settings.unique_confirm_window, queue_ttl) if confirm else queue_ttl
             outcome = store.unique_claim(key, task_id, window, mode)
             if isinstance(outcome, ClaimHolder):
                 return _duplicate(ext, task, name, policy, outcome, task_id, headers, options)
+            if outcome.cancels is not None:
+                logger.info(
+                    "leases: %s[%s] not sent yet: the running copy (%s) of unique key %r is "
+                    "asked to stop; this send runs after it, within %.1fs",
+                    name,
+                    task_id,
+                    outcome.cancels,
+                    key,
+                    outcome.deadline,
+                )
+                result_cls = options.get("result_cls") or ext.app.AsyncResult
+                return result_cls(task_id)
             if outcome.follows is not None:
                 logger.info(
                     "leases: %s[%s] not sent: its arguments go to %s (unique key %r, keep_last)",
@@ -281,7 +305,7 @@ def _publish_unique(
                 return result_cls(outcome.follows)
             if not outcome.again:
                 ours = outcome.token
-            pending, replaced = outcome.token, outcome.replaced
+            pending, replaced = (outcome.token if confirm else None), outcome.replaced
             logger.debug("leases: claimed unique key %r for %s[%s]", key, name, task_id)
             if replaced is not None:
                 logger.info(
@@ -455,11 +479,11 @@ def _duplicate(
         )
     except Exception:
         logger.exception("leases: a receiver of unique_duplicate failed")
-    if policy == "existing" and holder.task_id is not None:
+    if policy in ("existing", "cancel") and holder.task_id is not None:
         result_cls = options.get("result_cls") or ext.app.AsyncResult
         result: AsyncResult[Any] = result_cls(holder.task_id)
         return result
-    if (policy == "raise" or policy == "existing") and not beat:
+    if policy in ("raise", "existing", "cancel") and not beat:
         # beat has no caller to tell: it logs (above) and sends nothing
         raise DuplicateTask(holder.key, holder.task_id, holder.state, holder.expires_in)
     return EagerResult(task_id, None, states.REJECTED)
@@ -530,6 +554,30 @@ def take_claim(
     except Exception:
         logger.exception("leases: a receiver of lease_acquired failed")
     return lease
+
+
+def current_claim() -> Lease | None:
+    """The unique claim of the running task, as a :class:`~celery_leases.Lease` (None outside
+    a run of a task declared with ``unique=``).
+
+    Its ``.token`` fences the run's writes (a later run's claim has a larger one), and
+    ``.check()`` raises :class:`~celery_leases.LeaseRevoked` once a send with
+    ``on_duplicate="cancel"`` asked the run to stop (``on_lost="log"``: the body learns there)::
+
+        @app.task(base=LeasedTask, unique="sync:{repo}", on_lost="log")
+        def sync(repo):
+            for chunk in chunks(repo):
+                current_claim().check()
+                store.set(f"sync:{repo}", chunk, fence=current_claim())
+
+    .. versionadded:: 0.2
+    """
+    from celery import current_task  # the running task's request, as Celery tracks it
+
+    task_id = getattr(getattr(current_task, "request", None), "id", None)
+    with _running_lock:
+        running = _running.get(task_id) if isinstance(task_id, str) else None
+    return running.lease if running is not None else None
 
 
 def release_claim(ext: Leases, task_id: str, lease: Lease) -> None:

@@ -46,6 +46,15 @@ from ._config_source import (
     loaded_conf,
 )
 from ._connect import parse_target
+from ._setting_texts import (
+    HANDON_TIMEOUT,
+    ON_DUPLICATE,
+    PARK_PUMP_INTERVAL,
+    UNIQUE_CANCEL_DEADLINE,
+    UNIQUE_CONFIRM,
+    UNIQUE_CONFIRM_WINDOW,
+    UNIQUE_TTL,
+)
 from ._timing import (
     RENEWALS_PER_HORIZON,
     Timing,
@@ -80,20 +89,10 @@ __all__ = (
 )
 
 
-_HANDON_TIMEOUT: Final = (
-    "on_busy='defer': seconds a lease stays reserved for a parked task that was handed on "
-    "(published again), for its copy to start and take it; a reservation not claimed by then "
-    "runs out, and the task goes back to the end of its resource's queue of parked tasks."
-)
-_PARK_PUMP_INTERVAL: Final = (
-    "on_busy='defer': seconds between two turns of each worker's pump, which hands on the "
-    "resources whose holder ran out without a release (or whose hand-on ran out)."
-)
-
 OnBusy = Literal["retry", "skip", "fail", "wait", "defer"]
 OnLost = Literal["interrupt", "log"]
 OnBackendError = Literal["retry", "fail"]
-OnDuplicate = Literal["existing", "raise", "ignore"]
+OnDuplicate = Literal["existing", "raise", "ignore", "cancel"]
 
 _PREFIX_RE: Final = re.compile(r"[A-Za-z0-9_.:\-]{1,64}")
 
@@ -152,8 +151,8 @@ class LeaseSettings(BaseSettings):
         "retry",
         description="Default busy policy of LeasedTask: retry, skip, fail, wait or defer.",
     )
-    handon_timeout: float = Field(30.0, gt=0.0, description=_HANDON_TIMEOUT)
-    park_pump_interval: float = Field(1.0, gt=0.0, description=_PARK_PUMP_INTERVAL)
+    handon_timeout: float = Field(30.0, gt=0.0, description=HANDON_TIMEOUT)
+    park_pump_interval: float = Field(1.0, gt=0.0, description=PARK_PUMP_INTERVAL)
     skip_result: Literal["marker", "none"] = Field(
         "marker",
         description=(
@@ -343,36 +342,12 @@ class LeaseSettings(BaseSettings):
             "and a replica whose clock is off by more logs a warning."
         ),
     )
-    unique_ttl: float = Field(
-        3600.0,
-        gt=0.0,
-        le=30 * 86400.0,
-        description=(
-            "Tasks with unique=: seconds a claim lives while its task waits in the queue (plus "
-            "its countdown or ETA). It must exceed the longest time a task can wait before a "
-            "worker starts it; a task lost in the broker, or whose producer died before "
-            "publishing, blocks its key at most this long."
-        ),
-    )
-    unique_confirm_window: float = Field(
-        30.0,
-        gt=0.0,
-        le=3600.0,
-        description=(
-            "Tasks with unique=: seconds a new claim lives until its producer confirms it, "
-            "once the message is published (the claim then lives unique_ttl). A claim whose "
-            "publish failed, whose producer died, or whose reply was lost with Redis then "
-            "unreachable frees its key within this window. It must exceed the time a publish "
-            "takes, broker retries included."
-        ),
-    )
-    on_duplicate: OnDuplicate = Field(
-        "existing",
-        description=(
-            "Tasks with unique=: what the producer of a duplicate gets. existing: the "
-            "AsyncResult of the task that holds the claim; raise: DuplicateTask; ignore: a "
-            "result in state REJECTED (nothing is sent)."
-        ),
+    unique_ttl: float = Field(3600.0, gt=0.0, le=30 * 86400.0, description=UNIQUE_TTL)
+    unique_confirm_window: float = Field(30.0, gt=0.0, le=3600.0, description=UNIQUE_CONFIRM_WINDOW)
+    unique_confirm: bool = Field(True, description=UNIQUE_CONFIRM)
+    on_duplicate: OnDuplicate = Field("existing", description=ON_DUPLICATE)
+    unique_cancel_deadline: float = Field(
+        30.0, gt=0.0, le=86400.0, description=UNIQUE_CANCEL_DEADLINE
     )
     redelivery_guard: bool = Field(
         False,

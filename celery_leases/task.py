@@ -49,9 +49,13 @@ Options (each also an app-wide setting, see the configuration reference):
 - ``unique``: a template like a lease's; at most one copy of the task per rendered key is
   queued or running. A copy sent while the key is held (by ``delay``, ``send_task``, canvas,
   beat) is not sent; ``on_duplicate`` says what its sender gets: ``"existing"`` (default: the
-  holder's ``AsyncResult``), ``"raise"`` (:class:`DuplicateTask`) or ``"ignore"`` (a
-  ``REJECTED`` result). ``unique_ttl`` (setting ``unique_ttl``) bounds how long a claim waits
-  in the queue. ``unique_mode`` (also an ``apply_async``/beat entry option): ``"refuse"``
+  holder's ``AsyncResult``), ``"raise"`` (:class:`DuplicateTask`), ``"ignore"`` (a
+  ``REJECTED`` result) or ``"cancel"`` (a copy running is asked to stop, ``LeaseRevoked`` in
+  it, its claim force-released after ``unique_cancel_deadline``; the send becomes the one
+  follow-up run after it; :func:`current_claim` is the run's claim). ``unique_ttl`` (setting
+  ``unique_ttl``) bounds how long a claim waits in the queue; ``unique_confirm=False`` makes
+  a send one script call, not two (a producer killed before its publish then blocks the key
+  for ``unique_ttl``). ``unique_mode`` (also an ``apply_async``/beat entry option): ``"refuse"``
   (default, the above), ``"throttle"`` (also refused for ``unique_window`` seconds after an
   accepted send), ``"replace"`` (a send takes the place of the copy still queued),
   ``"keep_last"`` or ``"debounce"`` (``unique_window``, ``unique_max_wait``). See
@@ -92,7 +96,6 @@ from typing import Any, ClassVar, Final, NoReturn, get_args
 
 from celery import Task
 from celery.exceptions import Retry
-from celery.result import AsyncResult
 from celery.utils.log import get_logger
 
 from . import _parking
@@ -100,14 +103,15 @@ from ._interrupt import Interrupter
 from ._lease import Lease, Shared, Want
 from ._limiter import check_rates, limit_wants, take
 from ._limits import Rate
-from ._modes import UniqueMode, check_mode, newest_arguments
+from ._modes import UniqueMode, check_mode, check_unique_options, newest_arguments
+from ._outcomes import SKIPPED_KEY, is_skipped
 from ._templates import Template, plain_params
-from ._unique import release_claim, take_claim
+from ._unique import current_claim, release_claim, take_claim
 from .app import Leases, find_leases, ttl_of
 from .config import LeaseSettings, OnBackendError, OnBusy, OnDuplicate, OnLost, get_settings
 from .exceptions import LeaseBackendError, LeaseBusy, LeaseConfigError, LeaseError, RateLimited
 
-__all__ = ("LeasedTask", "current_leases", "is_skipped")
+__all__ = ("LeasedTask", "current_claim", "current_leases", "is_skipped")
 
 logger = get_logger(__name__)
 
@@ -121,34 +125,6 @@ _DEFER_ATTEMPTS: Final = 5
 
 _current: ContextVar[tuple[Lease, ...]] = ContextVar("celery_leases_current", default=())
 _extension_lock = threading.Lock()
-
-
-#: the one key of the result of a task skipped by ``on_busy="skip"`` (see :func:`is_skipped`)
-SKIPPED_KEY: Final = "celery_leases.skipped"
-
-
-def is_skipped(result: object) -> bool:
-    """True if ``result`` is that of a task skipped by ``on_busy="skip"``.
-
-    A skipped task ends SUCCESS without running its body; its result is a small dict,
-    ``{"celery_leases.skipped": {"resource": ..., "holder_task": ...}}`` (JSON-safe, so it
-    crosses any result backend), unless the ``skip_result`` setting is ``"none"``. ::
-
-        result = build_report.delay(42)
-        if is_skipped(result.get()):
-            ...  # another copy held the report's lease
-
-    Args:
-        result: a task's return value, or its ``AsyncResult`` (a finished one is read
-            without waiting; an unfinished one is not skipped yet).
-
-    .. versionadded:: 0.1
-    """
-    if isinstance(result, AsyncResult):
-        if not result.successful():
-            return False
-        result = result.result
-    return isinstance(result, dict) and len(result) == 1 and SKIPPED_KEY in result
 
 
 def current_leases() -> tuple[Lease, ...]:
@@ -204,6 +180,8 @@ class LeasedTask(Task[Any, Any]):
     unique_mode: UniqueMode | None = None
     unique_window: float | None = None
     unique_max_wait: float | None = None
+    unique_cancel_deadline: float | None = None
+    unique_confirm: bool | None = None
     rate: Rate | None = None
     rates: Sequence[Rate] | None = None
 
@@ -253,6 +231,7 @@ class LeasedTask(Task[Any, Any]):
             cls.on_duplicate,
             cls.unique_max_wait,
         )
+        check_unique_options(name, cls.unique, cls.unique_cancel_deadline, cls.unique_confirm)
         if cls.unique is not None and not (isinstance(cls.unique, str) and cls.unique):
             msg = f"task {name!r}: unique= must be a non-empty str template, not {cls.unique!r}"
             raise LeaseConfigError(msg)
@@ -604,6 +583,8 @@ LEASE_OPTIONS: Final = (
     "unique_mode",
     "unique_window",
     "unique_max_wait",
+    "unique_cancel_deadline",
+    "unique_confirm",
     "rate",
     "rates",
 )

@@ -43,3 +43,37 @@ local function park_forget(queue, state, msgs, task)
   redis.call('HDEL', state, task)
   redis.call('HDEL', msgs, task, '%m' .. task)
 end
+
+-- record a hand-on in the caller's owner registry (with the registry's keeper "~", see
+-- _registry.lua), made with the expiry life ms or extended to it: a cleanup of the caller
+-- takes it over (handon_takeover.lua) until the caller removes it, once it published
+local function park_record(registry, entry, life)
+  local made = redis.call('SADD', registry, '~', entry) == 2
+  local pttl = redis.call('PTTL', registry)
+  if made or (pttl >= 0 and pttl < life) then
+    redis.call('PEXPIRE', registry, life)
+  end
+end
+
+-- the checks park.lua and park_limit.lua open with, for the task's delivery: its state in the
+-- group (handed on: consumed here, {2}; parked: a copy, {3}), then its tombstone "mark" (a
+-- delivery that consumed its hand-on, consumed = true, parks again: the tombstone goes, and
+-- the record "<mark>@<gen>" of this message as its consumer, see park_gate.lua; any other
+-- delivery of a consumed hand-on, {4}); nil: go on and park
+local function park_check(queue, state, msgs, done, task, now, consumed, mark, gen)
+  local s = redis.call('HGET', state, task)
+  if s == 'h' then
+    park_forget(queue, state, msgs, task)
+    redis.call('ZADD', done, now, mark)
+    return {2}
+  elseif s == 'p' then
+    redis.call('HSET', state, task, 'p')  -- the WAIT after the call covers the park itself
+    return {3}
+  end
+  if consumed then
+    redis.call('ZREM', done, mark, mark .. '@' .. (gen or ''))
+  elseif redis.call('ZSCORE', done, mark) then
+    return {4}
+  end
+  return nil
+end

@@ -118,12 +118,7 @@ redis.call('HSET', KEYS[4], head, 'h')
 -- in the head's own mode and limit (want_of), which a takeover checks its reservation by
 local entry = 'p ' .. string.format('%.0f', now_us) .. ' ' .. head .. ' ' .. mode .. ' '
   .. string.format('%d', limit) .. ' ' .. resource
-local life = tonumber(ARGV[6])
-local made = redis.call('SADD', KEYS[7], '~', entry) == 2
-local pttl = redis.call('PTTL', KEYS[7])
-if made or (pttl >= 0 and pttl < life) then
-  redis.call('PEXPIRE', KEYS[7], life)
-end
+park_record(KEYS[7], entry, tonumber(ARGV[6]))
 -- look again when the reservation runs out (or at once, when there may be room for more)
 local again = timeout
 if mode == 's' and limit ~= 1 then

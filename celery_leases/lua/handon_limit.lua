@@ -7,12 +7,18 @@
 -- (park_limit.lua). A hand-on not claimed in time goes back to the end of the FIFO.
 -- Called by the park pump, for its due index, until it hands on nothing.
 --
+-- The hand-on is recorded in the caller's owner registry, "p <Redis us> <task> r 0 <name>"
+-- (as handon.lua records a lease's, mode "r": a rate limit), until the caller has published
+-- it: a cleanup of a caller that died in between takes it over (handon_takeover.lua).
+--
 -- KEYS[1] limit log   KEYS[2] limit state   KEYS[3] override   KEYS[4] penalty
 -- KEYS[5] the limit's parked FIFO   KEYS[6] parked states (group)
 -- KEYS[7] parked messages (group)   KEYS[8] due index (group)
+-- KEYS[9] the caller's owner registry (group)
 -- ARGV[1] N   ARGV[2] period us   ARGV[3] cost   ARGV[4] hand-on timeout in ms
--- ARGV[5] due member
--- returns {1, task id (escaped), message}  handed on: publish it
+-- ARGV[5] due member   ARGV[6] ms the registry must live at least (see handon.lua)
+-- returns {1, task id (escaped), message, registry entry}  handed on: publish it, then
+--                                                         remove the entry
 --         {0, due ms}                      nothing to hand on now; due ms: when the due
 --                                          index looks again (0: never, the FIFO is empty)
 
@@ -65,4 +71,7 @@ end
 redis.call('HSET', KEYS[6], head, 'h')
 redis.call('ZADD', KEYS[5], string.format('%.0f', now_us + timeout * 1000), head)
 redis.call('ZADD', KEYS[8], now, ARGV[5]) -- there may be room for more
-return {1, head, redis.call('HGET', KEYS[7], head) or ''}
+local name = string.match(ARGV[5], '^%S+ %S+ (.*)$')
+local entry = 'p ' .. now_text .. ' ' .. head .. ' r 0 ' .. name
+park_record(KEYS[9], entry, tonumber(ARGV[6]))
+return {1, head, redis.call('HGET', KEYS[7], head) or '', entry}

@@ -6,14 +6,20 @@
 -- "". A copy published twice (the owner did publish before it died) still runs once: the
 -- first copy consumes the hand-on, the other finds it consumed (park_gate.lua).
 --
+-- A rate limit's hand-on (handon_limit.lua, mode "r") reserves no lease: it is the task's
+-- entry in the limit's FIFO, scored by when it runs out (it counts as admitted until then);
+-- it is extended the same way, so the copy keeps its turn.
+--
 -- KEYS[1] the owner's registry (group)   KEYS[2] parked states (group)
 -- KEYS[3] parked messages (group)   then per entry i: its resource's exclusive and shared keys
+-- (for a rate limit: the limit's parked FIFO, twice)
 -- ARGV[1] placeholder owner prefix ("%parked/")   ARGV[2] hand-on timeout in ms
--- then per entry i: the registry entry, its task id (escaped), its mode ("x" or "s")
+-- then per entry i: the registry entry, its task id (escaped), its mode ("x", "s" or "r")
 -- returns per entry i: the message to publish, or "" (nothing to publish)
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local timeout = tonumber(ARGV[2])
 local out = {}
 for i = 1, (#ARGV - 2) / 3 do
@@ -22,7 +28,15 @@ for i = 1, (#ARGV - 2) / 3 do
   local msg = ''
   if redis.call('SREM', KEYS[1], entry) == 1 and redis.call('HGET', KEYS[2], task) == 'h' then
     local holder = '0 ' .. ARGV[1] .. task
-    if mode == 'x' then
+    if mode == 'r' then
+      local score = redis.call('ZSCORE', xkey, task)
+      if score and tonumber(score) > now_us then
+        if tonumber(score) < now_us + timeout * 1000 then
+          redis.call('ZADD', xkey, 'XX', string.format('%.0f', now_us + timeout * 1000), task)
+        end
+        msg = redis.call('HGET', KEYS[3], task) or ''
+      end
+    elseif mode == 'x' then
       if redis.call('GET', xkey) == holder then
         if redis.call('PTTL', xkey) < timeout then
           redis.call('PEXPIRE', xkey, timeout)

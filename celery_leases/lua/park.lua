@@ -16,6 +16,11 @@
 --         earlier park found room and its acquire was refused again), to be handed on in
 --         ARGV[10] ms (the wait the acquire told) by the pump
 -- ARGV[11] the message's generation "g<n>" (see park_gate.lua)
+-- ARGV[12] placeholder owner prefix ("%parked/"): a task that consumed its hand-on (ARGV[7])
+--          and parks again on the resource it was handed, its reservation standing (its
+--          acquire was refused all the same: a restart grace, the waiter queue), frees that
+--          reservation (held for nobody while it waits) and parks as with ARGV[9], to be
+--          handed on after ARGV[10] ms
 -- returns {1, wait_ms} parked (the resource looks free in wait_ms at the latest)
 --         {0}          the resource has room and nobody is parked ahead: acquire again
 --         {2}          already handed on: consumed here, acquire again (the reservation)
@@ -26,24 +31,26 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local now_us = string.format('%.0f', tonumber(t[1]) * 1000000 + tonumber(t[2]))
 local task = ARGV[1]
-local state = redis.call('HGET', KEYS[4], task)
-if state == 'h' then
-  park_forget(KEYS[3], KEYS[4], KEYS[5], task)
-  redis.call('ZADD', KEYS[6], now, ARGV[8])
-  return {2}
-elseif state == 'p' then
-  redis.call('HSET', KEYS[4], task, 'p')  -- the WAIT after this call covers the park
-  return {3}
+local early = park_check(KEYS[3], KEYS[4], KEYS[5], KEYS[6], task, now, ARGV[7] == '1',
+  ARGV[8], ARGV[11])
+if early then
+  return early
 end
-if ARGV[7] == '1' then
-  redis.call('ZREM', KEYS[6], ARGV[8], ARGV[8] .. '@' .. ARGV[11])
-elseif redis.call('ZSCORE', KEYS[6], ARGV[8]) then
-  return {4}
+local mine = false -- the task's own reservation stood here, and is freed
+if ARGV[7] == '1' and ARGV[12] then
+  local holder = '0 ' .. ARGV[12] .. task
+  if redis.call('GET', KEYS[1]) == holder then
+    redis.call('DEL', KEYS[1])
+    mine = true
+  end
+  if redis.call('ZREM', KEYS[2], holder) == 1 then
+    mine = true
+  end
 end
 local wait = park_busy(KEYS[1], KEYS[2], ARGV[2], tonumber(ARGV[3]), now)
 local ahead = redis.call('ZCARD', KEYS[3])
-if wait == 0 and ahead == 0 then
-  if ARGV[9] ~= '1' then
+if wait == 0 and (ahead == 0 or mine) then
+  if ARGV[9] ~= '1' and not mine then
     return {0}
   end
   wait = math.max(tonumber(ARGV[10]), 1)

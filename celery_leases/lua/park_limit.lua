@@ -12,25 +12,17 @@
 -- ARGV[8] "1" when this delivery consumed the task's hand-on (park_gate.lua): parked again,
 -- at the head of the FIFO (it was handed on in its turn)
 -- ARGV[9] the task's tombstone "<task id>#<retries>"
+-- ARGV[10] the message's generation "g<n>" (see park_gate.lua and park.lua's ARGV[11])
 -- returns the replies of park.lua ({1, wait_ms} parked, {0} admit again, {2}, {3}, {4})
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local task = ARGV[1]
-local state = redis.call('HGET', KEYS[6], task)
-if state == 'h' then
-  park_forget(KEYS[5], KEYS[6], KEYS[7], task)
-  redis.call('ZADD', KEYS[8], now, ARGV[9])
-  return {2}
-elseif state == 'p' then
-  redis.call('HSET', KEYS[6], task, 'p')  -- the WAIT after this call covers the park
-  return {3}
-end
-if ARGV[8] == '1' then
-  redis.call('ZREM', KEYS[8], ARGV[9])
-elseif redis.call('ZSCORE', KEYS[8], ARGV[9]) then
-  return {4}
+local early = park_check(KEYS[5], KEYS[6], KEYS[7], KEYS[8], task, now, ARGV[8] == '1',
+  ARGV[9], ARGV[10])
+if early then
+  return early
 end
 local cost = tonumber(ARGV[4])
 local flight = redis.call('ZCOUNT', KEYS[5], '(' .. string.format('%.0f', now_us), '+inf')

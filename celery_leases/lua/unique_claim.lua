@@ -28,6 +28,15 @@
 --         too; the follow-up is handed on (handon.lua) no sooner than ARGV[11] ms after the
 --         last send and no later than ARGV[12] ms after the first one of its burst: the field
 --         "%d<claim resource>" of the parked messages holds "<not before ms> <deadline ms>"
+-- KEYS[11] revocation mark of the claim resource (revoke.lua's "<deadline ms> <token> <reason>")
+-- ARGV[13] (on_duplicate="cancel", with ARGV[7] "" or "r") ms from now until a running copy's
+--          claim is force-released ("0" or absent: no cancel): a send that finds a copy
+--          running writes the revocation mark for its grant (renew.lua tells the holder:
+--          LeaseRevoked), cuts the claim's expiry to the deadline, and parks as the one
+--          follow-up (as keep_last's, ARGV[9] and ARGV[10]), handed on when the claim is freed:
+--          by its release, or by the pump at the deadline at the latest; a send while that
+--          follow-up waits gives it its arguments. A copy queued: as without ARGV[13]
+-- ARGV[14] (cancel) the revocation's reason
 --
 -- A producer claims with a short ttl (the unique_confirm_window setting: the claim is
 -- pending) and, once its message is published, confirms it with the queue ttl. A claim whose
@@ -48,7 +57,10 @@
 --          {4, task}           (keep_last) not sent: (escaped) task id "task" will run with
 --                              this send's arguments: the copy queued (or handed on), or the
 --                              follow-up parked behind the running copy (this task id when
---                              this send parked it)
+--                              this send parked it); (cancel) the same, for a follow-up
+--          {5, holder, ms}     (cancel) not sent: the running copy "<token> <owner>" is
+--                              revoked (its claim runs out in ms at the latest) and this send
+--                              is parked as its follow-up
 -- returns, to a confirm:
 --          {1, token}          the claim is still queued for this task with this token: its
 --                              TTL is raised to ARGV[2] if it was shorter
@@ -95,6 +107,76 @@ if window > 0 then
     return {3, last, redis.call('PTTL', KEYS[4])}
   end
 end
+-- the newest arguments of a run that will carry them (read by the run once it took the claim)
+local function newest(task)
+  redis.call('HSET', KEYS[10], task, ARGV[9])
+  local forget = tonumber(ARGV[8])
+  if redis.call('PTTL', KEYS[10]) < forget then
+    redis.call('PEXPIRE', KEYS[10], forget)
+  end
+end
+-- the follow-up parked (or handed on) behind the holder, if any
+local function parked_follow()
+  local follow = redis.call('ZRANGE', KEYS[6], 0, 0)[1]
+  if follow and not redis.call('HGET', KEYS[7], follow) then
+    redis.call('ZREM', KEYS[6], follow)  -- consumed or unparked meanwhile
+    follow = nil
+  end
+  return follow
+end
+-- park this send as the follow-up, looked at again when the holder runs out
+local function park()
+  redis.call('ZADD', KEYS[6], 'NX', string.format('%.0f', now_us), ARGV[1])
+  redis.call('HSET', KEYS[7], ARGV[1], 'p')
+  redis.call('HSET', KEYS[8], ARGV[1], ARGV[9])
+  redis.call('HSET', KEYS[8], '%r' .. ARGV[4], ARGV[10])
+  local pttl = redis.call('PTTL', KEYS[1])
+  local due = now + (pttl >= 0 and math.max(pttl, 1) or 1000)
+  local known = redis.call('ZSCORE', KEYS[9], ARGV[10])
+  if not known or tonumber(known) > due then
+    redis.call('ZADD', KEYS[9], num(due), ARGV[10])
+  end
+end
+local who = nil  -- the claim's holder ("%queued/<task>", "%parked/<task>" or an owner id)
+if current then
+  local space = string.find(current, ' ', 1, true)
+  who = space and string.sub(current, space + 1) or ''
+end
+
+-- cancel: a copy running is revoked as revoke.lua revokes a grant, and this send follows it
+local cancel = tonumber(ARGV[13] or '0')
+if cancel > 0 then
+  local follow = parked_follow()
+  if who and string.sub(who, 1, 8) == '%parked/' then
+    newest(string.sub(who, 9))  -- the follow-up, handed on, not started: it takes them
+    return {4, string.sub(who, 9)}
+  end
+  if follow and who ~= mine then
+    redis.call('HSET', KEYS[8], follow, ARGV[9])
+    newest(follow)
+    return {4, follow}
+  end
+  local token = current and string.match(current, '^(%d+) ')
+  if token and who ~= mine and string.sub(who, 1, 8) ~= '%queued/' then
+    local until_ms = now + cancel
+    local old = redis.call('GET', KEYS[11])
+    if old then
+      local old_until, old_token = string.match(old, '^(%d+) (%d+)')
+      if old_token == token and tonumber(old_until) < until_ms then
+        until_ms = tonumber(old_until)  -- revoked already: never more time
+      end
+    end
+    local left = redis.call('PTTL', KEYS[1])
+    if left < 0 or left > until_ms - now then
+      redis.call('PEXPIRE', KEYS[1], num(until_ms - now))
+    end
+    redis.call('SET', KEYS[11], num(until_ms) .. ' ' .. token .. ' ' .. ARGV[14],
+      'PX', num(until_ms - now))
+    park()
+    return {5, current, num(until_ms - now)}
+  end
+end
+
 -- keep_last: at most one copy queued or running, and one follow-up parked behind a running
 -- one (handed on by its release, or by the park pump once it died); the newest arguments win
 if ARGV[7] == 'k' or ARGV[7] == 'd' then
@@ -109,23 +191,7 @@ if ARGV[7] == 'k' or ARGV[7] == 'd' then
     redis.call('HSET', KEYS[8], '%d' .. ARGV[4], num(due) .. ' ' .. num(deadline))
     redis.call('ZADD', KEYS[9], num(due), ARGV[10])
   end
-  local function newest(task)
-    redis.call('HSET', KEYS[10], task, ARGV[9])
-    local forget = tonumber(ARGV[8])
-    if redis.call('PTTL', KEYS[10]) < forget then
-      redis.call('PEXPIRE', KEYS[10], forget)
-    end
-  end
-  local follow = redis.call('ZRANGE', KEYS[6], 0, 0)[1]
-  if follow and not redis.call('HGET', KEYS[7], follow) then
-    redis.call('ZREM', KEYS[6], follow)  -- consumed or unparked meanwhile
-    follow = nil
-  end
-  local who = nil
-  if current then
-    local space = string.find(current, ' ', 1, true)
-    who = space and string.sub(current, space + 1) or ''
-  end
+  local follow = parked_follow()
   if who and who ~= mine then
     local kind = string.sub(who, 1, 8)
     if kind == '%queued/' or kind == '%parked/' then
@@ -140,17 +206,7 @@ if ARGV[7] == 'k' or ARGV[7] == 'd' then
     return {4, follow}
   end
   if (who and who ~= mine) or (debounce and not who) then
-    -- running: park this send as the follow-up, looked at again when the holder runs out
-    redis.call('ZADD', KEYS[6], 'NX', string.format('%.0f', now_us), ARGV[1])
-    redis.call('HSET', KEYS[7], ARGV[1], 'p')
-    redis.call('HSET', KEYS[8], ARGV[1], ARGV[9])
-    redis.call('HSET', KEYS[8], '%r' .. ARGV[4], ARGV[10])
-    local pttl = redis.call('PTTL', KEYS[1])
-    local due = now + (pttl >= 0 and math.max(pttl, 1) or 1000)
-    local known = redis.call('ZSCORE', KEYS[9], ARGV[10])
-    if not known or tonumber(known) > due then
-      redis.call('ZADD', KEYS[9], num(due), ARGV[10])
-    end
+    park()
     quiet(true)
     return {4, ARGV[1]}
   end

@@ -27,6 +27,7 @@ from bench.limits import most_in_any_window  # one window count for the bench an
 from celery_leases import LeaseBusy, LeasedTask, Leases, Rate, RateLimited, signals
 from celery_leases._limits import LimitWant, admit, list_limits, next_admit
 from celery_leases.exceptions import LeaseConfigError
+from tests.support.polling import wait_until
 from tests.support.topologies import leases_factory
 from tests.support.topology import LocalCluster
 
@@ -48,11 +49,20 @@ def stamps() -> Iterator[list[tuple[str, int, int]]]:
     signals.limit_admitted.disconnect(dispatch_uid="test-limits")
 
 
-def _hammer(url: str, prefix: str, name: str, rate: str, costs: list[int], until: float) -> None:
-    """In a process of its own: take ``name`` over and over until ``until`` (Unix time);
-    push ``"<at_us> <cost>"`` of each admission to a list in Redis."""
+def _hammer(url: str, prefix: str, name: str, rate: str, costs: list[int]) -> None:
+    """In a process of its own: say it is ready, wait for the test's go (the Unix time to
+    stop at), then take ``name`` over and over until then; push ``"<at_us> <cost>"`` of each
+    admission to a list in Redis."""
     leases = Leases(Celery("hammer", set_as_current=False), redis_url=url, key_prefix=prefix)
     client = redis.Redis.from_url(url)
+    client.rpush(f"{{{prefix}}}:ready", 1)
+    # the go is polled, not BLPOPed: redis-py 8's 5 s socket timeout would cut a long block
+    deadline = time.monotonic() + 120
+    while (go := client.get(f"{{{prefix}}}:go")) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if go is None:
+        return
+    until = float(go)
     i = 0
     while time.time() < until:
         cost = costs[i % len(costs)]
@@ -83,16 +93,22 @@ def test_no_window_holds_more_than_n_and_the_backlog_uses_the_limit(
 ) -> None:
     leases = make_leases()
     name, rate, n = "hammer:1", "20/s", 20
-    until = time.time() + 4.0
     ctx = multiprocessing.get_context("spawn")
     procs = [
-        ctx.Process(
-            target=_hammer, args=(leases_redis_url, leases_prefix, name, rate, costs, until)
-        )
+        ctx.Process(target=_hammer, args=(leases_redis_url, leases_prefix, name, rate, costs))
         for _ in range(2)
     ]
     for p in procs:
         p.start()
+    # the 4 s of hammering start once both processes are up: spawning and importing them can
+    # take longer than that on a loaded machine, and they must hammer beside the threads
+    wait_until(
+        lambda: leases_redis.llen(f"{{{leases_prefix}}}:ready") == len(procs),
+        120,
+        "the hammering processes to start",
+    )
+    until = time.time() + 4.0
+    leases_redis.set(f"{{{leases_prefix}}}:go", repr(until), ex=600)
 
     def thread_hammer(k: int) -> None:
         i = k

@@ -41,7 +41,7 @@ def test_every_lua_file_is_a_script_constant():
         **{key: ["_parking"] for key in ("park", "handon", "park_gate", "unpark")},
         "limit": ["_limit"],
         "park_limit": ["_parking", "_limit"],
-        "handon_limit": ["_limit"],
+        "handon_limit": ["_parking", "_limit"],
     }
     for name, source in scripts.items():
         parts = fragments.get(name, [])

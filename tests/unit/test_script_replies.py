@@ -39,6 +39,7 @@ DATA_ONLY = {
     "handon_limit",
     "unpark",
     "handon_takeover",
+    "unreserve",
 }
 
 

@@ -172,6 +172,43 @@ def test_duplicate_task_is_a_lease_busy_that_survives_json_results():
             "on_duplicate= means nothing with unique_mode='debounce'",
         ),
         ({"unique_max_wait": 5}, "unique_max_wait= needs unique="),
+        (
+            {
+                "unique": "r:{account_id}",
+                "unique_mode": "throttle",
+                "unique_window": 2,
+                "on_duplicate": "cancel",
+            },
+            "on_duplicate='cancel' is for unique_mode='refuse' or 'replace', not 'throttle'",
+        ),
+        (
+            {"unique": "r:{account_id}", "unique_mode": "keep_last", "on_duplicate": "cancel"},
+            "on_duplicate='cancel' is for unique_mode='refuse' or 'replace', not 'keep_last'",
+        ),
+        (
+            {
+                "unique": "r:{account_id}",
+                "unique_mode": "debounce",
+                "unique_window": 2,
+                "on_duplicate": "cancel",
+            },
+            "on_duplicate='cancel' is for unique_mode='refuse' or 'replace', not 'debounce'",
+        ),
+        (
+            {"unique": "r:{account_id}", "unique_cancel_deadline": 0},
+            "unique_cancel_deadline=0 must be a number of seconds > 0",
+        ),
+        (
+            {"unique": "r:{account_id}", "unique_cancel_deadline": "5"},
+            "unique_cancel_deadline='5' must be a number of seconds > 0",
+        ),
+        (
+            {"unique": "r:{account_id}", "unique_confirm": "no"},
+            "unique_confirm='no' must be True or False",
+        ),
+        ({"unique_cancel_deadline": 5}, "unique_cancel_deadline= needs unique="),
+        ({"unique_confirm": False}, "unique_confirm= needs unique="),
+        ({"on_duplicate": "sometimes"}, "on_duplicate='sometimes' is not one of"),
     ],
 )
 def test_bad_modes_fail_at_declaration_naming_task_and_option(
@@ -191,6 +228,8 @@ def test_bad_modes_fail_at_declaration_naming_task_and_option(
         {"unique_mode": "keep_last"},
         {"unique_mode": "debounce", "unique_window": 2.0},
         {"unique_mode": "debounce", "unique_window": 2.0, "unique_max_wait": 2.0},
+        {"unique_mode": "refuse", "on_duplicate": "cancel", "unique_cancel_deadline": 5},
+        {"unique_mode": "replace", "on_duplicate": "cancel", "unique_confirm": False},
     ],
 )
 def test_good_modes_are_declared(app: Celery, options: dict[str, Any]):

@@ -129,6 +129,35 @@ def make_app(
         record("e", tenant, n, self)
         return n
 
+    # two leases: parked on the first, handed on, it may find the second busy and park again
+    @app.task(
+        base=LeasedTask, bind=True, name="park_app.pair", shared=False,
+        leases=["pa:{tenant}", "pb:{tenant}"], on_busy="defer",
+    )  # fmt: skip
+    def pair(self: LeasedTask, tenant: str, n: int) -> int:
+        record("s", tenant, n, self)
+        record("e", tenant, n, self)
+        return n
+
+    @app.task(
+        base=LeasedTask, bind=True, name="park_app.pa", shared=False, lease="pa:{tenant}",
+        on_busy="defer",
+    )  # fmt: skip
+    def pa(self: LeasedTask, tenant: str, n: int) -> int:
+        record("s", tenant, n, self)
+        record("e", tenant, n, self)
+        return n
+
+    # one start a second per tenant: a newcomer's order against a parked task
+    @app.task(
+        base=LeasedTask, bind=True, name="park_app.rated_one", shared=False,
+        rate=Rate("one:{tenant}", "1/s"), on_busy="defer",
+    )  # fmt: skip
+    def rated_one(self: LeasedTask, tenant: str, n: int) -> int:
+        record("s", tenant, n, self)
+        record("e", tenant, n, self)
+        return n
+
     @app.task(bind=True, name="park_app.plain", shared=False)
     def plain(self: LeasedTask, tenant: str, n: int) -> int:
         record("s", tenant, n, self)

@@ -130,6 +130,7 @@ def gate(
             tombstone(task, retries),
             f"g{generation}",
             "1" if redelivered else "0",
+            1,  # one lease's FIFO
         ],
         "gate",
     )

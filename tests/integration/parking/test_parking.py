@@ -11,7 +11,7 @@ from pathlib import Path
 import redis
 from celery import Celery
 
-from celery_leases import Leases
+from celery_leases import Leases, _parking
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
 from celery_leases._parking import list_parked, unpark
@@ -359,5 +359,90 @@ def test_a_pump_killed_before_its_publish_is_taken_over_at_its_restart(
         starts = [e for e in events(client, leases_prefix) if e[0] == "s"]
         assert [(e[3], e[4]) for e in starts] == [(parked.id, 1)]
         assert f"took over the hand-on to {parked.id}" in worker.current_log()
+    finally:
+        client.close()
+
+
+def test_a_pump_killed_before_its_publish_on_a_rate_limit_is_taken_over_at_its_restart(
+    producer: Celery,
+    leases_prefix: str,
+    start_worker: Callable[..., WorkerProc],
+    tmp_path: Path,
+):
+    # the same with a rate limit: the pump hands the limit's FIFO on to the parked task and
+    # is killed before the publish; the start-up cleanup of its node takes the hand-on over
+    # (the hand-on in flight lasts 300 s: not what saves it)
+    ext: Leases = producer.leases  # type: ignore[attr-defined]
+    trap = tmp_path / "die-before-publish"
+    trap.write_text("1")
+    env = {
+        "CELERY_LEASES_TEST_DIE_BEFORE_PUBLISH": str(trap),
+        "CELERY_LEASES_HANDON_TIMEOUT": "300",
+    }
+    worker = start_worker(concurrency=2, env=env)
+    client = redis.Redis.from_url(producer.conf.broker_url)
+    try:
+        for _ in range(5):  # the window of rl:M full: the task is refused and parks
+            ext.limit("rl:M", "5/s")
+        parked = producer.tasks["park_app.rated"].delay("M", 1)
+        wait_until(lambda: not worker.alive(), 60, "the pump's process killed at its hand-on")
+        assert not trap.exists()
+        [entry] = list_parked(ext, "rl:M")
+        assert (entry["task_id"], entry["on"], entry["state"]) == (parked.id, "limit", "handed on")
+        worker.start()
+        wait_until(lambda: [e for e in events(client, leases_prefix) if e[:2] == ("e", "M")],
+                   60, "the parked task done")  # fmt: skip
+        starts = [e for e in events(client, leases_prefix) if e[0] == "s"]
+        assert [(e[3], e[4]) for e in starts] == [(parked.id, 1)]
+        assert f"took over the hand-on to {parked.id}" in worker.current_log()
+        wait_until(lambda: not list_parked(ext), 60, "nothing parked")
+    finally:
+        client.close()
+
+
+def test_a_task_that_parks_again_frees_the_reservation_of_its_other_lease(
+    producer: Celery,
+    leases_redis_url: str,
+    leases_prefix: str,
+    queue: str,
+    start_worker: Callable[..., WorkerProc],
+):
+    # T (leases pa:Z and pb:Z) parks on pa:Z, W (pa:Z only) behind it; pa:Z is handed on to
+    # T (reserved for T for 300 s); T's copy finds pb:Z busy and parks there: W must start
+    # at once, not when T's reservation on pa:Z runs out (handon_timeout, 300 s)
+    ext: Leases = producer.leases  # type: ignore[attr-defined]
+    client = redis.Redis.from_url(producer.conf.broker_url)
+    me = ext.identity()
+    ghost = Identity(f"ghost-{leases_prefix}", me.incarnation, me.pid)
+    try:
+        start_worker(concurrency=2, env={"CELERY_LEASES_HANDON_TIMEOUT": "300"})
+        [held_a] = ext.store.acquire([Want("pa:Z", "x", 0)], ghost, 600.0)
+        [held_b] = ext.store.acquire([Want("pb:Z", "x", 0)], ghost, 600.0)
+        first = producer.tasks["park_app.pair"].delay("Z", 1)
+        wait_until(lambda: list_parked(ext, "pa:Z"), 60, "T parked on pa:Z")
+        waiter = producer.tasks["park_app.pa"].delay("Z", 2)
+        wait_until(lambda: len(list_parked(ext, "pa:Z")) == 2, 60, "W parked behind T")
+        ext.store.release([held_a])
+        # the releaser's hand-on to T reserves pa:Z for 300 s (its handon_timeout)
+        releaser = park_app.make_app(
+            broker=leases_redis_url, queue=queue, handon_timeout=300,
+            redis_url=leases_redis_url, key_prefix=leases_prefix,
+        )  # fmt: skip
+        other: Leases = releaser.leases  # type: ignore[attr-defined]
+        try:
+            assert _parking.hand_on_released(other, ["pa:Z"]) == 1
+        finally:
+            other.store.close()
+            releaser.close()
+        wait_until(lambda: list_parked(ext, "pb:Z"), 60, "T parked again, on pb:Z")
+        wait_until(lambda: [e for e in events(client, leases_prefix) if e[:3] == ("e", "Z", 2)],
+                   60, "W ran, without waiting for T's reservation to run out")  # fmt: skip
+        ext.store.release([held_b])
+        assert _parking.hand_on_released(ext, ["pb:Z"]) == 1  # to T
+        wait_until(lambda: [e for e in events(client, leases_prefix) if e[:3] == ("e", "Z", 1)],
+                   60, "T ran")  # fmt: skip
+        starts = [(e[3], e[4]) for e in events(client, leases_prefix) if e[0] == "s"]
+        assert starts == [(waiter.id, 1), (first.id, 2)]  # each once, from its hand-on
+        wait_until(lambda: not list_parked(ext), 60, "nothing parked")
     finally:
         client.close()

@@ -4,8 +4,11 @@ handon_limit.lua and park_gate.lua driven in the order a race would, no worker."
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
-from celery_leases import Leases, RateLimited
+import pytest
+
+from celery_leases import Leases, RateLimited, _parking
 from celery_leases._keys import escape
 from celery_leases._parking import (
     DONE_KEEP_MS,
@@ -26,7 +29,7 @@ HANDON_MS = 300
 MEMBER = f"r {N}:{PERIOD_US}:1 {NAME}"
 
 
-def park(ext: Leases, task: str, consumed: bool = False) -> ParkReply:
+def park(ext: Leases, task: str, consumed: bool = False, generation: int = 0) -> ParkReply:
     state, msgs, done, due = _group_keys(ext, ext.store.keys.group_of(NAME))
     reply = _call(
         ext,
@@ -42,6 +45,7 @@ def park(ext: Leases, task: str, consumed: bool = False) -> ParkReply:
             DONE_KEEP_MS,
             "1" if consumed else "0",
             tombstone(task, 0),
+            f"g{generation}",
         ],
         "park",
     )
@@ -50,12 +54,14 @@ def park(ext: Leases, task: str, consumed: bool = False) -> ParkReply:
 
 def hand_on(ext: Leases) -> tuple[str | None, int]:
     """handon_limit.lua once: (the task id handed on, or None; the due ms it set)."""
-    state, msgs, _, due = _group_keys(ext, ext.store.keys.group_of(NAME))
+    group = ext.store.keys.group_of(NAME)
+    state, msgs, _, due = _group_keys(ext, group)
+    registry = ext.store.engine.registry_key(ext.identity().owner, group)
     reply = _call(
         ext,
         HANDON_LIMIT,
-        [*_limit_script_keys(ext, NAME), state, msgs, due],
-        [N, PERIOD_US, 1, HANDON_MS, MEMBER],
+        [*_limit_script_keys(ext, NAME), state, msgs, due, registry],
+        [N, PERIOD_US, 1, HANDON_MS, MEMBER, 60_000],
         "hand on",
     )
     if int(reply[0]) == 1:
@@ -64,11 +70,12 @@ def hand_on(ext: Leases) -> tuple[str | None, int]:
     return None, int(reply[1])
 
 
-def gate(ext: Leases, task: str) -> ParkGateReply:
+def gate(ext: Leases, task: str, generation: int = 0, redelivered: bool = False) -> ParkGateReply:
     state, msgs, done, _ = _group_keys(ext, ext.store.keys.group_of(NAME))
     keys = [state, msgs, done, ext.store.keys.parked_limit(NAME)]
-    # a first delivery of the task's copy (generation g0, not redelivered: see park_gate.lua)
-    args = [escape(task), DONE_KEEP_MS, tombstone(task, 0), "g0", "0"]
+    # a delivery of the task's message of that generation (see park_gate.lua)
+    again = "1" if redelivered else "0"
+    args = [escape(task), DONE_KEEP_MS, tombstone(task, 0), f"g{generation}", again, 0]
     raw = _call(ext, PARK_GATE, keys, args, "gate")
     return ParkGateReply(int(raw))
 
@@ -174,3 +181,83 @@ def test_on_a_redis_cluster(redis_cluster: LocalCluster, leases_prefix: str):
         assert [hand_on(ext)[0] for _ in range(2)] == ["c1", "c2"]
         assert gate(ext, "c1") == ParkGateReply.HANDED
         assert [p["task_id"] for p in list_parked(ext, NAME)] == ["c2"]
+
+
+class Killed(BaseException):
+    """Stands in for a kill -9 between a hand-on and its publish: nothing after it runs."""
+
+
+def handon_entries(ext: Leases) -> list[str]:
+    registry = ext.store.engine.registry_key(ext.identity().owner, ext.store.keys.group_of(NAME))
+    return [str(m) for m in ext.store.client.smembers(registry) if str(m).startswith("p ")]
+
+
+def test_a_dead_pumps_hand_on_is_taken_over_by_a_cleanup(
+    make_leases: Callable[..., Leases], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # t0 the pump hands the limit on to t1 (its hand-on in flight holds t1's room and turn);
+    # t1 it is killed before it publishes t1; t2 a cleanup of it takes the hand-on over:
+    # t1 is published at once, keeping its turn, not left for handon_timeout (300 s here)
+    ext = make_leases(handon_timeout=300)
+    store = ext.store
+    fill(ext)
+    for task in ("t1", "t2"):
+        assert park(ext, task) == ParkReply.PARKED
+    wait_for_room(ext)
+
+    def die() -> None:
+        raise Killed
+
+    monkeypatch.setattr(_parking, "_die_here_for_a_test", die)
+    with pytest.raises(Killed):
+        _parking._hand_on_limit(ext, f"{N}:{PERIOD_US}:1", NAME, None)
+    [entry] = handon_entries(ext)
+    mark, stamp, task, rest = entry.split(" ", 3)
+    assert (mark, task, rest) == ("p", "t1", f"r 0 {NAME}")
+    assert abs(int(stamp) / 1e6 - store.redis_time()) < 60
+    fifo_key = store.keys.parked_limit(NAME)
+    ends = store.client.zscore(fifo_key, "t1")
+
+    report = store.cleanup_node(ext.identity().node)
+    assert [(o, t) for o, t, _ in report.handons] == [(ext.identity().owner, "t1")]
+    assert '"on": "limit"' in report.handons[0][2]  # its message, to publish
+    assert handon_entries(ext) == []
+    # still in flight (its turn and its room kept), for a full handon_timeout from now
+    assert store.client.zscore(fifo_key, "t1") >= ends
+    assert store.cleanup_owner(ext.identity().owner, dead=True).handons == []
+    # the copy consumes the hand-on and runs; t2 is the next one handed on
+    assert gate(ext, "t1") == ParkGateReply.HANDED
+    assert hand_on(ext)[0] == "t2"
+
+
+def test_a_takeover_of_a_limits_hand_on_that_ran_out_publishes_nothing(
+    monkeypatch: pytest.MonkeyPatch, leases: Leases
+) -> None:
+    fill(leases)
+    assert park(leases, "t1") == ParkReply.PARKED
+    wait_for_room(leases)
+    assert hand_on(leases)[0] == "t1"  # recorded; its hand-on runs out in HANDON_MS
+    time.sleep(HANDON_MS / 1000 + 0.1)
+    report = leases.store.cleanup_owner(leases.identity().owner, dead=True)
+    assert report.handons == []  # its copy may come late: its next hand-on is its turn
+    assert handon_entries(leases) == []
+
+
+def test_a_task_parked_again_on_a_limit_is_no_longer_its_hand_ons_consumer(leases: Leases):
+    # the original message (g0) of t1, redelivered, consumes t1's hand-on, is refused and
+    # parks again; its worker dies before the ack. t1 is handed on again and its copy (g1)
+    # consumes that. The original, redelivered once more, must be dropped: it is not the
+    # consumer any more (park_limit.lua removes the "@g0" record, as park.lua does)
+    fill(leases)
+    assert park(leases, "t1") == ParkReply.PARKED
+    wait_for_room(leases)
+    assert hand_on(leases)[0] == "t1"
+    assert gate(leases, "t1", generation=0, redelivered=True) == ParkGateReply.HANDED
+    fill(leases)
+    assert park(leases, "t1", consumed=True, generation=0) == ParkReply.PARKED
+    wait_for_room(leases)
+    assert hand_on(leases)[0] == "t1"
+    assert gate(leases, "t1", generation=1) == ParkGateReply.HANDED
+    assert gate(leases, "t1", generation=0, redelivered=True) == ParkGateReply.CONSUMED
+    # the copy that consumed it, redelivered, still passes
+    assert gate(leases, "t1", generation=1, redelivered=True) == ParkGateReply.HANDED

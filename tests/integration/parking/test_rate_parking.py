@@ -187,3 +187,36 @@ def test_rate_parked_tasks_over_rabbitmq(
     # hand-ons publish to RabbitMQ through the worker's producer: the same guarantees
     evs, shown = run_rated(amqp_producer, leases_prefix, {**worker_env, **env})
     check_rated(evs, shown, exactly_once=True)
+
+
+def test_a_newcomer_under_a_limit_queues_behind_the_parked_task(
+    producer: Celery, leases_prefix: str, start_worker: Callable[..., WorkerProc]
+) -> None:
+    # P is parked on one:Q (1/s); no worker runs while the window gets room again; newcomer
+    # N is sent then, and a worker starts: whether N's delivery comes before the pump's
+    # hand-on of P (P still parked) or after it (P's hand-on in flight holds the room), N
+    # parks behind P and starts after it. Before the fix N was admitted at once and ran first
+    ext: Leases = producer.leases  # type: ignore[attr-defined]
+    client = redis.Redis.from_url(producer.conf.broker_url)
+    task = producer.tasks["park_app.rated_one"]
+    try:
+        worker = start_worker(concurrency=1)
+        ext.limit("one:Q", "1/s")  # the window's one admission
+        first = task.delay("Q", 1)
+        wait_until(lambda: list_parked(ext, "one:Q"), 60, "P parked")
+        worker.stop()
+        assert [p["state"] for p in list_parked(ext, "one:Q")] == ["parked"]
+        wait_until(lambda: not client.zcard(ext.store.keys.limit_keys("one:Q")[0]), 30,
+                   "the window has room")  # fmt: skip
+        newcomer = task.delay("Q", 2)
+        worker.start()
+        wait_until(
+            lambda: sum(1 for e in events(client, leases_prefix) if e[0] == "e") == 2,
+            DEADLINE,
+            "both ran",
+        )
+        starts = [e for e in events(client, leases_prefix) if e[0] == "s"]
+        assert [e[3] for e in starts] == [first.id, newcomer.id]
+        assert [e[4] for e in starts] == [1, 1]  # both ran from a hand-on: N was parked too
+    finally:
+        client.close()

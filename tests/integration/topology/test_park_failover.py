@@ -297,7 +297,7 @@ def gate(client: redis.Redis, leases: Leases, resource: str, task_id: str) -> in
     """park_gate.lua for the first message of ``task_id``, redelivered, on ``client``."""
     keys = leases.store.keys
     state, msgs, done = keys.park_state(0), keys.park_messages(0), keys.park_done(0)
-    args = [escape(task_id), DONE_KEEP_MS, tombstone(task_id, 0), "g0", "1"]
+    args = [escape(task_id), DONE_KEEP_MS, tombstone(task_id, 0), "g0", "1", 1]
     script = client.register_script(_scripts.PARK_GATE)
     return int(script(keys=[state, msgs, done, keys.parked(resource)], args=args))
 

@@ -12,9 +12,11 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from celery_leases import Leases
-from celery_leases._claims import Claimed, ClaimHolder
+from celery_leases._claims import Claimed, ClaimHolder, ClaimMode
 from celery_leases._identity import Identity
 from celery_leases._lease import Held
+from celery_leases._modes import kept
+from celery_leases._parking import unpark
 from tests.support.topologies import Topology, leases_factory
 
 WORKER = Identity("topo-worker@host", "inc", 4242)
@@ -29,7 +31,8 @@ def make(topology: Topology) -> Iterator[Callable[..., Leases]]:
 
 
 def test_claims_in_every_slot_group(make: Callable[..., Leases]) -> None:
-    store = make().store
+    leases = make()
+    store = leases.store
     keys: dict[int, str] = {}
     i = 0
     while len(keys) < store.settings.slot_groups:
@@ -49,6 +52,15 @@ def test_claims_in_every_slot_group(make: Callable[..., Leases]) -> None:
         running = store.unique_claim(key, "other", 30)
         assert isinstance(running, ClaimHolder)
         assert (running.state, running.task_id) == ("running", f"t-{key}")
+        # on_duplicate="cancel": the revocation mark and the park, in the claim's one slot
+        cancel = kept(ClaimMode(cancel=20.0, reason="topology"), key, "topo.task", (), {}, {})
+        follows = store.unique_claim(key, "canceller", 30, cancel)
+        assert isinstance(follows, Claimed)
+        assert (follows.follows, follows.cancels) == ("canceller", f"{held.token} {WORKER.owner}")
+        mark = store.client.get(store.keys.revocation(held.resource))
+        assert mark is not None
+        assert [str(w) for w in mark.split()[1:]] == [str(held.token), "topology"]
+        assert unpark(leases, "canceller")
         assert store.unique_requeue(held, 30)
         again = store.unique_take(key, f"t-{key}", WORKER, 30, wait=1)
         assert isinstance(again, Held)

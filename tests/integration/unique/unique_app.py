@@ -20,7 +20,7 @@ from typing import Any
 
 from celery import Celery
 
-from celery_leases import LeasedTask, Leases
+from celery_leases import FencedRedis, LeasedTask, LeaseLost, Leases, current_claim
 from tests.support.perprocess import PerProcessClient
 
 BROKER = os.environ.get("LEASES_TEST_BROKER", "redis://127.0.0.1:6379/15")
@@ -72,6 +72,38 @@ def make_app(
 
     def record(name: str, value: object) -> None:
         ledger().rpush(ledger_key(prefix, "events", name), str(value))
+
+    def redis_us() -> int:
+        sec, usec = ledger().time()
+        return int(sec) * 1_000_000 + int(usec)
+
+    def cancellable_body(self: Any, key: str, tag: str, seconds: float, check: bool) -> str:
+        """Records its start and end (Redis us) and its claim's token, works ``seconds`` in
+        steps of 20 ms (``check``: checking its claim, recording when it learnt it was
+        cancelled), then writes ``report:<key>`` fenced with its claim."""
+        claim = current_claim()
+        assert claim is not None
+        record(f"started:{key}", f"{self.request.id} {os.getpid()} {tag}")
+        record(f"times:{key}", f"start {redis_us()} {self.request.id} {claim.token}")
+        learnt = False
+        try:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                if check:
+                    try:
+                        claim.check()
+                    except LeaseLost as exc:
+                        if not learnt:
+                            learnt = True
+                            record(f"times:{key}", f"learnt {redis_us()} {type(exc).__name__}")
+                time.sleep(0.02)
+            fenced = FencedRedis(ledger(), prefix=f"{prefix}:fenced")
+            wrote = fenced.set(f"report:{key}", tag, fence=claim)
+            record(f"wrote:{key}", f"{self.request.id} {wrote}")
+            record(f"finished:{key}", f"{self.request.id} {tag}")
+            return tag
+        finally:
+            record(f"times:{key}", f"end {redis_us()} {self.request.id}")
 
     def wait_gate(key: str) -> None:
         r = ledger()
@@ -196,6 +228,31 @@ def make_app(
         if ledger().llen(ledger_key(prefix, "events", f"started:{key}")) == 1:
             time.sleep(60)
         return str(self.request.id)
+
+    @app.task(
+        name="unique_app.cancellable",
+        shared=False,
+        base=LeasedTask,
+        bind=True,
+        unique="can:{key}",
+        unique_cancel_deadline=20,
+    )
+    def cancellable(self: Any, key: str, tag: str = "", seconds: float = 0.0) -> str:
+        """on_lost="interrupt": LeaseRevoked is raised in its loop when it is cancelled."""
+        return cancellable_body(self, key, tag, seconds, False)
+
+    @app.task(
+        name="unique_app.stubborn",
+        shared=False,
+        base=LeasedTask,
+        bind=True,
+        unique="stub:{key}",
+        on_lost="log",
+        unique_cancel_deadline=4,
+    )
+    def stubborn(self: Any, key: str, tag: str = "", seconds: float = 0.0) -> str:
+        """on_lost="log": works on when cancelled, learning it from its claim's check()."""
+        return cancellable_body(self, key, tag, seconds, True)
 
     if not os.environ.get("UAPP_NO_MODE_TASKS"):  # tasks declared with a unique_mode
 
