@@ -130,6 +130,10 @@ def admit(
             args = [task_id, DONE_KEEP_MS, mark, _consumer(request), "1" if redelivered else "0"]
             args.append(leases.get(group, 0))
             raw = _call(ext, _scripts.PARK_GATE, keys_, args, "admit a task")
+            if int(raw) == ParkGateReply.PARKED and ext.store.engine.wait_replicas:
+                # dropped for a park min_replicas may not have (its own, refused and requeued:
+                # this is its redelivery): the gate again, WAIT covering the park (its write)
+                raw = _call(ext, _scripts.PARK_GATE, keys_, args, "admit a task", "park_gate")
         except LeaseBackendError as exc:
             # not retried (self.retry): a gate that ran but whose reply was lost consumed the
             # hand-on for this message, which only this message, redelivered, passes again

@@ -67,6 +67,7 @@ local function park_check(queue, state, msgs, done, task, now, consumed, mark, g
     redis.call('ZADD', done, now, mark)
     return {2}
   elseif s == 'p' then
+    redis.call('HSET', state, task, 'p')  -- the WAIT after the call covers the park itself
     return {3}
   end
   if consumed then

@@ -32,6 +32,9 @@
 local task = ARGV[1]
 local state = redis.call('HGET', KEYS[1], task)
 if state == 'p' then
+  -- written again, so that a WAIT after this call (min_replicas) covers the park itself: a
+  -- redelivery of a park the replicas did not confirm is dropped only once they have it
+  redis.call('HSET', KEYS[1], task, 'p')
   return 2
 end
 local t = redis.call('TIME')
