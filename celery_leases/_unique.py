@@ -34,7 +34,7 @@ from ._modes import (
     kept,
     parked_kind,
 )
-from ._parking import DONE_KEEP_MS, PARKED_HEADER, tombstone
+from ._parking import DONE_KEEP_MS, PARKED_HEADER, tombstone, unpark
 from ._sync.heartbeat import heartbeat
 from .config import OnDuplicate
 from .exceptions import DuplicateTask, LeaseBackendError, LeaseConfigError
@@ -615,5 +615,10 @@ def on_task_revoked(
             key = task._unique_key(getattr(request, "args", ()), getattr(request, "kwargs", {}))
         if store.unique_unclaim(key, task_id):
             logger.info("leases: revoked %s[%s] gave back unique key %r", task.name, task_id, key)
+        if keeps_last(task, request) and unpark(ext, task_id):
+            # the arguments later sends gave it, parked in case it was never published
+            logger.info(
+                "leases: revoked %s[%s]: its newer arguments do not run", task.name, task_id
+            )
     except Exception:
         logger.exception("leases: task_revoked handler (unique claims) failed")

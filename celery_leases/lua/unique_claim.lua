@@ -57,7 +57,9 @@
 --          {4, task}           (keep_last) not sent: (escaped) task id "task" will run with
 --                              this send's arguments: the copy queued (or handed on), or the
 --                              follow-up parked behind the running copy (this task id when
---                              this send parked it); (cancel) the same, for a follow-up
+--                              this send parked it); (cancel) the same, for a follow-up. A
+--                              copy queued gets them parked too, as its own follow-up (it
+--                              may never be published; its run forgets them)
 --          {5, holder, ms}     (cancel) not sent: the running copy "<token> <owner>" is
 --                              revoked (its claim runs out in ms at the latest) and this send
 --                              is parked as its follow-up
@@ -124,11 +126,13 @@ local function parked_follow()
   end
   return follow
 end
--- park this send as the follow-up, looked at again when the holder runs out
-local function park()
-  redis.call('ZADD', KEYS[6], 'NX', string.format('%.0f', now_us), ARGV[1])
-  redis.call('HSET', KEYS[7], ARGV[1], 'p')
-  redis.call('HSET', KEYS[8], ARGV[1], ARGV[9])
+-- park this send as the follow-up (as task id "task", this send's own by default), looked
+-- at again when the holder runs out
+local function park(task)
+  task = task or ARGV[1]
+  redis.call('ZADD', KEYS[6], 'NX', string.format('%.0f', now_us), task)
+  redis.call('HSET', KEYS[7], task, 'p')
+  redis.call('HSET', KEYS[8], task, ARGV[9])
   redis.call('HSET', KEYS[8], '%r' .. ARGV[4], ARGV[10])
   local pttl = redis.call('PTTL', KEYS[1])
   local due = now + (pttl >= 0 and math.max(pttl, 1) or 1000)
@@ -195,8 +199,18 @@ if ARGV[7] == 'k' or ARGV[7] == 'd' then
   if who and who ~= mine then
     local kind = string.sub(who, 1, 8)
     if kind == '%queued/' or kind == '%parked/' then
-      newest(string.sub(who, 9))
-      return {4, string.sub(who, 9)}
+      local task = string.sub(who, 9)
+      newest(task)
+      -- the copy queued may never be published (its producer died before its publish, the
+      -- publish failed, its claim reply was lost): these arguments are parked too, as that
+      -- copy's follow-up under its task id, handed on by the pump once its claim is gone; the
+      -- copy's run forgets it when it takes the claim (unique_handover.lua). Not for a copy
+      -- parked elsewhere (on_busy="defer" on its lease): its message is kept in Redis already
+      if kind == '%queued/' and (redis.call('ZSCORE', KEYS[6], task)
+          or redis.call('HEXISTS', KEYS[7], task) == 0) then
+        park(task)
+      end
+      return {4, task}
     end
   end
   if follow and who ~= mine then

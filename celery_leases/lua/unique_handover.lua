@@ -65,6 +65,10 @@ if handed then
   park_forget(KEYS[7], KEYS[8], KEYS[9], ARGV[6])
   redis.call('ZADD', KEYS[10], now, ARGV[9])
   park_prune(KEYS[10], now, tonumber(ARGV[10]))
+elseif redis.call('ZSCORE', KEYS[7], ARGV[6]) then
+  -- (keep_last) the arguments a later send gave this copy while it was queued, parked in
+  -- case it was never published (unique_claim.lua): it runs, with them; forgotten
+  park_forget(KEYS[7], KEYS[8], KEYS[9], ARGV[6])
 end
 
 local token = next_token(KEYS[4], now_us, now_text, ARGV[4])
