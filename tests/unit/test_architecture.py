@@ -81,6 +81,7 @@ LAYERS: dict[str, int] = {
             "task",
             "_interrupt",
             "_templates",
+            "_taskflow",
             "worker",
             "beat",
             "_beat_runs",
