@@ -119,7 +119,8 @@ import math
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -144,16 +145,21 @@ from celery_leases import (
     _parking,
     _releases,
     _scripts,
+    _taskflow,
+    _wait,
 )
 from celery_leases._claims import Claimed, ClaimHolder
 from celery_leases._grants import TICKET_SLACK_MS, Busy
 from celery_leases._identity import Identity
 from celery_leases._inspect import Holder
-from celery_leases._lease import Held, Want
+from celery_leases._keys import unescape
+from celery_leases._lease import Held, Lease, Want, held_of
+from celery_leases._limits import LimitWant
 from celery_leases._one_attempt import failure_of
-from celery_leases._protocol import Failure, Sleep
+from celery_leases._outcomes import granted_leases
+from celery_leases._protocol import Failure, Script, Send, Sleep
 from celery_leases._redis_server import RedisServer
-from celery_leases._sync.driver import LeaseStore
+from celery_leases._sync.driver import LeaseStore, Ride
 from celery_leases._wire import handoff
 from celery_leases.config import resolve_settings
 from celery_leases.exceptions import LeaseBackendError
@@ -366,7 +372,8 @@ class Deferring:
     """A task of ``on_busy="defer"`` the model sent, and what became of it."""
 
     task_id: str
-    want: Want
+    want: Want | None  # None: a task with a rate limit only
+    limits: tuple[LimitWant, ...] = ()
     runs: int = 0  # its body started (at most once)
     grant: Grant | None = None  # while it runs: its lease
     owner: Owner | None = None
@@ -431,11 +438,14 @@ class Stepper:
         steps: Generator[Any, Any, Any],
         faults: Mapping[int, str] | None = None,
         stall_from: int | None = None,
+        lose_scripts: frozenset[str] = frozenset(),
     ) -> None:
         self.store = store
         self.steps = steps
         self.faults = dict(faults or {})
         self.stall_from = stall_from
+        #: the reply of the first request that calls one of these scripts is lost
+        self.lose_scripts = lose_scripts
         self.sent = 0  # requests sent (or dropped) so far
         self.value: Any = None
         self.error: BaseException | None = None
@@ -454,12 +464,22 @@ class Stepper:
         index = self.sent
         self.sent += 1
         fault = self._fault(index)
+        names = {c.name for c in op.calls if type(c) is Script} if type(op) is Send else set()
+        if fault is None and names & self.lose_scripts:
+            fault, self.lose_scripts = "lost", frozenset()
+        # a grant that carries this thread's ride (LeaseStore.riding): its fault is the ride's
+        ride: Ride | None = getattr(self.store._rides, "ride", None)
         if fault == "dropped":
             event("fault: a request dropped")
+            if ride is not None and "acquire" in names and not op.transaction:
+                self.store._rides.ride, ride.lost = None, True  # as LeaseStore._riding
             raise RedisTimeoutError("model: timed out before it reached Redis")
         reply = self.store._execute(op)
         if fault == "lost":
             event("fault: a reply lost")
+            if ride is not None and getattr(self.store._rides, "ride", None) is None:
+                event("fault: a grant's reply lost with its riding limits")
+                ride.replies, ride.lost = None, True  # as LeaseStore._riding
             raise RedisTimeoutError("model: the reply was lost after the call ran")
         return reply
 
@@ -496,6 +516,67 @@ class Stepper:
         if self.raised is not None:
             raise self.raised
         return self.result
+
+
+class Taker:
+    """A simulated process that takes a task's leases in ``_taskflow.take_or_park`` (its
+    ``Taker``): each grant is the store's own wait (``_wait.acquire``, without waiting)
+    carried out by a :class:`Stepper` (``lose_first``: the reply of its first request is
+    lost), checked and recorded by the model; a release is recorded and hands on as
+    ``Leases.release`` does (``_parking.hand_on_released``), by this process."""
+
+    def __init__(self, machine: LeaseModel, owner: Owner, *, lose_first: bool = False) -> None:
+        self.machine = machine
+        self.owner = owner
+        self.lose_first = lose_first
+        self.made: list[Grant] = []  # the grants of this call, in order
+
+    @property
+    def store(self) -> LeaseStore:
+        return self.machine.store
+
+    def acquire(
+        self,
+        wants: Any,
+        *,
+        ttl: float | None = None,
+        wait: float | None = 0.0,
+        task_id: str | None = None,
+        on_lost: Any = None,
+    ) -> list[Lease]:
+        m, owner = self.machine, self.owner
+        assert wait == 0, "the model's tasks take their leases at once"
+        assert ttl is not None
+        steps = _wait.acquire(m.store.engine, wants, owner.ident, ttl, wait, task_id).steps
+        faults = {0: "lost"} if self.lose_first else None
+        self.lose_first = False
+        sent = time.monotonic()
+        try:
+            granted = Stepper(m.store, steps, faults).outcome()
+        except LeaseBusy:
+            event("a task's acquire: busy")
+            m.check_refusal(list(wants), sent, f"the acquire of task {task_id}")
+            m.check_reservation_refused(task_id, list(wants))
+            raise
+        except LeaseBackendError:
+            m.unknown_outcome(owner, [w.resource for w in wants], ttl)
+            raise
+        m._record(owner, granted, ttl, sent)
+        self.made += owner.grants[-len(granted) :]
+        return granted_leases(granted, ttl, task_id, None, 0.0)
+
+    def release(self, leases: Any) -> list[Lease]:
+        helds = [held_of(lease) for lease in leases]
+        todo = [g for g in self.made if any(g.held is h for h in helds)]
+        if todo:
+            self.machine._release(todo)
+            with self.machine.acting_as(self.owner):
+                _parking.hand_on_released(self.machine.leases, [g.resource for g in todo])
+        return []
+
+
+class Died(BaseException):
+    """The model's releaser is killed between its hand-on and its publish."""
 
 
 def conflicts(a: str, b: str) -> bool:
@@ -563,6 +644,7 @@ class LeaseModel(RuleBasedStateMachine):
         self.broker: list[Message] = []
         self.script_faults: dict[str, str] = {}
         self.publish_fault = False
+        self.died_after: str | None = None
         self.admissions: dict[str, dict[str, tuple[int, int]]] = {}
         self.deferring_task = self._make_deferring_task()
         _parking._call = self._parking_call
@@ -681,7 +763,8 @@ class LeaseModel(RuleBasedStateMachine):
         if any(u.resource == want.resource and u.until + SLACK >= at for u in self.unknown):
             return False
         if any(
-            d.want.resource == want.resource and d.may_be_reserved for d in self.deferring.values()
+            d.want is not None and d.want.resource == want.resource and d.may_be_reserved
+            for d in self.deferring.values()
         ):
             return False  # a hand-on may have reserved it for a deferring task
         maybe = [g for g in self.grants.get(want.resource, []) if g.maybe_held(at)]
@@ -1454,6 +1537,9 @@ class LeaseModel(RuleBasedStateMachine):
             event(f"parking: {what}: dropped")
             raise ext.store.backend_error(what, RedisTimeoutError("model: dropped"))
         reply = _REAL_PARKING_CALL(ext, src, keys, args, what, wait)
+        if fault == "dies" and int(reply[0]) == 1:
+            self.died_after = unescape(str(reply[1]))
+            raise Died()
         if fault == "lost":
             event(f"parking: {what}: reply lost")
             raise ext.store.backend_error(what, RedisTimeoutError("model: reply lost"))
@@ -1526,6 +1612,7 @@ class LeaseModel(RuleBasedStateMachine):
             self.script_faults[_scripts.PARK_GATE] = fault.split()[1]
         elif fault in ("park lost", "park dropped"):
             self.script_faults[_scripts.PARK] = fault.split()[1]
+            self.script_faults[_scripts.PARK_LIMIT] = fault.split()[1]
         headers = {} if msg.generation is None else {_parking.PARKED_HEADER: msg.generation}
         task.push_request(
             id=msg.task_id,
@@ -1537,9 +1624,13 @@ class LeaseModel(RuleBasedStateMachine):
             **headers,
         )
         try:
-            self._run_delivery(d, msg, owner, fault)
+            self._run_delivery(d, owner, fault)
         except Ignore:
             event("parking: a delivery ended (parked, or dropped)")
+            if fault == "dies after park":
+                # the worker dies before the ack: the broker delivers the original again
+                event("parking: the parking process died before its ack")
+                self.broker.append(Message(msg.task_id, msg.retries, msg.generation, True))
         except Reject:
             event("parking: requeued (Reject)")
             self.broker.append(Message(msg.task_id, msg.retries, msg.generation, True))
@@ -1551,87 +1642,100 @@ class LeaseModel(RuleBasedStateMachine):
             self.script_faults.clear()
             task.pop_request()
 
-    def _run_delivery(self, d: Deferring, msg: Message, owner: Owner, fault: str) -> None:
-        """What ``LeasedTask._call_leased`` does for a deferring task (task.py)."""
-        task, want = self.deferring_task, d.want
-        consumed, behind = _parking.admit(self.leases, task, [want])
-        if consumed:
-            event("parking: a hand-on consumed")
-        for attempt in range(DEFER_ATTEMPTS):
-            if behind is not None:  # as task.py: others are parked on it, behind them
-                busy, behind = behind, None
-            else:
-                sent = time.monotonic()
-                lose = {0: "lost"} if fault == "acquire lost" and attempt == 0 else None
-                steps = _grants.try_acquire(
-                    self.store.engine, [want], owner.ident, DEFER_TTL, msg.task_id
-                )
-                try:
-                    outcome = Stepper(self.store, steps, lose).outcome()
-                except LeaseBackendError:
-                    self.unknown_outcome(owner, [want.resource], DEFER_TTL)
-                    raise
-                if isinstance(outcome, list):
-                    self._record(owner, outcome, DEFER_TTL, sent)
-                    self._started(d, owner, outcome[0])
-                    return
-                if consumed:
-                    self._check_reservation_refused(d, sent)
-                busy = LeaseBusy(want.resource, outcome.wait)
-            try:
-                # as task.py: a second refusal parks (force), whatever park.lua sees
-                _parking.defer(self.leases, task, busy, [want], (), {}, consumed, force=attempt > 0)
-            except Ignore:
-                if fault == "dies after park":
-                    # the worker dies before the ack: the broker delivers the original again
-                    event("parking: the parking process died before its ack")
-                    self.broker.append(Message(msg.task_id, msg.retries, msg.generation, True))
-                raise
-        event("parking: LeaseBusy after every attempt")
-        d.failed = True
-        violated(f"deferring task {d.task_id} failed with LeaseBusy: neither granted nor parked")
-
-    def _check_reservation_refused(self, d: Deferring, sent: float) -> None:
-        """A task that consumed its hand-on is refused only when its reservation is gone (ran
-        out) or Redis restarted (its restart grace)."""
-        if not self.no_grace([d.want.resource]):
-            return
-        mine = _parking.PLACEHOLDER + d.task_id
-        if any(h.owner == mine for h in self.store.holders(d.want.resource)):
-            violated(
-                f"{d.task_id} was handed {d.want.resource} on, and refused beside its reservation"
+    def _run_delivery(self, d: Deferring, owner: Owner, fault: str) -> None:
+        """A delivery of a deferring task: the task's own flow (``_taskflow.take_or_park``,
+        as ``LeasedTask._call_leased`` runs it), its leases taken by ``owner``."""
+        taker = Taker(self, owner, lose_first=fault == "acquire lost")
+        wants = [] if d.want is None else [d.want]
+        with self.acting_as(owner):  # a refused limit's release hands on as this process
+            outcome = _taskflow.take_or_park(
+                self.leases,
+                taker,
+                self.deferring_task,
+                wants,
+                list(d.limits),
+                ttl=DEFER_TTL,
+                wait=0.0,
+                on_lost=None,
+                deferring=True,
+                args=(),
+                kwargs={},
             )
+        if isinstance(outcome, LeaseBusy):
+            event("parking: LeaseBusy after every attempt")
+            d.failed = True
+            violated(f"deferring task {d.task_id} failed with {outcome!r}: not granted, not parked")
+        self._started(d, owner, outcome)
 
-    def _started(self, d: Deferring, owner: Owner, held: Held) -> None:
+    def check_reservation_refused(self, task_id: str | None, wants: list[Want]) -> None:
+        """A task is refused only when no reservation of a hand-on to it stands (it takes
+        the reservation over), or within a restart grace."""
+        if task_id is None or not self.no_grace([w.resource for w in wants]):
+            return
+        mine = _parking.PLACEHOLDER + task_id
+        for w in wants:
+            if any(h.owner == mine for h in self.store.holders(w.resource)):
+                violated(f"{task_id} was handed {w.resource} on, and refused beside it reserved")
+
+    def _started(self, d: Deferring, owner: Owner, leases: list[Lease]) -> None:
         d.runs += 1
-        event("parking: a deferring task runs")
+        event(f"parking: a deferring task runs ({'lease' if d.want else 'limit'})")
         if d.runs > 1:
             violated(f"deferring task {d.task_id} ran twice")
         if d.cancelled:
             violated(f"deferring task {d.task_id} ran after it was unparked")
+        d.owner = owner
+        if d.want is None:
+            return  # a task of a limit only: done at once
         mine = _parking.PLACEHOLDER + d.task_id
         if any(h.owner == mine for h in self.store.holders(d.want.resource)):
             violated(f"{d.task_id} runs on {d.want.resource} beside its own reservation")
-        d.owner = owner
-        d.grant = next(g for g in owner.grants if g.held is held)
+        (lease,) = leases
+        d.grant = next(g for g in owner.grants if g.held is held_of(lease))
 
-    def _finish(self, d: Deferring, fault: str) -> None:
+    def _finish(self, d: Deferring, fault: str) -> str | None:
+        """``d`` ends: its process releases its lease and hands the resource on (meeting
+        ``fault``); the handed task's id if that process died or stalled after its hand-on."""
         grant, d.grant = d.grant, None
         assert grant is not None
+        assert d.want is not None
         if not grant.gone:
             self._release([grant])
-        self._hand_on(d.want, fault)
+        releaser = d.owner if d.owner is not None and d.owner.alive else None
+        return self._hand_on(d.want, fault, releaser)
 
-    def _hand_on(self, want: Want, fault: str) -> None:
+    @contextmanager
+    def acting_as(self, owner: Owner | None) -> Iterator[None]:
+        """The model's ``Leases`` acts as ``owner``'s process (its hand-ons are recorded in
+        that owner's registry: ``_parking._registered``)."""
+        if owner is None:
+            yield
+            return
+        self.leases.identity = lambda: owner.ident  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del self.leases.identity
+
+    def _hand_on(self, want: Want, fault: str, releaser: Owner | None = None) -> str | None:
+        """A release's hand-on of ``want`` by ``releaser`` (None: the model's own process),
+        meeting ``fault``; with ``"dies"``, the id of the task handed on before it died."""
         if fault == "handon lost":
             self.script_faults[_scripts.HANDON] = "lost"
+        elif fault == "dies":
+            self.script_faults[_scripts.HANDON] = "dies"
         self.publish_fault = fault == "publish lost"
+        self.died_after = None
         try:
-            handed = _parking.hand_on(self.leases, [want])
+            with self.acting_as(releaser):
+                handed = _parking.hand_on(self.leases, [want])
             event(f"parking: a release handed on {min(handed, 2)}, fault {fault}")
+        except Died:
+            event("parking: the releaser died between its hand-on and its publish")
         finally:
             self.script_faults.clear()
             self.publish_fault = False
+        return self.died_after
 
     @rule(fault=st.sampled_from(HANDON_FAULTS))
     @traced
@@ -1693,7 +1797,7 @@ class LeaseModel(RuleBasedStateMachine):
             if not h.owner.startswith(_parking.PLACEHOLDER):
                 continue
             d = self.deferring.get(h.owner[len(_parking.PLACEHOLDER) :])
-            if d is None or d.want.resource != resource:
+            if d is None or d.want is None or d.want.resource != resource:
                 violated(f"{resource} is reserved for a task the model never parked there: {h}")
             elif d.grant is not None and not d.grant.gone:
                 violated(f"{resource} is reserved for {d.task_id}, which holds it already: {h}")
