@@ -11,7 +11,7 @@ from celery.exceptions import Ignore, Reject
 from redis import Redis
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from celery_leases import LeaseBusy, Leases, _grants, _parking, _scripts
+from celery_leases import LeaseBusy, Leases, _grants, _limiter, _limits, _parking, _scripts
 from celery_leases._claims import Claimed
 from celery_leases._identity import Identity
 from celery_leases._lease import Held, Want
@@ -298,3 +298,30 @@ def test_a_redelivered_original_whose_gate_reply_was_lost_runs(leases: Leases) -
     # the published copy comes: dropped (a fresh copy of a consumed hand-on)
     assert gate(leases, "t1", want, generation=1) == ParkGateReply.CONSUMED
     assert take(leases, want, "t1")
+
+
+@pytest.mark.parametrize("mode", ["s", "x"])
+def test_a_grant_with_riding_limits_runs_once_when_redis_lost_the_limit_script(
+    make_leases: Callable[..., Leases], make_redis_server: Callable[..., Any], mode: str
+) -> None:
+    """A grant runs once even when a limit riding in its round trip meets NOSCRIPT.
+
+    Found by the model (its rule ``limited_task``, after its Redis restarted): the script
+    cache of a Redis that restarted (or ran SCRIPT FLUSH) is refilled one script at a time,
+    as each is first called. A task's grant (``acquire``, loaded again by an earlier grant)
+    carried its limit check (``limit``, not loaded yet) in one pipeline: the grant ran, the
+    check answered NOSCRIPT, and the whole pipeline was sent again, so the grant ran twice.
+    A shared lease was granted twice (one grant never reported, held until its ttl ran out);
+    an exclusive one was refused "held by" the task itself, which kept the first grant.
+    """
+    server = make_redis_server()  # a private server: its script cache is ours to empty
+    leases = make_leases(redis_url=server.url)
+    want = Want("r", mode)
+    leases.release(leases.acquire([want], ttl=60))  # loads acquire (and release), not limit
+    limits = [_limits.want("api", "3/s", 1)]
+    granted = _limiter.take(leases, limits, [want], 60.0, 0.0, "task-1", None)
+    try:
+        holders = leases.store.holders("r")
+        assert [(h.mode, h.token) for h in holders] == [(mode, granted[0].token)], holders
+    finally:
+        leases.release(granted)
