@@ -73,7 +73,10 @@ delivers from), parking on a busy lease or on a refusing limit (``park_limit.lua
 by the pump: ``handon_limit.lua``), with faults: a gate's or a park's reply lost or its
 request dropped (the message is requeued), a lost acquire reply, a parking process that dies
 before its ack (the original is delivered again), a hand-on whose reply is lost (reserved,
-never published), a publish lost (the releaser died in between); ``unpark``. Rate limits:
+never published), a publish lost (the releaser died in between), a releaser that dies or
+hangs between its hand-on and its publish (a cleanup of its process takes the hand-on over
+and publishes it: ``handon_takeover.lua``; a hung one publishes later too, ``late_publish``:
+the second copy is dropped at the gate); ``unpark``. Rate limits:
 admissions (one, or two all or nothing), a reply lost; ``set_rate`` and ``penalize``
 interleaved; a task with a lease and one or two limits (``limited_task``, the limits riding
 in the grant's round trip), its grant's reply lost or its refund's. Then also checked:
@@ -228,6 +231,9 @@ DELIVERY_FAULTS = (
 )
 #: what a hand-on may meet: its reply lost (reserved, never published), its publish lost
 HANDON_FAULTS = ("none", "handon lost", "publish lost")
+#: a releaser that dies (or hangs: it publishes later) between its hand-on and its publish;
+#: its node restarting at once (cleanup_node takes the hand-on over while it stands), or not
+RELEASER_DIES = ("dies, node restarts", "stalls, node restarts", "dies")
 #: the rate limits (N per period by cost, on the Redis clock)
 LIMIT_NAMES = ("api:0", "api:1")
 #: seconds the model waits at the end of an example for every parked task to run
@@ -667,6 +673,8 @@ class LeaseModel(RuleBasedStateMachine):
         self.script_faults: dict[str, str] = {}
         self.publish_fault = False
         self.died_after: str | None = None
+        #: hand-ons of stalled releasers, not published yet: (task id, message)
+        self.stalled: list[tuple[str, str]] = []
         self.admissions: dict[str, dict[str, tuple[int, int]]] = {}
         #: per limit: the admissions whose task ran (or that admit() kept): (Redis us, cost)
         self.kept: dict[str, list[tuple[int, int]]] = {}
@@ -1451,6 +1459,7 @@ class LeaseModel(RuleBasedStateMachine):
 
         self.check_cleanup(report.released, ok)
         event(f"reaper_racing: freed {min(len(report.released), 3)}")
+        self._publish_taken_over(report, "the reaper")
 
     def _listed(self, grant: Grant) -> bool:
         return any(h.token == grant.token for h in self.store.holders(grant.resource))
@@ -1474,6 +1483,7 @@ class LeaseModel(RuleBasedStateMachine):
         }
         report = self.store.cleanup_node(name, keep_incarnation=keep)
         assert not report.errors, report.errors
+        self._publish_taken_over(report, "cleanup_node")
 
         def ok(g: Grant) -> str | None:
             return None if g.owner in dead else "its owner is not of a dead incarnation"
@@ -1502,6 +1512,26 @@ class LeaseModel(RuleBasedStateMachine):
         start = time.monotonic()
         report = self.store.reconcile()
         self._check_reconcile(report, start, self._liveness())
+        self._publish_taken_over(report, "reconcile")
+
+    def _publish_taken_over(self, report: _cleanup.CleanupReport, by: str) -> None:
+        """A cleanup publishes the hand-ons it took over from dead (or stalled) releasers,
+        as the worker's does (``_parking.publish_taken_over``)."""
+        if report.handons:
+            n = _parking.publish_taken_over(self.leases, report)
+            event(f"parking: {by} took over {min(len(report.handons), 2)} hand-on(s), "
+                  f"published {min(n, 2)}")  # fmt: skip
+
+    @rule()
+    @traced
+    def late_publish(self) -> None:
+        """A releaser that stalled between its hand-on and its publish comes back and
+        publishes (perhaps after a cleanup took its hand-on over and published it: the
+        second copy must be dropped at the gate, the task runs once)."""
+        todo, self.stalled = self.stalled, []
+        for task_id, raw in todo:
+            if _parking._publish(self.leases, task_id, raw):
+                event("parking: a stalled releaser published late")
 
     def _liveness(self) -> dict[str, float]:
         return {o: owner.liveness_sure_until for o, owner in self.owners.items()}
@@ -1568,8 +1598,10 @@ class LeaseModel(RuleBasedStateMachine):
             event(f"parking: {what}: dropped")
             raise ext.store.backend_error(what, RedisTimeoutError("model: dropped"))
         reply = _REAL_PARKING_CALL(ext, src, keys, args, what, wait)
-        if fault == "dies" and int(reply[0]) == 1:
+        if fault in ("dies", "stalls") and int(reply[0]) == 1:
             self.died_after = unescape(str(reply[1]))
+            if fault == "stalls":  # it publishes later, if it comes back (late_publish)
+                self.stalled.append((self.died_after, str(reply[2])))
             raise Died()
         if fault == "lost":
             event(f"parking: {what}: reply lost")
@@ -1582,6 +1614,7 @@ class LeaseModel(RuleBasedStateMachine):
         burst=st.integers(0, 3),
         fault=st.sampled_from(DELIVERY_FAULTS),
         finish=st.sampled_from(("no", *HANDON_FAULTS)),
+        releaser=st.sampled_from(("lives", *RELEASER_DIES)),
         then=st.sampled_from(("nothing", *DELIVERY_FAULTS)),
         cycles=st.integers(1, 3),
         node=st.integers(0, len(NODES) - 1),
@@ -1601,12 +1634,14 @@ class LeaseModel(RuleBasedStateMachine):
         node: int,
         slot: int,
         limit: str,
+        releaser: str,
     ) -> None:
         """A client sends ``burst`` tasks of ``on_busy="defer"`` on one lease (exclusive or
         shared: the FIFO of a resource may hold both modes) and a worker process takes each
         at once: they run, or park behind each other; the last meets ``fault``. Then the
         oldest running deferring task ends (``finish``: its release hands the resource on,
-        the hand-on's reply lost, or its publish: the releaser died in between), and a
+        the hand-on's reply lost, or its publish: the releaser died in between; ``releaser``:
+        at the first finish, it dies or hangs after its hand-on, see :meth:`_finish`), and a
         worker takes every message in the broker (the first meeting ``then``), or not yet;
         ``cycles`` times. ``limit``: the tasks also have a rate limit (``3/s``), or have
         only that: a refusal parks them on the limit (park_limit.lua), the pump hands them
@@ -1621,7 +1656,9 @@ class LeaseModel(RuleBasedStateMachine):
         for _ in range(cycles):
             running = [d for d in self.deferring.values() if d.grant is not None]
             if running and finish != "no":
-                self._finish(running[0], finish)
+                dies = releaser != "lives" and finish == "none"
+                self._finish(running[0], releaser if dies else finish)
+                releaser = "lives"
             if then != "nothing":
                 todo, self.broker = self.broker, []
                 for i, msg in enumerate(todo):
@@ -1739,7 +1776,25 @@ class LeaseModel(RuleBasedStateMachine):
         if not grant.gone:
             self._release([grant])
         releaser = d.owner if d.owner is not None and d.owner.alive else None
-        return self._hand_on(d.want, fault, releaser)
+        handed = self._hand_on(d.want, fault.split(",")[0], releaser)
+        if handed is not None and releaser is not None:
+            # it died (or hung) between its hand-on and its publish: its hand-on stays in its
+            # registry for a cleanup to take over (handon_takeover.lua): its node's restart
+            # (cleanup_node), or a reconcile once its liveness ran out (after the hand-on
+            # timeout here: its reservation ran out, nothing to publish; the pump hands on)
+            event(f"parking: a releaser {fault} between its hand-on and its publish")
+            self._process_dies(releaser)
+            if fault.endswith("node restarts"):
+                self.restart_node(node=NODES.index(releaser.ident.node))
+        return handed
+
+    def _process_dies(self, owner: Owner) -> None:
+        """``owner``'s process stops (killed, hung): a new process takes its slot."""
+        owner.alive = False
+        self._end_waits(owner)
+        for key, o in self.slots.items():
+            if o is owner:
+                self.slots[key] = self._new_owner(key[0])
 
     @contextmanager
     def acting_as(self, owner: Owner | None) -> Iterator[None]:
@@ -1763,8 +1818,8 @@ class LeaseModel(RuleBasedStateMachine):
         meeting ``fault``; with ``"dies"``, the id of the task handed on before it died."""
         if fault == "handon lost":
             self.script_faults[_scripts.HANDON] = "lost"
-        elif fault == "dies":
-            self.script_faults[_scripts.HANDON] = "dies"
+        elif fault in ("dies", "stalls"):
+            self.script_faults[_scripts.HANDON] = fault
         self.publish_fault = fault == "publish lost"
         self.died_after = None
         try:
@@ -1814,6 +1869,9 @@ class LeaseModel(RuleBasedStateMachine):
             self._release([g for g in owner.grants if g.held is not None])
         deadline = time.monotonic() + SETTLE
         owner = self.owner_at(0, 0)
+        for task_id, raw in self.stalled:  # the stalled releasers come back
+            _parking._publish(self.leases, task_id, raw)
+        self.stalled = []
         while True:
             for d in self.deferring.values():
                 if d.grant is not None:
