@@ -98,7 +98,7 @@ in the grant's round trip), its grant's reply lost or its refund's. Then also ch
 park and hand on (``test_parked_tasks_and_limits_keep_their_invariants``).
 
 The default run is bounded and derandomized (a fixed seed: 35 examples of 30 steps, then 20
-of the parking machine; about 105 s for both under ``CI`` on a busy 2-core machine, 65 s
+of the parking machine; about 100 s for both under ``CI`` on a busy 2-core machine, 65 s
 before the rate limit rules, where 25
 examples of the machine without issue 30's rules took 39 s). On the code before the fixes
 of issue 26 the 25 examples it ran then found break 8 (a recovery adopts a sibling's released
