@@ -18,13 +18,34 @@ if TYPE_CHECKING:
     from ._sync.driver import LeaseStore
     from .app import Leases
 
-__all__ = ("check_rates", "limit", "limit_wants", "penalize", "set_rate", "take")
+__all__ = ("Taker", "check_rates", "limit", "limit_wants", "penalize", "set_rate", "take")
 
 logger = get_logger(__name__)
 
 #: the metrics label of a limit checked outside a task (``leases.limit``): a rendered name
 #: is never a label, so 10,000 keys add no series
 NO_TEMPLATE = "-"
+
+
+class Taker(Protocol):
+    """Who takes a task's leases and gives them back: the app's :class:`Leases` (as this
+    process's owner), or a test's simulated process with its faults (tests/integration/
+    test_model.py). Its ``store`` carries the limits that ride with the grant."""
+
+    @property
+    def store(self) -> LeaseStore: ...
+
+    def acquire(
+        self,
+        wants: Sequence[Want],
+        *,
+        ttl: float | None = None,
+        wait: float | None = 0.0,
+        task_id: str | None = None,
+        on_lost: Callable[[Held], None] | None = None,
+    ) -> list[Lease]: ...
+
+    def release(self, leases: Sequence[Lease]) -> list[Lease]: ...
 
 
 class _Rendering(Protocol):
@@ -34,8 +55,6 @@ class _Rendering(Protocol):
 class _LimitedTask(Protocol):
     @property
     def name(self) -> str: ...
-    @property
-    def lease_ttl(self) -> float | None: ...
     @property
     def _rate_templates(self) -> Sequence[tuple[Rate, _Rendering]]: ...
 
@@ -134,15 +153,16 @@ def limit_wants(task: _LimitedTask, bound: Mapping[str, Any]) -> list[LimitWant]
 
 
 def take(
-    ext: Leases,
-    task: _LimitedTask,
-    bound: Mapping[str, Any],
+    taker: Taker,
+    limits: list[LimitWant],
     wants: list[Want],
+    ttl: float | None,
     wait: float | None,
     task_id: str | None,
     on_lost: Callable[[Held], None] | None,
 ) -> list[Lease]:
-    """A task's leases (``wants``) and its rate limits, all or nothing.
+    """A task's leases (``wants``, for ``ttl``) and its rate limits (``limits``, rendered
+    by :func:`limit_wants`), all or nothing.
 
     Without a wait, the limit checks ride in the round trip of the grant (``riding``): one
     round trip for both. A busy lease then takes back the admissions made (a refund, the
@@ -155,23 +175,22 @@ def take(
         LeaseBusy: a lease stayed busy (no admission kept).
         RateLimited: a limit refused (no lease kept); ``retry_after`` is its exact wait.
     """
-    limits = limit_wants(task, bound)
-    store = ext.store
+    store = taker.store
     started = time.monotonic()
     while True:
         left = None if wait is None else max(0.0, wait - (time.monotonic() - started))
         leases: list[Lease] = []
         try:
             if wants and wait is not None and wait <= 0:
-                leases, admitted = _ride(ext, task, wants, limits, task_id, on_lost)
+                leases, admitted = _ride(taker, wants, limits, ttl, task_id, on_lost)
             else:
                 if wants:
-                    leases = ext.acquire(
-                        wants, ttl=task.lease_ttl, wait=left, task_id=task_id, on_lost=on_lost
+                    leases = taker.acquire(
+                        wants, ttl=ttl, wait=left, task_id=task_id, on_lost=on_lost
                     )
                 admitted = store.run(admit(store.engine, limits))
         except RateLimited as limited:
-            ext.release(leases)
+            taker.release(leases)
             _refused(limited, limits, task_id)
             waited = time.monotonic() - started if wait else 0.0
             if wait is None or waited + limited.retry_after <= wait:
@@ -181,29 +200,27 @@ def take(
                 raise RateLimited(limited.resource, limited.retry_after, waited) from None
             raise
         except BaseException:
-            ext.release(leases)
+            taker.release(leases)
             raise
         _sent(admitted, limits, task_id)
         return leases
 
 
 def _ride(
-    ext: Leases,
-    task: _LimitedTask,
+    taker: Taker,
     wants: list[Want],
     limits: list[LimitWant],
+    ttl: float | None,
     task_id: str | None,
     on_lost: Callable[[Held], None] | None,
 ) -> tuple[list[Lease], list[Admitted]]:
     """The leases and the limits in one round trip (see :func:`take`). A refusal raises
     with the leases given back; a busy lease raises with the admissions taken back."""
-    store = ext.store
+    store = taker.store
     engine = store.engine
     with store.riding(_limits.checks(engine, limits)) as ride:
         try:
-            leases = ext.acquire(
-                wants, ttl=task.lease_ttl, wait=0.0, task_id=task_id, on_lost=on_lost
-            )
+            leases = taker.acquire(wants, ttl=ttl, wait=0.0, task_id=task_id, on_lost=on_lost)
         except BaseException:
             made = _limits.admitted_in(limits, ride.replies) if ride.replies else []
             if made:
@@ -217,5 +234,5 @@ def _ride(
             return leases, store.run(admit(engine, limits))
         return leases, store.run(_limits.settle(engine, limits, ride.replies))
     except BaseException:
-        ext.release(leases)
+        taker.release(leases)
         raise

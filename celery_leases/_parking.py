@@ -103,13 +103,15 @@ def admit(
     in its FIFO (parked, or handed on and not started): its park (park_limit.lua) admits it
     again only if the window has room beyond them and nobody is parked ahead. Raises
     ``Ignore`` for a delivery that must not run: a copy of a task that is parked, or whose
-    hand-on another copy consumed (a redelivery of a copy that started is let through: the
-    redelivery guard's business)."""
+    hand-on another copy consumed, unless another FIFO of the task (it parked again there:
+    its limit refused after its lease's hand-on) hands it on now (a redelivery of a copy
+    that started is let through: the redelivery guard's business)."""
     request = task.request
     task_id = escape(request.id)
     keys = ext.store.keys
     redelivered = bool((request.delivery_info or {}).get("redelivered"))
     behind: LeaseBusy | None = None
+    ran = False  # a group's done set holds this message's tombstone
     fifos: dict[int, list[str]] = {}  # slot group -> the task's FIFOs there, leases first
     # slot group -> what each of its FIFOs is busy as, when others are parked there
     busy: dict[int, list[LeaseBusy]] = {}
@@ -155,17 +157,18 @@ def admit(
             logger.info("leases: %s[%s] is parked: this copy is dropped", task.name, request.id)
             raise Ignore()
         if reply == ParkGateReply.CONSUMED:
-            copy = getattr(request, PARKED_HEADER, None) is not None
-            if copy and redelivered:
-                # a copy that started and died (the redelivery guard decides): if its lease
-                # is busy (its dead run's, or taken since), it parks again as the consumer
-                return True, None
-            logger.info(
-                "leases: %s[%s] already ran from its hand-on: this copy is dropped",
-                task.name,
-                request.id,
-            )
-            raise Ignore()
+            ran = True  # unless handed on in another group: it parked again there since
+    if ran:
+        if getattr(request, PARKED_HEADER, None) is not None and redelivered:
+            # a copy that started and died (the redelivery guard decides): if its lease is
+            # busy (its dead run's, or taken since), it parks again as the consumer
+            return True, None
+        logger.info(
+            "leases: %s[%s] already ran from its hand-on: this copy is dropped",
+            task.name,
+            request.id,
+        )
+        raise Ignore()
     return False, behind
 
 

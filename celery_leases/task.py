@@ -98,13 +98,13 @@ from celery import Task
 from celery.exceptions import Retry
 from celery.utils.log import get_logger
 
-from . import _parking
 from ._interrupt import Interrupter
 from ._lease import Lease, Shared, Want
-from ._limiter import check_rates, limit_wants, take
+from ._limiter import check_rates, limit_wants
 from ._limits import Rate
 from ._modes import UniqueMode, check_mode, check_unique_options, newest_arguments
 from ._outcomes import SKIPPED_KEY, is_skipped
+from ._taskflow import take_or_park
 from ._templates import Template, plain_params
 from ._unique import current_claim, release_claim, take_claim
 from .app import Leases, find_leases, ttl_of
@@ -118,10 +118,6 @@ logger = get_logger(__name__)
 #: message header carrying when a task first found its leases busy (Unix time)
 BUSY_SINCE_HEADER: Final = "lease_busy_since"
 BUSY_ATTEMPT_HEADER: Final = "lease_busy_attempt"
-
-#: on_busy="defer": acquire attempts of one delivery when the resource keeps freeing between
-#: the failed acquire and the park (each time a newcomer took it first), before LeaseBusy
-_DEFER_ATTEMPTS: Final = 5
 
 _current: ContextVar[tuple[Lease, ...]] = ContextVar("celery_leases_current", default=())
 _extension_lock = threading.Lock()
@@ -392,33 +388,32 @@ class LeasedTask(Task[Any, Any]):
             with interrupter:
                 return super().__call__(*args, **kwargs)
         request = self.request
-        # on_busy="defer" (see _parking.py): a copy of a parked task is dropped here, and a
+        # on_busy="defer" (see _parking.py): a copy of a parked task is dropped there, and a
         # busy lease parks the task (Ignore: the delivery ends, the slot is free)
         deferring = on_busy == "defer" and bool(task_id)
         deferring = deferring and not (request.is_eager or request.called_directly)
         try:
-            limits = []
-            if deferring and self._rate_templates:  # a limit's refusal parks too
-                limits = limit_wants(self, self._bound_values(args, kwargs))
-            consumed, behind = (
-                _parking.admit(ext, self, wants, limits) if deferring else (False, None)
+            limits = (
+                limit_wants(self, self._bound_values(args, kwargs)) if self._rate_templates else []
             )
-            for _attempt in range(_DEFER_ATTEMPTS):
-                try:
-                    if behind is not None:  # others are parked on it: behind them, no acquire
-                        busy, behind = behind, None
-                        raise busy
-                    leases = self._take(ext, wants, wait, task_id, interrupter, args, kwargs)
-                    break
-                except LeaseBusy as busy:
-                    if not deferring or _attempt == _DEFER_ATTEMPTS - 1:
-                        return self._busy(busy, on_busy, args, kwargs)
-                    # returns only when the resource (or limit) has room again: acquire once
-                    # more; a second refusal parks (a restart grace, a waiter queue: see defer)
-                    force = _attempt > 0
-                    _parking.defer(ext, self, busy, wants, args, kwargs, consumed, limits, force)
+            outcome = take_or_park(
+                ext,
+                ext,
+                self,
+                wants,
+                limits,
+                ttl=self.lease_ttl,
+                wait=wait,
+                on_lost=interrupter,
+                deferring=deferring,
+                args=args,
+                kwargs=kwargs,
+            )
         except LeaseBackendError as exc:
             self._backend_failed(exc)
+        if isinstance(outcome, LeaseBusy):
+            return self._busy(outcome, on_busy, args, kwargs)
+        leases = outcome
         traced = self._traced()
         token = _current.set(tuple(leases))
         try:
@@ -429,24 +424,6 @@ class LeasedTask(Task[Any, Any]):
         finally:
             _current.reset(token)
             ext.release(leases)  # hands the resource on to its next parked task
-
-    def _take(
-        self,
-        ext: Leases,
-        wants: list[Want],
-        wait: float | None,
-        task_id: str | None,
-        interrupter: Interrupter | None,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> list[Lease]:
-        """The task's leases, then its rate limits (see ``_limiter.take``), all or nothing."""
-        if self._rate_templates:
-            bound = self._bound_values(args, kwargs)
-            return take(ext, self, bound, wants, wait, task_id, interrupter)
-        return ext.acquire(
-            wants, ttl=self.lease_ttl, wait=wait, task_id=task_id, on_lost=interrupter
-        )
 
     def _traced(self) -> bool:
         """True if this call is the tracer's own (a worker's, or ``apply``'s), outside any

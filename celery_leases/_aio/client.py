@@ -111,7 +111,8 @@ class LoopState:
 async def round_trip(
     client: aredis.Redis, calls: Sequence[Call], transaction: bool = False
 ) -> list[Any]:
-    """One round trip of ``calls``; a script Redis lost is loaded and the calls sent again.
+    """One round trip of ``calls``; a script Redis lost is loaded and the calls it refused
+    sent again (never a call that ran).
 
     The first error reply is raised.
     """
@@ -125,18 +126,25 @@ async def round_trip(
             assert isinstance(call, Script)
             await client.script_load(SOURCE[call.name])
             return [await target.execute_command(*words)]
-    for _ in range(2):
-        pipe = client.pipeline(transaction=transaction)
-        for each in calls:
-            # not pipe.evalsha(): a cluster pipeline refuses it, but routes EVALSHA by its keys
-            pipe.execute_command(*words_of(each))
-        replies: list[Any] = await pipe.execute(raise_on_error=False)
-        if not any(isinstance(r, NoScriptError) for r in replies):
-            break
-        # Redis restarted or SCRIPT FLUSH ran: load the scripts and send again
-        for name in {c.name for c in calls if isinstance(c, Script)}:
+    replies = await _pipeline(client, calls, transaction)
+    # Redis restarted or SCRIPT FLUSH ran: load the scripts it refused and send those calls
+    # again, those only (the calls of a loaded script ran: see _sync/client.round_trip)
+    missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+    if missing:
+        again = [calls[i] for i in missing]
+        for name in {c.name for c in again if isinstance(c, Script)}:
             await client.script_load(SOURCE[name])
+        for i, reply in zip(missing, await _pipeline(client, again, transaction), strict=True):
+            replies[i] = reply
     for reply in replies:
         if isinstance(reply, Exception):
             raise reply
     return replies
+
+
+async def _pipeline(client: aredis.Redis, calls: Sequence[Call], transaction: bool) -> list[Any]:
+    pipe = client.pipeline(transaction=transaction)
+    for each in calls:
+        # not pipe.evalsha(): a cluster pipeline refuses it, but routes EVALSHA by its keys
+        pipe.execute_command(*words_of(each))
+    return list(await pipe.execute(raise_on_error=False))

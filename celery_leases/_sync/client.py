@@ -87,19 +87,26 @@ def round_trip(target: Any, calls: Sequence[Call], *, transaction: bool = False)
     """One round trip of ``calls`` in a pipeline of ``target``.
 
     If Redis lost a script (a restart, SCRIPT FLUSH), it is loaded (on every primary of
-    a cluster) and the pipeline sent once more. The first error reply is raised.
+    a cluster) and the calls it refused are sent once more: those only, as the calls of a
+    loaded script ran and must not run twice (a grant whose riding limit check met NOSCRIPT
+    was granted twice). The first error reply is raised.
     """
-    for attempt in (1, 2):
-        pipe = target.pipeline(transaction=transaction)
-        for call in calls:
-            pipe.execute_command(*words_of(call))
-        replies: list[Any] = pipe.execute(raise_on_error=False)
-        if attempt == 1 and any(isinstance(r, NoScriptError) for r in replies):
-            for name in {c.name for c in calls if isinstance(c, Script)}:
-                target.script_load(SOURCE[name])
-            continue
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        return replies
-    raise AssertionError("unreachable")
+    replies = _pipeline(target, calls, transaction)
+    missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+    if missing:
+        again = [calls[i] for i in missing]
+        for name in {c.name for c in again if isinstance(c, Script)}:
+            target.script_load(SOURCE[name])
+        for i, reply in zip(missing, _pipeline(target, again, transaction), strict=True):
+            replies[i] = reply
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
+def _pipeline(target: Any, calls: Sequence[Call], transaction: bool) -> list[Any]:
+    pipe = target.pipeline(transaction=transaction)
+    for call in calls:
+        pipe.execute_command(*words_of(call))
+    return list(pipe.execute(raise_on_error=False))

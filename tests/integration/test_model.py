@@ -65,13 +65,21 @@ never saw: it is accepted in Redis until that call's ttl ran out (:class:`Unknow
 learnt from then on.
 
 Parked tasks and rate limits (issue 30). Tasks of ``on_busy="defer"`` (exclusive or shared,
-on two resources of the first slot group) go through the real gate, acquire, park, hand-on and
-pump code of ``_parking`` (the broker is a list the model delivers from; a task's flow is
-``LeasedTask._call_leased``'s), with faults: a gate's or a park's reply lost or its request
-dropped (the message is requeued), a lost acquire reply, a parking process that dies before
-its ack (the original is delivered again), a hand-on whose reply is lost (reserved, never
-published), a publish lost (the releaser died in between); ``unpark``; and admissions under
-rate limits (one, or two all or nothing), a reply lost. Then also checked:
+on two resources of the first slot group; with a rate limit too, in another slot group, or
+with a rate limit only) run the task's own flow (``_taskflow.take_or_park``, as
+``LeasedTask`` does, with a :class:`Taker` of the model as its process): the real gate,
+acquire, park, hand-on and pump code of ``_parking`` (the broker is a list the model
+delivers from), parking on a busy lease or on a refusing limit (``park_limit.lua``, handed on
+by the pump: ``handon_limit.lua``), with faults: a gate's or a park's reply lost or its
+request dropped (the message is requeued), a lost acquire reply, a parking process that dies
+before its ack (the original is delivered again), a hand-on whose reply is lost (reserved,
+never published), a publish lost (the releaser died in between), a releaser that dies or
+hangs between its hand-on and its publish (a cleanup of its process takes the hand-on over
+and publishes it: ``handon_takeover.lua``; a hung one publishes later too, ``late_publish``:
+the second copy is dropped at the gate); ``unpark``. Rate limits:
+admissions (one, or two all or nothing), a reply lost; ``set_rate`` and ``penalize``
+interleaved; a task with a lease and one or two limits (``limited_task``, the limits riding
+in the grant's round trip), its grant's reply lost or its refund's. Then also checked:
 
 - a reservation (``0 %parked/<task>``) is of a deferring task the model parked there, never
   beside that task once it holds the lease, and counts as a holder (no exclusive holder
@@ -79,7 +87,10 @@ rate limits (one, or two all or nothing), a reply lost. Then also checked:
 - a task handed on is never refused beside its own reservation (outside a restart grace);
 - a deferring task never fails with ``LeaseBusy``, runs at most once, never after unpark;
 - no window of a limit's period admits more than N by cost (the Redis-time stamps of its log,
-  every admission seen, less those refunded);
+  every admission seen, less those refunded), N of the rate in force at the admission that
+  closes it (see :meth:`LeaseModel.limits_hold`); no admission during a penalty; a refund
+  gives back only what it took; a task refused for a busy lease keeps no admission, one
+  refused by a limit no lease;
 - at the end of each example (faults over, every lease given back), every task parked runs
   (unless Redis lost it in a restart): the releases and the pump hand it on.
 
@@ -87,7 +98,8 @@ rate limits (one, or two all or nothing), a reply lost. Then also checked:
 park and hand on (``test_parked_tasks_and_limits_keep_their_invariants``).
 
 The default run is bounded and derandomized (a fixed seed: 35 examples of 30 steps, then 20
-of the parking machine; about 65 s for both under ``CI`` on a busy 2-core machine, where 25
+of the parking machine; about 100 s for both under ``CI`` on a busy 2-core machine, 65 s
+before the rate limit rules, where 25
 examples of the machine without issue 30's rules took 39 s). On the code before the fixes
 of issue 26 the 25 examples it ran then found break 8 (a recovery adopts a sibling's released
 token) at its 7th example, and break 1 (a leftover handoff entry lets a reconcile free a
@@ -119,7 +131,8 @@ import math
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -140,23 +153,30 @@ from celery_leases import (
     RateLimited,
     _cleanup,
     _grants,
+    _limiter,
     _limits,
     _parking,
     _releases,
     _scripts,
+    _taskflow,
+    _wait,
+    signals,
 )
 from celery_leases._claims import Claimed, ClaimHolder
 from celery_leases._grants import TICKET_SLACK_MS, Busy
 from celery_leases._identity import Identity
 from celery_leases._inspect import Holder
-from celery_leases._lease import Held, Want
+from celery_leases._keys import unescape
+from celery_leases._lease import Held, Lease, Want, held_of
+from celery_leases._limits import LimitWant
 from celery_leases._one_attempt import failure_of
-from celery_leases._protocol import Failure, Sleep
+from celery_leases._outcomes import granted_leases
+from celery_leases._protocol import Failure, Script, Send, Sleep
 from celery_leases._redis_server import RedisServer
-from celery_leases._sync.driver import LeaseStore
+from celery_leases._sync.driver import LeaseStore, Ride
 from celery_leases._wire import handoff
 from celery_leases.config import resolve_settings
-from celery_leases.exceptions import LeaseBackendError
+from celery_leases.exceptions import LeaseBackendError, LeaseConfigError
 from tests.support.polling import SCHEDULING
 
 EXAMPLES = int(os.environ.get("CELERY_LEASES_MODEL_EXAMPLES", "35"))
@@ -211,11 +231,24 @@ DELIVERY_FAULTS = (
 )
 #: what a hand-on may meet: its reply lost (reserved, never published), its publish lost
 HANDON_FAULTS = ("none", "handon lost", "publish lost")
+#: a releaser that dies (or hangs: it publishes later) between its hand-on and its publish;
+#: its node restarting at once (cleanup_node takes the hand-on over while it stands), or not
+RELEASER_DIES = ("dies, node restarts", "stalls, node restarts", "dies")
 #: the rate limits (N per period by cost, on the Redis clock)
 LIMIT_NAMES = ("api:0", "api:1")
 #: seconds the model waits at the end of an example for every parked task to run
 SETTLE = 20.0
 LIMIT_RATE = "3/s"
+#: the rates set_rate may put in force (None: the override removed); all per second, so
+#: that the window of the rate in force is one period whatever the override (see limits_hold)
+OVERRIDES = ("1/s", "2/s", "5/s", None)
+PERIOD_US = 1_000_000
+#: what a task with a lease and a limit may meet: its grant's round trip (with the limits
+#: riding in it) loses its reply, or the refund of its admission after a busy lease does
+LIMITED_FAULTS = ("none", "refund lost", "grant lost")
+#: what a deferring task may have besides its lease: nothing, a rate limit too, or a rate
+#: limit and no lease
+DEFER_LIMITS = ("none", "only", "with its lease")
 #: _parking's own script call (the model wraps it to lose replies)
 _REAL_PARKING_CALL = _parking._call
 
@@ -366,7 +399,8 @@ class Deferring:
     """A task of ``on_busy="defer"`` the model sent, and what became of it."""
 
     task_id: str
-    want: Want
+    want: Want | None  # None: a task with a rate limit only
+    limits: tuple[LimitWant, ...] = ()
     runs: int = 0  # its body started (at most once)
     grant: Grant | None = None  # while it runs: its lease
     owner: Owner | None = None
@@ -431,11 +465,14 @@ class Stepper:
         steps: Generator[Any, Any, Any],
         faults: Mapping[int, str] | None = None,
         stall_from: int | None = None,
+        lose_scripts: frozenset[str] = frozenset(),
     ) -> None:
         self.store = store
         self.steps = steps
         self.faults = dict(faults or {})
         self.stall_from = stall_from
+        #: the reply of the first request that calls one of these scripts is lost
+        self.lose_scripts = lose_scripts
         self.sent = 0  # requests sent (or dropped) so far
         self.value: Any = None
         self.error: BaseException | None = None
@@ -454,12 +491,22 @@ class Stepper:
         index = self.sent
         self.sent += 1
         fault = self._fault(index)
+        names = {c.name for c in op.calls if type(c) is Script} if type(op) is Send else set()
+        if fault is None and names & self.lose_scripts:
+            fault, self.lose_scripts = "lost", frozenset()
+        # a grant that carries this thread's ride (LeaseStore.riding): its fault is the ride's
+        ride: Ride | None = getattr(self.store._rides, "ride", None)
         if fault == "dropped":
             event("fault: a request dropped")
+            if ride is not None and "acquire" in names and not op.transaction:
+                self.store._rides.ride, ride.lost = None, True  # as LeaseStore._riding
             raise RedisTimeoutError("model: timed out before it reached Redis")
         reply = self.store._execute(op)
         if fault == "lost":
             event("fault: a reply lost")
+            if ride is not None and getattr(self.store._rides, "ride", None) is None:
+                event("fault: a grant's reply lost with its riding limits")
+                ride.replies, ride.lost = None, True  # as LeaseStore._riding
             raise RedisTimeoutError("model: the reply was lost after the call ran")
         return reply
 
@@ -496,6 +543,68 @@ class Stepper:
         if self.raised is not None:
             raise self.raised
         return self.result
+
+
+class Taker:
+    """A simulated process that takes a task's leases in ``_taskflow.take_or_park`` (its
+    ``Taker``): each grant is the store's own wait (``_wait.acquire``, without waiting)
+    carried out by a :class:`Stepper` (``lose_first``: the reply of its first request is
+    lost), checked and recorded by the model; a release is recorded and hands on as
+    ``Leases.release`` does (``_parking.hand_on_released``), by this process."""
+
+    def __init__(self, machine: LeaseModel, owner: Owner, *, lose_first: bool = False) -> None:
+        self.machine = machine
+        self.owner = owner
+        self.lose_first = lose_first
+        self.made: list[Grant] = []  # the grants of this call, in order
+
+    @property
+    def store(self) -> LeaseStore:
+        return self.machine.store
+
+    def acquire(
+        self,
+        wants: Any,
+        *,
+        ttl: float | None = None,
+        wait: float | None = 0.0,
+        task_id: str | None = None,
+        on_lost: Any = None,
+    ) -> list[Lease]:
+        m, owner = self.machine, self.owner
+        assert wait == 0, "the model's tasks take their leases at once"
+        assert ttl is not None
+        steps = _wait.acquire(m.store.engine, wants, owner.ident, ttl, wait, task_id).steps
+        faults = {0: "lost"} if self.lose_first else None
+        self.lose_first = False
+        sent = time.monotonic()
+        try:
+            granted = Stepper(m.store, steps, faults).outcome()
+        except LeaseBusy as busy:
+            event("a task's acquire: busy")
+            seen = [m.store.holders(w.resource) for w in wants]
+            m.check_refusal(list(wants), sent, f"the acquire of task {task_id} ({busy}; {seen})")
+            m.check_reservation_refused(task_id, list(wants))
+            raise
+        except LeaseBackendError:
+            m.unknown_outcome(owner, [w.resource for w in wants], ttl)
+            raise
+        m._record(owner, granted, ttl, sent)
+        self.made += owner.grants[-len(granted) :]
+        return granted_leases(granted, ttl, task_id, None, 0.0)
+
+    def release(self, leases: Any) -> list[Lease]:
+        helds = [held_of(lease) for lease in leases]
+        todo = [g for g in self.made if any(g.held is h for h in helds)]
+        if todo:
+            self.machine._release(todo)
+            with self.machine.acting_as(self.owner):
+                _parking.hand_on_released(self.machine.leases, [g.resource for g in todo])
+        return []
+
+
+class Died(BaseException):
+    """The model's releaser is killed between its hand-on and its publish."""
 
 
 def conflicts(a: str, b: str) -> bool:
@@ -563,7 +672,18 @@ class LeaseModel(RuleBasedStateMachine):
         self.broker: list[Message] = []
         self.script_faults: dict[str, str] = {}
         self.publish_fault = False
+        self.died_after: str | None = None
+        #: hand-ons of stalled releasers, not published yet: (task id, message)
+        self.stalled: list[tuple[str, str]] = []
         self.admissions: dict[str, dict[str, tuple[int, int]]] = {}
+        #: per limit: the admissions whose task ran (or that admit() kept): (Redis us, cost)
+        self.kept: dict[str, list[tuple[int, int]]] = {}
+        #: per limit: each set_rate as (Redis us before, after, N in force from then)
+        self.rate_changes: dict[str, list[tuple[int, int, int]]] = {}
+        #: per limit: each penalty as (Redis us its call was answered by, surely until)
+        self.penalties: dict[str, list[tuple[int, int]]] = {}
+        self.limited_tasks = 0
+        signals.limit_admitted.connect(self._on_admitted, weak=False)
         self.deferring_task = self._make_deferring_task()
         _parking._call = self._parking_call
         _trace.clear()
@@ -623,6 +743,7 @@ class LeaseModel(RuleBasedStateMachine):
             self._settle_parking()
         finally:
             _parking._call = _REAL_PARKING_CALL
+            signals.limit_admitted.disconnect(self._on_admitted)
             self._close()
 
     def _close(self) -> None:
@@ -681,7 +802,8 @@ class LeaseModel(RuleBasedStateMachine):
         if any(u.resource == want.resource and u.until + SLACK >= at for u in self.unknown):
             return False
         if any(
-            d.want.resource == want.resource and d.may_be_reserved for d in self.deferring.values()
+            d.want is not None and d.want.resource == want.resource and d.may_be_reserved
+            for d in self.deferring.values()
         ):
             return False  # a hand-on may have reserved it for a deferring task
         maybe = [g for g in self.grants.get(want.resource, []) if g.maybe_held(at)]
@@ -1337,6 +1459,7 @@ class LeaseModel(RuleBasedStateMachine):
 
         self.check_cleanup(report.released, ok)
         event(f"reaper_racing: freed {min(len(report.released), 3)}")
+        self._publish_taken_over(report, "the reaper")
 
     def _listed(self, grant: Grant) -> bool:
         return any(h.token == grant.token for h in self.store.holders(grant.resource))
@@ -1360,6 +1483,7 @@ class LeaseModel(RuleBasedStateMachine):
         }
         report = self.store.cleanup_node(name, keep_incarnation=keep)
         assert not report.errors, report.errors
+        self._publish_taken_over(report, "cleanup_node")
 
         def ok(g: Grant) -> str | None:
             return None if g.owner in dead else "its owner is not of a dead incarnation"
@@ -1388,6 +1512,26 @@ class LeaseModel(RuleBasedStateMachine):
         start = time.monotonic()
         report = self.store.reconcile()
         self._check_reconcile(report, start, self._liveness())
+        self._publish_taken_over(report, "reconcile")
+
+    def _publish_taken_over(self, report: _cleanup.CleanupReport, by: str) -> None:
+        """A cleanup publishes the hand-ons it took over from dead (or stalled) releasers,
+        as the worker's does (``_parking.publish_taken_over``)."""
+        if report.handons:
+            n = _parking.publish_taken_over(self.leases, report)
+            event(f"parking: {by} took over {min(len(report.handons), 2)} hand-on(s), "
+                  f"published {min(n, 2)}")  # fmt: skip
+
+    @rule()
+    @traced
+    def late_publish(self) -> None:
+        """A releaser that stalled between its hand-on and its publish comes back and
+        publishes (perhaps after a cleanup took its hand-on over and published it: the
+        second copy must be dropped at the gate, the task runs once)."""
+        todo, self.stalled = self.stalled, []
+        for task_id, raw in todo:
+            if _parking._publish(self.leases, task_id, raw):
+                event("parking: a stalled releaser published late")
 
     def _liveness(self) -> dict[str, float]:
         return {o: owner.liveness_sure_until for o, owner in self.owners.items()}
@@ -1454,6 +1598,11 @@ class LeaseModel(RuleBasedStateMachine):
             event(f"parking: {what}: dropped")
             raise ext.store.backend_error(what, RedisTimeoutError("model: dropped"))
         reply = _REAL_PARKING_CALL(ext, src, keys, args, what, wait)
+        if fault in ("dies", "stalls") and int(reply[0]) == 1:
+            self.died_after = unescape(str(reply[1]))
+            if fault == "stalls":  # it publishes later, if it comes back (late_publish)
+                self.stalled.append((self.died_after, str(reply[2])))
+            raise Died()
         if fault == "lost":
             event(f"parking: {what}: reply lost")
             raise ext.store.backend_error(what, RedisTimeoutError("model: reply lost"))
@@ -1465,10 +1614,12 @@ class LeaseModel(RuleBasedStateMachine):
         burst=st.integers(0, 3),
         fault=st.sampled_from(DELIVERY_FAULTS),
         finish=st.sampled_from(("no", *HANDON_FAULTS)),
+        releaser=st.sampled_from(("lives", *RELEASER_DIES)),
         then=st.sampled_from(("nothing", *DELIVERY_FAULTS)),
         cycles=st.integers(1, 3),
         node=st.integers(0, len(NODES) - 1),
         slot=st.integers(0, SLOTS - 1),
+        limit=st.sampled_from(DEFER_LIMITS),
     )
     @traced
     def deferring_round(
@@ -1482,23 +1633,32 @@ class LeaseModel(RuleBasedStateMachine):
         cycles: int,
         node: int,
         slot: int,
+        limit: str,
+        releaser: str,
     ) -> None:
         """A client sends ``burst`` tasks of ``on_busy="defer"`` on one lease (exclusive or
         shared: the FIFO of a resource may hold both modes) and a worker process takes each
         at once: they run, or park behind each other; the last meets ``fault``. Then the
         oldest running deferring task ends (``finish``: its release hands the resource on,
-        the hand-on's reply lost, or its publish: the releaser died in between), and a
+        the hand-on's reply lost, or its publish: the releaser died in between; ``releaser``:
+        at the first finish, it dies or hangs after its hand-on, see :meth:`_finish`), and a
         worker takes every message in the broker (the first meeting ``then``), or not yet;
-        ``cycles`` times."""
+        ``cycles`` times. ``limit``: the tasks also have a rate limit (``3/s``), or have
+        only that: a refusal parks them on the limit (park_limit.lua), the pump hands them
+        on as its window has room (handon_limit.lua)."""
         owner = self.owner_at(node, slot)
+        want = None if limit == "only" else self.want(index, shared)
+        limits = () if limit == "none" else (_limits.want(LIMIT_NAMES[0], LIMIT_RATE, 1, "api"),)
         for i in range(burst):
             task_id = f"d{len(self.deferring)}"
-            self.deferring[task_id] = Deferring(task_id, self.want(index, shared))
+            self.deferring[task_id] = Deferring(task_id, want, limits)
             self._deliver(Message(task_id, 0, None), owner, fault if i == burst - 1 else "none")
         for _ in range(cycles):
             running = [d for d in self.deferring.values() if d.grant is not None]
             if running and finish != "no":
-                self._finish(running[0], finish)
+                dies = releaser != "lives" and finish == "none"
+                self._finish(running[0], releaser if dies else finish)
+                releaser = "lives"
             if then != "nothing":
                 todo, self.broker = self.broker, []
                 for i, msg in enumerate(todo):
@@ -1526,6 +1686,7 @@ class LeaseModel(RuleBasedStateMachine):
             self.script_faults[_scripts.PARK_GATE] = fault.split()[1]
         elif fault in ("park lost", "park dropped"):
             self.script_faults[_scripts.PARK] = fault.split()[1]
+            self.script_faults[_scripts.PARK_LIMIT] = fault.split()[1]
         headers = {} if msg.generation is None else {_parking.PARKED_HEADER: msg.generation}
         task.push_request(
             id=msg.task_id,
@@ -1537,9 +1698,13 @@ class LeaseModel(RuleBasedStateMachine):
             **headers,
         )
         try:
-            self._run_delivery(d, msg, owner, fault)
+            self._run_delivery(d, owner, fault)
         except Ignore:
             event("parking: a delivery ended (parked, or dropped)")
+            if fault == "dies after park":
+                # the worker dies before the ack: the broker delivers the original again
+                event("parking: the parking process died before its ack")
+                self.broker.append(Message(msg.task_id, msg.retries, msg.generation, True))
         except Reject:
             event("parking: requeued (Reject)")
             self.broker.append(Message(msg.task_id, msg.retries, msg.generation, True))
@@ -1551,87 +1716,122 @@ class LeaseModel(RuleBasedStateMachine):
             self.script_faults.clear()
             task.pop_request()
 
-    def _run_delivery(self, d: Deferring, msg: Message, owner: Owner, fault: str) -> None:
-        """What ``LeasedTask._call_leased`` does for a deferring task (task.py)."""
-        task, want = self.deferring_task, d.want
-        consumed, behind = _parking.admit(self.leases, task, [want])
-        if consumed:
-            event("parking: a hand-on consumed")
-        for attempt in range(DEFER_ATTEMPTS):
-            if behind is not None:  # as task.py: others are parked on it, behind them
-                busy, behind = behind, None
-            else:
-                sent = time.monotonic()
-                lose = {0: "lost"} if fault == "acquire lost" and attempt == 0 else None
-                steps = _grants.try_acquire(
-                    self.store.engine, [want], owner.ident, DEFER_TTL, msg.task_id
-                )
-                try:
-                    outcome = Stepper(self.store, steps, lose).outcome()
-                except LeaseBackendError:
-                    self.unknown_outcome(owner, [want.resource], DEFER_TTL)
-                    raise
-                if isinstance(outcome, list):
-                    self._record(owner, outcome, DEFER_TTL, sent)
-                    self._started(d, owner, outcome[0])
-                    return
-                if consumed:
-                    self._check_reservation_refused(d, sent)
-                busy = LeaseBusy(want.resource, outcome.wait)
-            try:
-                # as task.py: a second refusal parks (force), whatever park.lua sees
-                _parking.defer(self.leases, task, busy, [want], (), {}, consumed, force=attempt > 0)
-            except Ignore:
-                if fault == "dies after park":
-                    # the worker dies before the ack: the broker delivers the original again
-                    event("parking: the parking process died before its ack")
-                    self.broker.append(Message(msg.task_id, msg.retries, msg.generation, True))
-                raise
-        event("parking: LeaseBusy after every attempt")
-        d.failed = True
-        violated(f"deferring task {d.task_id} failed with LeaseBusy: neither granted nor parked")
-
-    def _check_reservation_refused(self, d: Deferring, sent: float) -> None:
-        """A task that consumed its hand-on is refused only when its reservation is gone (ran
-        out) or Redis restarted (its restart grace)."""
-        if not self.no_grace([d.want.resource]):
-            return
-        mine = _parking.PLACEHOLDER + d.task_id
-        if any(h.owner == mine for h in self.store.holders(d.want.resource)):
-            violated(
-                f"{d.task_id} was handed {d.want.resource} on, and refused beside its reservation"
+    def _run_delivery(self, d: Deferring, owner: Owner, fault: str) -> None:
+        """A delivery of a deferring task: the task's own flow (``_taskflow.take_or_park``,
+        as ``LeasedTask._call_leased`` runs it), its leases taken by ``owner``."""
+        taker = Taker(self, owner, lose_first=fault == "acquire lost")
+        wants = [] if d.want is None else [d.want]
+        with self.acting_as(owner):  # a refused limit's release hands on as this process
+            outcome = _taskflow.take_or_park(
+                self.leases,
+                taker,
+                self.deferring_task,
+                wants,
+                list(d.limits),
+                ttl=DEFER_TTL,
+                wait=0.0,
+                on_lost=None,
+                deferring=True,
+                args=(),
+                kwargs={},
             )
+        if isinstance(outcome, LeaseBusy):
+            event("parking: LeaseBusy after every attempt")
+            d.failed = True
+            violated(f"deferring task {d.task_id} failed with {outcome!r}: not granted, not parked")
+        self._started(d, owner, outcome)
 
-    def _started(self, d: Deferring, owner: Owner, held: Held) -> None:
+    def check_reservation_refused(self, task_id: str | None, wants: list[Want]) -> None:
+        """A task is refused only when no reservation of a hand-on to it stands (it takes
+        the reservation over), or within a restart grace."""
+        if task_id is None or not self.no_grace([w.resource for w in wants]):
+            return
+        mine = _parking.PLACEHOLDER + task_id
+        for w in wants:
+            if any(h.owner == mine for h in self.store.holders(w.resource)):
+                violated(f"{task_id} was handed {w.resource} on, and refused beside it reserved")
+
+    def _started(self, d: Deferring, owner: Owner, leases: list[Lease]) -> None:
         d.runs += 1
-        event("parking: a deferring task runs")
+        event(f"parking: a deferring task runs ({'lease' if d.want else 'limit'})")
         if d.runs > 1:
             violated(f"deferring task {d.task_id} ran twice")
         if d.cancelled:
             violated(f"deferring task {d.task_id} ran after it was unparked")
+        d.owner = owner
+        if d.want is None:
+            return  # a task of a limit only: done at once
         mine = _parking.PLACEHOLDER + d.task_id
         if any(h.owner == mine for h in self.store.holders(d.want.resource)):
             violated(f"{d.task_id} runs on {d.want.resource} beside its own reservation")
-        d.owner = owner
-        d.grant = next(g for g in owner.grants if g.held is held)
+        (lease,) = leases
+        d.grant = next(g for g in owner.grants if g.held is held_of(lease))
 
-    def _finish(self, d: Deferring, fault: str) -> None:
+    def _finish(self, d: Deferring, fault: str) -> str | None:
+        """``d`` ends: its process releases its lease and hands the resource on (meeting
+        ``fault``); the handed task's id if that process died or stalled after its hand-on."""
         grant, d.grant = d.grant, None
         assert grant is not None
+        assert d.want is not None
         if not grant.gone:
             self._release([grant])
-        self._hand_on(d.want, fault)
+        releaser = d.owner if d.owner is not None and d.owner.alive else None
+        handed = self._hand_on(d.want, fault.split(",")[0], releaser)
+        if handed is not None and releaser is not None:
+            # it died (or hung) between its hand-on and its publish: its hand-on stays in its
+            # registry for a cleanup to take over (handon_takeover.lua): its node's restart
+            # (cleanup_node), or a reconcile once its liveness ran out (after the hand-on
+            # timeout here: its reservation ran out, nothing to publish; the pump hands on)
+            event(f"parking: a releaser {fault} between its hand-on and its publish")
+            self._process_dies(releaser)
+            if fault.endswith("node restarts"):
+                self.restart_node(node=NODES.index(releaser.ident.node))
+        return handed
 
-    def _hand_on(self, want: Want, fault: str) -> None:
+    def _process_dies(self, owner: Owner) -> None:
+        """``owner``'s process stops (killed, hung): a new process takes its slot."""
+        owner.alive = False
+        self._end_waits(owner)
+        for key, o in self.slots.items():
+            if o is owner:
+                self.slots[key] = self._new_owner(key[0])
+
+    @contextmanager
+    def acting_as(self, owner: Owner | None) -> Iterator[None]:
+        """The model's ``Leases`` acts as ``owner``'s process (its hand-ons are recorded in
+        that owner's registry: ``_parking._registered``)."""
+        if owner is None:
+            yield
+            return
+        previous = self.leases.__dict__.get("identity")
+        self.leases.identity = lambda: owner.ident  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            if previous is None:
+                del self.leases.identity
+            else:
+                self.leases.identity = previous  # type: ignore[method-assign]
+
+    def _hand_on(self, want: Want, fault: str, releaser: Owner | None = None) -> str | None:
+        """A release's hand-on of ``want`` by ``releaser`` (None: the model's own process),
+        meeting ``fault``; with ``"dies"``, the id of the task handed on before it died."""
         if fault == "handon lost":
             self.script_faults[_scripts.HANDON] = "lost"
+        elif fault in ("dies", "stalls"):
+            self.script_faults[_scripts.HANDON] = fault
         self.publish_fault = fault == "publish lost"
+        self.died_after = None
         try:
-            handed = _parking.hand_on(self.leases, [want])
+            with self.acting_as(releaser):
+                handed = _parking.hand_on(self.leases, [want])
             event(f"parking: a release handed on {min(handed, 2)}, fault {fault}")
+        except Died:
+            event("parking: the releaser died between its hand-on and its publish")
         finally:
             self.script_faults.clear()
             self.publish_fault = False
+        return self.died_after
 
     @rule(fault=st.sampled_from(HANDON_FAULTS))
     @traced
@@ -1669,6 +1869,9 @@ class LeaseModel(RuleBasedStateMachine):
             self._release([g for g in owner.grants if g.held is not None])
         deadline = time.monotonic() + SETTLE
         owner = self.owner_at(0, 0)
+        for task_id, raw in self.stalled:  # the stalled releasers come back
+            _parking._publish(self.leases, task_id, raw)
+        self.stalled = []
         while True:
             for d in self.deferring.values():
                 if d.grant is not None:
@@ -1693,7 +1896,7 @@ class LeaseModel(RuleBasedStateMachine):
             if not h.owner.startswith(_parking.PLACEHOLDER):
                 continue
             d = self.deferring.get(h.owner[len(_parking.PLACEHOLDER) :])
-            if d is None or d.want.resource != resource:
+            if d is None or d.want is None or d.want.resource != resource:
                 violated(f"{resource} is reserved for a task the model never parked there: {h}")
             elif d.grant is not None and not d.grant.gone:
                 violated(f"{resource} is reserved for {d.task_id}, which holds it already: {h}")
@@ -1728,37 +1931,203 @@ class LeaseModel(RuleBasedStateMachine):
         except RateLimited:
             event("limit: refused")
             return
+        except LeaseConfigError:
+            event("limit: a cost above the N of an override")
+            return
         except LeaseBackendError:
             event("limit: outcome unknown")
             return
         event("limit: admitted")
         for a in admitted:
-            self.admissions.setdefault(a.name, {})[a.member] = (
-                a.at_us,
-                int(a.member.split(":")[1]),
-            )
+            self.kept.setdefault(a.name, []).append((a.at_us, int(a.member.split(":")[1])))
+
+    def _on_admitted(self, sender: Any = None, **kw: Any) -> None:
+        """``signals.limit_admitted``: a task's admission, kept (its body runs)."""
+        self.kept.setdefault(kw["name"], []).append((round(kw["at"] * 1e6), int(kw["cost"])))
+
+    def _redis_us(self) -> int:
+        return int(self.store.redis_time() * 1_000_000)
+
+    @rule(name=st.sampled_from(LIMIT_NAMES), rate=st.sampled_from(OVERRIDES))
+    @traced
+    def set_rate(self, name: str, rate: str | None) -> None:
+        """An operator overrides a limit's rate fleet-wide (``Leases.set_rate``), or removes
+        the override: the rate in force changes mid-window."""
+        before = self._redis_us()
+        _limiter.set_rate(self.store, name, rate)
+        after = self._redis_us()
+        n = _limits.parse_rate(rate or LIMIT_RATE, "model")[0]
+        self.rate_changes.setdefault(name, []).append((before, after, n))
+        event(f"limit: rate set to {rate}")
+
+    @rule(name=st.sampled_from(LIMIT_NAMES), seconds=st.sampled_from((0.1, 0.3, 0.8)))
+    @traced
+    def penalize(self, name: str, seconds: float) -> None:
+        """A limit is penalized (``Leases.penalize``, e.g. after an HTTP 429): nobody is
+        admitted under it until the penalty ends."""
+        before = self._redis_us()
+        left = _limiter.penalize(self.store, name, seconds)
+        after = self._redis_us()
+        if left < seconds - 0.001 - (after - before) / 1e6:
+            violated(f"penalize({name}, {seconds}) says it lasts {left:.3f}s only")
+        self.penalties.setdefault(name, []).append((after, before + round(seconds * 1e6)))
+        event("limit: penalized")
+
+    def n_in_force(self, name: str, at_us: int) -> int:
+        """The N of the rate in force at ``at_us`` (Redis time): the declared one, or the
+        last override set before; within a set_rate call (its Redis time before and after),
+        either of the two: the larger."""
+        n = _limits.parse_rate(LIMIT_RATE, "model")[0]
+        for before, after, new in self.rate_changes.get(name, []):
+            if at_us >= after:
+                n = new
+            elif at_us >= before:
+                return max(n, new)
+            else:
+                break
+        return n
+
+    @rule(
+        index=st.integers(0, SLOT_GROUPS * RESOURCES_PER_GROUP - 1),
+        shared=st.booleans(),
+        both=st.booleans(),
+        fault=st.sampled_from(LIMITED_FAULTS),
+        node=st.integers(0, len(NODES) - 1),
+        slot=st.integers(0, SLOTS - 1),
+    )
+    @traced
+    def limited_task(
+        self, index: int, shared: bool, both: bool, fault: str, node: int, slot: int
+    ) -> None:
+        """A task with a lease and a rate limit (``both``: two, all or nothing) runs, with
+        ``on_busy="fail"``: the task's own flow (``_taskflow.take_or_park``), the limits'
+        checks riding in the grant's round trip (``_limiter.take``). A refused limit gives
+        the lease back; a busy lease refunds the admissions. ``fault``: the grant's reply is
+        lost (the ride's with it), or the refund's. (It found a grant run twice when its
+        riding limit check met NOSCRIPT after a Redis restart: test_model_regressions.py.)"""
+        owner = self.owner_at(node, slot)
+        want = self.want(index, shared)
+        limits = [_limits.want(LIMIT_NAMES[1], LIMIT_RATE, 1, "api:{n}")]
+        if both:
+            limits.append(_limits.want(LIMIT_NAMES[0], LIMIT_RATE, 1, "api:{n}"))
+        taker = Taker(self, owner, lose_first=fault == "grant lost")
+        self.limited_tasks += 1
+        task = self.deferring_task
+        task.push_request(id=f"l{self.limited_tasks}", retries=0, args=(), kwargs={})
+        before = self._redis_us()
+        logs = {w.name: self.store.keys.limit_keys(w.name)[0] for w in limits}
+        had = {name: set(self.redis.zrange(log, 0, -1)) for name, log in logs.items()}
+        try:
+            with self.losing("limit_refund" if fault == "refund lost" else None):
+                outcome = _taskflow.take_or_park(
+                    self.leases,
+                    taker,
+                    task,
+                    [want],
+                    limits,
+                    ttl=TTLS[0],
+                    wait=0.0,
+                    on_lost=None,
+                    deferring=False,
+                    args=(),
+                    kwargs={},
+                )
+        except LeaseBackendError:
+            event("limited task: Redis failed")
+            return
+        finally:
+            task.pop_request()
+        if not isinstance(outcome, LeaseBusy):
+            event("limited task: ran")
+            taker.release(outcome)  # the body ran: released, handed on
+            return
+        kind = "rate limited" if isinstance(outcome, RateLimited) else "busy"
+        event(f"limited task: {kind}, fault {fault}")
+        for g in taker.made:
+            if not g.gone:
+                violated(f"a task refused ({kind}) kept its lease on {g.resource}")
+        if kind == "busy" and fault == "none":
+            for name, log in logs.items():
+                new = [
+                    m
+                    for m, at in self.redis.zrange(log, 0, -1, withscores=True)
+                    if m not in had[name] and at >= before
+                ]
+                if new:
+                    violated(f"a task refused for a busy lease kept its admission {new} of {name}")
+
+    @contextmanager
+    def losing(self, script: str | None) -> Iterator[None]:
+        """The reply of the store's first call of ``script`` within the block is lost."""
+        if script is None:
+            yield
+            return
+        store = self.store
+        real = store._execute
+        left = [script]
+
+        def execute(op: Any) -> Any:
+            reply = real(op)
+            names = {c.name for c in op.calls if type(c) is Script} if type(op) is Send else ()
+            if left and script in names:
+                left.clear()
+                event(f"fault: the reply of {script} lost")
+                raise RedisTimeoutError("model: the reply was lost after the call ran")
+            return reply
+
+        store._execute = execute  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del store._execute
 
     @invariant()
     def limits_hold(self) -> None:
-        """In no window of the period (on the Redis clock) more than N admitted, by cost:
-        every admission seen in the log, less those refunded (gone while still in it)."""
-        n, period = _limits.parse_rate(LIMIT_RATE, "model")
-        period_us = int(period * 1_000_000)
-        now_us = int(self.store.redis_time() * 1_000_000)
+        """Rate limits, on the Redis clock (every rate in the model is per second, so the
+        window of the rate in force is one period, whatever an override says):
+
+        - at each admission, the cost admitted in the period that ends with it (every
+          admission seen in the log, less those refunded: gone while still in it) is at
+          most the N in force then (:meth:`n_in_force`). The rate in force is the one
+          limit.lua reads at the admission: an override lowered mid-window counts what was
+          admitted under the old rate, so the next admission waits; one raised admits at
+          once up to the new N. Nothing promised for a window before a change is checked
+          against the rate after it;
+        - no admission while a penalty surely stands;
+        - a refund gives back only what it took: an admission whose task ran (or that
+          ``admit`` returned) stays in the log for its whole window, and the state's cost
+          sum is never below what the log holds.
+        """
+        now_us = self._redis_us()
         for name in LIMIT_NAMES:
-            log_key = self.store.keys.limit_keys(name)[0]
+            log_key, state_key = self.store.keys.limit_keys(name)[:2]
             log = dict(self.redis.zrange(log_key, 0, -1, withscores=True))
             seen = self.admissions.setdefault(name, {})
             for member, (at, _) in list(seen.items()):
-                if member not in log and at > now_us - period_us + 1000:
+                if member not in log and at > now_us - PERIOD_US + 1000:
                     del seen[member]  # refunded (its call was refused elsewhere)
             for member, score in log.items():
                 seen.setdefault(member, (int(score), int(member.split(":")[1])))
+            total = sum(int(m.split(":")[1]) for m in log)
+            state_sum = self.redis.hget(state_key, "sum")
+            if log and state_sum is not None and int(state_sum) < total:
+                violated(f"limit {name}: its sum {state_sum} is below its log's {total}")
+            scores = [int(sc) for sc in log.values()]
+            for at, cost in self.kept.get(name, []):
+                if now_us - at < PERIOD_US - 2000 and not any(abs(sc - at) <= 2 for sc in scores):
+                    violated(
+                        f"limit {name}: an admission (cost {cost}) whose task ran left the log "
+                        f"{(now_us - at) / 1e6:.3f}s after it, within its window: refunded"
+                    )
             stamps = sorted(seen.values())
-            for i, (start, _) in enumerate(stamps):
-                total = sum(c for at, c in stamps[i:] if at < start + period_us)
-                if total > n:
-                    violated(f"limit {name} admitted {total} > {n} in one window of {period}s")
+            for at, _ in stamps:
+                window = sum(c for t, c in stamps if at - PERIOD_US < t <= at)
+                n = self.n_in_force(name, at)
+                if window > n:
+                    violated(f"limit {name} admitted {window} > {n} (in force) in one period")
+                for start, end in self.penalties.get(name, []):
+                    if start <= at < end:
+                        violated(f"limit {name} admitted during a penalty ({at} in {start}..{end})")
 
     # --- unique claims --------------------------------------------------------------------
     def _claim_grants(self, key: str) -> list[Grant]:
@@ -1918,6 +2287,8 @@ class LeaseModel(RuleBasedStateMachine):
         for owner in self.owners.values():
             owner.liveness_sure_until = -math.inf
         self.receipts = dict.fromkeys(ONCE_NAMES)
+        # the limits' logs, overrides and penalties go with every key: a new window
+        self.admissions, self.kept, self.rate_changes, self.penalties = {}, {}, {}, {}
         for d in self.deferring.values():
             d.grant = None
             if d.runs == 0:
@@ -1988,7 +2359,8 @@ class LeaseModel(RuleBasedStateMachine):
                 event("a handoff seen before its waiter heard it")
                 continue
             if grant is None:
-                violated(f"{resource} is held by a grant the store never reported: {h}")
+                known = [(g.token, g.owner, g.gone) for g in self.grants.get(resource, [])]
+                violated(f"{resource} is held by a grant the store never reported: {h}; {known}")
             elif not grant.maybe_held(before):
                 violated(f"{resource} is still held by a grant that is gone: {h}")
             elif grant.owner is not None and (grant.owner, grant.mode) != (h.owner, h.mode):

@@ -7,11 +7,21 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from celery import Task
 from celery.exceptions import Ignore, Reject
 from redis import Redis
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from celery_leases import LeaseBusy, Leases, _grants, _parking, _scripts
+from celery_leases import (
+    LeaseBusy,
+    Leases,
+    _grants,
+    _limiter,
+    _limits,
+    _parking,
+    _scripts,
+    _taskflow,
+)
 from celery_leases._claims import Claimed
 from celery_leases._identity import Identity
 from celery_leases._lease import Held, Want
@@ -298,3 +308,95 @@ def test_a_redelivered_original_whose_gate_reply_was_lost_runs(leases: Leases) -
     # the published copy comes: dropped (a fresh copy of a consumed hand-on)
     assert gate(leases, "t1", want, generation=1) == ParkGateReply.CONSUMED
     assert take(leases, want, "t1")
+
+
+@pytest.mark.parametrize("mode", ["s", "x"])
+def test_a_grant_with_riding_limits_runs_once_when_redis_lost_the_limit_script(
+    make_leases: Callable[..., Leases], make_redis_server: Callable[..., Any], mode: str
+) -> None:
+    """A grant runs once even when a limit riding in its round trip meets NOSCRIPT.
+
+    Found by the model (its rule ``limited_task``, after its Redis restarted): the script
+    cache of a Redis that restarted (or ran SCRIPT FLUSH) is refilled one script at a time,
+    as each is first called. A task's grant (``acquire``, loaded again by an earlier grant)
+    carried its limit check (``limit``, not loaded yet) in one pipeline: the grant ran, the
+    check answered NOSCRIPT, and the whole pipeline was sent again, so the grant ran twice.
+    A shared lease was granted twice (one grant never reported, held until its ttl ran out);
+    an exclusive one was refused "held by" the task itself, which kept the first grant.
+    """
+    server = make_redis_server()  # a private server: its script cache is ours to empty
+    leases = make_leases(redis_url=server.url)
+    want = Want("r", mode)
+    leases.release(leases.acquire([want], ttl=60))  # loads acquire (and release), not limit
+    limits = [_limits.want("api", "3/s", 1)]
+    granted = _limiter.take(leases, limits, [want], 60.0, 0.0, "task-1", None)
+    try:
+        holders = leases.store.holders("r")
+        assert [(h.mode, h.token) for h in holders] == [(mode, granted[0].token)], holders
+    finally:
+        leases.release(granted)
+
+
+def test_a_task_handed_on_by_its_rate_limit_runs_after_it_ran_from_a_lease_hand_on(
+    make_leases: Callable[..., Leases],
+) -> None:
+    """A deferring task with a lease and a rate limit in two slot groups runs when its limit
+    hands it on, after an earlier copy consumed a hand-on of its lease.
+
+    Found by the model: T parks on its busy lease (group a); the release hands it on and its
+    copy consumes the hand-on (T's tombstone in group a's done set); the limit, riding with
+    the grant, refuses: T parks on the limit (group b). When the limit hands it on, the
+    copy's gate asked group a first, found the tombstone ("already ran from its hand-on") and
+    dropped the copy; the hand-on ran out, T was handed on again, dropped again: T never ran
+    and stayed "handed on" on the limit.
+    """
+    leases = make_leases(slot_groups=4)
+    keys = leases.store.keys
+    limit = _limits.want("api:0", "1/s", 1, "api")
+    resource = next(
+        f"r:{i}" for i in range(100) if keys.group_of(f"r:{i}") != keys.group_of(limit.name)
+    )
+    published: list[int] = []
+
+    class Captured(Task):  # type: ignore[misc]
+        def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> None:
+            headers = options.get("headers") or {}
+            published.append(int(headers[_parking.PARKED_HEADER]))
+
+    def body(self: Any) -> None: ...
+
+    task = leases.app.task(
+        name="reg.limited", bind=True, base=Captured, on_busy="defer", shared=False
+    )(body)
+
+    def deliver(generation: int | None) -> list[Any] | None:
+        """One delivery of T (a copy of that generation): its leases if it runs."""
+        headers = {} if generation is None else {_parking.PARKED_HEADER: generation}
+        task.push_request(
+            id="T", retries=0, delivery_info={"redelivered": False}, headers=headers,
+            args=(), kwargs={}, **headers,
+        )  # fmt: skip
+        try:
+            outcome = _taskflow.take_or_park(
+                leases, leases, task, [Want(resource)], [limit], ttl=30.0, wait=0.0,
+                on_lost=None, deferring=True, args=(), kwargs={},
+            )  # fmt: skip
+        except Ignore:
+            return None
+        finally:
+            task.pop_request()
+        assert isinstance(outcome, list), outcome
+        return outcome
+
+    holder = leases.acquire([Want(resource)], ttl=30)
+    assert deliver(None) is None  # parked on its busy lease
+    leases.release(holder)  # hands T on: its copy is published
+    assert published == [1]
+    leases.store.run(_limits.admit(leases.store.engine, [limit]))  # the limit is full
+    assert deliver(1) is None  # consumes the lease's hand-on; the limit refuses: parked
+    assert [p["on"] for p in _parking.list_parked(leases)] == ["limit"]
+    wait_until(lambda: _parking.pump(leases) > 0, 10, "the limit hands T on")
+    assert published == [1, 2]
+    granted = deliver(2)
+    assert granted is not None, f"the copy was dropped: {_parking.list_parked(leases)}"
+    leases.release(granted)

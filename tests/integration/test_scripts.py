@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from importlib.resources import files
 
 import redis
+import redis.asyncio as aredis
 
-from celery_leases import _scripts
+from celery_leases import _limits, _scripts
+from celery_leases._aio import client as aio_client
 from celery_leases._identity import Identity
 from celery_leases._lease import Want
+from celery_leases._protocol import Script
+from celery_leases._sync import client as sync_client
 from celery_leases._sync.driver import LeaseStore
 from celery_leases.config import resolve_settings
 from tests.support.polling import wait_until
@@ -159,6 +164,42 @@ def test_renew_recovers_from_script_flush_with_several_slot_groups(make_redis_se
         admin.delete(store.keys.exclusive(names[3]))
         admin.script_flush()
         assert store.renew(held, ident.owner, timeout=2.0) == {3}
+    finally:
+        store.close()
+        admin.close()
+
+
+def test_a_pipeline_whose_scripts_redis_partly_lost_runs_each_call_once(make_redis_server):
+    """Redis refills its script cache one script at a time (after a restart or SCRIPT
+    FLUSH): a pipeline may meet NOSCRIPT for one call while another, of a script loaded
+    again, ran. Only the refused call is sent again, by both drivers: an admission (or a
+    grant) must not run twice. (A grant with a riding limit check was granted twice.)"""
+    server = make_redis_server()
+    admin = redis.Redis.from_url(server.url, decode_responses=True)
+    store = _store_on(server.url, "partly")
+    engine = store.engine
+    want = _limits.want("api", "100/s", 1)
+    log = engine.keys.limit_keys("api")[0]
+    calls = [*_limits.checks(engine, [want]), Script("now", [engine.keys.limit_index(0)], [])]
+    try:
+        for attempt in (1, 2):  # the sync driver, then the asyncio one
+            admin.script_flush()
+            admin.script_load(_scripts.SOURCE["limit"])  # loaded again; "now" not yet
+            if attempt == 1:
+                replies = sync_client.round_trip(admin, calls)
+            else:
+
+                async def send() -> list[object]:
+                    client = aredis.Redis.from_url(server.url, decode_responses=True)
+                    try:
+                        return await aio_client.round_trip(client, calls)
+                    finally:
+                        await client.aclose()
+
+                replies = asyncio.run(send())
+            assert len(replies) == 2
+            assert admin.zcard(log) == attempt, "the admission ran twice"
+            assert admin.script_exists(_scripts.SHA["now"]) == [True]
     finally:
         store.close()
         admin.close()

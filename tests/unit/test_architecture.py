@@ -82,6 +82,7 @@ LAYERS: dict[str, int] = {
             "task",
             "_interrupt",
             "_templates",
+            "_taskflow",
             "worker",
             "beat",
             "_beat_runs",
