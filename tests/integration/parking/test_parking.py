@@ -8,6 +8,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import redis
 from celery import Celery
 
@@ -325,15 +326,18 @@ def test_a_releaser_killed_before_its_publish_is_taken_over_by_its_cleanup(
         client.close()
 
 
+@pytest.mark.parametrize("on", ["lease", "limit"])
 def test_a_pump_killed_before_its_publish_is_taken_over_at_its_restart(
     producer: Celery,
     leases_prefix: str,
     start_worker: Callable[..., WorkerProc],
     tmp_path: Path,
+    on: str,
 ):
     # the hand-on is the pump's, in the worker's main process, which holds no lease: it is
     # killed between the hand-on and the publish; its node's start-up cleanup, when the worker
-    # comes back, takes the hand-on over (the reservation lasts 300 s: not what saves it)
+    # comes back, takes the hand-on over (the reservation, or a limit's hand-on in flight,
+    # lasts 300 s: not what saves it)
     ext: Leases = producer.leases  # type: ignore[attr-defined]
     trap = tmp_path / "die-before-publish"
     trap.write_text("1")
@@ -344,51 +348,21 @@ def test_a_pump_killed_before_its_publish_is_taken_over_at_its_restart(
     worker = start_worker(concurrency=2, env=env)
     client = redis.Redis.from_url(producer.conf.broker_url)
     try:
-        # a holder that dies without a release: its lease runs out, only the pump hands on
-        me = ext.identity()
-        ghost = Identity(f"ghost-{leases_prefix}", me.incarnation, me.pid)
-        ext.store.acquire([Want("excl:M", "x", 0)], ghost, 2.0)
-        parked = producer.tasks["park_app.excl"].delay("M", 1)
-        wait_until(lambda: list_parked(ext, "excl:M"), 60, "the task parked")
+        if on == "lease":
+            # a holder that dies without a release: its lease runs out, only the pump hands on
+            me = ext.identity()
+            ghost = Identity(f"ghost-{leases_prefix}", me.incarnation, me.pid)
+            ext.store.acquire([Want("excl:M", "x", 0)], ghost, 2.0)
+            parked = producer.tasks["park_app.excl"].delay("M", 1)
+            wait_until(lambda: list_parked(ext, "excl:M"), 60, "the task parked")
+        else:
+            for _ in range(5):  # the window of rl:M full: the task is refused and parks
+                ext.limit("rl:M", "5/s")
+            parked = producer.tasks["park_app.rated"].delay("M", 1)
         wait_until(lambda: not worker.alive(), 60, "the pump's process killed at its hand-on")
         assert not trap.exists()
-        assert list_parked(ext, "excl:M")[0]["state"] == "handed on"
-        worker.start()
-        wait_until(lambda: [e for e in events(client, leases_prefix) if e[:2] == ("e", "M")],
-                   60, "the parked task done")  # fmt: skip
-        starts = [e for e in events(client, leases_prefix) if e[0] == "s"]
-        assert [(e[3], e[4]) for e in starts] == [(parked.id, 1)]
-        assert f"took over the hand-on to {parked.id}" in worker.current_log()
-    finally:
-        client.close()
-
-
-def test_a_pump_killed_before_its_publish_on_a_rate_limit_is_taken_over_at_its_restart(
-    producer: Celery,
-    leases_prefix: str,
-    start_worker: Callable[..., WorkerProc],
-    tmp_path: Path,
-):
-    # the same with a rate limit: the pump hands the limit's FIFO on to the parked task and
-    # is killed before the publish; the start-up cleanup of its node takes the hand-on over
-    # (the hand-on in flight lasts 300 s: not what saves it)
-    ext: Leases = producer.leases  # type: ignore[attr-defined]
-    trap = tmp_path / "die-before-publish"
-    trap.write_text("1")
-    env = {
-        "CELERY_LEASES_TEST_DIE_BEFORE_PUBLISH": str(trap),
-        "CELERY_LEASES_HANDON_TIMEOUT": "300",
-    }
-    worker = start_worker(concurrency=2, env=env)
-    client = redis.Redis.from_url(producer.conf.broker_url)
-    try:
-        for _ in range(5):  # the window of rl:M full: the task is refused and parks
-            ext.limit("rl:M", "5/s")
-        parked = producer.tasks["park_app.rated"].delay("M", 1)
-        wait_until(lambda: not worker.alive(), 60, "the pump's process killed at its hand-on")
-        assert not trap.exists()
-        [entry] = list_parked(ext, "rl:M")
-        assert (entry["task_id"], entry["on"], entry["state"]) == (parked.id, "limit", "handed on")
+        [entry] = list_parked(ext, "excl:M" if on == "lease" else "rl:M")
+        assert (entry["task_id"], entry["on"], entry["state"]) == (parked.id, on, "handed on")
         worker.start()
         wait_until(lambda: [e for e in events(client, leases_prefix) if e[:2] == ("e", "M")],
                    60, "the parked task done")  # fmt: skip
