@@ -2409,20 +2409,29 @@ class ParkingModel(LeaseModel):
     release_before_a_waiter = None
 
 
-def _run(base: type[LeaseModel], server: RedisServer, prefix: str, examples: int) -> None:
+def _run(
+    base: type[RuleBasedStateMachine],
+    server: RedisServer,
+    prefix: str,
+    examples: int,
+    steps: int = STEPS,
+    tag: str = "m",
+) -> None:
+    """Run the state machine ``base`` (each example with a key prefix of its own) on
+    ``server``; also the runner of test_model_unique.py."""
     counter = iter(range(1_000_000))
 
     class Machine(base):  # type: ignore[valid-type,misc]
         @staticmethod
         def make_prefix() -> str:
-            return f"{prefix}-m{next(counter)}"
+            return f"{prefix}-{tag}{next(counter)}"
 
     Machine.server = server
     run_state_machine_as_test(
         Machine,
         settings=settings(
             max_examples=examples,
-            stateful_step_count=STEPS,
+            stateful_step_count=steps,
             deadline=None,
             database=None,
             derandomize=not RANDOM,

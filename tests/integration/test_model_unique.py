@@ -100,8 +100,7 @@ import hypothesis.strategies as st
 import pytest
 from celery import Celery
 from celery.result import AsyncResult
-from hypothesis import HealthCheck, settings
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from redis import Redis
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -116,9 +115,7 @@ from celery_leases._redis_server import RedisServer
 from celery_leases.exceptions import DuplicateTask, LeaseBackendError
 from tests.integration.test_model import (
     EXAMPLES_RUN,
-    PHASES,
-    RANDOM,
-    SEEN,
+    _run,
     _trace,
     event,
     traced,
@@ -795,26 +792,4 @@ def umodel_server(make_redis_server: Callable[..., RedisServer]) -> RedisServer:
 
 
 def test_unique_modes_keep_their_invariants(umodel_server: RedisServer, leases_prefix: str) -> None:
-    counter = iter(range(1_000_000))
-
-    class Machine(UniqueModel):
-        @staticmethod
-        def make_prefix() -> str:
-            return f"{leases_prefix}-u{next(counter)}"
-
-    Machine.server = umodel_server
-    run_state_machine_as_test(
-        Machine,
-        settings=settings(
-            max_examples=EXAMPLES,
-            stateful_step_count=STEPS,
-            deadline=None,
-            database=None,
-            derandomize=not RANDOM,
-            phases=PHASES,
-            suppress_health_check=[HealthCheck.too_slow],
-            print_blob=False,
-        ),
-    )
-    print("paths run:", dict(sorted(SEEN.items())))
-    SEEN.clear()
+    _run(UniqueModel, umodel_server, leases_prefix, EXAMPLES, STEPS, "u")
