@@ -291,8 +291,7 @@ def _publish_unique(
                     key,
                     outcome.deadline,
                 )
-                result_cls = options.get("result_cls") or ext.app.AsyncResult
-                return result_cls(task_id)
+                return _result(ext, options, task_id)
             if outcome.follows is not None:
                 logger.info(
                     "leases: %s[%s] not sent: its arguments go to %s (unique key %r, keep_last)",
@@ -301,8 +300,7 @@ def _publish_unique(
                     outcome.follows,
                     key,
                 )
-                result_cls = options.get("result_cls") or ext.app.AsyncResult
-                return result_cls(outcome.follows)
+                return _result(ext, options, outcome.follows)
             if not outcome.again:
                 ours = outcome.token
             pending, replaced = (outcome.token if confirm else None), outcome.replaced
@@ -352,6 +350,13 @@ def _publish_unique(
         raise
     if pending is not None:
         _confirm(ext, name, key, task_id, pending, queue_ttl, mode)
+    return result
+
+
+def _result(ext: Leases, options: Mapping[str, Any], task_id: str) -> AsyncResult[Any]:
+    """The ``AsyncResult`` a send returns for ``task_id`` (a send's own ``result_cls``)."""
+    result_cls = options.get("result_cls") or ext.app.AsyncResult
+    result: AsyncResult[Any] = result_cls(task_id)
     return result
 
 
@@ -480,9 +485,7 @@ def _duplicate(
     except Exception:
         logger.exception("leases: a receiver of unique_duplicate failed")
     if policy in ("existing", "cancel") and holder.task_id is not None:
-        result_cls = options.get("result_cls") or ext.app.AsyncResult
-        result: AsyncResult[Any] = result_cls(holder.task_id)
-        return result
+        return _result(ext, options, holder.task_id)
     if policy in ("raise", "existing", "cancel") and not beat:
         # beat has no caller to tell: it logs (above) and sends nothing
         raise DuplicateTask(holder.key, holder.task_id, holder.state, holder.expires_in)
